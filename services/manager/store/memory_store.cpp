@@ -1,0 +1,1156 @@
+#include "services/manager/store/memory_store.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <list>
+#include <map>
+#include <set>
+#include <unordered_map>
+#include <utility>
+
+#include "services/manager/store/group_tracker.h"
+#include "services/manager/store/kv_jobs.h"
+#include "services/manager/store/record_codec.h"
+
+namespace keep::manager {
+
+const char* segment_kind_name(SegmentKind kind) {
+  switch (kind) {
+    case SegmentKind::kObjectState:
+      return "object_state";
+    case SegmentKind::kTaskRecord:
+      return "task_record";
+    case SegmentKind::kExamplePlan:
+      return "example_plan";
+  }
+  return "unknown";
+}
+
+const char* group_state_name(GroupState state) {
+  return state == GroupState::kStatic ? "static" : "dynamic";
+}
+
+namespace {
+
+constexpr uint64_t kMaxId = (uint64_t{1} << 63) - 1;
+
+struct OwnKv {
+  uint32_t index = 0;
+  uint64_t generation = 0;
+  uint32_t tokens = 0;
+  uint64_t segment_version = 0;
+};
+
+struct JointKv {
+  uint32_t index = 0;
+  uint64_t generation = 0;
+  uint64_t group_version = 0;
+  std::vector<uint32_t> offsets;  // aligned with the group's members at group_version
+  std::vector<uint32_t> tokens;
+};
+
+struct Segment {
+  uint64_t id = 0;
+  std::string text;
+  SegmentKind kind = SegmentKind::kObjectState;
+  uint32_t tokens = 0;
+  uint64_t version = 0;
+  uint64_t updated_step = 0;
+  uint64_t seq = 0;       // write order of the latest write/update
+  uint64_t group = 0;     // 0: none yet
+  bool awaiting = false;  // waiting for placement (in Agent::awaiting)
+  int64_t row = -1;       // row in Agent::matrix when embedded
+  std::optional<OwnKv> own_kv;
+  uint64_t seg_job = 0;  // latest segment job (queued or running), 0: none
+};
+
+struct Agent {
+  std::string name;
+  uint64_t step = 0;
+  uint64_t next_id = 1;
+  uint64_t next_group_id = 1;
+  std::unordered_map<uint64_t, Segment> segments;
+  std::set<uint64_t> example_plans;
+  std::map<uint64_t, uint64_t> awaiting;  // seq -> segment id, write order
+  std::vector<float> matrix;              // (rows, dim) normalised embeddings
+  std::vector<uint64_t> row_ids;          // segment id of each row
+  std::unique_ptr<GroupTracker> groups;
+  std::unordered_map<uint64_t, JointKv> joint;       // group id -> its joint KV (valid only)
+  std::unordered_map<uint64_t, uint64_t> group_job;  // group id -> latest group job
+
+  Segment* find(uint64_t id) {
+    auto it = segments.find(id);
+    return it == segments.end() ? nullptr : &it->second;
+  }
+};
+
+Status invalid(std::string msg) { return Status(Code::kInvalidArgument, std::move(msg)); }
+
+bool valid_name_char(char c) {
+  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' ||
+         c == '.' || c == ':' || c == '@' || c == '/' || c == '-';
+}
+
+}  // namespace
+
+struct MemoryStore::Impl {
+  StoreOptions opt;
+  Embedder* embedder;
+  const TokenCounter* counter;
+  int dim;
+
+  std::map<std::string, std::unique_ptr<Agent>, std::less<>> agents;
+  std::map<uint64_t, std::pair<Agent*, uint64_t>> to_embed;  // seq -> (agent, id), no embedding
+  uint64_t next_seq = 1;
+  KvJobQueue jobs;
+  std::vector<KvEntry> released;
+  StoreStats counters;
+
+  // Query embedding LRU: most recent at the front.
+  std::list<std::pair<std::string, std::vector<float>>> lru;
+  std::unordered_map<std::string_view, decltype(lru)::iterator> lru_index;
+
+  // Retrieval scratch (kept to avoid allocations per call).
+  std::vector<float> scores;
+  std::vector<uint32_t> cand;
+  std::vector<float> query_vec;
+
+  Impl(const StoreOptions& o, Embedder* e, const TokenCounter* c)
+      : opt(o), embedder(e), counter(c), dim(e->dim()) {
+    KEEP_CHECK(dim > 0);
+    KEEP_CHECK(opt.static_after_steps >= 1);
+    KEEP_CHECK(opt.tau >= -1.0f && opt.tau <= 1.0f);
+  }
+
+  // ---- validation ------------------------------------------------------------------------------
+
+  Status check_agent_name(std::string_view name) const {
+    if (name.empty()) return invalid("agent name is empty");
+    if (name.size() > opt.max_agent_bytes) {
+      return invalid("agent name is " + std::to_string(name.size()) + " bytes, limit " +
+                     std::to_string(opt.max_agent_bytes));
+    }
+    for (char c : name) {
+      if (!valid_name_char(c)) {
+        return invalid("agent name '" + std::string(name) +
+                       "' has a character outside [A-Za-z0-9_.:@/-]");
+      }
+    }
+    return Status::ok();
+  }
+
+  Status check_text(std::string_view text, const char* what) const {
+    if (text.empty()) return invalid(std::string(what) + " is empty");
+    if (text.size() > opt.max_text_bytes) {
+      return Status(Code::kTooLarge, std::string(what) + " is " + std::to_string(text.size()) +
+                                         " bytes, limit " + std::to_string(opt.max_text_bytes));
+    }
+    return Status::ok();
+  }
+
+  static Status not_found_agent(std::string_view name) {
+    return Status(Code::kNotFound, "unknown agent '" + std::string(name) + "'");
+  }
+  static Status not_found_segment(std::string_view name, uint64_t id) {
+    return Status(Code::kNotFound,
+                  "segment " + std::to_string(id) + " of agent '" + std::string(name) + "'");
+  }
+
+  Agent* find_agent(std::string_view name) const {
+    auto it = agents.find(name);
+    return it == agents.end() ? nullptr : it->second.get();
+  }
+
+  Result<Agent*> get_or_create(std::string_view name) {
+    if (Agent* a = find_agent(name)) return a;
+    if (agents.size() >= opt.max_agents) {
+      return Status(Code::kResourceExhausted,
+                    "agent limit reached (" + std::to_string(opt.max_agents) + ")");
+    }
+    auto agent = std::make_unique<Agent>();
+    Agent* a = agent.get();
+    a->name = std::string(name);
+    a->groups = std::make_unique<GroupTracker>(
+        dim, opt.tau, opt.group_token_budget, opt.static_after_steps,
+        [this, a](uint64_t sid) -> const float* {
+          const Segment* s = a->find(sid);
+          if (s == nullptr || s->row < 0) return nullptr;
+          return a->matrix.data() + static_cast<size_t>(s->row) * static_cast<size_t>(dim);
+        },
+        [a](uint64_t sid) -> uint32_t {
+          const Segment* s = a->find(sid);
+          return s == nullptr ? 0 : s->tokens;
+        });
+    agents.emplace(a->name, std::move(agent));
+    return a;
+  }
+
+  // ---- embeddings matrix -----------------------------------------------------------------------
+
+  const float* row_ptr(const Agent& a, const Segment& s) const {
+    return a.matrix.data() + static_cast<size_t>(s.row) * static_cast<size_t>(dim);
+  }
+
+  void add_row(Agent& a, Segment& s, const float* e) {
+    s.row = static_cast<int64_t>(a.row_ids.size());
+    a.row_ids.push_back(s.id);
+    a.matrix.insert(a.matrix.end(), e, e + dim);
+  }
+
+  void remove_row(Agent& a, Segment& s) {
+    if (s.row < 0) return;
+    const size_t row = static_cast<size_t>(s.row);
+    const size_t last = a.row_ids.size() - 1;
+    const size_t d = static_cast<size_t>(dim);
+    if (row != last) {
+      std::copy_n(a.matrix.data() + last * d, d, a.matrix.data() + row * d);
+      a.row_ids[row] = a.row_ids[last];
+      a.segments.at(a.row_ids[row]).row = static_cast<int64_t>(row);
+    }
+    a.row_ids.pop_back();
+    a.matrix.resize(a.matrix.size() - d);
+    s.row = -1;
+  }
+
+  // ---- KV bookkeeping --------------------------------------------------------------------------
+
+  void release_own(Segment& s) {
+    if (s.own_kv) {
+      released.push_back(KvEntry{s.own_kv->index, s.own_kv->generation, s.own_kv->tokens});
+      s.own_kv.reset();
+    }
+  }
+
+  void release_joint(Agent& a, uint64_t gid) {
+    auto it = a.joint.find(gid);
+    if (it == a.joint.end()) return;
+    uint32_t total = 0;
+    for (uint32_t t : it->second.tokens) total += t;
+    released.push_back(KvEntry{it->second.index, it->second.generation, total});
+    a.joint.erase(it);
+  }
+
+  void cancel_segment_job(Segment& s) {
+    if (s.seg_job != 0) jobs.cancel(s.seg_job);
+    s.seg_job = 0;
+  }
+
+  void cancel_group_job(Agent& a, uint64_t gid) {
+    auto it = a.group_job.find(gid);
+    if (it == a.group_job.end()) return;
+    jobs.cancel(it->second);
+    a.group_job.erase(it);
+  }
+
+  void queue_segment_job(Agent& a, Segment& s) {
+    if (s.own_kv && s.own_kv->segment_version == s.version) return;
+    if (s.seg_job != 0) {
+      const KvJobQueue::Entry* e = jobs.find(s.seg_job);
+      if (e != nullptr && e->job.segments[0].version == s.version) return;  // already asked
+      if (e != nullptr && !e->running) jobs.cancel(s.seg_job);
+    }
+    KvJob job;
+    job.kind = KvJobKind::kSegment;
+    job.agent = a.name;
+    job.group_id = s.group;
+    job.segments.push_back(KvJobSegment{s.id, s.version, s.text, s.tokens});
+    job.total_tokens = s.tokens;
+    s.seg_job = jobs.enqueue(std::move(job));
+  }
+
+  void queue_group_job(Agent& a, uint64_t gid) {
+    const Group* g = a.groups->find(gid);
+    KEEP_CHECK(g != nullptr);
+    cancel_group_job(a, gid);
+    KvJob job;
+    job.kind = KvJobKind::kGroup;
+    job.agent = a.name;
+    job.group_id = gid;
+    job.group_version = g->version;
+    uint64_t total = 0;
+    for (uint64_t sid : g->members) {
+      const Segment& s = a.segments.at(sid);
+      job.segments.push_back(KvJobSegment{s.id, s.version, s.text, s.tokens});
+      total += s.tokens;
+    }
+    job.total_tokens = static_cast<uint32_t>(std::min<uint64_t>(total, UINT32_MAX));
+    a.group_job[gid] = jobs.enqueue(std::move(job));
+  }
+
+  // After any membership/content change of a group that still exists.
+  void on_group_changed(Agent& a, uint64_t gid, bool was_static) {
+    if (was_static) counters.transitions_to_dynamic += 1;
+    release_joint(a, gid);
+    cancel_group_job(a, gid);
+    const Group* g = a.groups->find(gid);
+    KEEP_CHECK(g != nullptr);
+    for (uint64_t sid : g->members) queue_segment_job(a, a.segments.at(sid));
+  }
+
+  void advance_to(Agent& a, uint64_t step) {
+    a.step = step;
+    for (uint64_t gid : a.groups->advance(step)) {
+      counters.transitions_to_static += 1;
+      queue_group_job(a, gid);
+    }
+  }
+
+  // ---- placement -------------------------------------------------------------------------------
+
+  void place(Agent& a, Segment& s) {
+    const float* e = row_ptr(a, s);
+    uint64_t exclude = 0;
+    if (s.group != 0) {
+      // Re-embedded after an update: stay or leave (docs/memory-model.md).
+      const Group* g = a.groups->find(s.group);
+      KEEP_CHECK(g != nullptr);
+      bool has_other = false;
+      const float cos = a.groups->cosine_without(s.group, s.id, e, &has_other);
+      const bool stays = !has_other || (cos >= opt.tau && g->tokens <= a.groups->token_budget());
+      if (stays) {
+        a.groups->refresh_centroid(s.group);
+        return;
+      }
+      exclude = s.group;
+      const bool was_static = a.groups->remove_member(s.group, s.id, a.step);
+      on_group_changed(a, s.group, was_static);
+      s.group = 0;
+    }
+    uint64_t gid = a.groups->find_group(e, s.tokens, exclude);
+    if (gid == 0) {
+      gid = a.next_group_id++;
+      a.groups->create_group(gid, a.step);
+    }
+    const bool was_static = a.groups->add_member(gid, s.id, a.step);
+    s.group = gid;
+    on_group_changed(a, gid, was_static);
+  }
+
+  // Places awaiting segments in write order up to the first without an embedding.
+  void place_ready(Agent& a) {
+    while (!a.awaiting.empty()) {
+      auto it = a.awaiting.begin();
+      Segment& s = a.segments.at(it->second);
+      if (s.row < 0) break;
+      a.awaiting.erase(it);
+      s.awaiting = false;
+      place(a, s);
+    }
+  }
+
+  void enqueue_awaiting(Agent& a, Segment& s) {
+    s.seq = next_seq++;
+    s.awaiting = true;
+    a.awaiting[s.seq] = s.id;
+    to_embed[s.seq] = {&a, s.id};
+  }
+
+  void dequeue_awaiting(Agent& a, Segment& s) {
+    if (!s.awaiting) return;
+    a.awaiting.erase(s.seq);
+    to_embed.erase(s.seq);
+    s.awaiting = false;
+  }
+
+  // ---- mutations (shared by the API and replay) -------------------------------------------------
+
+  Status apply_write(const WriteRecord& r) {
+    KEEP_RETURN_IF_ERROR(check_agent_name(r.agent));
+    if (r.text.empty()) return invalid("text is empty");
+    if (r.id == 0 || r.id > kMaxId) return invalid("segment id " + std::to_string(r.id));
+    if (r.kind >= kSegmentKindCount) return invalid("segment kind " + std::to_string(r.kind));
+    Agent* existing = find_agent(r.agent);
+    if (existing != nullptr) {
+      if (existing->segments.count(r.id) != 0) {
+        return Status(Code::kAlreadyExists, "segment " + std::to_string(r.id) + " of agent '" +
+                                                r.agent + "' already exists");
+      }
+      if (existing->segments.size() >= opt.max_segments_per_agent) {
+        return Status(Code::kResourceExhausted,
+                      "agent '" + r.agent + "' holds the maximum number of segments (" +
+                          std::to_string(opt.max_segments_per_agent) + ")");
+      }
+      if (r.step < existing->step) {
+        return invalid("step " + std::to_string(r.step) + " is before agent '" + r.agent +
+                       "''s current step " + std::to_string(existing->step));
+      }
+    }
+    KEEP_ASSIGN_OR_RETURN(Agent * a, get_or_create(r.agent));
+    if (r.step > a->step) advance_to(*a, r.step);
+    Segment& s = a->segments[r.id];
+    s.id = r.id;
+    s.text = r.text;
+    s.kind = static_cast<SegmentKind>(r.kind);
+    s.tokens = r.tokens;
+    s.version = 1;
+    s.updated_step = r.step;
+    if (s.kind == SegmentKind::kExamplePlan) a->example_plans.insert(s.id);
+    a->next_id = std::max(a->next_id, r.id + 1);
+    enqueue_awaiting(*a, s);
+    return Status::ok();
+  }
+
+  Status lookup(std::string_view agent, uint64_t id, Agent** a, Segment** s) const {
+    KEEP_RETURN_IF_ERROR(check_agent_name(agent));
+    *a = find_agent(agent);
+    if (*a == nullptr) return not_found_agent(agent);
+    *s = (*a)->find(id);
+    if (*s == nullptr) return not_found_segment(agent, id);
+    return Status::ok();
+  }
+
+  Status apply_update(const UpdateRecord& r) {
+    Agent* a = nullptr;
+    Segment* s = nullptr;
+    KEEP_RETURN_IF_ERROR(lookup(r.agent, r.id, &a, &s));
+    if (r.text.empty()) return invalid("text is empty");
+    if (r.kind >= kSegmentKindCount) return invalid("segment kind " + std::to_string(r.kind));
+    if (r.step < a->step) {
+      return invalid("step " + std::to_string(r.step) + " is before agent '" + r.agent +
+                     "''s current step " + std::to_string(a->step));
+    }
+    if (r.step > a->step) advance_to(*a, r.step);
+    s->version += 1;
+    s->text = r.text;
+    if (s->kind == SegmentKind::kExamplePlan) a->example_plans.erase(s->id);
+    s->kind = static_cast<SegmentKind>(r.kind);
+    if (s->kind == SegmentKind::kExamplePlan) a->example_plans.insert(s->id);
+    s->tokens = r.tokens;
+    s->updated_step = r.step;
+    release_own(*s);
+    cancel_segment_job(*s);
+    remove_row(*a, *s);
+    dequeue_awaiting(*a, *s);
+    enqueue_awaiting(*a, *s);
+    if (s->group != 0) {
+      const bool was_static = a->groups->touch(s->group, a->step);
+      on_group_changed(*a, s->group, was_static);
+    }
+    // It may have blocked later segments at the head of the write order.
+    place_ready(*a);
+    return Status::ok();
+  }
+
+  Status apply_remove(const RemoveRecord& r) {
+    Agent* a = nullptr;
+    Segment* s = nullptr;
+    KEEP_RETURN_IF_ERROR(lookup(r.agent, r.id, &a, &s));
+    release_own(*s);
+    cancel_segment_job(*s);
+    remove_row(*a, *s);
+    dequeue_awaiting(*a, *s);
+    const uint64_t gid = s->group;
+    if (gid != 0) {
+      const bool was_static = a->groups->remove_member(gid, s->id, a->step);
+      if (a->groups->find(gid)->members.empty()) {
+        release_joint(*a, gid);
+        cancel_group_job(*a, gid);
+        a->groups->drop(gid);
+      } else {
+        on_group_changed(*a, gid, was_static);
+      }
+    }
+    a->example_plans.erase(s->id);
+    a->segments.erase(r.id);
+    // A gap in the write order may unblock placement of later segments.
+    place_ready(*a);
+    return Status::ok();
+  }
+
+  Status apply_advance(const AdvanceStepRecord& r, uint64_t* new_step) {
+    KEEP_RETURN_IF_ERROR(check_agent_name(r.agent));
+    if (r.by == 0) return invalid("advance_step by 0 (must be >= 1)");
+    Agent* existing = find_agent(r.agent);
+    const uint64_t cur = existing == nullptr ? 0 : existing->step;
+    if (r.by > UINT64_MAX - cur) return invalid("step overflow");
+    KEEP_ASSIGN_OR_RETURN(Agent * a, get_or_create(r.agent));
+    advance_to(*a, cur + r.by);
+    if (new_step != nullptr) *new_step = a->step;
+    return Status::ok();
+  }
+
+  // Installs already-validated embeddings; `normalise` false on replay (records hold normalised
+  // vectors). Fills `installed` with what was installed (normalised).
+  void install_embeddings(const std::vector<EmbeddingEntry>& in, bool normalise,
+                          std::vector<EmbeddingEntry>* installed) {
+    std::vector<Agent*> touched;
+    std::vector<float> buf(static_cast<size_t>(dim));
+    for (const EmbeddingEntry& e : in) {
+      Agent* a = find_agent(e.agent);
+      if (a == nullptr) continue;
+      Segment* s = a->find(e.id);
+      if (s == nullptr || s->version != e.version || s->row >= 0) continue;
+      std::copy(e.embedding.begin(), e.embedding.end(), buf.begin());
+      if (normalise) {
+        double n = 0.0;
+        for (float v : buf) n += static_cast<double>(v) * v;
+        n = std::sqrt(n);
+        if (n > 0.0) {
+          for (float& v : buf) v = static_cast<float>(v / n);
+        }
+      }
+      add_row(*a, *s, buf.data());
+      to_embed.erase(s->seq);
+      if (installed != nullptr) installed->push_back(EmbeddingEntry{e.agent, e.id, e.version, buf});
+      if (std::find(touched.begin(), touched.end(), a) == touched.end()) touched.push_back(a);
+    }
+    for (Agent* a : touched) place_ready(*a);
+  }
+
+  Status check_embeddings(const std::vector<EmbeddingEntry>& in) const {
+    for (const EmbeddingEntry& e : in) {
+      if (e.embedding.size() != static_cast<size_t>(dim)) {
+        return invalid("embedding of segment " + std::to_string(e.id) + " has " +
+                       std::to_string(e.embedding.size()) + " floats, expected " +
+                       std::to_string(dim));
+      }
+      for (float v : e.embedding) {
+        if (!std::isfinite(v)) {
+          return invalid("embedding of segment " + std::to_string(e.id) + " is not finite");
+        }
+      }
+    }
+    return Status::ok();
+  }
+
+  Result<size_t> apply_embedding_entries(const std::vector<EmbeddingEntry>& in,
+                                         std::string* wal_record) {
+    if (wal_record != nullptr) wal_record->clear();
+    KEEP_RETURN_IF_ERROR(check_embeddings(in));
+    EmbeddingsRecord rec;
+    rec.dim = static_cast<uint32_t>(dim);
+    install_embeddings(in, /*normalise=*/true, &rec.entries);
+    const size_t n = rec.entries.size();
+    if (n > 0 && wal_record != nullptr) *wal_record = encode_record(rec);
+    return n;
+  }
+
+  // ---- KV refs
+  // -----------------------------------------------------------------------------------
+
+  std::optional<KvRef> kv_ref(const Agent& a, const Segment& s) const {
+    if (s.group != 0) {
+      const Group* g = a.groups->find(s.group);
+      auto jt = a.joint.find(s.group);
+      if (g != nullptr && g->state == GroupState::kStatic && jt != a.joint.end() &&
+          jt->second.group_version == g->version) {
+        auto it = std::lower_bound(g->members.begin(), g->members.end(), s.id);
+        const size_t i = static_cast<size_t>(it - g->members.begin());
+        if (it != g->members.end() && *it == s.id && i < jt->second.offsets.size()) {
+          return KvRef{jt->second.index,
+                       jt->second.generation,
+                       jt->second.offsets[i],
+                       jt->second.tokens[i],
+                       true,
+                       s.version,
+                       g->version};
+        }
+      }
+    }
+    if (s.own_kv && s.own_kv->segment_version == s.version) {
+      return KvRef{s.own_kv->index, s.own_kv->generation, 0, s.own_kv->tokens, false, s.version, 0};
+    }
+    return std::nullopt;
+  }
+
+  // ---- query cache
+  // -------------------------------------------------------------------------------
+
+  Status query_embedding(std::string_view query) {
+    if (opt.query_cache_entries > 0) {
+      auto it = lru_index.find(query);
+      if (it != lru_index.end()) {
+        lru.splice(lru.begin(), lru, it->second);
+        query_vec = it->second->second;
+        counters.query_cache_hits += 1;
+        return Status::ok();
+      }
+    }
+    counters.query_cache_misses += 1;
+    auto r = embedder->embed({std::string(query)});
+    if (!r.is_ok()) return r.status().with_context("embedding the query");
+    if (r->size() != 1 || (*r)[0].size() != static_cast<size_t>(dim)) {
+      return Status(Code::kInternal, "embedder returned the wrong shape for the query");
+    }
+    std::vector<float> v = std::move((*r)[0]);
+    double n = 0.0;
+    for (float x : v) n += static_cast<double>(x) * x;
+    n = std::sqrt(n);
+    if (n > 0.0) {
+      for (float& x : v) x = static_cast<float>(x / n);
+    }
+    query_vec = v;
+    if (opt.query_cache_entries > 0) {
+      lru.emplace_front(std::string(query), std::move(v));
+      lru_index[std::string_view(lru.front().first)] = lru.begin();
+      while (lru.size() > opt.query_cache_entries) {
+        lru_index.erase(std::string_view(lru.back().first));
+        lru.pop_back();
+      }
+    }
+    return Status::ok();
+  }
+
+  void reset() {
+    agents.clear();
+    to_embed.clear();
+    next_seq = 1;
+    jobs.clear();
+  }
+};
+
+// ---- public API
+// ----------------------------------------------------------------------------------
+
+MemoryStore::MemoryStore(const StoreOptions& options, Embedder* embedder,
+                         const TokenCounter* counter)
+    : impl_(std::make_unique<Impl>(options, embedder, counter)) {}
+
+MemoryStore::~MemoryStore() = default;
+
+const StoreOptions& MemoryStore::options() const { return impl_->opt; }
+int MemoryStore::dim() const { return impl_->dim; }
+
+Result<WriteResult> MemoryStore::write(const WriteRequest& req, std::string* wal_record) {
+  Impl& m = *impl_;
+  if (wal_record != nullptr) wal_record->clear();
+  KEEP_RETURN_IF_ERROR(m.check_agent_name(req.agent));
+  KEEP_RETURN_IF_ERROR(m.check_text(req.text, "text"));
+  if (static_cast<uint8_t>(req.kind) >= kSegmentKindCount) {
+    return invalid("segment kind " + std::to_string(static_cast<int>(req.kind)));
+  }
+  const Agent* a = m.find_agent(req.agent);
+  WriteRecord rec;
+  rec.agent = req.agent;
+  if (req.id) {
+    if (*req.id == 0 || *req.id > kMaxId) {
+      return invalid("segment id " + std::to_string(*req.id) + " (ids are 1 .. 2^63-1)");
+    }
+    rec.id = *req.id;
+  } else {
+    rec.id = a == nullptr ? 1 : a->next_id;
+    if (rec.id > kMaxId) return Status(Code::kResourceExhausted, "segment ids exhausted");
+  }
+  rec.kind = static_cast<uint8_t>(req.kind);
+  rec.step = req.step.value_or(a == nullptr ? 0 : a->step);
+  rec.tokens = m.counter->count_tokens(req.text);
+  rec.text = req.text;
+  KEEP_RETURN_IF_ERROR(m.apply_write(rec));
+  if (wal_record != nullptr) *wal_record = encode_record(rec);
+  return WriteResult{rec.id, 1, rec.step};
+}
+
+Result<WriteResult> MemoryStore::update(const UpdateRequest& req, std::string* wal_record) {
+  Impl& m = *impl_;
+  if (wal_record != nullptr) wal_record->clear();
+  Agent* a = nullptr;
+  Segment* s = nullptr;
+  KEEP_RETURN_IF_ERROR(m.lookup(req.agent, req.id, &a, &s));
+  KEEP_RETURN_IF_ERROR(m.check_text(req.text, "text"));
+  if (req.kind && static_cast<uint8_t>(*req.kind) >= kSegmentKindCount) {
+    return invalid("segment kind " + std::to_string(static_cast<int>(*req.kind)));
+  }
+  const SegmentKind kind = req.kind.value_or(s->kind);
+  if (req.step && *req.step < a->step) {
+    return invalid("step " + std::to_string(*req.step) + " is before agent '" + req.agent +
+                   "''s current step " + std::to_string(a->step));
+  }
+  if (kind == s->kind && req.text == s->text) {
+    return WriteResult{s->id, s->version, s->updated_step};  // no change, no record
+  }
+  UpdateRecord rec;
+  rec.agent = req.agent;
+  rec.id = req.id;
+  rec.kind = static_cast<uint8_t>(kind);
+  rec.step = req.step.value_or(a->step);
+  rec.tokens = m.counter->count_tokens(req.text);
+  rec.text = req.text;
+  KEEP_RETURN_IF_ERROR(m.apply_update(rec));
+  if (wal_record != nullptr) *wal_record = encode_record(rec);
+  return WriteResult{s->id, s->version, s->updated_step};
+}
+
+Status MemoryStore::remove(std::string_view agent, uint64_t id, std::string* wal_record) {
+  if (wal_record != nullptr) wal_record->clear();
+  RemoveRecord rec{std::string(agent), id};
+  KEEP_RETURN_IF_ERROR(impl_->apply_remove(rec));
+  if (wal_record != nullptr) *wal_record = encode_record(rec);
+  return Status::ok();
+}
+
+Result<uint64_t> MemoryStore::advance_step(std::string_view agent, uint64_t by,
+                                           std::string* wal_record) {
+  if (wal_record != nullptr) wal_record->clear();
+  AdvanceStepRecord rec{std::string(agent), by};
+  uint64_t step = 0;
+  KEEP_RETURN_IF_ERROR(impl_->apply_advance(rec, &step));
+  if (wal_record != nullptr) *wal_record = encode_record(rec);
+  return step;
+}
+
+std::vector<PendingEmbedding> MemoryStore::pending_embeddings(size_t max) const {
+  std::vector<PendingEmbedding> out;
+  for (const auto& [seq, ref] : impl_->to_embed) {
+    if (out.size() >= max) break;
+    const Segment& s = ref.first->segments.at(ref.second);
+    out.push_back(PendingEmbedding{ref.first->name, s.id, s.version, s.text});
+  }
+  return out;
+}
+
+Result<size_t> MemoryStore::apply_embeddings(const std::vector<SegmentEmbedding>& embeddings,
+                                             std::string* wal_record) {
+  std::vector<EmbeddingEntry> in;
+  in.reserve(embeddings.size());
+  for (const SegmentEmbedding& e : embeddings) {
+    in.push_back(EmbeddingEntry{e.agent, e.id, e.version, e.embedding});
+  }
+  return impl_->apply_embedding_entries(in, wal_record);
+}
+
+Status MemoryStore::apply_record(std::string_view bytes) {
+  Impl& m = *impl_;
+  KEEP_ASSIGN_OR_RETURN(Record rec, decode_record(bytes));
+  if (auto* w = std::get_if<WriteRecord>(&rec)) return m.apply_write(*w);
+  if (auto* u = std::get_if<UpdateRecord>(&rec)) return m.apply_update(*u);
+  if (auto* r = std::get_if<RemoveRecord>(&rec)) return m.apply_remove(*r);
+  if (auto* a = std::get_if<AdvanceStepRecord>(&rec)) return m.apply_advance(*a, nullptr);
+  auto& e = std::get<EmbeddingsRecord>(rec);
+  if (e.dim != static_cast<uint32_t>(m.dim)) {
+    return Status(Code::kVersionMismatch, "embeddings record of dimension " +
+                                              std::to_string(e.dim) + ", the encoder has " +
+                                              std::to_string(m.dim));
+  }
+  KEEP_RETURN_IF_ERROR(m.check_embeddings(e.entries).with_context("replaying embeddings"));
+  m.install_embeddings(e.entries, /*normalise=*/false, nullptr);
+  return Status::ok();
+}
+
+std::string MemoryStore::serialize() const {
+  const Impl& m = *impl_;
+  StoreSnapshot snap;
+  snap.dim = static_cast<uint32_t>(m.dim);
+  snap.next_seq = m.next_seq;
+  for (const auto& [name, ap] : m.agents) {
+    const Agent& a = *ap;
+    AgentSnapshot as;
+    as.name = name;
+    as.step = a.step;
+    as.next_id = a.next_id;
+    as.next_group_id = a.next_group_id;
+    for (const auto& [gid, g] : a.groups->groups()) {
+      as.groups.push_back(
+          GroupSnapshot{gid, static_cast<uint8_t>(g.state), g.version, g.last_change_step});
+    }
+    std::vector<uint64_t> ids;
+    ids.reserve(a.segments.size());
+    for (const auto& [id, s] : a.segments) ids.push_back(id);
+    std::sort(ids.begin(), ids.end());
+    as.segments.reserve(ids.size());
+    for (uint64_t id : ids) {
+      const Segment& s = a.segments.at(id);
+      SegmentSnapshot ss;
+      ss.id = id;
+      ss.kind = static_cast<uint8_t>(s.kind);
+      ss.version = s.version;
+      ss.updated_step = s.updated_step;
+      ss.tokens = s.tokens;
+      ss.seq = s.seq;
+      ss.group = s.group;
+      ss.awaiting = s.awaiting;
+      ss.text = s.text;
+      if (s.row >= 0) {
+        const float* e = m.row_ptr(a, s);
+        ss.embedding.assign(e, e + m.dim);
+      }
+      as.segments.push_back(std::move(ss));
+    }
+    snap.agents.push_back(std::move(as));
+  }
+  return encode_snapshot(snap);
+}
+
+Status MemoryStore::deserialize(std::string_view bytes) {
+  Impl& m = *impl_;
+  if (!m.agents.empty()) {
+    return Status(Code::kInvalidArgument, "deserialize into a store that already holds agents");
+  }
+  KEEP_ASSIGN_OR_RETURN(StoreSnapshot snap, decode_snapshot(bytes));
+  if (snap.dim != static_cast<uint32_t>(m.dim)) {
+    return Status(Code::kVersionMismatch, "snapshot embeddings have dimension " +
+                                              std::to_string(snap.dim) + ", the encoder has " +
+                                              std::to_string(m.dim));
+  }
+  auto fail = [&m](std::string msg) {
+    m.reset();
+    return Status(Code::kCorrupt, "store snapshot: " + msg);
+  };
+  std::set<uint64_t> seqs;
+  const std::string* prev_name = nullptr;
+  for (const AgentSnapshot& as : snap.agents) {
+    if (!m.check_agent_name(as.name).is_ok()) return fail("bad agent name");
+    if (prev_name != nullptr && !(*prev_name < as.name)) return fail("agents not ascending");
+    prev_name = &as.name;
+    if (as.next_id == 0 || as.next_group_id == 0) return fail("bad id counters");
+    auto created = m.get_or_create(as.name);
+    if (!created.is_ok()) {
+      m.reset();
+      return created.status();
+    }
+    Agent& a = **created;
+    a.step = as.step;
+    a.next_id = as.next_id;
+    a.next_group_id = as.next_group_id;
+    uint64_t prev = 0;
+    for (const GroupSnapshot& g : as.groups) {
+      if (g.id <= prev || g.id >= as.next_group_id) return fail("bad group id");
+      if (g.version == 0) return fail("bad group version");
+      prev = g.id;
+      a.groups->restore_group(g.id, static_cast<GroupState>(g.state), g.version,
+                              g.last_change_step);
+    }
+    prev = 0;
+    for (const SegmentSnapshot& ss : as.segments) {
+      if (ss.id <= prev || ss.id >= as.next_id) return fail("bad segment id");
+      prev = ss.id;
+      if (ss.text.empty() || ss.version == 0) return fail("bad segment " + std::to_string(ss.id));
+      if (ss.seq == 0 || ss.seq >= snap.next_seq || !seqs.insert(ss.seq).second) {
+        return fail("bad write sequence of segment " + std::to_string(ss.id));
+      }
+      if (ss.group != 0 && a.groups->find(ss.group) == nullptr) {
+        return fail("segment " + std::to_string(ss.id) + " in an unknown group");
+      }
+      if (ss.group == 0 && !ss.awaiting) return fail("segment without group nor placement");
+      if (ss.embedding.empty() && !ss.awaiting) return fail("unembedded segment not awaiting");
+      for (float v : ss.embedding) {
+        if (!std::isfinite(v)) return fail("non-finite embedding");
+      }
+      Segment& s = a.segments[ss.id];
+      s.id = ss.id;
+      s.text = ss.text;
+      s.kind = static_cast<SegmentKind>(ss.kind);
+      s.tokens = ss.tokens;
+      s.version = ss.version;
+      s.updated_step = ss.updated_step;
+      s.seq = ss.seq;
+      s.group = ss.group;
+      s.awaiting = ss.awaiting;
+      if (s.kind == SegmentKind::kExamplePlan) a.example_plans.insert(s.id);
+      if (!ss.embedding.empty()) m.add_row(a, s, ss.embedding.data());
+      if (s.awaiting) {
+        a.awaiting[s.seq] = s.id;
+        if (s.row < 0) m.to_embed[s.seq] = {&a, s.id};
+      }
+      if (s.group != 0) a.groups->restore_member(s.group, s.id);
+    }
+    for (const auto& [gid, g] : a.groups->groups()) {
+      if (g.members.empty()) return fail("empty group " + std::to_string(gid));
+    }
+    a.groups->finish_restore();
+  }
+  m.next_seq = snap.next_seq;
+  // KV is not persisted: ask for it again.
+  for (auto& [name, ap] : m.agents) {
+    Agent& a = *ap;
+    for (const auto& [gid, g] : a.groups->groups()) {
+      if (g.state == GroupState::kStatic) {
+        m.queue_group_job(a, gid);
+      } else {
+        for (uint64_t sid : g.members) m.queue_segment_job(a, a.segments.at(sid));
+      }
+    }
+  }
+  return Status::ok();
+}
+
+Result<std::vector<RetrievedSegment>> MemoryStore::retrieve(std::string_view agent,
+                                                            std::string_view query, uint32_t k,
+                                                            std::string* wal_record) {
+  Impl& m = *impl_;
+  if (wal_record != nullptr) wal_record->clear();
+  KEEP_RETURN_IF_ERROR(m.check_agent_name(agent));
+  Agent* a = m.find_agent(agent);
+  if (a == nullptr) return Impl::not_found_agent(agent);
+  if (query.size() > m.opt.max_text_bytes) {
+    return Status(Code::kTooLarge, "query is " + std::to_string(query.size()) + " bytes, limit " +
+                                       std::to_string(m.opt.max_text_bytes));
+  }
+  if (query.empty() && k > 0) return invalid("query is empty");
+  k = std::min(k, m.opt.max_retrieve_k);
+
+  // The query first: nothing may fail after the pending embeddings below are applied (their
+  // record must reach the WAL whenever the state changed).
+  if (k > 0) KEEP_RETURN_IF_ERROR(m.query_embedding(query));
+
+  // Read-your-writes: embed this agent's pending segments now.
+  if (!a->awaiting.empty()) {
+    std::vector<std::string> texts;
+    std::vector<EmbeddingEntry> entries;
+    for (const auto& [seq, id] : a->awaiting) {
+      const Segment& s = a->segments.at(id);
+      if (s.row >= 0) continue;
+      texts.push_back(s.text);
+      entries.push_back(EmbeddingEntry{a->name, id, s.version, {}});
+    }
+    if (!texts.empty()) {
+      auto r = m.embedder->embed(texts);
+      if (!r.is_ok()) return r.status().with_context("embedding pending segments");
+      if (r->size() != texts.size()) {
+        return Status(Code::kInternal, "embedder returned " + std::to_string(r->size()) +
+                                           " vectors for " + std::to_string(texts.size()));
+      }
+      for (size_t i = 0; i < entries.size(); ++i) entries[i].embedding = std::move((*r)[i]);
+      auto applied = m.apply_embedding_entries(entries, wal_record);
+      if (!applied.is_ok()) return applied.status().with_context("embedding pending segments");
+    }
+  }
+
+  std::vector<RetrievedSegment> out;
+  const size_t rows = a->row_ids.size();
+  if (k > 0 && rows > 0) {
+    m.scores.resize(rows);
+    cblas_sgemv(CblasRowMajor, CblasNoTrans, static_cast<int>(rows), m.dim, 1.0f, a->matrix.data(),
+                m.dim, m.query_vec.data(), 1, 0.0f, m.scores.data(), 1);
+  } else {
+    m.scores.assign(rows, 0.0f);
+  }
+
+  // Top-k among the non-plan segments.
+  m.cand.clear();
+  if (k > 0) {
+    for (size_t r = 0; r < rows; ++r) {
+      if (a->example_plans.count(a->row_ids[r]) == 0) m.cand.push_back(static_cast<uint32_t>(r));
+    }
+    const auto better = [&](uint32_t x, uint32_t y) {
+      if (m.scores[x] != m.scores[y]) return m.scores[x] > m.scores[y];
+      return a->row_ids[x] < a->row_ids[y];
+    };
+    if (m.cand.size() > k) {
+      std::nth_element(m.cand.begin(), m.cand.begin() + (k - 1), m.cand.end(), better);
+      m.cand.resize(k);
+    }
+  }
+  // Prompt order: static groups, then dynamic, by group id, then member id; ungrouped last.
+  const auto order_key = [&](uint32_t r) {
+    const Segment& s = a->segments.at(a->row_ids[r]);
+    const Group* g = s.group == 0 ? nullptr : a->groups->find(s.group);
+    const int cls = g == nullptr ? 2 : (g->state == GroupState::kStatic ? 0 : 1);
+    return std::tuple<int, uint64_t, uint64_t>(cls, s.group, s.id);
+  };
+  std::sort(m.cand.begin(), m.cand.end(),
+            [&](uint32_t x, uint32_t y) { return order_key(x) < order_key(y); });
+
+  out.reserve(a->example_plans.size() + m.cand.size());
+  const auto emit = [&](const Segment& s, float score) {
+    RetrievedSegment r;
+    r.id = s.id;
+    r.text = s.text;
+    r.kind = s.kind;
+    r.tokens = s.tokens;
+    r.version = s.version;
+    r.updated_step = s.updated_step;
+    r.group_id = s.group;
+    if (const Group* g = s.group == 0 ? nullptr : a->groups->find(s.group)) {
+      r.group_state = g->state;
+      r.group_version = g->version;
+    }
+    r.score = score;
+    r.kv = m.kv_ref(*a, s);
+    out.push_back(std::move(r));
+  };
+  for (uint64_t id : a->example_plans) {
+    const Segment& s = a->segments.at(id);
+    emit(s, s.row >= 0 && k > 0 ? m.scores[static_cast<size_t>(s.row)] : 0.0f);
+  }
+  for (uint32_t r : m.cand) emit(a->segments.at(a->row_ids[r]), m.scores[r]);
+  return out;
+}
+
+Result<SegmentInfo> MemoryStore::get(std::string_view agent, uint64_t id) const {
+  Agent* a = nullptr;
+  Segment* s = nullptr;
+  KEEP_RETURN_IF_ERROR(impl_->lookup(agent, id, &a, &s));
+  SegmentInfo info;
+  info.id = s->id;
+  info.text = s->text;
+  info.kind = s->kind;
+  info.tokens = s->tokens;
+  info.version = s->version;
+  info.updated_step = s->updated_step;
+  info.group_id = s->group;
+  info.embedded = s->row >= 0;
+  info.kv = impl_->kv_ref(*a, *s);
+  return info;
+}
+
+Result<std::vector<GroupInfo>> MemoryStore::list_groups(std::string_view agent) const {
+  KEEP_RETURN_IF_ERROR(impl_->check_agent_name(agent));
+  const Agent* a = impl_->find_agent(agent);
+  if (a == nullptr) return Impl::not_found_agent(agent);
+  std::vector<GroupInfo> out;
+  for (const auto& [gid, g] : a->groups->groups()) {
+    out.push_back(GroupInfo{gid, g.state, g.version, g.members, g.tokens, g.last_change_step,
+                            a->joint.count(gid) != 0});
+  }
+  return out;
+}
+
+Result<uint64_t> MemoryStore::current_step(std::string_view agent) const {
+  KEEP_RETURN_IF_ERROR(impl_->check_agent_name(agent));
+  const Agent* a = impl_->find_agent(agent);
+  if (a == nullptr) return Impl::not_found_agent(agent);
+  return a->step;
+}
+
+std::vector<std::string> MemoryStore::list_agents() const {
+  std::vector<std::string> out;
+  for (const auto& [name, a] : impl_->agents) out.push_back(name);
+  return out;
+}
+
+StoreStats MemoryStore::stats() const {
+  const Impl& m = *impl_;
+  StoreStats st = m.counters;
+  st.agents = m.agents.size();
+  st.memories = 0;
+  st.groups_static = 0;
+  st.groups_dynamic = 0;
+  for (const auto& [name, a] : m.agents) {
+    st.memories += a->segments.size();
+    for (const auto& [gid, g] : a->groups->groups()) {
+      (g.state == GroupState::kStatic ? st.groups_static : st.groups_dynamic) += 1;
+    }
+  }
+  st.pending_embeddings = m.to_embed.size();
+  st.jobs_queued = m.jobs.queued();
+  st.jobs_running = m.jobs.running();
+  st.released_pending = m.released.size();
+  return st;
+}
+
+std::vector<KvJob> MemoryStore::take_jobs(size_t max) { return impl_->jobs.take(max); }
+
+Status MemoryStore::complete_job(uint64_t job_id, const KvEntry& entry,
+                                 const std::vector<uint32_t>& slice_tokens) {
+  Impl& m = *impl_;
+  KvJobQueue::Entry* e = m.jobs.find(job_id);
+  if (e == nullptr || !e->running) {
+    return Status(Code::kNotFound, "no running KV job " + std::to_string(job_id));
+  }
+  KvJob job = std::move(e->job);
+  m.jobs.erase(job_id);
+  const auto stale = [&](const std::string& why) {
+    m.released.push_back(entry);
+    m.counters.jobs_stale += 1;
+    return Status(Code::kStale, "KV job " + std::to_string(job_id) + ": " + why);
+  };
+  Agent* a = m.find_agent(job.agent);
+  if (a == nullptr) return stale("agent is gone");
+  if (job.kind == KvJobKind::kSegment) {
+    const KvJobSegment& js = job.segments.at(0);
+    Segment* s = a->find(js.id);
+    if (s == nullptr) return stale("segment " + std::to_string(js.id) + " was deleted");
+    if (s->seg_job == job_id) s->seg_job = 0;
+    if (s->version != js.version) {
+      return stale("segment " + std::to_string(js.id) + " is at version " +
+                   std::to_string(s->version) + ", the KV is for " + std::to_string(js.version));
+    }
+    if (auto ref = m.kv_ref(*a, *s); ref && ref->joint) {
+      return stale("superseded by the joint KV of group " + std::to_string(s->group));
+    }
+    m.release_own(*s);
+    s->own_kv = OwnKv{entry.index, entry.generation, entry.tokens, s->version};
+    m.counters.jobs_completed += 1;
+    return Status::ok();
+  }
+  // Group job.
+  auto gj = a->group_job.find(job.group_id);
+  if (gj != a->group_job.end() && gj->second == job_id) a->group_job.erase(gj);
+  const Group* g = a->groups->find(job.group_id);
+  if (g == nullptr) return stale("group " + std::to_string(job.group_id) + " is gone");
+  if (g->version != job.group_version || g->state != GroupState::kStatic) {
+    return stale("group " + std::to_string(job.group_id) + " changed since (version " +
+                 std::to_string(g->version) + ", the KV is for " +
+                 std::to_string(job.group_version) + ")");
+  }
+  JointKv jk;
+  jk.index = entry.index;
+  jk.generation = entry.generation;
+  jk.group_version = g->version;
+  if (!slice_tokens.empty()) {
+    if (slice_tokens.size() != g->members.size()) {
+      m.released.push_back(entry);
+      return invalid("KV job " + std::to_string(job_id) + ": " +
+                     std::to_string(slice_tokens.size()) + " slices for " +
+                     std::to_string(g->members.size()) + " members");
+    }
+    jk.tokens = slice_tokens;
+  } else {
+    for (const KvJobSegment& js : job.segments) jk.tokens.push_back(js.tokens);
+  }
+  uint64_t off = 0;
+  for (uint32_t t : jk.tokens) {
+    jk.offsets.push_back(static_cast<uint32_t>(off));
+    off += t;
+  }
+  if (off != entry.tokens) {
+    m.released.push_back(entry);
+    return invalid("KV job " + std::to_string(job_id) + ": slices sum to " + std::to_string(off) +
+                   " tokens, the entry holds " + std::to_string(entry.tokens));
+  }
+  m.release_joint(*a, g->id);
+  a->joint[g->id] = std::move(jk);
+  for (uint64_t sid : g->members) {
+    Segment& s = a->segments.at(sid);
+    m.release_own(s);
+    m.cancel_segment_job(s);
+  }
+  m.counters.jobs_completed += 1;
+  return Status::ok();
+}
+
+Status MemoryStore::fail_job(uint64_t job_id) {
+  Impl& m = *impl_;
+  KvJobQueue::Entry* e = m.jobs.find(job_id);
+  if (e == nullptr || !e->running) {
+    return Status(Code::kNotFound, "no running KV job " + std::to_string(job_id));
+  }
+  m.counters.jobs_failed += 1;
+  const KvJob& job = e->job;
+  Agent* a = m.find_agent(job.agent);
+  bool relevant = a != nullptr;
+  Segment* s = nullptr;
+  if (relevant && job.kind == KvJobKind::kSegment) {
+    s = a->find(job.segments.at(0).id);
+    relevant = s != nullptr && s->version == job.segments[0].version && s->seg_job == job_id;
+  } else if (relevant) {
+    const Group* g = a->groups->find(job.group_id);
+    auto gj = a->group_job.find(job.group_id);
+    relevant = g != nullptr && g->version == job.group_version && g->state == GroupState::kStatic &&
+               gj != a->group_job.end() && gj->second == job_id;
+  }
+  if (relevant && job.attempt + 1 < m.opt.max_job_attempts) {
+    m.jobs.requeue(job_id);
+    return Status::ok();
+  }
+  if (relevant) {
+    if (s != nullptr) {
+      s->seg_job = 0;
+    } else {
+      a->group_job.erase(job.group_id);
+    }
+  }
+  m.jobs.erase(job_id);
+  return Status::ok();
+}
+
+std::vector<KvEntry> MemoryStore::take_released_entries() {
+  std::vector<KvEntry> out;
+  out.swap(impl_->released);
+  return out;
+}
+
+}  // namespace keep::manager

@@ -1,0 +1,117 @@
+// Binary encoding of the store's WAL records and snapshots (docs/memory-model.md, "Byte formats").
+//
+// All integers little-endian; floats as their IEEE-754 bits (u32 LE); strings and arrays are
+// u32-length-prefixed. A WAL record is:
+//   u8 format version (kRecordFormatVersion) | u8 type (RecordType) | type-specific body
+// and must be consumed exactly (trailing bytes -> kCorrupt). A snapshot is:
+//   u32 magic kSnapshotMagic | u16 format version | body (see record_codec.cpp, encode_snapshot).
+// Decoding is bounds-checked everywhere and returns kCorrupt on any inconsistency (short
+// buffer, length past the end, unknown type or enum value, trailing bytes), kVersionMismatch for
+// another format version. Never reads past the buffer; allocations are bounded by the input size.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <variant>
+#include <vector>
+
+#include "shared/common/status.h"
+
+namespace keep::manager {
+
+inline constexpr uint8_t kRecordFormatVersion = 1;
+inline constexpr uint32_t kSnapshotMagic = 0x4b50534bu;  // "KSPK" read as LE bytes "KSPK"
+inline constexpr uint16_t kSnapshotFormatVersion = 1;
+
+enum class RecordType : uint8_t {
+  kWrite = 1,
+  kUpdate = 2,
+  kRemove = 3,
+  kAdvanceStep = 4,
+  kEmbeddings = 5,
+};
+
+// Records carry resolved values (id, step, token count) so replay never consults the tokenizer
+// or the id allocator.
+struct WriteRecord {
+  std::string agent;
+  uint64_t id = 0;
+  uint8_t kind = 0;
+  uint64_t step = 0;
+  uint32_t tokens = 0;
+  std::string text;
+};
+struct UpdateRecord {
+  std::string agent;
+  uint64_t id = 0;
+  uint8_t kind = 0;  // the kind after the update
+  uint64_t step = 0;
+  uint32_t tokens = 0;
+  std::string text;
+};
+struct RemoveRecord {
+  std::string agent;
+  uint64_t id = 0;
+};
+struct AdvanceStepRecord {
+  std::string agent;
+  uint64_t by = 0;
+};
+struct EmbeddingEntry {
+  std::string agent;
+  uint64_t id = 0;
+  uint64_t version = 0;
+  std::vector<float> embedding;
+};
+struct EmbeddingsRecord {
+  uint32_t dim = 0;  // every entry has exactly dim floats
+  std::vector<EmbeddingEntry> entries;
+};
+
+using Record =
+    std::variant<WriteRecord, UpdateRecord, RemoveRecord, AdvanceStepRecord, EmbeddingsRecord>;
+
+std::string encode_record(const Record& record);
+Result<Record> decode_record(std::string_view bytes);
+
+// ---- snapshots -----------------------------------------------------------------------------
+
+struct SegmentSnapshot {
+  uint64_t id = 0;
+  uint8_t kind = 0;
+  uint64_t version = 0;
+  uint64_t updated_step = 0;
+  uint32_t tokens = 0;
+  uint64_t seq = 0;       // write order of its latest write/update
+  uint64_t group = 0;     // 0: none
+  bool awaiting = false;  // waiting for placement (new or updated, in seq order)
+  std::string text;
+  std::vector<float> embedding;  // empty: none for the current version, else dim floats
+};
+struct GroupSnapshot {
+  uint64_t id = 0;
+  uint8_t state = 0;
+  uint64_t version = 0;
+  uint64_t last_change_step = 0;
+};
+struct AgentSnapshot {
+  std::string name;
+  uint64_t step = 0;
+  uint64_t next_id = 1;
+  uint64_t next_group_id = 1;
+  std::vector<SegmentSnapshot> segments;  // ascending id
+  std::vector<GroupSnapshot> groups;      // ascending id
+};
+struct StoreSnapshot {
+  uint32_t dim = 0;
+  uint64_t next_seq = 1;
+  std::vector<AgentSnapshot> agents;  // ascending name
+};
+
+std::string encode_snapshot(const StoreSnapshot& snapshot);
+// Structural decoding only (bounds, enums, lengths, dims); the store checks the semantics
+// (ids ascending and unique, group references, seq order).
+Result<StoreSnapshot> decode_snapshot(std::string_view bytes);
+
+}  // namespace keep::manager

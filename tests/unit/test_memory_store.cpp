@@ -1,0 +1,768 @@
+// MemoryStore: every transition of the grouping/state machine, KV-job lifecycle, retrieval order,
+// error codes, and replay/snapshot determinism. Uses a small test Embedder whose vectors the text
+// chooses ("1,0,0,0|cup on table" embeds to (1,0,0,0)) and a whitespace TokenCounter.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <random>
+#include <sstream>
+
+#include "services/manager/store/memory_store.h"
+
+using namespace keep;
+using namespace keep::manager;
+
+namespace {
+
+// "x,y,z,...|words" -> (x, y, z, ...) padded with zeros; "cK:rest" -> cluster centre K plus a
+// small deterministic perturbation of the text; anything else -> a hash-seeded random vector.
+class TestEmbedder : public Embedder {
+ public:
+  explicit TestEmbedder(int dim) : dim_(dim) {}
+  int dim() const override { return dim_; }
+  Result<std::vector<std::vector<float>>> embed(const std::vector<std::string>& texts) override {
+    calls += 1;
+    if (fail) return Status(Code::kUnavailable, "test embedder down");
+    std::vector<std::vector<float>> out;
+    for (const std::string& t : texts) out.push_back(vec(t));
+    embedded += texts.size();
+    return out;
+  }
+  std::vector<float> vec(const std::string& t) const {
+    std::vector<float> v(static_cast<size_t>(dim_), 0.0f);
+    const size_t bar = t.find('|');
+    if (bar != std::string::npos) {
+      std::stringstream ss(t.substr(0, bar));
+      std::string item;
+      size_t i = 0;
+      while (std::getline(ss, item, ',') && i < v.size()) v[i++] = std::stof(item);
+      return v;
+    }
+    std::mt19937 rng(static_cast<uint32_t>(std::hash<std::string>()(t)));
+    std::normal_distribution<float> n(0.0f, 1.0f);
+    if (t.size() > 1 && t[0] == 'c') {
+      std::mt19937 crng(static_cast<uint32_t>(std::stoi(t.substr(1))) * 7919u + 1u);
+      for (float& x : v) x = n(crng);
+      for (float& x : v) x += 0.15f * n(rng);
+      return v;
+    }
+    for (float& x : v) x = n(rng);
+    return v;
+  }
+  int calls = 0;
+  size_t embedded = 0;
+  bool fail = false;
+
+ private:
+  int dim_;
+};
+
+class WhitespaceCounter : public TokenCounter {
+ public:
+  uint32_t count_tokens(std::string_view text) const override {
+    uint32_t n = 0;
+    bool in = false;
+    for (char c : text) {
+      const bool space = c == ' ' || c == '\t' || c == '\n';
+      if (!space && !in) ++n;
+      in = !space;
+    }
+    return n;
+  }
+};
+
+StoreOptions small_options() {
+  StoreOptions o;
+  o.tau = 0.9f;
+  o.group_token_budget = 10;
+  o.static_after_steps = 3;
+  o.max_text_bytes = 200;
+  o.max_agent_bytes = 16;
+  return o;
+}
+
+struct Env {
+  TestEmbedder emb{4};
+  WhitespaceCounter counter;
+  MemoryStore store;
+  explicit Env(StoreOptions o = small_options()) : store(o, &emb, &counter) {}
+
+  uint64_t write(const std::string& text, SegmentKind kind = SegmentKind::kObjectState,
+                 const std::string& agent = "a") {
+    WriteRequest r;
+    r.agent = agent;
+    r.text = text;
+    r.kind = kind;
+    auto res = store.write(r, nullptr);
+    REQUIRE(res.is_ok());
+    return res->id;
+  }
+  void update(uint64_t id, const std::string& text, const std::string& agent = "a") {
+    UpdateRequest r;
+    r.agent = agent;
+    r.id = id;
+    r.text = text;
+    auto res = store.update(r, nullptr);
+    REQUIRE(res.is_ok());
+  }
+  // Runs the background embedder once over everything pending.
+  size_t embed_all() {
+    auto pending = store.pending_embeddings(100000);
+    std::vector<SegmentEmbedding> out;
+    for (auto& p : pending) out.push_back({p.agent, p.id, p.version, emb.vec(p.text)});
+    auto r = store.apply_embeddings(out, nullptr);
+    REQUIRE(r.is_ok());
+    return *r;
+  }
+  void advance(uint64_t by, const std::string& agent = "a") {
+    REQUIRE(store.advance_step(agent, by, nullptr).is_ok());
+  }
+  GroupInfo group_of(uint64_t id, const std::string& agent = "a") {
+    auto seg = store.get(agent, id);
+    REQUIRE(seg.is_ok());
+    auto groups = store.list_groups(agent);
+    REQUIRE(groups.is_ok());
+    for (const GroupInfo& g : *groups) {
+      if (g.id == seg->group_id) return g;
+    }
+    FAIL("segment has no group");
+    return {};
+  }
+  std::vector<KvJob> jobs() { return store.take_jobs(1000); }
+  std::vector<RetrievedSegment> retrieve(const std::string& q, uint32_t k,
+                                         const std::string& agent = "a") {
+    auto r = store.retrieve(agent, q, k, nullptr);
+    REQUIRE(r.is_ok());
+    return *r;
+  }
+};
+
+size_t count_kind(const std::vector<KvJob>& jobs, KvJobKind kind) {
+  return static_cast<size_t>(
+      std::count_if(jobs.begin(), jobs.end(), [&](const KvJob& j) { return j.kind == kind; }));
+}
+
+const RetrievedSegment* find_seg(const std::vector<RetrievedSegment>& r, uint64_t id) {
+  for (const auto& s : r) {
+    if (s.id == id) return &s;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+TEST_CASE("a new segment waits for its embedding, then opens a dynamic group with a segment job") {
+  Env e;
+  const uint64_t id = e.write("1,0,0,0|cup on table");
+  CHECK(id == 1);
+  auto seg = e.store.get("a", id);
+  REQUIRE(seg.is_ok());
+  CHECK(seg->group_id == 0);
+  CHECK_FALSE(seg->embedded);
+  CHECK(seg->tokens == 3);
+  CHECK(e.store.stats().pending_embeddings == 1);
+  CHECK(e.jobs().empty());  // no group yet, no job
+
+  CHECK(e.embed_all() == 1);
+  const GroupInfo g = e.group_of(id);
+  CHECK(g.state == GroupState::kDynamic);
+  CHECK(g.version == 1);
+  CHECK(g.segment_ids == std::vector<uint64_t>{id});
+  auto jobs = e.jobs();
+  REQUIRE(jobs.size() == 1);
+  CHECK(jobs[0].kind == KvJobKind::kSegment);
+  CHECK(jobs[0].segments[0].id == id);
+  CHECK(jobs[0].segments[0].version == 1);
+  CHECK(jobs[0].segments[0].text == "1,0,0,0|cup on table");
+  CHECK(e.store.stats().pending_embeddings == 0);
+}
+
+TEST_CASE("join under tau and budget; a full budget opens a new group") {
+  Env e;                                               // tau 0.9, budget 10 tokens
+  const uint64_t a = e.write("1,0,0,0|w w w");         // 3 tokens
+  const uint64_t b = e.write("1,0.1,0,0|w w w");       // joins: 6
+  const uint64_t c = e.write("0,1,0,0|w");             // orthogonal: new group
+  const uint64_t d = e.write("1,0.05,0,0|w w w w w");  // 5 tokens: 11 > 10 -> new group
+  e.embed_all();
+  CHECK(e.group_of(a).id == e.group_of(b).id);
+  CHECK(e.group_of(a).tokens == 6);
+  CHECK(e.group_of(c).id != e.group_of(a).id);
+  CHECK(e.group_of(d).id != e.group_of(a).id);
+  CHECK(e.group_of(d).id != e.group_of(c).id);
+  CHECK(e.store.list_groups("a")->size() == 3);
+}
+
+TEST_CASE("placement happens in write order even if embeddings arrive out of order") {
+  Env e;
+  const uint64_t a = e.write("1,0,0,0|x");
+  const uint64_t b = e.write("1,0,0,0|y");
+  auto pending = e.store.pending_embeddings(10);
+  REQUIRE(pending.size() == 2);
+  // Only b's embedding arrives: it must wait for a.
+  std::string rec;
+  auto r = e.store.apply_embeddings({{"a", b, 1, e.emb.vec("1,0,0,0|y")}}, &rec);
+  REQUIRE(r.is_ok());
+  CHECK(*r == 1);
+  CHECK_FALSE(rec.empty());
+  CHECK(e.store.get("a", b)->embedded);
+  CHECK(e.store.get("a", b)->group_id == 0);
+  CHECK(e.store.pending_embeddings(10).size() == 1);
+  e.embed_all();
+  CHECK(e.group_of(a).id == 1);  // a placed first: it opened group 1
+  CHECK(e.group_of(b).id == 1);
+  // A stale version is ignored; a wrong dimension is rejected as a whole.
+  CHECK(*e.store.apply_embeddings({{"a", a, 7, {1, 0, 0, 0}}}, &rec) == 0);
+  CHECK(rec.empty());
+  CHECK(e.store.apply_embeddings({{"a", a, 1, {1, 0}}}, &rec).status().code() ==
+        Code::kInvalidArgument);
+  CHECK(e.store.apply_embeddings({{"a", a, 1, {1, NAN, 0, 0}}}, &rec).status().code() ==
+        Code::kInvalidArgument);
+}
+
+TEST_CASE("t unchanged steps -> static, one group job; joint KV lands; a write makes it dynamic") {
+  Env e;  // t = 3
+  const uint64_t a = e.write("1,0,0,0|w w");
+  const uint64_t b = e.write("1,0.1,0,0|w w w");
+  e.embed_all();
+  auto seg_jobs = e.jobs();
+  REQUIRE(seg_jobs.size() == 2);
+  // Per-segment KV for both while dynamic.
+  uint32_t entry = 10;
+  for (const KvJob& j : seg_jobs) {
+    CHECK(e.store.complete_job(j.job_id, {entry++, 1, j.total_tokens}).is_ok());
+  }
+  auto r = e.retrieve("1,0,0,0|q", 5);
+  REQUIRE(r.size() == 2);
+  REQUIRE(r[0].kv.has_value());
+  CHECK_FALSE(r[0].kv->joint);
+
+  e.advance(2);
+  CHECK(e.group_of(a).state == GroupState::kDynamic);
+  CHECK(e.jobs().empty());
+  e.advance(1);  // step 3 >= 0 + 3
+  const GroupInfo g = e.group_of(a);
+  CHECK(g.state == GroupState::kStatic);
+  CHECK(e.store.stats().transitions_to_static == 1);
+  auto jobs = e.jobs();
+  REQUIRE(jobs.size() == 1);
+  CHECK(jobs[0].kind == KvJobKind::kGroup);
+  CHECK(jobs[0].group_id == g.id);
+  CHECK(jobs[0].group_version == g.version);
+  REQUIRE(jobs[0].segments.size() == 2);
+  CHECK(jobs[0].segments[0].id == a);
+  CHECK(jobs[0].total_tokens == 5);
+  e.advance(5);
+  CHECK(e.jobs().empty());  // exactly once
+
+  // Until the joint KV lands, members keep their own KV.
+  r = e.retrieve("1,0,0,0|q", 5);
+  REQUIRE(r[0].kv.has_value());
+  CHECK_FALSE(r[0].kv->joint);
+  CHECK(r[0].group_state == GroupState::kStatic);
+
+  REQUIRE(e.store.complete_job(jobs[0].job_id, {50, 7, 5}).is_ok());
+  auto released = e.store.take_released_entries();
+  CHECK(released.size() == 2);  // the two per-segment entries
+  r = e.retrieve("1,0,0,0|q", 5);
+  const RetrievedSegment* ra = find_seg(r, a);
+  const RetrievedSegment* rb = find_seg(r, b);
+  REQUIRE(ra);
+  REQUIRE(rb);
+  REQUIRE(ra->kv.has_value());
+  REQUIRE(rb->kv.has_value());
+  CHECK(ra->kv->joint);
+  CHECK(ra->kv->entry_index == 50);
+  CHECK(ra->kv->entry_generation == 7);
+  CHECK(ra->kv->token_offset == 0);
+  CHECK(ra->kv->tokens == 2);
+  CHECK(rb->kv->token_offset == 2);
+  CHECK(rb->kv->tokens == 3);
+  CHECK(rb->kv->group_version == g.version);
+  CHECK(e.group_of(a).has_joint_kv);
+
+  // A write to a member: dynamic at once, joint entry released, never served again.
+  e.update(b, "1,0.1,0,0|w w w changed");
+  const GroupInfo g2 = e.group_of(a);
+  CHECK(g2.state == GroupState::kDynamic);
+  CHECK(g2.version == g.version + 1);
+  CHECK_FALSE(g2.has_joint_kv);
+  CHECK(e.store.stats().transitions_to_dynamic == 1);
+  released = e.store.take_released_entries();
+  REQUIRE(released.size() == 1);
+  CHECK(released[0].index == 50);
+  CHECK(released[0].generation == 7);
+  CHECK(released[0].tokens == 5);
+  r = e.retrieve("1,0,0,0|q", 5);
+  for (const auto& s : r) CHECK_FALSE(s.kv.has_value());
+  // Both members need their own KV again.
+  jobs = e.jobs();
+  CHECK(count_kind(jobs, KvJobKind::kSegment) == 2);
+  CHECK(count_kind(jobs, KvJobKind::kGroup) == 0);
+
+  // Unchanged for t more steps: static again, a new group job.
+  e.advance(2);
+  CHECK(e.group_of(a).state == GroupState::kDynamic);
+  e.advance(1);
+  CHECK(e.group_of(a).state == GroupState::kStatic);
+  auto jobs2 = e.jobs();
+  REQUIRE(count_kind(jobs2, KvJobKind::kGroup) == 1);
+  CHECK(e.store.stats().transitions_to_static == 2);
+}
+
+TEST_CASE("a write joining a static group makes it dynamic") {
+  Env e;
+  const uint64_t a = e.write("1,0,0,0|w");
+  e.embed_all();
+  e.advance(3);
+  CHECK(e.group_of(a).state == GroupState::kStatic);
+  e.jobs();
+  const uint64_t b = e.write("1,0,0,0|v");
+  e.embed_all();
+  CHECK(e.group_of(b).id == e.group_of(a).id);
+  CHECK(e.group_of(a).state == GroupState::kDynamic);
+}
+
+TEST_CASE("stale job completions are kStale and the entry is released") {
+  Env e;
+  const uint64_t a = e.write("1,0,0,0|w w");
+  e.embed_all();
+  auto jobs = e.jobs();
+  REQUIRE(jobs.size() == 1);
+  e.update(a, "1,0,0,0|w w new");
+  auto st = e.store.complete_job(jobs[0].job_id, {3, 9, 2});
+  CHECK(st.code() == Code::kStale);
+  auto rel = e.store.take_released_entries();
+  REQUIRE(rel.size() == 1);
+  CHECK(rel[0].index == 3);
+  CHECK(rel[0].generation == 9);
+  CHECK_FALSE(e.store.get("a", a)->kv.has_value());
+  // Unknown / already completed job: kNotFound, the entry stays the caller's.
+  CHECK(e.store.complete_job(jobs[0].job_id, {4, 1, 2}).code() == Code::kNotFound);
+  CHECK(e.store.take_released_entries().empty());
+
+  // Group job overtaken by a change.
+  e.embed_all();
+  e.advance(3);
+  jobs = e.jobs();
+  uint64_t gjob = 0;
+  for (auto& j : jobs) {
+    if (j.kind == KvJobKind::kGroup) gjob = j.job_id;
+  }
+  REQUIRE(gjob != 0);
+  e.write("1,0,0,0|joins");
+  e.embed_all();
+  CHECK(e.store.complete_job(gjob, {8, 2, 3}).code() == Code::kStale);
+  rel = e.store.take_released_entries();
+  REQUIRE(rel.size() == 1);
+  CHECK(rel[0].index == 8);
+  // Deleted segment.
+  jobs = e.jobs();
+  REQUIRE_FALSE(jobs.empty());
+  const KvJob j = jobs[0];
+  REQUIRE(e.store.remove("a", j.segments[0].id, nullptr).is_ok());
+  CHECK(e.store.complete_job(j.job_id, {11, 1, 1}).code() == Code::kStale);
+  CHECK(e.store.stats().jobs_stale == 3);
+}
+
+TEST_CASE("group job with inconsistent token slices is rejected and released") {
+  Env e;
+  const uint64_t a = e.write("1,0,0,0|w w");
+  e.write("1,0,0,0|w w w");
+  e.embed_all();
+  e.advance(3);
+  auto jobs = e.jobs();
+  uint64_t gjob = 0;
+  for (auto& j : jobs) {
+    if (j.kind == KvJobKind::kGroup) gjob = j.job_id;
+  }
+  REQUIRE(gjob != 0);
+  CHECK(e.store.complete_job(gjob, {1, 1, 6}).code() == Code::kInvalidArgument);
+  CHECK(e.store.take_released_entries().size() == 1);
+  // Explicit slices from the worker's tokenizer.
+  e.update(a, "1,0,0,0|w w x");
+  e.embed_all();
+  e.advance(3);
+  jobs = e.jobs();
+  gjob = 0;
+  for (auto& j : jobs) {
+    if (j.kind == KvJobKind::kGroup) gjob = j.job_id;
+  }
+  REQUIRE(gjob != 0);
+  REQUIRE(e.store.complete_job(gjob, {2, 1, 7}, {4, 3}).is_ok());
+  auto r = e.retrieve("1,0,0,0|q", 5);
+  REQUIRE(r.size() == 2);
+  REQUIRE(r[1].kv.has_value());
+  CHECK(r[1].kv->token_offset == 4);
+  CHECK(r[1].kv->tokens == 3);
+}
+
+TEST_CASE("fail_job requeues, then drops after max attempts") {
+  Env e;
+  e.write("1,0,0,0|w");
+  e.embed_all();
+  auto jobs = e.jobs();
+  REQUIRE(jobs.size() == 1);
+  const uint64_t id = jobs[0].job_id;
+  CHECK(e.store.fail_job(id).is_ok());
+  jobs = e.jobs();
+  REQUIRE(jobs.size() == 1);
+  CHECK(jobs[0].attempt == 1);
+  CHECK(e.store.fail_job(id).is_ok());
+  jobs = e.jobs();
+  REQUIRE(jobs.size() == 1);
+  CHECK(e.store.fail_job(id).is_ok());  // third failure: dropped
+  CHECK(e.jobs().empty());
+  CHECK(e.store.fail_job(id).code() == Code::kNotFound);
+  CHECK(e.store.stats().jobs_failed == 3);
+}
+
+TEST_CASE("an update moves a segment when it no longer fits its group, else it stays") {
+  Env e;
+  const uint64_t a = e.write("1,0,0,0|w");
+  const uint64_t b = e.write("1,0.1,0,0|w");
+  const uint64_t c = e.write("0,1,0,0|w");
+  e.embed_all();
+  const uint64_t g1 = e.group_of(a).id;
+  const uint64_t g2 = e.group_of(c).id;
+  REQUIRE(e.group_of(b).id == g1);
+  e.advance(3);
+  CHECK(e.group_of(c).state == GroupState::kStatic);
+  e.jobs();
+
+  // Stays: still close to a.
+  e.update(b, "1,0.2,0,0|w");
+  CHECK(e.group_of(b).id == g1);  // still a member while awaiting its embedding
+  CHECK(e.group_of(a).state == GroupState::kDynamic);
+  e.embed_all();
+  CHECK(e.group_of(b).id == g1);
+  const uint64_t v_after_stay = e.group_of(a).version;
+
+  // Moves: now orthogonal to a, close to c.
+  e.update(b, "0,1,0.1,0|w");
+  e.embed_all();
+  CHECK(e.group_of(b).id == g2);
+  CHECK(e.group_of(a).segment_ids == std::vector<uint64_t>{a});
+  CHECK(e.group_of(a).version > v_after_stay);
+  CHECK(e.group_of(c).state == GroupState::kDynamic);  // both groups dynamic
+  CHECK(e.group_of(a).state == GroupState::kDynamic);
+  CHECK(e.store.get("a", b)->version == 3);
+
+  // Identical text: a no-op with no record.
+  std::string rec = "x";
+  UpdateRequest same{"a", b, "0,1,0.1,0|w", std::nullopt, std::nullopt};
+  auto res = e.store.update(same, &rec);
+  REQUIRE(res.is_ok());
+  CHECK(res->version == 3);
+  CHECK(rec.empty());
+}
+
+TEST_CASE("delete: the group turns dynamic; an emptied group is dropped; KV released") {
+  Env e;
+  const uint64_t a = e.write("1,0,0,0|w");
+  const uint64_t b = e.write("1,0,0,0|v");
+  e.embed_all();
+  for (auto& j : e.jobs()) REQUIRE(e.store.complete_job(j.job_id, {1, j.job_id, 1}).is_ok());
+  e.advance(3);
+  CHECK(e.group_of(a).state == GroupState::kStatic);
+  REQUIRE(e.store.remove("a", a, nullptr).is_ok());
+  CHECK(e.group_of(b).state == GroupState::kDynamic);
+  CHECK(e.group_of(b).segment_ids == std::vector<uint64_t>{b});
+  CHECK(e.store.take_released_entries().size() == 1);  // a's own KV
+  CHECK(e.store.get("a", a).status().code() == Code::kNotFound);
+  REQUIRE(e.store.remove("a", b, nullptr).is_ok());
+  CHECK(e.store.list_groups("a")->empty());
+  CHECK(e.store.remove("a", b, nullptr).code() == Code::kNotFound);
+  CHECK(e.store.stats().memories == 0);
+  // The group job that was queued for the dropped group is gone.
+  for (auto& j : e.jobs()) CHECK(j.kind != KvJobKind::kGroup);
+}
+
+TEST_CASE("retrieve: read-your-writes, example plans always, prompt order") {
+  Env e;
+  const uint64_t p = e.write("0,0,0,1|plan one", SegmentKind::kExamplePlan);
+  const uint64_t s1 = e.write("1,0,0,0|static one");
+  const uint64_t s2 = e.write("1,0.1,0,0|static two");
+  e.embed_all();
+  e.advance(3);  // group of s1/s2 static
+  const uint64_t d1 = e.write("0.7,0.7,0,0|dynamic");
+  const uint64_t far = e.write("0,0,1,0|far away");
+  // Not embedded yet: retrieve embeds them synchronously.
+  std::string rec;
+  auto r = e.store.retrieve("a", "1,0.5,0,0|query", 3, &rec);
+  REQUIRE(r.is_ok());
+  CHECK_FALSE(rec.empty());  // their embeddings, for the WAL
+  CHECK(e.store.stats().pending_embeddings == 0);
+  REQUIRE(r->size() == 4);  // the plan + top 3
+  CHECK((*r)[0].id == p);
+  CHECK((*r)[0].kind == SegmentKind::kExamplePlan);
+  CHECK((*r)[1].id == s1);
+  CHECK((*r)[2].id == s2);
+  CHECK((*r)[1].group_state == GroupState::kStatic);
+  CHECK((*r)[3].id == d1);
+  CHECK((*r)[3].group_state == GroupState::kDynamic);
+  CHECK(find_seg(*r, far) == nullptr);
+  CHECK((*r)[3].score > 0.9f);
+  // k = 0: only plans.
+  auto only = e.retrieve("", 0);
+  REQUIRE(only.size() == 1);
+  CHECK(only[0].id == p);
+  // The query embedding is cached.
+  const int calls = e.emb.calls;
+  e.retrieve("1,0.5,0,0|query", 3);
+  CHECK(e.emb.calls == calls);
+  CHECK(e.store.stats().query_cache_hits >= 1);
+  // A failing embedder fails retrieve when it has to embed.
+  e.write("1,0,0,0|new");
+  e.emb.fail = true;
+  CHECK(e.store.retrieve("a", "1,0.5,0,0|query", 3, nullptr).status().code() == Code::kUnavailable);
+}
+
+TEST_CASE("bad input gets clear codes and produces no record") {
+  Env e;
+  std::string rec;
+  auto code = [&](WriteRequest r) { return e.store.write(r, &rec).status().code(); };
+  CHECK(code({"", std::nullopt, "t", SegmentKind::kObjectState, std::nullopt}) ==
+        Code::kInvalidArgument);
+  CHECK(code({"bad name", std::nullopt, "t", SegmentKind::kObjectState, std::nullopt}) ==
+        Code::kInvalidArgument);
+  CHECK(code({std::string(17, 'a'), std::nullopt, "t", SegmentKind::kObjectState, std::nullopt}) ==
+        Code::kInvalidArgument);
+  CHECK(code({"a", std::nullopt, "", SegmentKind::kObjectState, std::nullopt}) ==
+        Code::kInvalidArgument);
+  CHECK(code({"a", std::nullopt, std::string(201, 'x'), SegmentKind::kObjectState, std::nullopt}) ==
+        Code::kTooLarge);
+  CHECK(code({"a", 0, "t", SegmentKind::kObjectState, std::nullopt}) == Code::kInvalidArgument);
+  CHECK(code({"a", std::nullopt, "t", static_cast<SegmentKind>(9), std::nullopt}) ==
+        Code::kInvalidArgument);
+  CHECK(rec.empty());
+  CHECK(e.store.list_agents().empty());  // nothing was created
+
+  REQUIRE(e.store.write({"a", 5, "t", SegmentKind::kObjectState, std::nullopt}, &rec).is_ok());
+  CHECK_FALSE(rec.empty());
+  CHECK(code({"a", 5, "u", SegmentKind::kObjectState, std::nullopt}) == Code::kAlreadyExists);
+  CHECK(rec.empty());
+  // The next automatic id follows the explicit one.
+  auto w = e.store.write({"a", std::nullopt, "u", SegmentKind::kObjectState, std::nullopt}, &rec);
+  REQUIRE(w.is_ok());
+  CHECK(w->id == 6);
+
+  // Steps: a future step advances the agent; a past one is rejected.
+  w = e.store.write({"a", std::nullopt, "v", SegmentKind::kObjectState, 4}, &rec);
+  REQUIRE(w.is_ok());
+  CHECK(w->step == 4);
+  CHECK(*e.store.current_step("a") == 4);
+  CHECK(code({"a", std::nullopt, "v", SegmentKind::kObjectState, 3}) == Code::kInvalidArgument);
+  CHECK(e.store.advance_step("a", 0, &rec).status().code() == Code::kInvalidArgument);
+  CHECK(e.store.advance_step("a", UINT64_MAX, &rec).status().code() == Code::kInvalidArgument);
+
+  UpdateRequest u{"nobody", 1, "x", std::nullopt, std::nullopt};
+  CHECK(e.store.update(u, &rec).status().code() == Code::kNotFound);
+  u.agent = "a";
+  u.id = 99;
+  CHECK(e.store.update(u, &rec).status().code() == Code::kNotFound);
+  u.id = 5;
+  u.text = "";
+  CHECK(e.store.update(u, &rec).status().code() == Code::kInvalidArgument);
+  CHECK(e.store.remove("nobody", 1, &rec).code() == Code::kNotFound);
+  CHECK(e.store.remove("a", 99, &rec).code() == Code::kNotFound);
+  CHECK(e.store.retrieve("nobody", "q", 3, &rec).status().code() == Code::kNotFound);
+  CHECK(e.store.retrieve("a", "", 3, &rec).status().code() == Code::kInvalidArgument);
+  CHECK(e.store.retrieve("a", std::string(201, 'q'), 3, &rec).status().code() == Code::kTooLarge);
+  CHECK(e.store.list_groups("nobody").status().code() == Code::kNotFound);
+  CHECK(rec.empty());
+
+  CHECK(e.store.apply_record("\x01garbage").code() == Code::kCorrupt);  // unknown type
+  CHECK(e.store.apply_record("garbage").code() == Code::kVersionMismatch);
+  CHECK(e.store.apply_record("").code() == Code::kCorrupt);
+  CHECK(e.store.deserialize("nope").code() == Code::kInvalidArgument);  // store not empty
+  Env fresh;
+  CHECK(fresh.store.deserialize("nope").code() == Code::kCorrupt);
+
+  StoreOptions lim = small_options();
+  lim.max_segments_per_agent = 1;
+  lim.max_agents = 1;
+  Env limited(lim);
+  limited.write("t");
+  CHECK(limited.store.write({"a", std::nullopt, "u", SegmentKind::kObjectState, std::nullopt}, &rec)
+            .status()
+            .code() == Code::kResourceExhausted);
+  CHECK(limited.store.advance_step("b", 1, &rec).status().code() == Code::kResourceExhausted);
+}
+
+namespace {
+
+// Applies one random operation to `env`, appending its WAL record (if any) to `log`.
+void random_op(Env& env, std::mt19937& rng, std::vector<std::string>* log) {
+  static const char* kAgents[] = {"alpha", "beta", "gamma"};
+  const std::string agent = kAgents[rng() % 3];
+  auto rand_text = [&]() {
+    // Vectors from a few directions so that groups form, move and split.
+    const int dir = static_cast<int>(rng() % 4);
+    std::string t;
+    for (int i = 0; i < 4; ++i) {
+      const float v = (i == dir ? 1.0f : 0.0f) + 0.1f * static_cast<float>(rng() % 5);
+      t += std::to_string(v) + (i < 3 ? "," : "|");
+    }
+    const int words = 1 + static_cast<int>(rng() % 4);
+    for (int i = 0; i < words; ++i) t += " w" + std::to_string(rng() % 100);
+    return t;
+  };
+  std::string rec;
+  const int op = static_cast<int>(rng() % 100);
+  auto ids = [&]() -> std::vector<uint64_t> {
+    std::vector<uint64_t> out;
+    auto groups = env.store.list_groups(agent);
+    if (!groups.is_ok()) return out;
+    for (uint64_t id = 1; id < 200; ++id) {
+      if (env.store.get(agent, id).is_ok()) out.push_back(id);
+    }
+    return out;
+  };
+  if (op < 35) {
+    const SegmentKind kind = static_cast<SegmentKind>(rng() % 3);
+    (void)env.store.write({agent, std::nullopt, rand_text(), kind, std::nullopt}, &rec);
+  } else if (op < 50) {
+    auto v = ids();
+    if (!v.empty()) {
+      UpdateRequest u{agent, v[rng() % v.size()], rand_text(), std::nullopt, std::nullopt};
+      (void)env.store.update(u, &rec);
+    }
+  } else if (op < 58) {
+    auto v = ids();
+    if (!v.empty()) (void)env.store.remove(agent, v[rng() % v.size()], &rec);
+  } else if (op < 75) {
+    (void)env.store.advance_step(agent, 1 + rng() % 4, &rec);
+  } else if (op < 90) {
+    auto pending = env.store.pending_embeddings(1 + rng() % 5);
+    std::vector<SegmentEmbedding> out;
+    for (auto& p : pending) {
+      if (rng() % 4 != 0) out.push_back({p.agent, p.id, p.version, env.emb.vec(p.text)});
+    }
+    (void)env.store.apply_embeddings(out, &rec);
+  } else {
+    (void)env.store.retrieve(agent, rand_text(), 1 + rng() % 5, &rec);
+  }
+  if (!rec.empty()) log->push_back(rec);
+  // Drive the KV side too (not persisted, must not affect the durable state).
+  for (const KvJob& j : env.store.take_jobs(rng() % 3)) {
+    if (rng() % 3 == 0) {
+      (void)env.store.fail_job(j.job_id);
+    } else {
+      (void)env.store.complete_job(j.job_id, {static_cast<uint32_t>(j.job_id), 1, j.total_tokens});
+    }
+  }
+  env.store.take_released_entries();
+}
+
+}  // namespace
+
+TEST_CASE("replaying the records gives the identical state; snapshots round-trip") {
+  for (uint32_t seed : {1u, 2u, 3u, 4u}) {
+    CAPTURE(seed);
+    std::mt19937 rng(seed);
+    Env live;
+    std::vector<std::string> log;
+    for (int i = 0; i < 600; ++i) random_op(live, rng, &log);
+    const std::string state = live.store.serialize();
+    CHECK(live.store.stats().memories > 0);
+    CHECK(live.store.stats().groups_static + live.store.stats().groups_dynamic > 0);
+
+    Env replay;
+    for (const std::string& r : log) REQUIRE(replay.store.apply_record(r).is_ok());
+    CHECK(replay.store.serialize() == state);
+
+    // Snapshot restore, then the same further operations on both: still identical.
+    Env restored;
+    REQUIRE(restored.store.deserialize(state).is_ok());
+    CHECK(restored.store.serialize() == state);
+    std::mt19937 rng_a(seed * 31u), rng_b(seed * 31u);
+    std::vector<std::string> log_a, log_b;
+    for (int i = 0; i < 300; ++i) {
+      random_op(live, rng_a, &log_a);
+      random_op(restored, rng_b, &log_b);
+    }
+    CHECK(log_a == log_b);
+    CHECK(restored.store.serialize() == live.store.serialize());
+    // And the tail replayed on the replayed store also matches.
+    for (const std::string& r : log_a) REQUIRE(replay.store.apply_record(r).is_ok());
+    CHECK(replay.store.serialize() == live.store.serialize());
+  }
+}
+
+TEST_CASE("after a snapshot restore, KV jobs are queued for static groups and dynamic segments") {
+  Env e;
+  e.write("1,0,0,0|a");
+  e.write("1,0,0,0|b");
+  e.write("0,1,0,0|c");
+  e.embed_all();
+  e.advance(3);  // both groups static
+  e.write("0,1,0,0|d");
+  e.embed_all();  // second group dynamic again
+  Env r;
+  REQUIRE(r.store.deserialize(e.store.serialize()).is_ok());
+  auto jobs = r.jobs();
+  CHECK(count_kind(jobs, KvJobKind::kGroup) == 1);
+  CHECK(count_kind(jobs, KvJobKind::kSegment) == 2);
+  // Corrupting the snapshot semantically is caught.
+  std::string bad = e.store.serialize();
+  Env r2;
+  CHECK_FALSE(r2.store.deserialize(bad.substr(0, bad.size() - 1)).is_ok());
+  CHECK(r2.store.list_agents().empty());
+}
+
+TEST_CASE("retrieve over 10k memories of 384 dimensions is fast") {
+  TestEmbedder emb(384);
+  WhitespaceCounter counter;
+  StoreOptions o;  // defaults: tau 0.55, budget 512, t 10
+  MemoryStore store(o, &emb, &counter);
+  const int n = 10000;
+  for (int i = 0; i < n; ++i) {
+    WriteRequest w;
+    w.agent = "bench";
+    w.text = "c" + std::to_string(i % 200) + ": object " + std::to_string(i) +
+             " is somewhere in the kitchen near the table";
+    w.kind = i % 500 == 0 ? SegmentKind::kExamplePlan : SegmentKind::kObjectState;
+    REQUIRE(store.write(w, nullptr).is_ok());
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  while (true) {
+    auto pending = store.pending_embeddings(512);
+    if (pending.empty()) break;
+    std::vector<std::string> texts;
+    for (auto& p : pending) texts.push_back(p.text);
+    auto vecs = emb.embed(texts);
+    REQUIRE(vecs.is_ok());
+    std::vector<SegmentEmbedding> out;
+    for (size_t i = 0; i < pending.size(); ++i) {
+      out.push_back({pending[i].agent, pending[i].id, pending[i].version, (*vecs)[i]});
+    }
+    REQUIRE(store.apply_embeddings(out, nullptr).is_ok());
+  }
+  const auto t1 = std::chrono::steady_clock::now();
+  const StoreStats st = store.stats();
+  CHECK(st.memories == static_cast<uint64_t>(n));
+  CHECK(st.groups_dynamic > 0);
+  const std::string q = "c7: where is the cup";
+  REQUIRE(store.retrieve("bench", q, 16, nullptr).is_ok());  // warm the query cache
+  std::vector<double> us;
+  for (int i = 0; i < 300; ++i) {
+    const auto a = std::chrono::steady_clock::now();
+    auto r = store.retrieve("bench", q, 16, nullptr);
+    const auto b = std::chrono::steady_clock::now();
+    REQUIRE(r.is_ok());
+    CHECK(r->size() == 16 + n / 500);
+    us.push_back(std::chrono::duration<double, std::micro>(b - a).count());
+  }
+  std::sort(us.begin(), us.end());
+  MESSAGE("placed 10k segments into " << st.groups_dynamic << " groups in "
+                                      << std::chrono::duration<double, std::milli>(t1 - t0).count()
+                                      << " ms; retrieve k=16: p50 " << us[us.size() / 2]
+                                      << " us, p99 " << us[us.size() * 99 / 100] << " us");
+  // Serialising and restoring 10k x 384 works.
+  const std::string snap = store.serialize();
+  MemoryStore restored(o, &emb, &counter);
+  REQUIRE(restored.deserialize(snap).is_ok());
+  CHECK(restored.serialize() == snap);
+}
