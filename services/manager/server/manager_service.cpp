@@ -1,0 +1,525 @@
+#include "services/manager/server/manager_service.h"
+
+#include <kj/exception.h>
+
+#include <exception>
+
+#include "shared/client/wire_codec.h"
+#include "shared/common/log.h"
+
+namespace keep::manager {
+
+namespace {
+
+constexpr const char* kLog = "service";
+
+std::string str(capnp::Text::Reader t) { return std::string(t.begin(), t.size()); }
+
+Result<SegmentKind> kind_from_wire(proto::SegmentKind kind) {
+  KEEP_RETURN_IF_ERROR(wire::check_enum(kind, "kind"));
+  switch (kind) {
+    case proto::SegmentKind::OBJECT_STATE:
+      return SegmentKind::kObjectState;
+    case proto::SegmentKind::TASK_RECORD:
+      return SegmentKind::kTaskRecord;
+    case proto::SegmentKind::EXAMPLE_PLAN:
+      return SegmentKind::kExamplePlan;
+    default:
+      break;
+  }
+  return Status(Code::kInvalidArgument,
+                "kind has unknown value " + std::to_string(static_cast<uint16_t>(kind)));
+}
+
+proto::SegmentKind kind_to_wire(SegmentKind kind) {
+  switch (kind) {
+    case SegmentKind::kObjectState:
+      return proto::SegmentKind::OBJECT_STATE;
+    case SegmentKind::kTaskRecord:
+      return proto::SegmentKind::TASK_RECORD;
+    case SegmentKind::kExamplePlan:
+      return proto::SegmentKind::EXAMPLE_PLAN;
+  }
+  return proto::SegmentKind::UNKNOWN;
+}
+
+proto::GroupState state_to_wire(GroupState state) {
+  switch (state) {
+    case GroupState::kDynamic:
+      return proto::GroupState::DYNAMIC;
+    case GroupState::kStatic:
+      return proto::GroupState::STATIC;
+  }
+  return proto::GroupState::UNKNOWN;
+}
+
+void set_entry(proto::EntryDescriptor::Builder out, const EntryLocation& e) {
+  out.setIndex(e.index);
+  out.setGeneration(e.generation);
+  out.setOffset(e.offset);
+  out.setBytes(e.bytes);
+  out.setTokens(e.tokens);
+}
+
+void set_write_result(proto::WriteMemoryResponse::Builder out, const WriteResult& r) {
+  out.setId(r.id);
+  out.setVersion(r.version);
+  out.setStep(r.step);
+}
+
+uint32_t lease_ms(std::chrono::milliseconds lease) {
+  return static_cast<uint32_t>(std::min<int64_t>(lease.count(), UINT32_MAX));
+}
+
+}  // namespace
+
+ManagerService::ManagerService(MemoryStore* store, BatchCommitter* committer, KvRegionOps* region,
+                               ServiceOptions options)
+    : store_(store), committer_(committer), region_(region), options_(std::move(options)) {
+  KEEP_CHECK(store_ != nullptr);
+}
+
+ManagerService::~ManagerService() = default;
+
+size_t ManagerService::jobs_in_flight() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return jobs_.size();
+}
+
+Status ManagerService::mutation_allowed() const {
+  if (degraded_) {
+    return Status(Code::kUnavailable,
+                  "the write-ahead log failed earlier; mutations are refused until restart");
+  }
+  return Status::ok();
+}
+
+Status ManagerService::append_locked(const std::string& record) {
+  if (committer_ == nullptr || record.empty()) return Status::ok();
+  Status st = committer_->append(record);
+  if (!st.is_ok()) {
+    degraded_ = true;
+    KEEP_LOG_ERROR(kLog, "WAL append failed, refusing mutations from now on: %s",
+                   st.to_string().c_str());
+    return Status(Code::kIoError,
+                  "applied in memory but not logged (WAL append failed): " + st.to_string());
+  }
+  return st;
+}
+
+void ManagerService::handle_batch(std::span<wire::Call> calls) {
+  std::vector<uint8_t> needs_sync(calls.size(), 0);
+  bool any = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < calls.size(); ++i) {
+      try {
+        needs_sync[i] = handle_one(calls[i]) ? 1 : 0;
+      } catch (const kj::Exception& e) {
+        // Lazily detected structure errors (e.g. text without its NUL terminator).
+        calls[i].fail(Status(Code::kMalformed,
+                             std::string("undecodable request: ") + e.getDescription().cStr()));
+      } catch (const std::exception& e) {
+        calls[i].fail(Status(Code::kInternal, std::string("handler: ") + e.what()));
+      }
+      any = any || needs_sync[i];
+    }
+    release_entries_locked();
+  }
+  if (any && committer_ != nullptr) {
+    Status st = committer_->sync();  // ONE sync for every record of the batch
+    if (!st.is_ok()) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        degraded_ = true;
+      }
+      KEEP_LOG_ERROR(kLog, "WAL sync failed, refusing mutations from now on: %s",
+                     st.to_string().c_str());
+      for (size_t i = 0; i < calls.size(); ++i) {
+        if (needs_sync[i]) {
+          calls[i].fail(
+              Status(Code::kIoError,
+                     "applied in memory but not durable (WAL sync failed): " + st.to_string()));
+        }
+      }
+    }
+  }
+}
+
+void ManagerService::on_idle() { expire_jobs(std::chrono::steady_clock::now()); }
+
+void ManagerService::release_entries_locked() {
+  for (const KvEntry& e : store_->take_released_entries()) {
+    if (region_ == nullptr) continue;
+    Status st = region_->release(e.index, e.generation);
+    if (!st.is_ok()) {
+      KEEP_LOG_WARN(kLog, "releasing entry %u gen %llu: %s", e.index,
+                    static_cast<unsigned long long>(e.generation), st.to_string().c_str());
+    }
+  }
+}
+
+bool ManagerService::handle_one(wire::Call& call) {
+  const auto req = call.request();
+  std::string record;
+  switch (req.which()) {
+    case proto::Request::NONE:
+      call.fail(Status(Code::kInvalidArgument, "empty request (no call set)"));
+      return false;
+
+    case proto::Request::PING: {
+      call.reply().initPing().setServerVersion(options_.server_version + " protocol " +
+                                               std::to_string(wire::kProtocolVersion));
+      return false;
+    }
+
+    case proto::Request::WRITE_MEMORY: {
+      if (Status st = mutation_allowed(); !st.is_ok()) return call.fail(st), false;
+      auto w = req.getWriteMemory();
+      WriteRequest wr;
+      wr.agent = str(w.getAgent());
+      if (w.getHasId()) wr.id = w.getId();
+      wr.text = str(w.getText());
+      auto kind = kind_from_wire(w.getKind());
+      if (!kind.is_ok()) return call.fail(kind.status()), false;
+      wr.kind = *kind;
+      if (w.getHasStep()) wr.step = w.getStep();
+      auto r = store_->write(wr, &record);
+      if (!r.is_ok()) return call.fail(r.status()), false;
+      if (Status st = append_locked(record); !st.is_ok()) return call.fail(st), false;
+      set_write_result(call.reply().initWriteMemory(), *r);
+      return !record.empty();
+    }
+
+    case proto::Request::UPDATE_MEMORY: {
+      if (Status st = mutation_allowed(); !st.is_ok()) return call.fail(st), false;
+      auto u = req.getUpdateMemory();
+      UpdateRequest ur;
+      ur.agent = str(u.getAgent());
+      ur.id = u.getId();
+      ur.text = str(u.getText());
+      if (u.getHasKind()) {
+        auto kind = kind_from_wire(u.getKind());
+        if (!kind.is_ok()) return call.fail(kind.status()), false;
+        ur.kind = *kind;
+      }
+      if (u.getHasStep()) ur.step = u.getStep();
+      auto r = store_->update(ur, &record);
+      if (!r.is_ok()) return call.fail(r.status()), false;
+      if (Status st = append_locked(record); !st.is_ok()) return call.fail(st), false;
+      set_write_result(call.reply().initUpdateMemory(), *r);
+      return !record.empty();
+    }
+
+    case proto::Request::DELETE_MEMORY: {
+      if (Status st = mutation_allowed(); !st.is_ok()) return call.fail(st), false;
+      auto d = req.getDeleteMemory();
+      Status st = store_->remove(str(d.getAgent()), d.getId(), &record);
+      if (!st.is_ok()) return call.fail(st), false;
+      if (Status a = append_locked(record); !a.is_ok()) return call.fail(a), false;
+      call.reply().initDeleteMemory();
+      return !record.empty();
+    }
+
+    case proto::Request::ADVANCE_STEP: {
+      if (Status st = mutation_allowed(); !st.is_ok()) return call.fail(st), false;
+      auto a = req.getAdvanceStep();
+      auto r = store_->advance_step(str(a.getAgent()), a.getBy(), &record);
+      if (!r.is_ok()) return call.fail(r.status()), false;
+      if (Status st = append_locked(record); !st.is_ok()) return call.fail(st), false;
+      call.reply().initAdvanceStep().setStep(*r);
+      return !record.empty();
+    }
+
+    case proto::Request::RETRIEVE: {
+      auto q = req.getRetrieve();
+      auto r = store_->retrieve(str(q.getAgent()), str(q.getQuery()), q.getK(), &record);
+      if (!r.is_ok()) return call.fail(r.status()), false;
+      // The embedding record is derived state; when the WAL is already broken it is dropped
+      // (recovery recomputes embeddings) instead of failing a read.
+      bool logged = false;
+      if (!degraded_ && !record.empty()) {
+        if (Status st = append_locked(record); !st.is_ok()) return call.fail(st), false;
+        logged = committer_ != nullptr;
+      }
+      auto segs = call.reply().initRetrieve().initSegments(static_cast<unsigned>(r->size()));
+      for (size_t i = 0; i < r->size(); ++i) {
+        const RetrievedSegment& s = (*r)[i];
+        auto o = segs[static_cast<unsigned>(i)];
+        o.setId(s.id);
+        o.setText(s.text);
+        o.setKind(kind_to_wire(s.kind));
+        o.setTokens(s.tokens);
+        o.setVersion(s.version);
+        o.setUpdatedStep(s.updated_step);
+        o.setGroupId(s.group_id);
+        o.setGroupState(state_to_wire(s.group_state));
+        o.setGroupVersion(s.group_version);
+        o.setScore(s.score);
+        if (s.kv && region_ != nullptr) {
+          auto loc = region_->locate(s.kv->entry_index, s.kv->entry_generation);
+          if (loc.is_ok()) {
+            o.setHasKv(true);
+            auto kv = o.initKv();
+            set_entry(kv.initEntry(), *loc);
+            kv.setTokenOffset(s.kv->token_offset);
+            kv.setTokens(s.kv->tokens);
+            kv.setJoint(s.kv->joint);
+          }
+        }
+      }
+      return logged;
+    }
+
+    case proto::Request::LIST_GROUPS: {
+      auto r = store_->list_groups(str(req.getListGroups().getAgent()));
+      if (!r.is_ok()) return call.fail(r.status()), false;
+      auto groups = call.reply().initListGroups().initGroups(static_cast<unsigned>(r->size()));
+      for (size_t i = 0; i < r->size(); ++i) {
+        const GroupInfo& g = (*r)[i];
+        auto o = groups[static_cast<unsigned>(i)];
+        o.setId(g.id);
+        o.setState(state_to_wire(g.state));
+        o.setVersion(g.version);
+        auto ids = o.initSegmentIds(static_cast<unsigned>(g.segment_ids.size()));
+        for (size_t j = 0; j < g.segment_ids.size(); ++j) {
+          ids.set(static_cast<unsigned>(j), g.segment_ids[j]);
+        }
+        o.setTokens(g.tokens);
+        o.setLastChangeStep(g.last_change_step);
+      }
+      return false;
+    }
+
+    case proto::Request::STATS: {
+      const StoreStats s = store_->stats();
+      std::vector<std::pair<std::string, uint64_t>> counters = {
+          {"pending_embeddings", s.pending_embeddings},
+          {"jobs_queued", s.jobs_queued},
+          {"jobs_running", s.jobs_running},
+          {"jobs_in_flight", jobs_.size()},
+          {"released_pending", s.released_pending},
+          {"transitions_to_static", s.transitions_to_static},
+          {"transitions_to_dynamic", s.transitions_to_dynamic},
+          {"jobs_completed", s.jobs_completed},
+          {"jobs_stale", s.jobs_stale},
+          {"jobs_failed", s.jobs_failed},
+          {"query_cache_hits", s.query_cache_hits},
+          {"query_cache_misses", s.query_cache_misses},
+          {"degraded", degraded_ ? 1u : 0u},
+      };
+      if (options_.extra_stats) options_.extra_stats(&counters);
+      auto o = call.reply().initStats();
+      o.setAgents(s.agents);
+      o.setMemories(s.memories);
+      o.setGroupsStatic(s.groups_static);
+      o.setGroupsDynamic(s.groups_dynamic);
+      o.setJobsPending(s.jobs_queued);
+      auto list = o.initCounters(static_cast<unsigned>(counters.size()));
+      for (size_t i = 0; i < counters.size(); ++i) {
+        list[static_cast<unsigned>(i)].setName(counters[i].first);
+        list[static_cast<unsigned>(i)].setValue(counters[i].second);
+      }
+      return false;
+    }
+
+    case proto::Request::FETCH_JOBS:
+      do_fetch_jobs(call);
+      return false;
+    case proto::Request::RESERVE_ENTRY:
+      do_reserve(call);
+      return false;
+    case proto::Request::COMMIT_ENTRY:
+      do_commit(call);
+      return false;
+    case proto::Request::REVOKE_ENTRY:
+      do_revoke(call);
+      return false;
+    case proto::Request::RENEW_LEASE:
+      do_renew(call);
+      return false;
+  }
+  call.fail(Status(Code::kInvalidArgument,
+                   "unknown request type " + std::to_string(static_cast<unsigned>(req.which()))));
+  return false;
+}
+
+// ---- KV jobs ---------------------------------------------------------------------------------
+
+namespace {
+Status no_region() {
+  return Status(Code::kUnavailable, "this manager has no KV region: KV jobs are disabled");
+}
+Status check_worker(uint64_t worker_id) {
+  if (worker_id == 0) return Status(Code::kInvalidArgument, "workerId must be non-zero");
+  return Status::ok();
+}
+}  // namespace
+
+Result<ManagerService::JobState*> ManagerService::find_job(uint64_t worker_id, uint64_t job_id) {
+  KEEP_RETURN_IF_ERROR(check_worker(worker_id));
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) {
+    return Status(Code::kNotFound, "job " + std::to_string(job_id) + " is not in flight");
+  }
+  if (it->second.worker_id != worker_id) {
+    return Status(Code::kNotFound, "job " + std::to_string(job_id) + " is not held by worker " +
+                                       std::to_string(worker_id));
+  }
+  return &it->second;
+}
+
+void ManagerService::do_fetch_jobs(wire::Call& call) {
+  if (region_ == nullptr) return call.fail(no_region());
+  auto f = call.request().getFetchJobs();
+  if (Status st = check_worker(f.getWorkerId()); !st.is_ok()) return call.fail(st);
+  const uint32_t max = std::min(f.getMax(), options_.max_fetch_jobs);
+  std::vector<KvJob> taken = store_->take_jobs(max);
+  const auto now = std::chrono::steady_clock::now();
+  auto jobs = call.reply().initFetchJobs().initJobs(static_cast<unsigned>(taken.size()));
+  for (size_t i = 0; i < taken.size(); ++i) {
+    const KvJob& j = taken[i];
+    auto o = jobs[static_cast<unsigned>(i)];
+    o.setJobId(j.job_id);
+    o.setKind(j.kind == KvJobKind::kGroup ? proto::JobKind::GROUP : proto::JobKind::SEGMENT);
+    o.setAgent(j.agent);
+    o.setGroupId(j.group_id);
+    o.setGroupVersion(j.group_version);
+    auto segs = o.initSegments(static_cast<unsigned>(j.segments.size()));
+    for (size_t k = 0; k < j.segments.size(); ++k) {
+      auto s = segs[static_cast<unsigned>(k)];
+      s.setId(j.segments[k].id);
+      s.setVersion(j.segments[k].version);
+      s.setText(j.segments[k].text);
+      s.setTokens(j.segments[k].tokens);
+    }
+    JobState state;
+    state.job = j;
+    state.worker_id = f.getWorkerId();
+    state.deadline = now + options_.job_timeout;
+    jobs_[j.job_id] = std::move(state);
+  }
+}
+
+void ManagerService::do_reserve(wire::Call& call) {
+  if (region_ == nullptr) return call.fail(no_region());
+  auto q = call.request().getReserveEntry();
+  auto job = find_job(q.getWorkerId(), q.getJobId());
+  if (!job.is_ok()) return call.fail(job.status());
+  JobState& js = **job;
+  if (js.reserved) {
+    return call.fail(Status(Code::kAlreadyExists, "job " + std::to_string(q.getJobId()) +
+                                                      " already has entry " +
+                                                      std::to_string(js.entry.index)));
+  }
+  if (q.getTokens() == 0) return call.fail(Status(Code::kInvalidArgument, "tokens must be > 0"));
+  auto loc = region_->reserve(js.job, q.getTokens(), js.worker_id, options_.lease);
+  if (!loc.is_ok()) {
+    // The job cannot proceed (arena full, ...): hand it back to the store's queue.
+    (void)store_->fail_job(js.job.job_id);
+    jobs_.erase(q.getJobId());
+    return call.fail(loc.status().with_context("reserving an entry"));
+  }
+  js.reserved = true;
+  js.entry = *loc;
+  js.deadline = std::chrono::steady_clock::now() + options_.lease + std::chrono::seconds(1);
+  auto o = call.reply().initReserveEntry();
+  set_entry(o.initEntry(), *loc);
+  o.setLeaseMs(lease_ms(options_.lease));
+}
+
+namespace {
+Status match_entry(bool reserved, const EntryLocation& entry, proto::EntryRef::Reader ref) {
+  if (!reserved) return Status(Code::kNotFound, "the job has no reserved entry");
+  if (entry.index != ref.getIndex() || entry.generation != ref.getGeneration()) {
+    return Status(Code::kInvalidArgument, "entry " + std::to_string(ref.getIndex()) + " gen " +
+                                              std::to_string(ref.getGeneration()) +
+                                              " is not the job's (entry " +
+                                              std::to_string(entry.index) + " gen " +
+                                              std::to_string(entry.generation) + ")");
+  }
+  return Status::ok();
+}
+}  // namespace
+
+void ManagerService::do_commit(wire::Call& call) {
+  if (region_ == nullptr) return call.fail(no_region());
+  auto ref = call.request().getCommitEntry();
+  auto job = find_job(ref.getWorkerId(), ref.getJobId());
+  if (!job.is_ok()) return call.fail(job.status());
+  JobState& js = **job;
+  if (Status st = match_entry(js.reserved, js.entry, ref); !st.is_ok()) return call.fail(st);
+  const uint64_t job_id = js.job.job_id;
+  const EntryLocation entry = js.entry;
+  if (Status st = region_->commit(entry.index, entry.generation); !st.is_ok()) {
+    (void)store_->fail_job(job_id);
+    jobs_.erase(job_id);
+    return call.fail(st.with_context("committing the entry"));
+  }
+  std::vector<uint32_t> slices;
+  for (uint32_t t : ref.getSliceTokens()) slices.push_back(t);
+  jobs_.erase(job_id);
+  Status st =
+      store_->complete_job(job_id, KvEntry{entry.index, entry.generation, entry.tokens}, slices);
+  if (st.code() == Code::kNotFound) {
+    (void)region_->release(entry.index, entry.generation);  // the entry stayed ours
+  }
+  if (!st.is_ok()) return call.fail(st);
+  call.reply().initCommitEntry();
+}
+
+void ManagerService::do_revoke(wire::Call& call) {
+  if (region_ == nullptr) return call.fail(no_region());
+  auto ref = call.request().getRevokeEntry();
+  auto job = find_job(ref.getWorkerId(), ref.getJobId());
+  if (!job.is_ok()) return call.fail(job.status());
+  JobState& js = **job;
+  if (Status st = match_entry(js.reserved, js.entry, ref); !st.is_ok()) return call.fail(st);
+  const uint64_t job_id = js.job.job_id;
+  Status st = region_->revoke(js.entry.index, js.entry.generation);
+  (void)store_->fail_job(job_id);
+  jobs_.erase(job_id);
+  if (!st.is_ok()) return call.fail(st.with_context("revoking the entry"));
+  call.reply().initRevokeEntry();
+}
+
+void ManagerService::do_renew(wire::Call& call) {
+  if (region_ == nullptr) return call.fail(no_region());
+  auto ref = call.request().getRenewLease();
+  auto job = find_job(ref.getWorkerId(), ref.getJobId());
+  if (!job.is_ok()) return call.fail(job.status());
+  JobState& js = **job;
+  if (Status st = match_entry(js.reserved, js.entry, ref); !st.is_ok()) return call.fail(st);
+  if (Status st = region_->renew(js.entry.index, js.entry.generation, options_.lease);
+      !st.is_ok()) {
+    return call.fail(st.with_context("renewing the lease"));
+  }
+  js.deadline = std::chrono::steady_clock::now() + options_.lease + std::chrono::seconds(1);
+  call.reply().initRenewLease().setLeaseMs(lease_ms(options_.lease));
+}
+
+size_t ManagerService::expire_jobs(std::chrono::steady_clock::time_point now) {
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t n = 0;
+  for (auto it = jobs_.begin(); it != jobs_.end();) {
+    if (it->second.deadline > now) {
+      ++it;
+      continue;
+    }
+    const JobState& js = it->second;
+    KEEP_LOG_WARN(kLog, "job %llu of worker %llu expired (%s)",
+                  static_cast<unsigned long long>(js.job.job_id),
+                  static_cast<unsigned long long>(js.worker_id),
+                  js.reserved ? "lease ran out" : "never reserved");
+    if (js.reserved && region_ != nullptr) {
+      (void)region_->revoke(js.entry.index, js.entry.generation);  // the reaper may have done it
+    }
+    (void)store_->fail_job(js.job.job_id);
+    it = jobs_.erase(it);
+    ++n;
+  }
+  release_entries_locked();
+  return n;
+}
+
+}  // namespace keep::manager

@@ -1,0 +1,131 @@
+// ManagerService: the keep-manager's request handler. Maps wire messages (proto/manager.capnp) to
+// the MemoryStore API and back, group-commits the WAL records of a batch with ONE sync, and runs
+// the KV-job side of the protocol (fetch / reserve / commit / revoke / renew) against the shared
+// region through KvRegionOps.
+//
+// Durability and the region are given as interfaces so the handler is independent of their
+// implementations (the daemon wires the real WAL writer and KvRegion; tests may pass small ones).
+//
+// Threading: handle_batch/on_idle run on the RpcServer's I/O thread. Every store access happens
+// under store_mutex(); another thread that mutates the store (the background embedder's
+// apply_embeddings) must take the same mutex AND append its record while holding it, so the WAL
+// order is the order mutations were applied. BatchCommitter::append is called with the mutex held;
+// sync() without it.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "services/manager/server/rpc_server.h"
+#include "services/manager/store/memory_store.h"
+#include "shared/common/status.h"
+
+namespace keep::manager {
+
+// The WAL as the handler sees it.
+class BatchCommitter {
+ public:
+  virtual ~BatchCommitter() = default;
+  // Appends one record (buffered; not yet durable).
+  virtual Status append(std::string_view record) = 0;
+  // Makes every record appended so far durable (one fdatasync: group commit).
+  virtual Status sync() = 0;
+};
+
+// Where a region entry lives (the wire's EntryDescriptor).
+struct EntryLocation {
+  uint32_t index = 0;
+  uint64_t generation = 0;
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+  uint32_t tokens = 0;
+};
+
+// The shared KV region as the handler sees it (implemented over keep::kv::KvRegion).
+class KvRegionOps {
+ public:
+  virtual ~KvRegionOps() = default;
+  // Reserves an entry of `tokens` tokens for `job` (the implementation derives the EntryKey from
+  // the job: agent, kind, object id/versions), owned by worker `owner_id` for `lease`.
+  virtual Result<EntryLocation> reserve(const KvJob& job, uint32_t tokens, uint64_t owner_id,
+                                        std::chrono::milliseconds lease) = 0;
+  virtual Status commit(uint32_t index, uint64_t generation) = 0;
+  virtual Status revoke(uint32_t index, uint64_t generation) = 0;
+  virtual Status renew(uint32_t index, uint64_t generation, std::chrono::milliseconds lease) = 0;
+  // Frees a committed entry the store no longer uses.
+  virtual Status release(uint32_t index, uint64_t generation) = 0;
+  // The location of a committed entry (retrieve answers); an error means "no KV" for the caller.
+  virtual Result<EntryLocation> locate(uint32_t index, uint64_t generation) = 0;
+};
+
+struct ServiceOptions {
+  std::chrono::milliseconds lease{30000};        // reservation lease handed to workers
+  std::chrono::milliseconds job_timeout{60000};  // fetched but not reserved: failed after this
+  uint32_t max_fetch_jobs = 256;                 // a larger fetchJobs max is clamped
+  std::string server_version = "keep-manager";   // ping answer (protocol version appended)
+  // Extra name/value pairs for the stats answer (region use, WAL position ...), optional.
+  std::function<void(std::vector<std::pair<std::string, uint64_t>>*)> extra_stats;
+};
+
+class ManagerService : public wire::RequestHandler {
+ public:
+  // `store` must outlive the service; `committer` and `region` may be null (no durability / no
+  // KV region: the job calls then answer kUnavailable and retrieve returns no KV).
+  ManagerService(MemoryStore* store, BatchCommitter* committer, KvRegionOps* region,
+                 ServiceOptions options = {});
+  ~ManagerService() override;
+
+  void handle_batch(std::span<wire::Call> calls) override;
+  void on_idle() override;
+
+  std::mutex& store_mutex() { return mu_; }
+  // After a failed append or sync the WAL no longer matches memory: mutations are refused with
+  // kUnavailable from then on (reads still work) until the daemon restarts and recovers.
+  bool degraded() const { return degraded_; }
+  size_t jobs_in_flight() const;
+
+  // Housekeeping at `now` (on_idle() uses the clock): fails jobs whose reservation lease ran out
+  // or that were never reserved within job_timeout. Returns how many were failed.
+  size_t expire_jobs(std::chrono::steady_clock::time_point now);
+
+ private:
+  struct JobState {
+    KvJob job;
+    uint64_t worker_id = 0;
+    std::chrono::steady_clock::time_point deadline;  // reservation or job timeout
+    bool reserved = false;
+    EntryLocation entry;
+  };
+
+  // Answers one call; returns true when the call produced a WAL record that must be synced
+  // before the answer is sent.
+  bool handle_one(wire::Call& call);
+  void release_entries_locked();
+  Status mutation_allowed() const;
+  Status append_locked(const std::string& record);
+
+  void do_fetch_jobs(wire::Call& call);
+  void do_reserve(wire::Call& call);
+  void do_commit(wire::Call& call);
+  void do_revoke(wire::Call& call);
+  void do_renew(wire::Call& call);
+  Result<JobState*> find_job(uint64_t worker_id, uint64_t job_id);
+
+  MemoryStore* store_;
+  BatchCommitter* committer_;
+  KvRegionOps* region_;
+  ServiceOptions options_;
+  mutable std::mutex mu_;
+  bool degraded_ = false;
+  std::unordered_map<uint64_t, JobState> jobs_;  // handed out and not finished
+};
+
+}  // namespace keep::manager

@@ -1,0 +1,120 @@
+// RpcServer: the keep-manager's ZeroMQ ROUTER loop with batched dispatch (group commit).
+//
+// One I/O thread polls the ROUTER socket(s). When requests are ready it drains up to
+// `max_batch` of them, decodes each (size limit before decoding, structure, protocol version;
+// see shared/client/wire_codec.h), hands the WHOLE batch of decoded calls to the handler in one
+// call — so the handler can apply every mutation, append their WAL records, fsync once and only
+// then answer — and then sends every reply. Requests that do not decode are answered with their
+// error (kTooLarge, kMalformed, kVersionMismatch) without reaching the handler. Bad input never
+// stops the loop. Frames: [identity][empty][payload] (DEALER or REQ peers).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "proto/manager.capnp.h"
+#include "shared/client/wire_codec.h"
+#include "shared/common/status.h"
+
+namespace keep::wire {
+
+inline constexpr const char* kDefaultManagerEndpoint = "tcp://127.0.0.1:7601";
+
+struct ServerOptions {
+  // tcp://127.0.0.1:PORT (PORT 0 or * picks a free port: see bound_endpoints()) and/or ipc://path.
+  std::vector<std::string> endpoints = {kDefaultManagerEndpoint};
+  WireLimits limits;                  // max_message_bytes (default 1 MiB) and capnp limits
+  size_t hard_max_message_bytes = 0;  // ZMQ_MAXMSGSIZE: peers sending more are disconnected
+                                      // without an answer; 0 = 16 x limits.max_message_bytes
+  size_t max_batch = 256;             // requests handed to the handler at once
+  int idle_interval_ms = 100;         // on_idle() cadence when no request arrives
+  int send_high_water_mark = 100000;  // per peer; replies beyond it are dropped (never block)
+  int receive_high_water_mark = 100000;
+};
+
+// One decoded request and its response. The handler fills the response through reply() (the
+// union member) or fail(); a call left unanswered is answered kInternal by the server.
+class Call {
+ public:
+  uint64_t request_id() const { return request_id_; }
+  proto::Request::Reader request() const { return request_; }
+  // The response to fill: protocolVersion and requestId are set already. Marks the call answered.
+  proto::Response::Builder reply();
+  // Answers with an error (replaces anything set before).
+  void fail(const Status& status);
+  bool answered() const { return answered_; }
+
+ private:
+  friend class RpcServer;
+  friend struct CallAccess;
+  uint64_t request_id_ = 0;
+  proto::Request::Reader request_;
+  std::unique_ptr<DecodedMessage> owner_;
+  std::unique_ptr<capnp::MallocMessageBuilder> response_;
+  bool answered_ = false;
+};
+
+class RequestHandler {
+ public:
+  virtual ~RequestHandler() = default;
+  // Called on the I/O thread with every decoded request of one batch, in arrival order.
+  // Must answer each call; should not throw (the server answers kInternal if it does).
+  virtual void handle_batch(std::span<Call> calls) = 0;
+  // Called on the I/O thread after each batch and every idle_interval_ms without requests
+  // (lease expiry, housekeeping).
+  virtual void on_idle() {}
+};
+
+struct ServerStats {
+  uint64_t requests = 0;       // frames received
+  uint64_t batches = 0;        // handle_batch calls
+  uint64_t decode_errors = 0;  // answered without reaching the handler
+  uint64_t max_batch_seen = 0;
+  uint64_t bytes_in = 0;
+  uint64_t bytes_out = 0;
+  uint64_t replies_dropped = 0;  // peer gone or its queue full
+};
+
+// The server's per-frame path without sockets: decode `payload` (limits, structure, version),
+// hand it to `handler` as a batch of one, and return the encoded answer. Used by the fuzz target
+// and tests; the loop runs the same steps over batches.
+std::string dispatch_frame(std::span<const std::byte> payload, const WireLimits& limits,
+                           RequestHandler& handler);
+
+class RpcServer {
+ public:
+  // Binds every endpoint (kInvalidArgument / kUnavailable with the endpoint on failure).
+  // `handler` must outlive the server.
+  static Result<std::unique_ptr<RpcServer>> create(ServerOptions options, RequestHandler* handler);
+  ~RpcServer();  // stop() + join
+  RpcServer(const RpcServer&) = delete;
+  RpcServer& operator=(const RpcServer&) = delete;
+
+  // Runs the loop on the calling thread until stop().
+  void run();
+  // Runs the loop on a thread of its own.
+  void start();
+  // Asks the loop to return; thread-safe, idempotent, async-signal-safe (an atomic store and a
+  // write(2) to an eventfd). Joins nothing: the destructor (or the caller of run()) does.
+  void stop();
+  void join();
+
+  // The endpoints as bound (a tcp port 0 resolved to the real port).
+  const std::vector<std::string>& bound_endpoints() const { return bound_; }
+  ServerStats stats() const;
+
+ private:
+  struct Impl;
+  explicit RpcServer(std::unique_ptr<Impl> impl);
+  void loop();
+  std::unique_ptr<Impl> impl_;
+  std::vector<std::string> bound_;
+  std::thread thread_;
+};
+
+}  // namespace keep::wire

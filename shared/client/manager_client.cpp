@@ -1,0 +1,502 @@
+#include "shared/client/manager_client.h"
+
+#include <capnp/message.h>
+#include <kj/exception.h>
+
+#include <functional>
+#include <zmq.hpp>
+
+#include "shared/client/wire_codec.h"
+
+namespace keep::client {
+
+namespace {
+
+proto::SegmentKind kind_to_wire(SegmentKind kind) {
+  switch (kind) {
+    case SegmentKind::kObjectState:
+      return proto::SegmentKind::OBJECT_STATE;
+    case SegmentKind::kTaskRecord:
+      return proto::SegmentKind::TASK_RECORD;
+    case SegmentKind::kExamplePlan:
+      return proto::SegmentKind::EXAMPLE_PLAN;
+  }
+  return proto::SegmentKind::UNKNOWN;
+}
+
+Result<SegmentKind> kind_from_wire(proto::SegmentKind kind) {
+  switch (kind) {
+    case proto::SegmentKind::OBJECT_STATE:
+      return SegmentKind::kObjectState;
+    case proto::SegmentKind::TASK_RECORD:
+      return SegmentKind::kTaskRecord;
+    case proto::SegmentKind::EXAMPLE_PLAN:
+      return SegmentKind::kExamplePlan;
+    default:
+      break;
+  }
+  return Status(Code::kMalformed,
+                "response has unknown segment kind " + std::to_string(static_cast<uint16_t>(kind)));
+}
+
+Result<GroupState> state_from_wire(proto::GroupState state) {
+  switch (state) {
+    case proto::GroupState::DYNAMIC:
+      return GroupState::kDynamic;
+    case proto::GroupState::STATIC:
+      return GroupState::kStatic;
+    default:
+      break;
+  }
+  return Status(Code::kMalformed,
+                "response has unknown group state " + std::to_string(static_cast<uint16_t>(state)));
+}
+
+Result<JobKind> job_kind_from_wire(proto::JobKind kind) {
+  switch (kind) {
+    case proto::JobKind::SEGMENT:
+      return JobKind::kSegment;
+    case proto::JobKind::GROUP:
+      return JobKind::kGroup;
+    default:
+      break;
+  }
+  return Status(Code::kMalformed,
+                "response has unknown job kind " + std::to_string(static_cast<uint16_t>(kind)));
+}
+
+EntryDescriptor entry_from_wire(proto::EntryDescriptor::Reader r) {
+  return EntryDescriptor{r.getIndex(), r.getGeneration(), r.getOffset(), r.getBytes(),
+                         r.getTokens()};
+}
+
+std::string text(capnp::Text::Reader t) { return std::string(t.begin(), t.size()); }
+
+}  // namespace
+
+const char* kind_name(SegmentKind kind) {
+  switch (kind) {
+    case SegmentKind::kObjectState:
+      return "object_state";
+    case SegmentKind::kTaskRecord:
+      return "task_record";
+    case SegmentKind::kExamplePlan:
+      return "example_plan";
+  }
+  return "unknown";
+}
+
+const char* state_name(GroupState state) {
+  return state == GroupState::kStatic ? "static" : "dynamic";
+}
+
+const char* job_kind_name(JobKind kind) { return kind == JobKind::kGroup ? "group" : "segment"; }
+
+std::optional<SegmentKind> parse_kind(std::string_view name) {
+  if (name == "object_state" || name == "object") return SegmentKind::kObjectState;
+  if (name == "task_record" || name == "task") return SegmentKind::kTaskRecord;
+  if (name == "example_plan" || name == "example") return SegmentKind::kExamplePlan;
+  return std::nullopt;
+}
+
+struct ManagerClient::Impl {
+  zmq::context_t context{1};
+  std::unique_ptr<zmq::socket_t> socket;
+  uint64_t next_request_id = 1;
+
+  Status reconnect(const std::string& endpoint) {
+    try {
+      socket.reset();
+      auto s = std::make_unique<zmq::socket_t>(context, zmq::socket_type::dealer);
+      s->set(zmq::sockopt::linger, 0);
+      s->connect(endpoint);
+      socket = std::move(s);
+    } catch (const zmq::error_t& e) {
+      return Status(Code::kInvalidArgument, "connect to '" + endpoint + "': " + e.what());
+    }
+    return Status::ok();
+  }
+};
+
+ManagerClient::ManagerClient(ClientOptions options)
+    : options_(std::move(options)), impl_(std::make_unique<Impl>()) {}
+
+ManagerClient::~ManagerClient() = default;
+
+Result<std::unique_ptr<ManagerClient>> ManagerClient::connect(ClientOptions options) {
+  std::unique_ptr<ManagerClient> client(new ManagerClient(std::move(options)));
+  KEEP_RETURN_IF_ERROR(client->impl_->reconnect(client->options_.endpoint));
+  return client;
+}
+
+namespace {
+
+// Sends one frame and waits for an answer that `accept` takes (returns true), until the deadline.
+Status exchange(ManagerClient::Impl& impl, const ClientOptions& options, std::string_view payload,
+                const std::function<bool(std::string&&)>& accept) {
+  if (payload.size() > options.max_request_bytes) {
+    return Status(Code::kTooLarge, "request of " + std::to_string(payload.size()) +
+                                       " bytes exceeds the limit of " +
+                                       std::to_string(options.max_request_bytes));
+  }
+  if (!impl.socket) KEEP_RETURN_IF_ERROR(impl.reconnect(options.endpoint));
+  auto& socket = *impl.socket;
+  try {
+    socket.send(zmq::message_t(), zmq::send_flags::sndmore);
+    socket.send(zmq::message_t(payload.data(), payload.size()), zmq::send_flags::none);
+    const auto deadline = std::chrono::steady_clock::now() + options.timeout;
+    for (;;) {
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+      if (left.count() < 0) left = std::chrono::milliseconds(0);
+      zmq::pollitem_t item{static_cast<void*>(socket), 0, ZMQ_POLLIN, 0};
+      zmq::poll(&item, 1, left);
+      if (!(item.revents & ZMQ_POLLIN)) {
+        // Abandon the socket: whatever answer comes later goes to a socket that no longer exists.
+        (void)impl.reconnect(options.endpoint);
+        return Status(Code::kTimeout, "no answer from " + options.endpoint + " within " +
+                                          std::to_string(options.timeout.count()) + " ms");
+      }
+      std::vector<zmq::message_t> frames;
+      for (;;) {
+        zmq::message_t frame;
+        if (!socket.recv(frame, zmq::recv_flags::dontwait)) break;
+        const bool more = frame.more();
+        frames.push_back(std::move(frame));
+        if (!more) break;
+      }
+      // Expected: [empty][payload]; anything else is dropped.
+      if (frames.size() != 2 || frames[0].size() != 0) continue;
+      if (accept(std::string(static_cast<const char*>(frames[1].data()), frames[1].size()))) {
+        return Status::ok();
+      }
+    }
+  } catch (const zmq::error_t& e) {
+    (void)impl.reconnect(options.endpoint);
+    return Status(Code::kUnavailable, std::string("zmq: ") + e.what());
+  }
+}
+
+}  // namespace
+
+Result<std::string> ManagerClient::call_raw(std::string_view payload) {
+  std::string answer;
+  KEEP_RETURN_IF_ERROR(exchange(*impl_, options_, payload, [&](std::string&& bytes) {
+    answer = std::move(bytes);
+    return true;
+  }));
+  return answer;
+}
+
+// One request/response round trip. `fill` sets the request's union member; `extract` reads the
+// response (called only for a non-error response of the `expected` kind).
+template <typename Fill, typename Extract>
+static Status round_trip(ManagerClient::Impl& impl, const ClientOptions& options,
+                         proto::Response::Which expected, Fill&& fill, Extract&& extract) {
+  capnp::MallocMessageBuilder message;
+  auto request = message.initRoot<proto::Request>();
+  const uint64_t id = impl.next_request_id++;
+  request.setProtocolVersion(wire::kProtocolVersion);
+  request.setRequestId(id);
+  fill(request);
+  const std::string payload = wire::encode(message);
+
+  wire::WireLimits limits;
+  limits.max_message_bytes = options.max_response_bytes;
+  Status result;
+  KEEP_RETURN_IF_ERROR(exchange(impl, options, payload, [&](std::string&& bytes) {
+    auto decoded = wire::decode_message(wire::as_bytes(bytes), limits);
+    if (!decoded.is_ok()) {
+      result = decoded.status().with_context("decoding the answer");
+      return true;  // an undecodable answer to us (or to nobody): report it
+    }
+    try {
+      auto response = (*decoded)->root<proto::Response>();
+      if (response.getRequestId() != id) return false;  // late answer to an abandoned request
+      if (response.which() == proto::Response::ERROR) {
+        result = wire::status_from_error(response.getError());
+      } else if (response.which() != expected) {
+        result = Status(Code::kMalformed,
+                        "answer of type " + std::to_string(static_cast<int>(response.which())) +
+                            " to a request of type " + std::to_string(static_cast<int>(expected)));
+      } else {
+        result = extract(response);
+      }
+    } catch (const kj::Exception& e) {
+      result =
+          Status(Code::kMalformed, std::string("undecodable answer: ") + e.getDescription().cStr());
+    }
+    return true;
+  }));
+  return result;
+}
+
+Result<std::string> ManagerClient::ping() {
+  std::string version;
+  KEEP_RETURN_IF_ERROR(round_trip(
+      *impl_, options_, proto::Response::PING, [](auto req) { req.initPing(); },
+      [&](proto::Response::Reader r) {
+        version = text(r.getPing().getServerVersion());
+        return Status::ok();
+      }));
+  return version;
+}
+
+Result<WriteResult> ManagerClient::write(const WriteArgs& args) {
+  WriteResult out;
+  KEEP_RETURN_IF_ERROR(round_trip(
+      *impl_, options_, proto::Response::WRITE_MEMORY,
+      [&](proto::Request::Builder req) {
+        auto w = req.initWriteMemory();
+        w.setAgent(args.agent);
+        if (args.id) {
+          w.setHasId(true);
+          w.setId(*args.id);
+        }
+        w.setText(args.text);
+        w.setKind(kind_to_wire(args.kind));
+        if (args.step) {
+          w.setHasStep(true);
+          w.setStep(*args.step);
+        }
+      },
+      [&](proto::Response::Reader r) {
+        auto w = r.getWriteMemory();
+        out = WriteResult{w.getId(), w.getVersion(), w.getStep()};
+        return Status::ok();
+      }));
+  return out;
+}
+
+Result<WriteResult> ManagerClient::update(std::string_view agent, uint64_t id,
+                                          std::string_view new_text,
+                                          std::optional<SegmentKind> kind,
+                                          std::optional<uint64_t> step) {
+  WriteResult out;
+  KEEP_RETURN_IF_ERROR(round_trip(
+      *impl_, options_, proto::Response::UPDATE_MEMORY,
+      [&](proto::Request::Builder req) {
+        auto u = req.initUpdateMemory();
+        u.setAgent(capnp::Text::Reader(agent.data(), agent.size()));
+        u.setId(id);
+        u.setText(capnp::Text::Reader(new_text.data(), new_text.size()));
+        if (kind) {
+          u.setHasKind(true);
+          u.setKind(kind_to_wire(*kind));
+        }
+        if (step) {
+          u.setHasStep(true);
+          u.setStep(*step);
+        }
+      },
+      [&](proto::Response::Reader r) {
+        auto w = r.getUpdateMemory();
+        out = WriteResult{w.getId(), w.getVersion(), w.getStep()};
+        return Status::ok();
+      }));
+  return out;
+}
+
+Status ManagerClient::remove(std::string_view agent, uint64_t id) {
+  return round_trip(
+      *impl_, options_, proto::Response::DELETE_MEMORY,
+      [&](proto::Request::Builder req) {
+        auto d = req.initDeleteMemory();
+        d.setAgent(capnp::Text::Reader(agent.data(), agent.size()));
+        d.setId(id);
+      },
+      [](proto::Response::Reader) { return Status::ok(); });
+}
+
+Result<uint64_t> ManagerClient::advance_step(std::string_view agent, uint64_t by) {
+  uint64_t step = 0;
+  KEEP_RETURN_IF_ERROR(round_trip(
+      *impl_, options_, proto::Response::ADVANCE_STEP,
+      [&](proto::Request::Builder req) {
+        auto a = req.initAdvanceStep();
+        a.setAgent(capnp::Text::Reader(agent.data(), agent.size()));
+        a.setBy(by);
+      },
+      [&](proto::Response::Reader r) {
+        step = r.getAdvanceStep().getStep();
+        return Status::ok();
+      }));
+  return step;
+}
+
+Result<std::vector<RetrievedSegment>> ManagerClient::retrieve(std::string_view agent,
+                                                              std::string_view query, uint32_t k) {
+  std::vector<RetrievedSegment> out;
+  KEEP_RETURN_IF_ERROR(round_trip(
+      *impl_, options_, proto::Response::RETRIEVE,
+      [&](proto::Request::Builder req) {
+        auto q = req.initRetrieve();
+        q.setAgent(capnp::Text::Reader(agent.data(), agent.size()));
+        q.setQuery(capnp::Text::Reader(query.data(), query.size()));
+        q.setK(k);
+      },
+      [&](proto::Response::Reader r) -> Status {
+        for (auto s : r.getRetrieve().getSegments()) {
+          RetrievedSegment seg;
+          seg.id = s.getId();
+          seg.text = text(s.getText());
+          KEEP_ASSIGN_OR_RETURN(seg.kind, kind_from_wire(s.getKind()));
+          seg.tokens = s.getTokens();
+          seg.version = s.getVersion();
+          seg.updated_step = s.getUpdatedStep();
+          seg.group_id = s.getGroupId();
+          KEEP_ASSIGN_OR_RETURN(seg.group_state, state_from_wire(s.getGroupState()));
+          seg.group_version = s.getGroupVersion();
+          seg.score = s.getScore();
+          if (s.getHasKv()) {
+            auto kv = s.getKv();
+            seg.kv = KvSlice{entry_from_wire(kv.getEntry()), kv.getTokenOffset(), kv.getTokens(),
+                             kv.getJoint()};
+          }
+          out.push_back(std::move(seg));
+        }
+        return Status::ok();
+      }));
+  return out;
+}
+
+Result<std::vector<GroupInfo>> ManagerClient::list_groups(std::string_view agent) {
+  std::vector<GroupInfo> out;
+  KEEP_RETURN_IF_ERROR(round_trip(
+      *impl_, options_, proto::Response::LIST_GROUPS,
+      [&](proto::Request::Builder req) {
+        req.initListGroups().setAgent(capnp::Text::Reader(agent.data(), agent.size()));
+      },
+      [&](proto::Response::Reader r) -> Status {
+        for (auto g : r.getListGroups().getGroups()) {
+          GroupInfo info;
+          info.id = g.getId();
+          KEEP_ASSIGN_OR_RETURN(info.state, state_from_wire(g.getState()));
+          info.version = g.getVersion();
+          for (uint64_t id : g.getSegmentIds()) info.segment_ids.push_back(id);
+          info.tokens = g.getTokens();
+          info.last_change_step = g.getLastChangeStep();
+          out.push_back(std::move(info));
+        }
+        return Status::ok();
+      }));
+  return out;
+}
+
+Result<Stats> ManagerClient::stats() {
+  Stats out;
+  KEEP_RETURN_IF_ERROR(round_trip(
+      *impl_, options_, proto::Response::STATS, [](auto req) { req.initStats(); },
+      [&](proto::Response::Reader r) {
+        auto s = r.getStats();
+        out.agents = s.getAgents();
+        out.memories = s.getMemories();
+        out.groups_static = s.getGroupsStatic();
+        out.groups_dynamic = s.getGroupsDynamic();
+        out.jobs_pending = s.getJobsPending();
+        for (auto c : s.getCounters()) out.counters.emplace_back(text(c.getName()), c.getValue());
+        return Status::ok();
+      }));
+  return out;
+}
+
+Result<std::vector<KvJob>> ManagerClient::fetch_jobs(uint64_t worker_id, uint32_t max) {
+  std::vector<KvJob> out;
+  KEEP_RETURN_IF_ERROR(round_trip(
+      *impl_, options_, proto::Response::FETCH_JOBS,
+      [&](proto::Request::Builder req) {
+        auto f = req.initFetchJobs();
+        f.setWorkerId(worker_id);
+        f.setMax(max);
+      },
+      [&](proto::Response::Reader r) -> Status {
+        for (auto j : r.getFetchJobs().getJobs()) {
+          KvJob job;
+          job.job_id = j.getJobId();
+          KEEP_ASSIGN_OR_RETURN(job.kind, job_kind_from_wire(j.getKind()));
+          job.agent = text(j.getAgent());
+          job.group_id = j.getGroupId();
+          job.group_version = j.getGroupVersion();
+          for (auto s : j.getSegments()) {
+            job.segments.push_back(
+                JobSegment{s.getId(), s.getVersion(), text(s.getText()), s.getTokens()});
+          }
+          out.push_back(std::move(job));
+        }
+        return Status::ok();
+      }));
+  return out;
+}
+
+Result<Reservation> ManagerClient::reserve_entry(uint64_t worker_id, uint64_t job_id,
+                                                 uint32_t tokens) {
+  Reservation out;
+  KEEP_RETURN_IF_ERROR(round_trip(
+      *impl_, options_, proto::Response::RESERVE_ENTRY,
+      [&](proto::Request::Builder req) {
+        auto q = req.initReserveEntry();
+        q.setWorkerId(worker_id);
+        q.setJobId(job_id);
+        q.setTokens(tokens);
+      },
+      [&](proto::Response::Reader r) {
+        auto q = r.getReserveEntry();
+        out = Reservation{entry_from_wire(q.getEntry()), q.getLeaseMs()};
+        return Status::ok();
+      }));
+  return out;
+}
+
+namespace {
+void fill_ref(proto::EntryRef::Builder ref, uint64_t worker_id, uint64_t job_id, uint32_t index,
+              uint64_t generation) {
+  ref.setWorkerId(worker_id);
+  ref.setJobId(job_id);
+  ref.setIndex(index);
+  ref.setGeneration(generation);
+}
+}  // namespace
+
+Status ManagerClient::commit_entry(uint64_t worker_id, uint64_t job_id, uint32_t index,
+                                   uint64_t generation, const std::vector<uint32_t>& slice_tokens) {
+  return round_trip(
+      *impl_, options_, proto::Response::COMMIT_ENTRY,
+      [&](proto::Request::Builder req) {
+        auto ref = req.initCommitEntry();
+        fill_ref(ref, worker_id, job_id, index, generation);
+        if (!slice_tokens.empty()) {
+          auto list = ref.initSliceTokens(static_cast<unsigned>(slice_tokens.size()));
+          for (size_t i = 0; i < slice_tokens.size(); ++i) {
+            list.set(static_cast<unsigned>(i), slice_tokens[i]);
+          }
+        }
+      },
+      [](proto::Response::Reader) { return Status::ok(); });
+}
+
+Status ManagerClient::revoke_entry(uint64_t worker_id, uint64_t job_id, uint32_t index,
+                                   uint64_t generation) {
+  return round_trip(
+      *impl_, options_, proto::Response::REVOKE_ENTRY,
+      [&](proto::Request::Builder req) {
+        fill_ref(req.initRevokeEntry(), worker_id, job_id, index, generation);
+      },
+      [](proto::Response::Reader) { return Status::ok(); });
+}
+
+Result<uint32_t> ManagerClient::renew_lease(uint64_t worker_id, uint64_t job_id, uint32_t index,
+                                            uint64_t generation) {
+  uint32_t lease_ms = 0;
+  KEEP_RETURN_IF_ERROR(round_trip(
+      *impl_, options_, proto::Response::RENEW_LEASE,
+      [&](proto::Request::Builder req) {
+        fill_ref(req.initRenewLease(), worker_id, job_id, index, generation);
+      },
+      [&](proto::Response::Reader r) {
+        lease_ms = r.getRenewLease().getLeaseMs();
+        return Status::ok();
+      }));
+  return lease_ms;
+}
+
+}  // namespace keep::client

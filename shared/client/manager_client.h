@@ -1,0 +1,166 @@
+// ManagerClient: the blocking C++ client of keep-manager (one call per protocol request).
+//
+// Every call returns the server's {code, message} as a Status (or a Result<T>); transport problems
+// are kTimeout (no answer within the timeout), kTooLarge (request over the limit, refused before
+// sending) or kMalformed (an answer that does not decode). After a timeout the client reconnects
+// with a fresh DEALER socket, and replies whose requestId is not the one awaited are dropped, so a
+// late answer to an abandoned request is never mistaken for the current one.
+//
+// Thread-compatible: one client per thread (a ZeroMQ socket must not be shared).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "shared/common/status.h"
+
+namespace keep::client {
+
+inline constexpr const char* kDefaultEndpoint = "tcp://127.0.0.1:7601";
+
+enum class SegmentKind : uint8_t { kObjectState = 0, kTaskRecord = 1, kExamplePlan = 2 };
+enum class GroupState : uint8_t { kDynamic = 0, kStatic = 1 };
+enum class JobKind : uint8_t { kSegment = 0, kGroup = 1 };
+
+const char* kind_name(SegmentKind kind);   // "object_state", "task_record", "example_plan"
+const char* state_name(GroupState state);  // "dynamic", "static"
+const char* job_kind_name(JobKind kind);   // "segment", "group"
+std::optional<SegmentKind> parse_kind(std::string_view name);
+
+struct EntryDescriptor {
+  uint32_t index = 0;
+  uint64_t generation = 0;
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+  uint32_t tokens = 0;
+};
+
+struct KvSlice {
+  EntryDescriptor entry;
+  uint32_t token_offset = 0;
+  uint32_t tokens = 0;
+  bool joint = false;
+};
+
+struct WriteArgs {
+  std::string agent;
+  std::optional<uint64_t> id;  // empty: the manager assigns one
+  std::string text;
+  SegmentKind kind = SegmentKind::kObjectState;
+  std::optional<uint64_t> step;  // empty: the agent's current step
+};
+
+struct WriteResult {
+  uint64_t id = 0;
+  uint64_t version = 0;
+  uint64_t step = 0;
+};
+
+struct RetrievedSegment {
+  uint64_t id = 0;
+  std::string text;
+  SegmentKind kind = SegmentKind::kObjectState;
+  uint32_t tokens = 0;
+  uint64_t version = 0;
+  uint64_t updated_step = 0;
+  uint64_t group_id = 0;
+  GroupState group_state = GroupState::kDynamic;
+  uint64_t group_version = 0;
+  float score = 0;
+  std::optional<KvSlice> kv;  // empty: no KV yet
+};
+
+struct GroupInfo {
+  uint64_t id = 0;
+  GroupState state = GroupState::kDynamic;
+  uint64_t version = 0;
+  std::vector<uint64_t> segment_ids;
+  uint32_t tokens = 0;
+  uint64_t last_change_step = 0;
+};
+
+struct Stats {
+  uint64_t agents = 0;
+  uint64_t memories = 0;
+  uint64_t groups_static = 0;
+  uint64_t groups_dynamic = 0;
+  uint64_t jobs_pending = 0;
+  std::vector<std::pair<std::string, uint64_t>> counters;
+};
+
+struct JobSegment {
+  uint64_t id = 0;
+  uint64_t version = 0;
+  std::string text;
+  uint32_t tokens = 0;
+};
+
+struct KvJob {
+  uint64_t job_id = 0;
+  JobKind kind = JobKind::kSegment;
+  std::string agent;
+  uint64_t group_id = 0;
+  uint64_t group_version = 0;
+  std::vector<JobSegment> segments;
+};
+
+struct Reservation {
+  EntryDescriptor entry;
+  uint32_t lease_ms = 0;
+};
+
+struct ClientOptions {
+  std::string endpoint = kDefaultEndpoint;       // tcp://host:port or ipc://path
+  std::chrono::milliseconds timeout{5000};       // per request
+  size_t max_request_bytes = size_t{1} << 20;    // refused locally with kTooLarge (server default)
+  size_t max_response_bytes = size_t{64} << 20;  // larger answers are kTooLarge
+};
+
+class ManagerClient {
+ public:
+  // Creates the socket and connects (ZeroMQ connects lazily: an absent server shows up as
+  // kTimeout on the first call).
+  static Result<std::unique_ptr<ManagerClient>> connect(ClientOptions options);
+  ~ManagerClient();
+  ManagerClient(const ManagerClient&) = delete;
+  ManagerClient& operator=(const ManagerClient&) = delete;
+
+  Result<std::string> ping();  // the server's version string
+  Result<WriteResult> write(const WriteArgs& args);
+  Result<WriteResult> update(std::string_view agent, uint64_t id, std::string_view text,
+                             std::optional<SegmentKind> kind = std::nullopt,
+                             std::optional<uint64_t> step = std::nullopt);
+  Status remove(std::string_view agent, uint64_t id);
+  Result<uint64_t> advance_step(std::string_view agent, uint64_t by = 1);  // the new step
+  Result<std::vector<RetrievedSegment>> retrieve(std::string_view agent, std::string_view query,
+                                                 uint32_t k);
+  Result<std::vector<GroupInfo>> list_groups(std::string_view agent);
+  Result<Stats> stats();
+  Result<std::vector<KvJob>> fetch_jobs(uint64_t worker_id, uint32_t max);
+  Result<Reservation> reserve_entry(uint64_t worker_id, uint64_t job_id, uint32_t tokens);
+  // slice_tokens (group jobs, optional): tokens of each member in job order.
+  Status commit_entry(uint64_t worker_id, uint64_t job_id, uint32_t index, uint64_t generation,
+                      const std::vector<uint32_t>& slice_tokens = {});
+  Status revoke_entry(uint64_t worker_id, uint64_t job_id, uint32_t index, uint64_t generation);
+  Result<uint32_t> renew_lease(uint64_t worker_id, uint64_t job_id, uint32_t index,
+                               uint64_t generation);  // the new lease in ms
+
+  // Sends raw frame bytes and returns the raw answer (tests and tools; no id matching).
+  Result<std::string> call_raw(std::string_view payload);
+
+  const ClientOptions& options() const { return options_; }
+
+  struct Impl;
+
+ private:
+  explicit ManagerClient(ClientOptions options);
+  ClientOptions options_;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace keep::client

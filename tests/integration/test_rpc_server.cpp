@@ -1,0 +1,550 @@
+// RpcServer + ManagerService over a real MemoryStore, driven through real ZeroMQ sockets by the
+// client library, raw DEALER sockets (bad input of every kind) and the keepctl binary.
+#include <capnp/message.h>
+#include <doctest/doctest.h>
+
+#include <unistd.h>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+#include <zmq.hpp>
+
+#include "services/manager/server/manager_service.h"
+#include "services/manager/server/rpc_server.h"
+#include "shared/client/manager_client.h"
+#include "shared/client/wire_codec.h"
+
+using keep::Code;
+using keep::Result;
+using keep::Status;
+namespace kc = keep::client;
+namespace km = keep::manager;
+namespace wire = keep::wire;
+namespace proto = keep::proto;
+using namespace std::chrono_literals;
+
+namespace {
+
+// Texts whose first word matches embed to the same direction (cosine 1), others are orthogonal.
+class FirstWordEmbedder : public km::Embedder {
+ public:
+  int dim() const override { return 32; }
+  Result<std::vector<std::vector<float>>> embed(const std::vector<std::string>& texts) override {
+    std::vector<std::vector<float>> out;
+    for (const auto& t : texts) {
+      std::vector<float> v(32, 0.0f);
+      v[std::hash<std::string>{}(t.substr(0, t.find(' '))) % 32] = 1.0f;
+      out.push_back(std::move(v));
+    }
+    return out;
+  }
+};
+
+class WordCounter : public km::TokenCounter {
+ public:
+  uint32_t count_tokens(std::string_view text) const override {
+    uint32_t n = 0;
+    bool in = false;
+    for (char c : text) {
+      const bool space = c == ' ';
+      if (!space && !in) ++n;
+      in = !space;
+    }
+    return n;
+  }
+};
+
+// Counts appends and syncs; can be told to fail or to take time.
+class CountingCommitter : public km::BatchCommitter {
+ public:
+  Status append(std::string_view record) override {
+    std::lock_guard<std::mutex> lock(mu);
+    records.emplace_back(record);
+    return Status::ok();
+  }
+  Status sync() override {
+    if (sync_delay.count() > 0) std::this_thread::sleep_for(sync_delay);
+    syncs.fetch_add(1);
+    if (fail_sync) return Status(Code::kIoError, "fdatasync: disk on fire");
+    return Status::ok();
+  }
+  size_t appended() {
+    std::lock_guard<std::mutex> lock(mu);
+    return records.size();
+  }
+  std::mutex mu;
+  std::vector<std::string> records;
+  std::atomic<int> syncs{0};
+  std::chrono::milliseconds sync_delay{0};
+  std::atomic<bool> fail_sync{false};
+};
+
+// A small in-process region: enough to drive the reserve/commit/revoke/renew flow exactly.
+class TestRegion : public km::KvRegionOps {
+ public:
+  struct Slot {
+    uint64_t generation;
+    uint32_t tokens;
+    bool committed;
+  };
+  Result<km::EntryLocation> reserve(const km::KvJob&, uint32_t tokens, uint64_t,
+                                    std::chrono::milliseconds) override {
+    if (tokens > 100000) return Status(Code::kResourceExhausted, "arena full");
+    const uint32_t index = next_index++;
+    slots[index] = Slot{++generation, tokens, false};
+    return km::EntryLocation{index, generation, uint64_t{index} * 4096, uint64_t{tokens} * 64,
+                             tokens};
+  }
+  Status commit(uint32_t index, uint64_t gen) override {
+    auto* s = find(index, gen);
+    if (!s || s->committed) return Status(Code::kNotFound, "no such reservation");
+    s->committed = true;
+    return Status::ok();
+  }
+  Status revoke(uint32_t index, uint64_t gen) override {
+    if (!find(index, gen)) return Status(Code::kNotFound, "no such reservation");
+    slots.erase(index);
+    return Status::ok();
+  }
+  Status renew(uint32_t index, uint64_t gen, std::chrono::milliseconds) override {
+    return find(index, gen) ? Status::ok() : Status(Code::kNotFound, "no such reservation");
+  }
+  Status release(uint32_t index, uint64_t gen) override {
+    if (!find(index, gen)) return Status(Code::kNotFound, "no such entry");
+    slots.erase(index);
+    released += 1;
+    return Status::ok();
+  }
+  Result<km::EntryLocation> locate(uint32_t index, uint64_t gen) override {
+    auto* s = find(index, gen);
+    if (!s || !s->committed) return Status(Code::kNotFound, "no such entry");
+    return km::EntryLocation{index, gen, uint64_t{index} * 4096, uint64_t{s->tokens} * 64,
+                             s->tokens};
+  }
+  Slot* find(uint32_t index, uint64_t gen) {
+    auto it = slots.find(index);
+    return it != slots.end() && it->second.generation == gen ? &it->second : nullptr;
+  }
+  std::map<uint32_t, Slot> slots;
+  uint32_t next_index = 1;
+  uint64_t generation = 100;
+  int released = 0;
+};
+
+// A whole manager: store + service + server on its own thread.
+struct Manager {
+  explicit Manager(std::vector<std::string> endpoints = {"tcp://127.0.0.1:0"},
+                   size_t max_message_bytes = wire::kDefaultMaxMessageBytes)
+      : store(km::StoreOptions{}, &embedder, &counter),
+        service(&store, &committer, &region, km::ServiceOptions{}) {
+    wire::ServerOptions options;
+    options.endpoints = std::move(endpoints);
+    options.limits.max_message_bytes = max_message_bytes;
+    auto s = wire::RpcServer::create(options, &service);
+    REQUIRE(s.is_ok());
+    server = std::move(s).value();
+    server->start();
+  }
+  ~Manager() { server->stop(); }
+  std::string endpoint() const { return server->bound_endpoints().at(0); }
+  std::unique_ptr<kc::ManagerClient> client(std::chrono::milliseconds timeout = 5000ms) {
+    kc::ClientOptions o;
+    o.endpoint = endpoint();
+    o.timeout = timeout;
+    auto c = kc::ManagerClient::connect(o);
+    REQUIRE(c.is_ok());
+    return std::move(c).value();
+  }
+
+  FirstWordEmbedder embedder;
+  WordCounter counter;
+  CountingCommitter committer;
+  TestRegion region;
+  km::MemoryStore store;
+  km::ManagerService service;
+  std::unique_ptr<wire::RpcServer> server;
+};
+
+// A raw DEALER peer: sends arbitrary frames, decodes whatever comes back.
+struct RawPeer {
+  explicit RawPeer(const std::string& endpoint) : socket(ctx, zmq::socket_type::dealer) {
+    socket.set(zmq::sockopt::linger, 0);
+    socket.connect(endpoint);
+  }
+  void send(const std::vector<std::string>& frames) {
+    for (size_t i = 0; i < frames.size(); ++i) {
+      socket.send(zmq::buffer(frames[i]),
+                  i + 1 < frames.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
+    }
+  }
+  // The error (or ok) of the next answer, with its request id.
+  std::pair<Status, uint64_t> answer() {
+    zmq::pollitem_t item{static_cast<void*>(socket), 0, ZMQ_POLLIN, 0};
+    zmq::poll(&item, 1, 5000ms);
+    REQUIRE((item.revents & ZMQ_POLLIN));
+    std::vector<zmq::message_t> frames;
+    for (;;) {
+      zmq::message_t f;
+      REQUIRE(socket.recv(f).has_value());
+      const bool more = f.more();
+      frames.push_back(std::move(f));
+      if (!more) break;
+    }
+    REQUIRE(frames.size() == 2);
+    CHECK(frames[0].size() == 0);
+    const std::string bytes(static_cast<const char*>(frames[1].data()), frames[1].size());
+    auto decoded = wire::decode_message(wire::as_bytes(bytes), {});
+    REQUIRE(decoded.is_ok());
+    auto response = (*decoded)->root<proto::Response>();
+    CHECK(response.getProtocolVersion() == wire::kProtocolVersion);
+    if (response.which() == proto::Response::ERROR) {
+      return {wire::status_from_error(response.getError()), response.getRequestId()};
+    }
+    return {Status::ok(), response.getRequestId()};
+  }
+  zmq::context_t ctx{1};
+  zmq::socket_t socket;
+};
+
+std::string request_bytes(uint64_t id, const std::function<void(proto::Request::Builder)>& fill,
+                          uint16_t version = wire::kProtocolVersion) {
+  capnp::MallocMessageBuilder message;
+  auto req = message.initRoot<proto::Request>();
+  req.setProtocolVersion(version);
+  req.setRequestId(id);
+  fill(req);
+  return wire::encode(message);
+}
+
+}  // namespace
+
+TEST_CASE("every call round-trips through a real server and store") {
+  Manager m;
+  auto c = m.client();
+  auto pong = c->ping();
+  REQUIRE(pong.is_ok());
+  CHECK(pong->find("protocol 1") != std::string::npos);
+
+  auto w1 = c->write(
+      {"robot", std::nullopt, "kitchen apple on the table", kc::SegmentKind::kObjectState, {}});
+  REQUIRE(w1.is_ok());
+  CHECK(w1->version == 1);
+  auto w2 =
+      c->write({"robot", 50, "kitchen knife in the drawer", kc::SegmentKind::kObjectState, {}});
+  REQUIRE(w2.is_ok());
+  CHECK(w2->id == 50);
+  auto w3 = c->write(
+      {"robot", std::nullopt, "plan: pick apple then slice", kc::SegmentKind::kExamplePlan, {}});
+  REQUIRE(w3.is_ok());
+  auto dup = c->write({"robot", 50, "kitchen again", kc::SegmentKind::kObjectState, {}});
+  CHECK(dup.status().code() == Code::kAlreadyExists);
+
+  auto u = c->update("robot", w1->id, "kitchen apple in the fridge", kc::SegmentKind::kTaskRecord);
+  REQUIRE(u.is_ok());
+  CHECK(u->version == 2);
+
+  auto r = c->retrieve("robot", "kitchen where is the apple", 2);
+  REQUIRE(r.is_ok());
+  REQUIRE(r->size() == 3);
+  CHECK(r->front().kind == kc::SegmentKind::kExamplePlan);  // example plans come first
+  for (const auto& s : *r) {
+    CHECK(s.group_id != 0);
+    CHECK_FALSE(s.kv.has_value());
+  }
+
+  auto groups = c->list_groups("robot");
+  REQUIRE(groups.is_ok());
+  CHECK_FALSE(groups->empty());
+
+  // Ten steps without change: the groups turn static and group jobs appear.
+  auto step = c->advance_step("robot", 10);
+  REQUIRE(step.is_ok());
+  CHECK(*step == 10);
+  groups = c->list_groups("robot");
+  REQUIRE(groups.is_ok());
+  for (const auto& g : *groups) CHECK(g.state == kc::GroupState::kStatic);
+
+  auto jobs = c->fetch_jobs(7, 64);
+  REQUIRE(jobs.is_ok());
+  const kc::KvJob* group_job = nullptr;
+  for (const auto& j : *jobs) {
+    if (j.kind == kc::JobKind::kGroup && j.segments.size() == 2) group_job = &j;
+  }
+  REQUIRE(group_job != nullptr);
+  uint32_t tokens = 0;
+  for (const auto& s : group_job->segments) tokens += s.tokens;
+
+  // Another worker may not touch it; zero worker ids are refused.
+  CHECK(c->reserve_entry(8, group_job->job_id, tokens).status().code() == Code::kNotFound);
+  CHECK(c->reserve_entry(0, group_job->job_id, tokens).status().code() == Code::kInvalidArgument);
+  auto res = c->reserve_entry(7, group_job->job_id, tokens);
+  REQUIRE(res.is_ok());
+  CHECK(res->entry.tokens == tokens);
+  CHECK(res->lease_ms == 30000);
+  CHECK(c->reserve_entry(7, group_job->job_id, tokens).status().code() == Code::kAlreadyExists);
+  auto lease = c->renew_lease(7, group_job->job_id, res->entry.index, res->entry.generation);
+  REQUIRE(lease.is_ok());
+  CHECK(*lease == 30000);
+  CHECK(c->commit_entry(7, group_job->job_id, res->entry.index, res->entry.generation + 1).code() ==
+        Code::kInvalidArgument);
+  REQUIRE(c->commit_entry(7, group_job->job_id, res->entry.index, res->entry.generation).is_ok());
+
+  r = c->retrieve("robot", "kitchen where is the apple", 2);
+  REQUIRE(r.is_ok());
+  int joint = 0;
+  for (const auto& s : *r) {
+    if (s.kv && s.kv->joint) {
+      ++joint;
+      CHECK(s.kv->entry.index == res->entry.index);
+      CHECK(s.kv->entry.offset == uint64_t{res->entry.index} * 4096);
+    }
+  }
+  CHECK(joint == 2);
+
+  // Revoke path: another job, reserved then given back, is requeued.
+  const kc::KvJob* other = nullptr;
+  for (const auto& j : *jobs) {
+    if (j.job_id != group_job->job_id) other = &j;
+  }
+  if (other != nullptr) {
+    auto res2 = c->reserve_entry(7, other->job_id, 4);
+    REQUIRE(res2.is_ok());
+    CHECK(c->revoke_entry(7, other->job_id, res2->entry.index, res2->entry.generation).is_ok());
+    CHECK(c->revoke_entry(7, other->job_id, res2->entry.index, res2->entry.generation).code() ==
+          Code::kNotFound);
+  }
+
+  // An update invalidates the joint KV: the entry goes back to the region.
+  REQUIRE(c->update("robot", 50, "kitchen knife on the floor").is_ok());
+  CHECK(m.region.released >= 1);
+  REQUIRE(c->remove("robot", 50).is_ok());
+  CHECK(c->remove("robot", 50).code() == Code::kNotFound);
+
+  auto stats = c->stats();
+  REQUIRE(stats.is_ok());
+  CHECK(stats->agents == 1);
+  CHECK(stats->memories == 2);
+  bool has_counter = false;
+  for (const auto& [k, v] : stats->counters) has_counter |= k == "transitions_to_static";
+  CHECK(has_counter);
+  // Every mutation was logged before its answer.
+  CHECK(m.committer.appended() >= 7);
+  CHECK(m.committer.syncs.load() >= 1);
+}
+
+TEST_CASE("bad input of every kind gets its error code and the server keeps serving") {
+  Manager m({"tcp://127.0.0.1:0"}, 64 * 1024);
+  RawPeer peer(m.endpoint());
+  auto c = m.client();
+  REQUIRE(c->write({"a", 1, "hello world", kc::SegmentKind::kObjectState, {}}).is_ok());
+  auto still_serving = [&] {
+    auto p = c->ping();
+    REQUIRE(p.is_ok());
+  };
+
+  SUBCASE("malformed capnp") {
+    peer.send({"", std::string(64, '\xa5')});
+    auto [st, id] = peer.answer();
+    CHECK(st.code() == Code::kMalformed);
+    CHECK(id == 0);
+    peer.send({"", "abc"});
+    CHECK(peer.answer().first.code() == Code::kMalformed);
+    peer.send({"", ""});
+    CHECK(peer.answer().first.code() == Code::kMalformed);
+  }
+  SUBCASE("text without its NUL terminator (detected lazily)") {
+    std::string bytes = request_bytes(5, [](proto::Request::Builder r) {
+      r.initListGroups().setAgent("abcdefg");  // 7 chars + NUL = 8 bytes
+    });
+    const size_t at = bytes.find("abcdefg");
+    REQUIRE(at != std::string::npos);
+    bytes[at + 7] = 'h';  // overwrite the NUL
+    peer.send({"", bytes});
+    auto [st, id] = peer.answer();
+    CHECK(st.code() == Code::kMalformed);
+    CHECK(id == 5);
+  }
+  SUBCASE("bad framing") {
+    peer.send({request_bytes(3, [](auto r) { r.initPing(); })});  // no empty delimiter
+    CHECK(peer.answer().first.code() == Code::kMalformed);
+    peer.send({"", "x", "y"});
+    CHECK(peer.answer().first.code() == Code::kMalformed);
+  }
+  SUBCASE("oversized message") {
+    const std::string big = request_bytes(11, [](proto::Request::Builder r) {
+      auto w = r.initWriteMemory();
+      w.setAgent("a");
+      w.setText(std::string(100 * 1024, 'x'));
+      w.setKind(proto::SegmentKind::OBJECT_STATE);
+    });
+    peer.send({"", big});
+    auto [st, id] = peer.answer();
+    CHECK(st.code() == Code::kTooLarge);
+    CHECK(id == 11);
+    // The client refuses it before sending.
+    kc::ClientOptions o;
+    o.endpoint = m.endpoint();
+    o.max_request_bytes = 64 * 1024;
+    auto small = kc::ManagerClient::connect(o);
+    REQUIRE(small.is_ok());
+    CHECK((*small)->write({"a", {}, std::string(100 * 1024, 'x'), {}, {}}).status().code() ==
+          Code::kTooLarge);
+  }
+  SUBCASE("wrong protocol version") {
+    peer.send({"", request_bytes(
+                       21, [](auto r) { r.initPing(); }, 9)});
+    auto [st, id] = peer.answer();
+    CHECK(st.code() == Code::kVersionMismatch);
+    CHECK(id == 21);
+    CHECK(st.message().find("9") != std::string::npos);
+  }
+  SUBCASE("unknown and unset enum values, unknown and empty request types") {
+    peer.send({"", request_bytes(31, [](proto::Request::Builder r) {
+                 auto w = r.initWriteMemory();
+                 w.setAgent("a");
+                 w.setText("t");
+                 w.setKind(static_cast<proto::SegmentKind>(42));
+               })});
+    auto [st, id] = peer.answer();
+    CHECK(st.code() == Code::kInvalidArgument);
+    CHECK(id == 31);
+    peer.send({"", request_bytes(32, [](proto::Request::Builder r) {
+                 auto w = r.initWriteMemory();
+                 w.setAgent("a");
+                 w.setText("t");  // kind left unset
+               })});
+    CHECK(peer.answer().first.code() == Code::kInvalidArgument);
+    peer.send({"", request_bytes(33, [](auto) {})});  // no call set
+    CHECK(peer.answer().first.code() == Code::kInvalidArgument);
+    // A request type from the future: discriminant 99 in the union's slot (data word 0, bits
+    // 16..31 of the root struct, right after the segment table and root pointer).
+    std::string future = request_bytes(34, [](auto r) { r.initPing(); });
+    future[16 + 2] = 99;
+    future[16 + 3] = 0;
+    peer.send({"", future});
+    auto [st2, id2] = peer.answer();
+    CHECK(st2.code() == Code::kInvalidArgument);
+    CHECK(id2 == 34);
+  }
+  SUBCASE("unknown agent / segment, empty and over-long text") {
+    CHECK(c->retrieve("nobody", "q", 3).status().code() == Code::kNotFound);
+    CHECK(c->list_groups("nobody").status().code() == Code::kNotFound);
+    CHECK(c->remove("a", 999).code() == Code::kNotFound);
+    CHECK(c->update("a", 999, "x").status().code() == Code::kNotFound);
+    CHECK(c->write({"a", {}, "", {}, {}}).status().code() == Code::kInvalidArgument);
+    CHECK(c->write({"a", {}, std::string(5000, 'y'), {}, {}}).status().code() == Code::kTooLarge);
+    CHECK(c->write({"bad agent!", {}, "x", {}, {}}).status().code() == Code::kInvalidArgument);
+    CHECK(c->advance_step("a", 0).status().code() == Code::kInvalidArgument);
+    CHECK(c->commit_entry(7, 12345, 1, 1).code() == Code::kNotFound);
+  }
+  still_serving();
+  CHECK(m.server->stats().requests > 0);
+}
+
+TEST_CASE("concurrent clients, group commit and ipc") {
+  const std::string ipc = "ipc:///tmp/keep-test-rpc-" + std::to_string(::getpid());
+  Manager m({"tcp://127.0.0.1:0", ipc});
+  m.committer.sync_delay = 5ms;  // a slow disk: requests pile up while one batch syncs
+  constexpr int kThreads = 4, kWrites = 100;
+  std::atomic<int> ok{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      kc::ClientOptions o;
+      o.endpoint = t % 2 ? m.server->bound_endpoints().at(1) : m.endpoint();
+      auto c = kc::ManagerClient::connect(o);
+      if (!c.is_ok()) return;
+      for (int i = 0; i < kWrites; ++i) {
+        auto w = (*c)->write({"agent" + std::to_string(t),
+                              std::nullopt,
+                              "memory " + std::to_string(i),
+                              kc::SegmentKind::kTaskRecord,
+                              {}});
+        if (w.is_ok() && w->id != 0) ok.fetch_add(1);
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  CHECK(ok.load() == kThreads * kWrites);
+  CHECK(m.committer.appended() == size_t{kThreads * kWrites});
+  // Group commit: fewer syncs than writes, and some batch held more than one request.
+  CHECK(m.committer.syncs.load() < kThreads * kWrites);
+  CHECK(m.server->stats().max_batch_seen > 1);
+  auto c = m.client();
+  auto stats = c->stats();
+  REQUIRE(stats.is_ok());
+  CHECK(stats->memories == uint64_t{kThreads * kWrites});
+  MESSAGE("syncs " << m.committer.syncs.load() << " for " << kThreads * kWrites << " writes");
+}
+
+TEST_CASE("timeouts reconnect and late answers are dropped") {
+  Manager m;
+  m.committer.sync_delay = 400ms;
+  auto c = m.client(150ms);
+  auto w = c->write({"a", {}, "slow write", kc::SegmentKind::kObjectState, {}});
+  CHECK(w.status().code() == keep::Code::kTimeout);
+  m.committer.sync_delay = 0ms;
+  // The late answer to the write must not be taken for the answer to this call.
+  std::this_thread::sleep_for(300ms);
+  auto s = c->advance_step("a", 3);
+  REQUIRE(s.is_ok());
+  CHECK(*s == 3);
+}
+
+TEST_CASE("a failed sync answers io_error and then refuses mutations") {
+  Manager m;
+  auto c = m.client();
+  REQUIRE(c->write({"a", {}, "first", kc::SegmentKind::kObjectState, {}}).is_ok());
+  m.committer.fail_sync = true;
+  CHECK(c->write({"a", {}, "second", kc::SegmentKind::kObjectState, {}}).status().code() ==
+        Code::kIoError);
+  m.committer.fail_sync = false;
+  CHECK(c->write({"a", {}, "third", kc::SegmentKind::kObjectState, {}}).status().code() ==
+        Code::kUnavailable);
+  CHECK(c->ping().is_ok());
+  CHECK(c->list_groups("a").is_ok());
+  CHECK(m.service.degraded());
+}
+
+TEST_CASE("keepctl drives the server as a separate process") {
+  const char* bin = std::getenv("KEEP_BIN_DIR");
+  const std::string keepctl = std::string(bin ? bin : KEEP_BINARY_DIR "/bin") + "/keepctl";
+  if (::access(keepctl.c_str(), X_OK) != 0) {
+    MESSAGE("keepctl not built, skipping");
+    return;
+  }
+  Manager m;
+  auto run = [&](const std::string& args, int* rc) {
+    const std::string cmd = keepctl + " --endpoint " + m.endpoint() + " " + args + " 2>&1";
+    FILE* f = ::popen(cmd.c_str(), "r");
+    REQUIRE(f != nullptr);
+    std::string out;
+    char buf[512];
+    while (size_t n = std::fread(buf, 1, sizeof(buf), f)) out.append(buf, n);
+    const int status = ::pclose(f);
+    *rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    return out;
+  };
+  int rc = -1;
+  auto out = run("--json write robot 'kitchen cup on shelf' --kind task_record", &rc);
+  CHECK(rc == 0);
+  CHECK(out.find("\"version\":1") != std::string::npos);
+  out = run("retrieve robot 'kitchen cup' --k 3", &rc);
+  CHECK(rc == 0);
+  CHECK(out.find("kitchen cup on shelf") != std::string::npos);
+  out = run("delete robot 4242", &rc);
+  CHECK(rc == 1);
+  CHECK(out.find("keepctl: not_found: ") == 0);
+  out = run("write robot", &rc);
+  CHECK(rc == 2);
+  out = run("--json stats", &rc);
+  CHECK(rc == 0);
+  CHECK(out.find("\"memories\":1") != std::string::npos);
+}
