@@ -15,6 +15,8 @@ APT_PACKAGES=(
   libcpp-httplib-dev           # HTTP for /metrics
   prometheus                   # the real Prometheus server + promtool, for the metrics tests
   clang-format
+  curl                         # scripts talk to /metrics
+  docker-compose               # validates docker-compose.yml in the tests (no engine needed)
 )
 
 SUDO=""

@@ -1,0 +1,130 @@
+#include "services/manager/daemon/manager_config.h"
+
+#include <sstream>
+
+namespace keep::manager {
+
+void declare_manager_options(Options* o) {
+  o->add("endpoint", "tcp://127.0.0.1:7601",
+         "ZeroMQ ROUTER endpoint(s) for agents, keepctl and workers; comma-separated; tcp:// or ipc://");
+  o->add("metrics-listen", "127.0.0.1:9464", "host:port serving GET /metrics; 'off' disables it");
+  o->add("data-dir", "keep-data", "directory of the write-ahead log and the snapshots");
+  o->add("fsync", "true", "fdatasync the WAL before acknowledging a write (one per batch)");
+  o->add("wal-segment-bytes", "64MiB", "WAL file size before rotating to a new file");
+  o->add("snapshot-every", "200000", "WAL records between snapshots (0: snapshot only at shutdown)");
+  o->add("encoder", "models/all-MiniLM-L6-v2", "sentence-transformers BERT model directory");
+  o->add("tokenizer", "models/qwen2.5-tokenizer/tokenizer.json",
+         "the planner model's tokenizer.json (counts tokens per segment; hashed into the fingerprint)");
+  o->add("tau", "0.45", "cosine threshold for a segment to join a group (all-MiniLM-L6-v2 scale)");
+  o->add("group-token-budget", "512", "most tokens a group may hold");
+  o->add("static-after-steps", "10", "t: a group unchanged for t steps turns static");
+  o->add("max-text-bytes", "4096", "longest memory or query text accepted");
+  o->add("embed-batch", "32", "segments embedded per background encoder call");
+  o->add("shm-name", "keep-kv", "POSIX shm object of the KV region (/dev/shm/<name>)");
+  o->add("shm-bytes", "1GiB", "KV arena size");
+  o->add("shm-block-bytes", "64KiB", "KV arena block size (an entry is a contiguous run of blocks)");
+  o->add("shm-max-entries", "65536", "directory entries of the KV region");
+  o->add("shm-mode", "0600", "permissions of the shm object (octal)");
+  o->add("model-name", "SmolLM2-135M-Instruct", "planner model name (part of the KV fingerprint)");
+  o->add("model-layers", "30", "planner model layers (KV geometry)");
+  o->add("model-kv-heads", "3", "planner model KV heads (KV geometry)");
+  o->add("model-head-dim", "64", "planner model head dimension (KV geometry)");
+  o->add("model-kv-dtype", "bf16", "KV dtype in the region: f16, bf16 or f32");
+  o->add("model-rope-theta", "100000", "planner model RoPE theta (KV fingerprint)");
+  o->add("lease-ms", "30000", "lease of a worker's KV reservation");
+  o->add("max-message-bytes", "1MiB", "largest request accepted (checked before decoding)");
+  o->add("max-batch", "256", "requests handled per batch (one fsync covers a batch)");
+  o->add("log-level", "info", "debug, info, warn, error or off");
+}
+
+Result<ManagerConfig> read_manager_config(const Options& o) {
+  ManagerConfig c;
+  std::stringstream eps(o.str("endpoint"));
+  for (std::string e; std::getline(eps, e, ',');) {
+    if (!e.empty()) c.endpoints.push_back(e);
+  }
+  if (c.endpoints.empty()) return Status(Code::kInvalidArgument, "--endpoint: no endpoint given");
+  c.metrics_listen = o.str("metrics-listen") == "off" ? "" : o.str("metrics-listen");
+  c.data_dir = o.str("data-dir");
+  if (c.data_dir.empty()) return Status(Code::kInvalidArgument, "--data-dir: empty");
+  KEEP_ASSIGN_OR_RETURN(c.fsync, o.boolean("fsync"));
+  KEEP_ASSIGN_OR_RETURN(c.wal_segment_bytes, o.bytes("wal-segment-bytes"));
+  KEEP_ASSIGN_OR_RETURN(c.snapshot_every, o.uint64("snapshot-every"));
+  c.encoder_dir = o.str("encoder");
+  c.tokenizer_path = o.str("tokenizer");
+
+  KEEP_ASSIGN_OR_RETURN(double tau, o.number("tau"));
+  if (tau < -1.0 || tau > 1.0) return Status(Code::kInvalidArgument, "--tau: must be in [-1, 1]");
+  c.store.tau = static_cast<float>(tau);
+  KEEP_ASSIGN_OR_RETURN(uint64_t budget, o.uint64("group-token-budget"));
+  if (budget == 0 || budget > UINT32_MAX) {
+    return Status(Code::kInvalidArgument, "--group-token-budget: must be in 1..2^32-1");
+  }
+  c.store.group_token_budget = static_cast<uint32_t>(budget);
+  KEEP_ASSIGN_OR_RETURN(c.store.static_after_steps, o.uint64("static-after-steps"));
+  if (c.store.static_after_steps == 0) {
+    return Status(Code::kInvalidArgument, "--static-after-steps: must be >= 1");
+  }
+  KEEP_ASSIGN_OR_RETURN(uint64_t max_text, o.bytes("max-text-bytes"));
+  if (max_text == 0) return Status(Code::kInvalidArgument, "--max-text-bytes: must be >= 1");
+  c.store.max_text_bytes = max_text;
+  KEEP_ASSIGN_OR_RETURN(uint64_t eb, o.uint64("embed-batch"));
+  if (eb == 0 || eb > 4096) return Status(Code::kInvalidArgument, "--embed-batch: must be 1..4096");
+  c.embed_batch = eb;
+
+  c.shm_name = o.str("shm-name");
+  KEEP_ASSIGN_OR_RETURN(c.shm_bytes, o.bytes("shm-bytes"));
+  KEEP_ASSIGN_OR_RETURN(c.shm_block_bytes, o.bytes("shm-block-bytes"));
+  if (c.shm_block_bytes == 0 || c.shm_bytes < c.shm_block_bytes) {
+    return Status(Code::kInvalidArgument, "--shm-bytes must hold at least one --shm-block-bytes");
+  }
+  KEEP_ASSIGN_OR_RETURN(uint64_t entries, o.uint64("shm-max-entries"));
+  if (entries == 0 || entries > UINT32_MAX) {
+    return Status(Code::kInvalidArgument, "--shm-max-entries: must be >= 1");
+  }
+  c.shm_max_entries = static_cast<uint32_t>(entries);
+  {
+    const std::string& m = o.str("shm-mode");
+    char* end = nullptr;
+    unsigned long mode = std::strtoul(m.c_str(), &end, 8);
+    if (m.empty() || *end != '\0' || mode > 0777) {
+      return Status(Code::kInvalidArgument, "--shm-mode: not an octal mode: '" + m + "'");
+    }
+    c.shm_mode = static_cast<uint32_t>(mode);
+  }
+
+  kv::ModelFingerprint& fp = c.fingerprint;
+  KEEP_ASSIGN_OR_RETURN(uint64_t layers, o.uint64("model-layers"));
+  KEEP_ASSIGN_OR_RETURN(uint64_t kv_heads, o.uint64("model-kv-heads"));
+  KEEP_ASSIGN_OR_RETURN(uint64_t head_dim, o.uint64("model-head-dim"));
+  fp.num_layers = static_cast<uint32_t>(layers);
+  fp.num_kv_heads = static_cast<uint32_t>(kv_heads);
+  fp.head_dim = static_cast<uint32_t>(head_dim);
+  const std::string& dt = o.str("model-kv-dtype");
+  if (dt == "f16") {
+    fp.dtype = kv::KvDType::kF16;
+  } else if (dt == "bf16") {
+    fp.dtype = kv::KvDType::kBF16;
+  } else if (dt == "f32") {
+    fp.dtype = kv::KvDType::kF32;
+  } else {
+    return Status(Code::kInvalidArgument, "--model-kv-dtype: expected f16, bf16 or f32, got '" + dt + "'");
+  }
+  KEEP_ASSIGN_OR_RETURN(fp.rope_theta, o.number("model-rope-theta"));
+  fp.set_model_name(o.str("model-name"));
+
+  KEEP_ASSIGN_OR_RETURN(uint64_t lease, o.uint64("lease-ms"));
+  if (lease == 0) return Status(Code::kInvalidArgument, "--lease-ms: must be >= 1");
+  c.lease = std::chrono::milliseconds(lease);
+  KEEP_ASSIGN_OR_RETURN(c.max_message_bytes, o.bytes("max-message-bytes"));
+  if (c.max_message_bytes < 1024) {
+    return Status(Code::kInvalidArgument, "--max-message-bytes: must be >= 1KiB");
+  }
+  KEEP_ASSIGN_OR_RETURN(uint64_t mb, o.uint64("max-batch"));
+  if (mb == 0) return Status(Code::kInvalidArgument, "--max-batch: must be >= 1");
+  c.max_batch = mb;
+  c.log_level = o.str("log-level");
+  return c;
+}
+
+}  // namespace keep::manager

@@ -1,0 +1,46 @@
+// ManagerConfig: every setting of keep-manager, read from a config file and flags (shared Options).
+// `keep-manager --help` prints each one with its default; deploy/manager.conf lists them too.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "services/manager/store/memory_store.h"
+#include "shared/common/options.h"
+#include "shared/common/status.h"
+#include "shared/kvregion/model_fingerprint.h"
+
+namespace keep::manager {
+
+struct ManagerConfig {
+  std::vector<std::string> endpoints;  // ZeroMQ ROUTER endpoints
+  std::string metrics_listen;          // host:port of GET /metrics; empty: off
+  std::string data_dir;                // WAL and snapshots
+  bool fsync = true;                   // fdatasync before acknowledging (group commit)
+  uint64_t wal_segment_bytes = 0;
+  uint64_t snapshot_every = 0;         // WAL records between snapshots; 0: only at shutdown
+  std::string encoder_dir;             // sentence-transformers BERT directory
+  std::string tokenizer_path;          // the planner model's tokenizer.json
+  StoreOptions store;
+  size_t embed_batch = 32;
+  // The shared KV region.
+  std::string shm_name;
+  uint64_t shm_bytes = 0;  // arena bytes
+  uint64_t shm_block_bytes = 0;
+  uint32_t shm_max_entries = 0;
+  uint32_t shm_mode = 0600;
+  kv::ModelFingerprint fingerprint;  // tokenizer_hash is filled from the tokenizer file
+  std::chrono::milliseconds lease{30000};
+  uint64_t max_message_bytes = 0;
+  size_t max_batch = 256;
+  std::string log_level;
+};
+
+// Declares every option with its default.
+void declare_manager_options(Options* opts);
+// Reads the declared options into a config; errors name the option.
+Result<ManagerConfig> read_manager_config(const Options& opts);
+
+}  // namespace keep::manager

@@ -1,0 +1,608 @@
+#include "services/manager/daemon/manager_daemon.h"
+
+#include <sys/stat.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <sstream>
+#include <thread>
+#include <unordered_map>
+
+#include "services/manager/durability/snapshot_file.h"
+#include "services/manager/durability/wal_reader.h"
+#include "services/manager/durability/wal_writer.h"
+#include "services/manager/encoder/bert_encoder.h"
+#include "services/manager/server/manager_service.h"
+#include "services/manager/server/rpc_server.h"
+#include "services/manager/store/memory_store.h"
+#include "shared/common/log.h"
+#include "shared/kvregion/kv_region.h"
+#include "shared/metrics/http_server.h"
+#include "shared/metrics/metrics.h"
+#include "shared/tokenizer/bpe_tokenizer.h"
+
+namespace keep::manager {
+namespace {
+
+constexpr const char* kLog = "manager";
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// ---- adapters from the real components to the store's and the service's interfaces ------------
+
+class EncoderEmbedder final : public Embedder {
+ public:
+  explicit EncoderEmbedder(std::unique_ptr<BertEncoder> enc) : enc_(std::move(enc)) {}
+  int dim() const override { return enc_->dim(); }
+  Result<std::vector<std::vector<float>>> embed(const std::vector<std::string>& texts) override {
+    return enc_->encode(texts);
+  }
+
+ private:
+  std::unique_ptr<BertEncoder> enc_;
+};
+
+class TokenizerCounter final : public TokenCounter {
+ public:
+  explicit TokenizerCounter(tok::BpeTokenizer tok) : tok_(std::move(tok)) {}
+  uint32_t count_tokens(std::string_view text) const override {
+    return static_cast<uint32_t>(tok_.count_tokens(text));
+  }
+
+ private:
+  tok::BpeTokenizer tok_;
+};
+
+// The WAL behind the handler's BatchCommitter. WalWriter is single-threaded; the handler's I/O
+// thread, the embedding thread and housekeeping all reach it, so one mutex guards it.
+class WalCommitter final : public BatchCommitter {
+ public:
+  explicit WalCommitter(std::unique_ptr<WalWriter> w) : w_(std::move(w)) {}
+  Status append(std::string_view record) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto lsn = w_->append(record);
+    if (!lsn.is_ok()) return lsn.status();
+    ++since_snapshot_;
+    return Status::ok();
+  }
+  Status sync() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return w_->sync();
+  }
+  uint64_t last_lsn() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return w_->next_lsn() - 1;
+  }
+  uint64_t since_snapshot() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return since_snapshot_;
+  }
+  void snapshot_taken(uint64_t records_covered) {
+    std::lock_guard<std::mutex> lock(mu_);
+    since_snapshot_ = since_snapshot_ > records_covered ? since_snapshot_ - records_covered : 0;
+  }
+  Result<size_t> drop_before(uint64_t lsn) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return w_->drop_segments_before(lsn);
+  }
+  WalWriterStats stats() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return w_->stats();
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::unique_ptr<WalWriter> w_;
+  uint64_t since_snapshot_ = 0;
+};
+
+// The region behind the handler's KvRegionOps. Locations of entries are remembered from
+// reserve(), so retrieve can answer where a committed entry lives without touching the directory.
+class RegionOps final : public KvRegionOps {
+ public:
+  explicit RegionOps(kv::KvRegion* region) : region_(region) {}
+
+  Result<EntryLocation> reserve(const KvJob& job, uint32_t tokens, uint64_t owner_id,
+                                std::chrono::milliseconds lease) override {
+    if (job.segments.empty()) return Status(Code::kInvalidArgument, "job has no segments");
+    kv::EntryKey key;
+    key.agent_hash = kv::fnv1a_64(job.agent);
+    if (job.kind == KvJobKind::kGroup) {
+      key.kind = kv::EntryKind::kGroup;
+      key.object_id = job.group_id;
+      key.object_version = 0;
+    } else {
+      key.kind = kv::EntryKind::kSegment;
+      key.object_id = job.segments[0].id;
+      key.object_version = job.segments[0].version;
+    }
+    key.group_version = job.group_version;
+    KEEP_ASSIGN_OR_RETURN(kv::EntryDescriptor d, region_->reserve(key, tokens, owner_id, lease));
+    EntryLocation loc{d.index, d.generation, d.offset, d.bytes, d.tokens};
+    std::lock_guard<std::mutex> lock(mu_);
+    known_[d.index] = Known{loc, false};
+    return loc;
+  }
+  Status commit(uint32_t index, uint64_t generation) override {
+    KEEP_RETURN_IF_ERROR(region_->commit(index, generation));
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = known_.find(index);
+    if (it != known_.end() && it->second.loc.generation == generation) it->second.committed = true;
+    return Status::ok();
+  }
+  Status revoke(uint32_t index, uint64_t generation) override {
+    forget(index, generation);
+    return region_->revoke(index, generation);
+  }
+  Status renew(uint32_t index, uint64_t generation, std::chrono::milliseconds lease) override {
+    return region_->renew_lease(index, generation, lease);
+  }
+  Status release(uint32_t index, uint64_t generation) override {
+    forget(index, generation);
+    return region_->release(index, generation);
+  }
+  Result<EntryLocation> locate(uint32_t index, uint64_t generation) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = known_.find(index);
+    if (it == known_.end() || it->second.loc.generation != generation || !it->second.committed) {
+      return Status(Code::kStale, "KV entry " + std::to_string(index) + " is not committed");
+    }
+    return it->second.loc;
+  }
+
+ private:
+  struct Known {
+    EntryLocation loc;
+    bool committed = false;
+  };
+  void forget(uint32_t index, uint64_t generation) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = known_.find(index);
+    if (it != known_.end() && it->second.loc.generation == generation) known_.erase(it);
+  }
+  kv::KvRegion* region_;
+  std::mutex mu_;
+  std::unordered_map<uint32_t, Known> known_;  // by entry index (a reused index overwrites)
+};
+
+// Request names for metric labels, indexed by the Request union's discriminant.
+const char* request_name(proto::Request::Which w) {
+  switch (w) {
+    case proto::Request::NONE: return "none";
+    case proto::Request::WRITE_MEMORY: return "write";
+    case proto::Request::UPDATE_MEMORY: return "update";
+    case proto::Request::DELETE_MEMORY: return "delete";
+    case proto::Request::ADVANCE_STEP: return "advance_step";
+    case proto::Request::RETRIEVE: return "retrieve";
+    case proto::Request::LIST_GROUPS: return "list_groups";
+    case proto::Request::STATS: return "stats";
+    case proto::Request::FETCH_JOBS: return "fetch_jobs";
+    case proto::Request::RESERVE_ENTRY: return "reserve_entry";
+    case proto::Request::COMMIT_ENTRY: return "commit_entry";
+    case proto::Request::REVOKE_ENTRY: return "revoke_entry";
+    case proto::Request::RENEW_LEASE: return "renew_lease";
+    case proto::Request::PING: return "ping";
+  }
+  return "unknown";
+}
+
+// Wraps the service: counts requests by type and outcome and times them. A call's latency is the
+// time of the batch it was handled in (apply + WAL append + fsync), which is what its client waits.
+class InstrumentedHandler final : public wire::RequestHandler {
+ public:
+  InstrumentedHandler(ManagerService* svc, metrics::Registry* reg)
+      : svc_(svc),
+        requests_(reg->counter("keep_manager_requests_total",
+                               "Requests handled, by type and result code", {"type", "code"})),
+        latency_(reg->histogram("keep_manager_request_duration_seconds",
+                                "Server-side time of a request (its batch: apply, WAL, fsync)",
+                                {"type"})),
+        batch_size_(reg->histogram("keep_manager_batch_size", "Requests per handled batch", {},
+                                   metrics::exponential_buckets(1, 2, 10))) {}
+
+  void handle_batch(std::span<wire::Call> calls) override {
+    auto t0 = Clock::now();
+    svc_->handle_batch(calls);
+    double dt = seconds_since(t0);
+    batch_size_.get().observe(static_cast<double>(calls.size()));
+    for (auto& call : calls) {
+      const char* type = request_name(call.request().which());
+      const char* code = "ok";
+      if (call.answered()) {
+        auto resp = call.reply().asReader();
+        if (resp.which() == proto::Response::ERROR) {
+          code = code_name(wire::from_wire(resp.getError().getCode()));
+        }
+      }
+      requests_.labels({type, code}).inc();
+      latency_.labels({type}).observe(dt);
+    }
+  }
+  void on_idle() override { svc_->on_idle(); }
+
+ private:
+  ManagerService* svc_;
+  metrics::CounterFamily& requests_;
+  metrics::HistogramFamily& latency_;
+  metrics::HistogramFamily& batch_size_;
+};
+
+Status ensure_dir(const std::string& path) {
+  std::error_code ec;
+  std::filesystem::create_directories(path, ec);
+  if (ec) return Status(Code::kIoError, "cannot create directory '" + path + "': " + ec.message());
+  return Status::ok();
+}
+
+Result<std::string> read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return Status(Code::kIoError, "cannot read '" + path + "'");
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+}  // namespace
+
+struct ManagerDaemon::Impl {
+  ManagerConfig config;
+  metrics::Registry registry;
+  std::unique_ptr<EncoderEmbedder> embedder;
+  std::unique_ptr<TokenizerCounter> counter;
+  std::unique_ptr<MemoryStore> store;
+  std::unique_ptr<WalCommitter> wal;
+  std::unique_ptr<kv::KvRegion> region;
+  std::unique_ptr<RegionOps> region_ops;
+  std::unique_ptr<ManagerService> service;
+  std::unique_ptr<InstrumentedHandler> handler;
+  std::unique_ptr<wire::RpcServer> server;
+  std::unique_ptr<metrics::MetricsHttpServer> http;
+
+  std::atomic<bool> stopping{false};
+  std::mutex bg_mu;
+  std::condition_variable bg_cv;
+  std::thread embed_thread;
+  std::thread housekeeping_thread;
+  std::mutex snapshot_mu;  // one snapshot at a time
+
+  metrics::HistogramFamily* fsync_seconds = nullptr;
+  metrics::HistogramFamily* embed_seconds = nullptr;
+  metrics::CounterFamily* embedded_total = nullptr;
+  metrics::CounterFamily* snapshots_total = nullptr;
+  metrics::HistogramFamily* snapshot_seconds = nullptr;
+  metrics::CounterFamily* reaped_total = nullptr;
+
+  std::string wal_dir() const { return config.data_dir + "/wal"; }
+  std::string snapshot_dir() const { return config.data_dir + "/snapshots"; }
+
+  Status recover();
+  Status take_snapshot();
+  void embed_loop();
+  void housekeeping_loop();
+  void register_metrics();
+  void shutdown();
+};
+
+Status ManagerDaemon::Impl::recover() {
+  auto t0 = Clock::now();
+  KEEP_RETURN_IF_ERROR(ensure_dir(config.data_dir));
+  KEEP_RETURN_IF_ERROR(ensure_dir(snapshot_dir()));
+  uint64_t from_lsn = 1;
+  KEEP_ASSIGN_OR_RETURN(auto snap, read_latest_snapshot(snapshot_dir()));
+  if (snap.has_value()) {
+    KEEP_RETURN_IF_ERROR(store->deserialize(snap->payload).with_context("loading snapshot " + snap->file));
+    from_lsn = snap->last_lsn + 1;
+    KEEP_LOG_INFO(kLog, "snapshot %s loaded (up to LSN %llu)", snap->file.c_str(),
+                  static_cast<unsigned long long>(snap->last_lsn));
+  }
+  ReplayStats rs;
+  KEEP_RETURN_IF_ERROR(wal_replay(
+      wal_dir(), from_lsn,
+      [&](uint64_t lsn, std::string_view payload) {
+        return store->apply_record(payload).with_context("WAL record " + std::to_string(lsn));
+      },
+      &rs).with_context("replaying the WAL"));
+  if (rs.truncated_bytes > 0) {
+    KEEP_LOG_WARN(kLog, "recovery dropped a torn WAL tail of %llu bytes in %s",
+                  static_cast<unsigned long long>(rs.truncated_bytes), rs.truncated_file.c_str());
+  }
+  WalOptions wo;
+  wo.dir = wal_dir();
+  wo.fsync = config.fsync;
+  wo.segment_bytes = config.wal_segment_bytes;
+  wo.next_lsn = std::max<uint64_t>(rs.next_lsn, from_lsn);
+  metrics::HistogramFamily* h = fsync_seconds;
+  wo.on_sync = [h](double s) { h->get().observe(s); };
+  KEEP_ASSIGN_OR_RETURN(auto writer, WalWriter::open(std::move(wo)));
+  wal = std::make_unique<WalCommitter>(std::move(writer));
+  StoreStats st = store->stats();
+  KEEP_LOG_INFO(kLog,
+                "recovered %llu memories of %llu agents (%llu WAL records replayed) in %.3f s",
+                static_cast<unsigned long long>(st.memories),
+                static_cast<unsigned long long>(st.agents),
+                static_cast<unsigned long long>(rs.records_replayed), seconds_since(t0));
+  return Status::ok();
+}
+
+Status ManagerDaemon::Impl::take_snapshot() {
+  std::lock_guard<std::mutex> one(snapshot_mu);
+  auto t0 = Clock::now();
+  std::string payload;
+  uint64_t lsn = 0;
+  uint64_t covered = 0;
+  {
+    std::lock_guard<std::mutex> lock(service->store_mutex());
+    payload = store->serialize();
+    lsn = wal->last_lsn();
+    covered = wal->since_snapshot();
+  }
+  // Every record the snapshot reflects must be durable before the WAL behind it may go.
+  KEEP_RETURN_IF_ERROR(wal->sync().with_context("snapshot"));
+  KEEP_ASSIGN_OR_RETURN(SnapshotWriteInfo info,
+                        write_snapshot(snapshot_dir(), lsn, payload, config.fsync));
+  wal->snapshot_taken(covered);
+  auto dropped = wal->drop_before(info.oldest_retained_lsn + 1);
+  if (!dropped.is_ok()) {
+    KEEP_LOG_WARN(kLog, "dropping old WAL files: %s", dropped.status().to_string().c_str());
+  }
+  snapshots_total->get().inc();
+  snapshot_seconds->get().observe(seconds_since(t0));
+  KEEP_LOG_INFO(kLog, "snapshot at LSN %llu: %llu bytes in %.3f s",
+                static_cast<unsigned long long>(lsn), static_cast<unsigned long long>(info.bytes),
+                seconds_since(t0));
+  return Status::ok();
+}
+
+void ManagerDaemon::Impl::embed_loop() {
+  while (!stopping.load()) {
+    std::vector<PendingEmbedding> pending;
+    {
+      std::lock_guard<std::mutex> lock(service->store_mutex());
+      pending = store->pending_embeddings(config.embed_batch);
+    }
+    if (pending.empty()) {
+      std::unique_lock<std::mutex> lk(bg_mu);
+      bg_cv.wait_for(lk, std::chrono::milliseconds(10), [&] { return stopping.load(); });
+      continue;
+    }
+    std::vector<std::string> texts;
+    texts.reserve(pending.size());
+    for (const auto& p : pending) texts.push_back(p.text);
+    auto t0 = Clock::now();
+    auto vecs = embedder->embed(texts);
+    if (!vecs.is_ok()) {
+      KEEP_LOG_ERROR(kLog, "background embedding failed: %s", vecs.status().to_string().c_str());
+      std::unique_lock<std::mutex> lk(bg_mu);
+      bg_cv.wait_for(lk, std::chrono::seconds(1), [&] { return stopping.load(); });
+      continue;
+    }
+    embed_seconds->get().observe(seconds_since(t0));
+    std::vector<SegmentEmbedding> embs;
+    embs.reserve(pending.size());
+    for (size_t i = 0; i < pending.size(); ++i) {
+      embs.push_back({pending[i].agent, pending[i].id, pending[i].version, std::move((*vecs)[i])});
+    }
+    std::lock_guard<std::mutex> lock(service->store_mutex());
+    std::string record;
+    auto n = store->apply_embeddings(embs, &record);
+    if (!n.is_ok()) {
+      KEEP_LOG_ERROR(kLog, "applying embeddings: %s", n.status().to_string().c_str());
+      continue;
+    }
+    embedded_total->get().inc(static_cast<double>(*n));
+    if (!record.empty()) {
+      // Derived state: durable with the next batch's sync; lost on a crash, it is recomputed.
+      Status st = wal->append(record);
+      if (!st.is_ok()) KEEP_LOG_ERROR(kLog, "WAL append (embeddings): %s", st.to_string().c_str());
+    }
+  }
+}
+
+void ManagerDaemon::Impl::housekeeping_loop() {
+  while (!stopping.load()) {
+    {
+      std::unique_lock<std::mutex> lk(bg_mu);
+      bg_cv.wait_for(lk, std::chrono::milliseconds(200), [&] { return stopping.load(); });
+    }
+    if (stopping.load()) break;
+    size_t reaped = region->reap_expired();
+    if (reaped > 0) {
+      reaped_total->get().inc(static_cast<double>(reaped));
+      KEEP_LOG_INFO(kLog, "reclaimed %zu KV reservations whose lease expired", reaped);
+    }
+    if (config.snapshot_every > 0 && wal->since_snapshot() >= config.snapshot_every) {
+      Status st = take_snapshot();
+      if (!st.is_ok()) KEEP_LOG_ERROR(kLog, "snapshot failed: %s", st.to_string().c_str());
+    }
+  }
+}
+
+void ManagerDaemon::Impl::register_metrics() {
+  fsync_seconds = &registry.histogram("keep_manager_wal_fsync_seconds",
+                                      "Time of one WAL fdatasync (one per batch of writes)", {},
+                                      metrics::exponential_buckets(0.00005, 2, 16));
+  embed_seconds = &registry.histogram("keep_manager_embed_batch_seconds",
+                                      "Time to embed one background batch of segments");
+  embedded_total = &registry.counter("keep_manager_embeddings_total",
+                                     "Segment embeddings computed and installed");
+  snapshots_total = &registry.counter("keep_manager_snapshots_total", "Snapshots written");
+  snapshot_seconds = &registry.histogram("keep_manager_snapshot_seconds",
+                                         "Time to write one snapshot");
+  reaped_total = &registry.counter("keep_manager_kv_reservations_reaped_total",
+                                   "KV reservations reclaimed after their lease expired");
+
+  auto& agents = registry.gauge("keep_manager_agents", "Agent namespaces");
+  auto& memories = registry.gauge("keep_manager_memories", "Memory segments stored");
+  auto& groups = registry.gauge("keep_manager_groups", "Semantic groups by state", {"state"});
+  auto& pending = registry.gauge("keep_manager_embeddings_pending",
+                                 "Segments waiting for their embedding");
+  auto& jobs = registry.gauge("keep_manager_kv_jobs", "KV jobs by state", {"state"});
+  auto& transitions = registry.counter("keep_manager_group_transitions_total",
+                                       "Group state transitions, by the state entered", {"to"});
+  auto& jobs_done = registry.counter("keep_manager_kv_jobs_finished_total",
+                                     "KV jobs finished, by outcome", {"outcome"});
+  auto& arena = registry.gauge("keep_manager_arena_bytes", "KV arena bytes by use", {"state"});
+  auto& entries = registry.gauge("keep_manager_kv_entries", "KV region entries by state",
+                                 {"state"});
+  auto& wal_records = registry.counter("keep_manager_wal_records_total",
+                                       "Records appended to the WAL since start");
+  auto& wal_bytes = registry.counter("keep_manager_wal_bytes_total",
+                                     "Bytes appended to the WAL since start");
+  auto& cache = registry.counter("keep_manager_query_cache_total",
+                                 "Query embedding cache lookups", {"result"});
+
+  // Counters mirror monotonic totals kept by the components: add the delta at each scrape.
+  struct Last {
+    double to_static = 0, to_dynamic = 0, completed = 0, stale = 0, failed = 0, records = 0,
+           bytes = 0, hits = 0, misses = 0;
+  };
+  auto last = std::make_shared<Last>();
+  auto bump = [](metrics::Counter& c, double now, double* prev) {
+    if (now > *prev) c.inc(now - *prev);
+    *prev = now;
+  };
+  registry.add_collect_hook([this, &agents, &memories, &groups, &pending, &jobs, &transitions,
+                             &jobs_done, &arena, &entries, &wal_records, &wal_bytes, &cache, last,
+                             bump] {
+    StoreStats s;
+    {
+      std::lock_guard<std::mutex> lock(service->store_mutex());
+      s = store->stats();
+    }
+    agents.get().set(static_cast<double>(s.agents));
+    memories.get().set(static_cast<double>(s.memories));
+    groups.labels({"static"}).set(static_cast<double>(s.groups_static));
+    groups.labels({"dynamic"}).set(static_cast<double>(s.groups_dynamic));
+    pending.get().set(static_cast<double>(s.pending_embeddings));
+    jobs.labels({"queued"}).set(static_cast<double>(s.jobs_queued));
+    jobs.labels({"running"}).set(static_cast<double>(s.jobs_running));
+    bump(transitions.labels({"static"}), static_cast<double>(s.transitions_to_static),
+         &last->to_static);
+    bump(transitions.labels({"dynamic"}), static_cast<double>(s.transitions_to_dynamic),
+         &last->to_dynamic);
+    bump(jobs_done.labels({"completed"}), static_cast<double>(s.jobs_completed), &last->completed);
+    bump(jobs_done.labels({"stale"}), static_cast<double>(s.jobs_stale), &last->stale);
+    bump(jobs_done.labels({"failed"}), static_cast<double>(s.jobs_failed), &last->failed);
+    bump(cache.labels({"hit"}), static_cast<double>(s.query_cache_hits), &last->hits);
+    bump(cache.labels({"miss"}), static_cast<double>(s.query_cache_misses), &last->misses);
+    kv::RegionStats r = region->stats();
+    arena.labels({"used"}).set(static_cast<double>(r.bytes_used));
+    arena.labels({"free"}).set(static_cast<double>(r.bytes_free));
+    entries.labels({"free"}).set(r.entries_free);
+    entries.labels({"reserved"}).set(r.entries_reserved);
+    entries.labels({"committed"}).set(r.entries_committed);
+    WalWriterStats w = wal->stats();
+    bump(wal_records.get(), static_cast<double>(w.records), &last->records);
+    bump(wal_bytes.get(), static_cast<double>(w.bytes), &last->bytes);
+  });
+}
+
+void ManagerDaemon::Impl::shutdown() {
+  stopping.store(true);
+  bg_cv.notify_all();
+  if (embed_thread.joinable()) embed_thread.join();
+  if (housekeeping_thread.joinable()) housekeeping_thread.join();
+  if (server) server->stop();
+  server.reset();  // joins the I/O thread if it runs one
+  if (wal && service) {
+    Status st = take_snapshot();
+    if (!st.is_ok()) KEEP_LOG_ERROR(kLog, "final snapshot failed: %s", st.to_string().c_str());
+  }
+  http.reset();
+}
+
+Result<std::unique_ptr<ManagerDaemon>> ManagerDaemon::start(const ManagerConfig& config) {
+  auto impl = std::make_unique<Impl>();
+  impl->config = config;
+  Impl& d = *impl;
+  d.register_metrics();
+
+  auto t0 = Clock::now();
+  KEEP_ASSIGN_OR_RETURN(auto enc, BertEncoder::load(config.encoder_dir));
+  d.embedder = std::make_unique<EncoderEmbedder>(std::move(enc));
+  KEEP_ASSIGN_OR_RETURN(auto tok, tok::BpeTokenizer::from_json_file(config.tokenizer_path));
+  d.counter = std::make_unique<TokenizerCounter>(std::move(tok));
+  KEEP_ASSIGN_OR_RETURN(std::string tok_bytes, read_file(config.tokenizer_path));
+  KEEP_LOG_INFO(kLog, "encoder %s (dim %d) and tokenizer %s loaded in %.2f s",
+                config.encoder_dir.c_str(), d.embedder->dim(), config.tokenizer_path.c_str(),
+                seconds_since(t0));
+
+  d.store = std::make_unique<MemoryStore>(config.store, d.embedder.get(), d.counter.get());
+  KEEP_RETURN_IF_ERROR(d.recover().with_context("recovery from " + config.data_dir));
+
+  kv::RegionOptions ro;
+  ro.name = config.shm_name;
+  ro.fingerprint = config.fingerprint;
+  ro.fingerprint.tokenizer_hash = kv::fnv1a_64(tok_bytes);
+  ro.block_bytes = config.shm_block_bytes;
+  ro.num_blocks = config.shm_bytes / config.shm_block_bytes;
+  ro.max_entries = config.shm_max_entries;
+  ro.mode = static_cast<mode_t>(config.shm_mode);
+  ro.replace = true;  // the KV region is a cache: a manager restart starts it afresh
+  KEEP_ASSIGN_OR_RETURN(d.region, kv::KvRegion::create(std::move(ro)));
+  d.region_ops = std::make_unique<RegionOps>(d.region.get());
+
+  ServiceOptions so;
+  so.lease = config.lease;
+  so.server_version = "keep-manager 0.1.0";
+  d.service = std::make_unique<ManagerService>(d.store.get(), d.wal.get(), d.region_ops.get(), so);
+  d.handler = std::make_unique<InstrumentedHandler>(d.service.get(), &d.registry);
+
+  wire::ServerOptions wo;
+  wo.endpoints = config.endpoints;
+  wo.limits.max_message_bytes = config.max_message_bytes;
+  wo.max_batch = config.max_batch;
+  KEEP_ASSIGN_OR_RETURN(d.server, wire::RpcServer::create(std::move(wo), d.handler.get()));
+
+  if (!config.metrics_listen.empty()) {
+    metrics::MetricsHttpServerOptions mo;
+    size_t colon = config.metrics_listen.rfind(':');
+    if (colon == std::string::npos) {
+      return Status(Code::kInvalidArgument,
+                    "--metrics-listen: expected host:port, got '" + config.metrics_listen + "'");
+    }
+    mo.host = config.metrics_listen.substr(0, colon);
+    int port = std::atoi(config.metrics_listen.c_str() + colon + 1);
+    if (port < 0 || port > 65535) {
+      return Status(Code::kInvalidArgument, "--metrics-listen: bad port in '" + config.metrics_listen + "'");
+    }
+    mo.port = static_cast<uint16_t>(port);
+    KEEP_ASSIGN_OR_RETURN(d.http, metrics::MetricsHttpServer::start(d.registry, mo));
+  }
+
+  d.embed_thread = std::thread([&d] { d.embed_loop(); });
+  d.housekeeping_thread = std::thread([&d] { d.housekeeping_loop(); });
+  std::string eps;
+  for (const auto& e : d.server->bound_endpoints()) eps += (eps.empty() ? "" : ",") + e;
+  KEEP_LOG_INFO(kLog, "serving on %s; metrics on %s; KV region /dev/shm/%s (%s)", eps.c_str(),
+                d.http ? d.http->address().c_str() : "off", config.shm_name.c_str(),
+                d.region->fingerprint().describe().c_str());
+  return std::unique_ptr<ManagerDaemon>(new ManagerDaemon(std::move(impl)));
+}
+
+ManagerDaemon::ManagerDaemon(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+ManagerDaemon::~ManagerDaemon() { impl_->shutdown(); }
+
+void ManagerDaemon::run() { impl_->server->run(); }
+
+void ManagerDaemon::stop() {
+  if (impl_->server) impl_->server->stop();
+}
+
+const std::vector<std::string>& ManagerDaemon::endpoints() const {
+  return impl_->server->bound_endpoints();
+}
+
+std::string ManagerDaemon::metrics_address() const {
+  return impl_->http ? impl_->http->address() : std::string();
+}
+
+}  // namespace keep::manager
