@@ -1,0 +1,34 @@
+// The retrieve benchmark's fast load path: builds the state of one agent holding M memories
+// in-process with the store library (the real tokenizer counts tokens; embeddings come from a
+// hashed bag-of-words embedder of the encoder's dimension instead of the BERT encoder, which is
+// ~10^4 times faster), and writes it as a snapshot into a data dir that keep-manager then
+// recovers from. Retrieval cost (a dense M x dim sgemv, top-k, prompt ordering) does not depend
+// on where the vectors came from; what changes is only which memories a query finds.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "shared/common/status.h"
+
+namespace keep::bench {
+
+struct PreloadOptions {
+  std::string agent;
+  uint64_t memories = 0;
+  std::string tokenizer_path;   // the planner model's tokenizer.json (token counts)
+  int dim = 384;                // must equal the manager's encoder dimension
+  uint64_t advance_steps = 20;  // steps advanced after the writes (groups turn static)
+};
+
+struct PreloadInfo {
+  double build_s = 0;     // writes + embeddings + grouping in the store
+  double snapshot_s = 0;  // serialise + write the snapshot
+  uint64_t bytes = 0;
+  uint64_t groups = 0;
+};
+
+// Writes snapshots/ under data_dir (created).
+Result<PreloadInfo> preload_snapshot(const std::string& data_dir, const PreloadOptions& options);
+
+}  // namespace keep::bench
