@@ -1,0 +1,181 @@
+// Bad input against the real keep-manager process (the daemon assembly: its limits from flags, its
+// ROUTER socket, its store): each case gets its error code and the daemon keeps serving. The
+// exhaustive per-case coverage is in-process, in tests/integration/test_rpc_server.cpp.
+#include <capnp/message.h>
+#include <doctest/doctest.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+#include <zmq.hpp>
+
+#include "shared/client/manager_client.h"
+#include "shared/client/wire_codec.h"
+#include "tests/integration/manager/manager_process.h"
+
+namespace {
+
+using namespace std::chrono_literals;
+namespace kc = keep::client;
+namespace it = keep::itest;
+namespace wire = keep::wire;
+namespace proto = keep::proto;
+using keep::Code;
+using keep::Status;
+
+// A raw DEALER peer: sends arbitrary frames and decodes whatever comes back.
+struct RawPeer {
+  explicit RawPeer(const std::string& endpoint) : socket(ctx, zmq::socket_type::dealer) {
+    socket.set(zmq::sockopt::linger, 0);
+    socket.connect(endpoint);
+  }
+  void send(const std::vector<std::string>& frames) {
+    for (size_t i = 0; i < frames.size(); ++i) {
+      socket.send(zmq::buffer(frames[i]),
+                  i + 1 < frames.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
+    }
+  }
+  // The next answer's status and request id; nullopt when none arrives within `wait`.
+  std::optional<std::pair<Status, uint64_t>> answer(std::chrono::milliseconds wait = 5000ms) {
+    zmq::pollitem_t item{static_cast<void*>(socket), 0, ZMQ_POLLIN, 0};
+    zmq::poll(&item, 1, wait);
+    if (!(item.revents & ZMQ_POLLIN)) return std::nullopt;
+    std::vector<zmq::message_t> frames;
+    for (;;) {
+      zmq::message_t f;
+      REQUIRE(socket.recv(f).has_value());
+      const bool more = f.more();
+      frames.push_back(std::move(f));
+      if (!more) break;
+    }
+    REQUIRE(frames.size() == 2);
+    CHECK(frames[0].size() == 0);
+    const std::string bytes(static_cast<const char*>(frames[1].data()), frames[1].size());
+    auto decoded = wire::decode_message(wire::as_bytes(bytes), {});
+    REQUIRE(decoded.is_ok());
+    auto response = (*decoded)->root<proto::Response>();
+    if (response.which() == proto::Response::ERROR) {
+      return std::make_pair(wire::status_from_error(response.getError()), response.getRequestId());
+    }
+    return std::make_pair(Status::ok(), response.getRequestId());
+  }
+  zmq::context_t ctx{1};
+  zmq::socket_t socket;
+};
+
+std::string request_bytes(uint64_t id, const std::function<void(proto::Request::Builder)>& fill,
+                          uint16_t version = wire::kProtocolVersion) {
+  capnp::MallocMessageBuilder message;
+  auto req = message.initRoot<proto::Request>();
+  req.setProtocolVersion(version);
+  req.setRequestId(id);
+  fill(req);
+  return wire::encode(message);
+}
+
+std::string write_bytes(uint64_t id, size_t text_bytes) {
+  return request_bytes(id, [&](proto::Request::Builder r) {
+    auto w = r.initWriteMemory();
+    w.setAgent("a");
+    w.setText(std::string(text_bytes, 'x'));
+    w.setKind(proto::SegmentKind::OBJECT_STATE);
+  });
+}
+
+}  // namespace
+
+TEST_CASE("the keep-manager process answers bad input with its error code and keeps serving") {
+  it::TempDir tmp("badinput");
+  it::ManagerProcess m({(tmp.path() / "data").string(),
+                        it::unique_name("badinput"),
+                        {"--max-message-bytes", "4KiB", "--max-text-bytes", "256"}});
+  kc::ClientOptions o;
+  o.endpoint = m.endpoint();
+  o.timeout = 10000ms;
+  o.max_request_bytes = 1 << 20;  // let oversized requests reach the daemon
+  auto client = kc::ManagerClient::connect(o);
+  REQUIRE(client.is_ok());
+  kc::ManagerClient& c = **client;
+  REQUIRE(
+      c.write({"a", 1, "the red mug is in the sink", kc::SegmentKind::kObjectState, {}}).is_ok());
+
+  RawPeer peer(m.endpoint());
+  auto still_serving = [&](const char* after) {
+    INFO("after " << after);
+    REQUIRE_MESSAGE(m.alive(), m.err());
+    auto p = c.ping();
+    REQUIRE_MESSAGE(p.is_ok(), p.status().to_string());
+    CHECK(p->find("keep-manager") != std::string::npos);
+  };
+
+  // Malformed bytes.
+  peer.send({"", std::string(64, '\xa5')});
+  auto a = peer.answer();
+  REQUIRE(a.has_value());
+  CHECK(a->first.code() == Code::kMalformed);
+  CHECK(a->second == 0);
+  peer.send({"", ""});
+  a = peer.answer();
+  REQUIRE(a.has_value());
+  CHECK(a->first.code() == Code::kMalformed);
+  still_serving("malformed bytes");
+
+  // Bad framing: no empty delimiter frame.
+  peer.send({request_bytes(3, [](auto r) { r.initPing(); })});
+  a = peer.answer();
+  REQUIRE(a.has_value());
+  CHECK(a->first.code() == Code::kMalformed);
+  still_serving("bad framing");
+
+  // Over --max-message-bytes (4 KiB): tooLarge before decoding, the request id still answered.
+  peer.send({"", write_bytes(11, 8 * 1024)});
+  a = peer.answer();
+  REQUIRE(a.has_value());
+  CHECK(a->first.code() == Code::kTooLarge);
+  CHECK(a->second == 11);
+  // ... and through the client library.
+  CHECK(c.write({"a", {}, std::string(8 * 1024, 'y'), {}, {}}).status().code() == Code::kTooLarge);
+  still_serving("oversized message");
+
+  // Beyond the hard cap (16 x the limit): ZeroMQ drops that peer; nobody else notices.
+  {
+    RawPeer rude(m.endpoint());
+    rude.send({"", write_bytes(12, 80 * 1024)});
+    CHECK_FALSE(rude.answer(1500ms).has_value());
+  }
+  still_serving("a frame over the hard cap");
+
+  // Wrong protocol version: versionMismatch naming both versions.
+  peer.send({"", request_bytes(
+                     21, [](auto r) { r.initPing(); }, 9)});
+  a = peer.answer();
+  REQUIRE(a.has_value());
+  CHECK(a->first.code() == Code::kVersionMismatch);
+  CHECK(a->second == 21);
+  CHECK(a->first.message().find('9') != std::string::npos);
+  still_serving("wrong protocol version");
+
+  // Store-level errors through the client library.
+  CHECK(c.retrieve("nobody", "mug", 3).status().code() == Code::kNotFound);
+  CHECK(c.list_groups("nobody").status().code() == Code::kNotFound);
+  still_serving("unknown agent");
+  CHECK(c.update("a", 999, "x").status().code() == Code::kNotFound);
+  CHECK(c.remove("a", 999).code() == Code::kNotFound);
+  still_serving("unknown segment");
+  CHECK(c.write({"a", {}, "", {}, {}}).status().code() == Code::kInvalidArgument);
+  CHECK(c.update("a", 1, "").status().code() == Code::kInvalidArgument);
+  still_serving("empty text");
+  // Over --max-text-bytes (256) but well under --max-message-bytes.
+  CHECK(c.write({"a", {}, std::string(300, 'z'), {}, {}}).status().code() == Code::kTooLarge);
+  CHECK(c.retrieve("a", std::string(300, 'q'), 3).status().code() == Code::kTooLarge);
+  still_serving("over-long text");
+  CHECK(c.write({"a", 1, "a duplicate id", {}, {}}).status().code() == Code::kAlreadyExists);
+  still_serving("a duplicate id");
+
+  // The state is intact: exactly the one good write.
+  auto r = c.retrieve("a", "mug", 10);
+  REQUIRE(r.is_ok());
+  REQUIRE(r->size() == 1);
+  CHECK((*r)[0].text == "the red mug is in the sink");
+  CHECK(m.terminate() == 0);
+}

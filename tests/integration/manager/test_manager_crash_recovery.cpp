@@ -1,0 +1,345 @@
+// Crash durability of the real keep-manager process: concurrent writers, kill -9 at a random
+// moment while writes are in flight, restart on the same data dir, and every acknowledged change
+// must be there exactly once, with its text, kind and version. Three cycles on one data dir:
+// writes only; writes mixed with updates and deletes; writes and updates with snapshots taken
+// (--snapshot-every 64). A final clean shutdown (SIGTERM: final snapshot) and restart closes it.
+//
+// Read path: retrieve(agent, query, k = 1024) returns every example plan plus the top-k others,
+// i.e. the complete listing of an agent while it holds <= 1024 other segments (the store clamps
+// k to max_retrieve_k = 1024, and retrieve embeds pending segments first). Writers therefore move
+// to a new agent every kIdsPerAgent ids. list_groups is not complete (embedded segments only).
+//
+// The model: each writer thread owns its agents and issues one request at a time, so at most one
+// request per writer is unacknowledged when the manager dies ("uncertain"): its target may be in
+// the state before or after that request; every other segment must match the model exactly.
+// Seed: printed; set KEEP_ITEST_SEED to replay one.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <map>
+#include <optional>
+#include <random>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "shared/client/manager_client.h"
+#include "tests/integration/manager/manager_process.h"
+
+namespace {
+
+using namespace std::chrono_literals;
+namespace kc = keep::client;
+namespace it = keep::itest;
+using keep::Code;
+
+constexpr int kWriters = 4;
+constexpr uint64_t kIdsPerAgent = 100;
+constexpr uint64_t kMaxPauseUs = 40000;  // a writer pauses 0..40 ms between requests
+constexpr uint32_t kListK = 1024;
+
+struct Mem {
+  std::string text;
+  kc::SegmentKind kind = kc::SegmentKind::kObjectState;
+  uint64_t version = 0;
+  bool operator==(const Mem&) const = default;
+};
+
+struct AgentModel {
+  std::map<uint64_t, Mem> present;
+  uint64_t next_id = 1;
+};
+
+// The one request a writer had in flight when the manager died (or that timed out).
+struct Uncertain {
+  std::string agent;
+  uint64_t id = 0;
+  std::optional<Mem> after;  // nullopt: a delete
+};
+
+struct Writer {
+  int index = 0;
+  std::map<std::string, AgentModel> agents;
+  std::string current;
+  int agent_seq = 0;
+  std::optional<Uncertain> uncertain;
+  uint64_t acked = 0, acked_updates = 0, acked_deletes = 0;
+  std::string error;  // a definite error answer: the test fails
+};
+
+enum class Mix { kWritesOnly, kWithUpdatesAndDeletes };
+
+const char* const kObjects[] = {"the red mug", "a knife",  "the apple",  "two plates",
+                                "the towel",   "a sponge", "the laptop", "a potato"};
+const char* const kPlaces[] = {
+    "on the kitchen counter", "in the fridge", "on the sofa", "in the sink", "on the desk",
+    "in the drawer"};
+
+std::string make_text(std::mt19937_64& rng, const std::string& agent, uint64_t id, int cycle,
+                      uint64_t seq) {
+  return std::string(kObjects[rng() % 8]) + " is " + kPlaces[rng() % 6] + " [" + agent + "#" +
+         std::to_string(id) + " c" + std::to_string(cycle) + " s" + std::to_string(seq) + "]";
+}
+
+void writer_loop(Writer* w, const std::string& endpoint, Mix mix, int cycle, uint64_t seed,
+                 const std::atomic<bool>* stop, std::atomic<int>* in_flight) {
+  std::mt19937_64 rng(seed);
+  kc::ClientOptions o;
+  o.endpoint = endpoint;
+  o.timeout = 2000ms;
+  auto client = kc::ManagerClient::connect(o);
+  if (!client.is_ok()) {
+    w->error = client.status().to_string();
+    return;
+  }
+  kc::ManagerClient& c = **client;
+  uint64_t seq = 0;
+  while (!stop->load()) {
+    // Paced (every embedding costs CPU at recovery); the kill waits for a request in flight.
+    std::this_thread::sleep_for(std::chrono::microseconds(rng() % kMaxPauseUs));
+    if (stop->load()) break;
+    if (w->current.empty() || w->agents[w->current].next_id > kIdsPerAgent) {
+      w->current = "w" + std::to_string(w->index) + "-a" + std::to_string(w->agent_seq++);
+    }
+    // Pick an operation; updates and deletes target a random present segment of this writer.
+    int op = 0;  // 0 write, 1 update, 2 delete
+    std::string agent = w->current;
+    uint64_t id = 0;
+    if (mix == Mix::kWithUpdatesAndDeletes) {
+      const unsigned r = static_cast<unsigned>(rng() % 100);
+      op = r < 55 ? 0 : (r < 80 ? 1 : 2);
+    }
+    if (op != 0) {
+      std::vector<std::pair<std::string, uint64_t>> all;
+      for (const auto& [name, a] : w->agents) {
+        for (const auto& [sid, m] : a.present) all.emplace_back(name, sid);
+      }
+      if (all.empty()) {
+        op = 0;
+      } else {
+        std::tie(agent, id) = all[rng() % all.size()];
+      }
+    }
+    AgentModel& am = w->agents[agent];
+    Uncertain u{agent, 0, std::nullopt};
+    keep::Status st;
+    in_flight->fetch_add(1);
+    struct Done {
+      std::atomic<int>* n;
+      ~Done() { n->fetch_sub(1); }
+    } done{in_flight};
+    if (op == 0) {
+      id = am.next_id;
+      const auto kind = static_cast<kc::SegmentKind>(rng() % 3);
+      u.id = id;
+      u.after = Mem{make_text(rng, agent, id, cycle, ++seq), kind, 1};
+      w->uncertain = u;
+      auto r = c.write({agent, id, u.after->text, kind, {}});
+      st = r.status();
+      if (r.is_ok() && (r->id != id || r->version != 1)) {
+        w->error = "write " + agent + "#" + std::to_string(id) + " answered id " +
+                   std::to_string(r->id) + " version " + std::to_string(r->version);
+        return;
+      }
+    } else if (op == 1) {
+      const Mem& before = am.present.at(id);
+      u.id = id;
+      u.after = Mem{make_text(rng, agent, id, cycle, ++seq), before.kind, before.version + 1};
+      w->uncertain = u;
+      auto r = c.update(agent, id, u.after->text);
+      st = r.status();
+      if (r.is_ok() && r->version != u.after->version) {
+        w->error = "update " + agent + "#" + std::to_string(id) + " answered version " +
+                   std::to_string(r->version) + ", expected " + std::to_string(u.after->version);
+        return;
+      }
+    } else {
+      u.id = id;
+      w->uncertain = u;
+      st = c.remove(agent, id);
+    }
+    if (st.is_ok()) {
+      if (u.after.has_value()) {
+        am.present[id] = *u.after;
+      } else {
+        am.present.erase(id);
+      }
+      if (op == 0) am.next_id = id + 1;
+      w->uncertain.reset();
+      ++w->acked;
+      w->acked_updates += op == 1;
+      w->acked_deletes += op == 2;
+    } else if (st.code() == Code::kTimeout) {
+      return;  // the manager died (or stalled): this request stays uncertain
+    } else {
+      w->error = st.to_string();
+      return;
+    }
+  }
+}
+
+std::unique_ptr<kc::ManagerClient> connect(const std::string& endpoint) {
+  kc::ClientOptions o;
+  o.endpoint = endpoint;
+  o.timeout = 30000ms;  // retrieve embeds every pending segment of the agent first
+  auto c = kc::ManagerClient::connect(o);
+  REQUIRE(c.is_ok());
+  return std::move(c).value();
+}
+
+// Lists every agent of every writer through retrieve, checks it against the model and then makes
+// the model equal to what the manager holds (resolving the uncertain requests).
+void verify(const std::string& endpoint, std::vector<Writer>& writers, const std::string& what) {
+  INFO(what);
+  auto c = connect(endpoint);
+  std::set<std::string> texts;
+  uint64_t total = 0, agents = 0;
+  for (Writer& w : writers) {
+    for (auto& [agent, model] : w.agents) {
+      INFO("agent " << agent);
+      std::map<uint64_t, Mem> actual;
+      auto r = c->retrieve(agent, "where is the red mug", kListK);
+      if (r.is_ok()) {
+        ++agents;
+        REQUIRE(r->size() < kListK);  // else the listing could be incomplete
+        for (const auto& s : *r) {
+          CHECK_MESSAGE(actual.count(s.id) == 0, "segment id " << s.id << " listed twice");
+          CHECK_MESSAGE(texts.insert(s.text).second, "text listed twice: " << s.text);
+          actual[s.id] = Mem{s.text, s.kind, s.version};
+        }
+      } else {
+        REQUIRE_MESSAGE(r.status().code() == Code::kNotFound, r.status().to_string());
+      }
+      total += actual.size();
+      const Uncertain* u =
+          w.uncertain.has_value() && w.uncertain->agent == agent ? &*w.uncertain : nullptr;
+      std::set<uint64_t> ids;
+      for (const auto& [id, m] : model.present) ids.insert(id);
+      for (const auto& [id, m] : actual) ids.insert(id);
+      for (uint64_t id : ids) {
+        std::optional<Mem> want;
+        if (auto it2 = model.present.find(id); it2 != model.present.end()) want = it2->second;
+        std::optional<Mem> got;
+        if (auto it2 = actual.find(id); it2 != actual.end()) got = it2->second;
+        if (got == want) continue;
+        if (u != nullptr && u->id == id && got == u->after) continue;  // the in-flight request
+        FAIL_CHECK(
+            "segment " << agent << "#" << id << ": manager has "
+                       << (got ? got->text + " v" + std::to_string(got->version) : "nothing")
+                       << ", acknowledged state is "
+                       << (want ? want->text + " v" + std::to_string(want->version) : "nothing"));
+      }
+      model.present = actual;
+      if (!actual.empty()) model.next_id = std::max(model.next_id, actual.rbegin()->first + 1);
+      if (u != nullptr && u->after.has_value() && u->after->version == 1) {
+        model.next_id = std::max(model.next_id, u->id + 1);  // never reuse an id tried once
+      }
+    }
+    w.uncertain.reset();
+  }
+  auto stats = c->stats();
+  REQUIRE(stats.is_ok());
+  CHECK(stats->memories == total);
+  CHECK(stats->agents == agents);
+  MESSAGE(what << ": " << total << " memories of " << agents << " agents verified");
+}
+
+// Starts the writers against `m`, kills it -9 after a random 1-3 s (after the first snapshot when
+// `need_snapshot`), then joins the writers.
+void crash_cycle(it::ManagerProcess& m, std::vector<Writer>& writers, Mix mix, int cycle,
+                 std::mt19937_64& rng, const it::fs::path& snapshots, bool need_snapshot) {
+  std::atomic<bool> stop{false};
+  std::atomic<int> in_flight{0};
+  std::vector<std::thread> threads;
+  for (Writer& w : writers) {
+    threads.emplace_back(writer_loop, &w, m.endpoint(), mix, cycle, rng(), &stop, &in_flight);
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto kill_at = t0 + std::chrono::milliseconds(1000 + rng() % 2001);
+  auto has_snapshot = [&] {
+    std::error_code ec;
+    for (const auto& e : it::fs::directory_iterator(snapshots, ec)) {
+      if (e.path().extension() == ".snap") return true;
+    }
+    return false;
+  };
+  while (std::chrono::steady_clock::now() < kill_at ||
+         (need_snapshot && !has_snapshot() && std::chrono::steady_clock::now() < t0 + 15s)) {
+    std::this_thread::sleep_for(5ms);
+  }
+  // Then at the first moment a request is in flight (within 2 s).
+  const auto give_up = std::chrono::steady_clock::now() + 2s;
+  while (in_flight.load() == 0 && std::chrono::steady_clock::now() < give_up) {
+    std::this_thread::sleep_for(50us);
+  }
+  const bool snap = has_snapshot();
+  const int requests_in_flight = in_flight.load();
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  CHECK_MESSAGE(m.alive(), "keep-manager died before the kill:\n" << m.err());
+  m.kill9();
+  stop.store(true);
+  for (auto& t : threads) t.join();
+  uint64_t acked = 0, upd = 0, del = 0, uncertain = 0;
+  for (const Writer& w : writers) {
+    CHECK_MESSAGE(w.error.empty(), "writer " << w.index << ": " << w.error);
+    acked += w.acked;
+    upd += w.acked_updates;
+    del += w.acked_deletes;
+    uncertain += w.uncertain.has_value();
+  }
+  CHECK(requests_in_flight > 0);
+  MESSAGE("cycle " << cycle << ": kill -9 after " << ms << " ms with " << requests_in_flight
+                   << " requests in flight; " << acked << " acknowledged changes so far (" << upd
+                   << " updates, " << del << " deletes), " << uncertain
+                   << " unanswered at the kill");
+  if (need_snapshot) REQUIRE_MESSAGE(snap, "no snapshot was written before the kill");
+}
+
+}  // namespace
+
+TEST_CASE("every acknowledged change survives kill -9 of keep-manager, three times") {
+  uint64_t seed = std::random_device{}();
+  if (const char* s = std::getenv("KEEP_ITEST_SEED")) seed = std::strtoull(s, nullptr, 10);
+  MESSAGE("seed " << seed << " (KEEP_ITEST_SEED replays it)");
+  std::mt19937_64 rng(seed);
+
+  it::TempDir tmp("crash");
+  const std::string data = (tmp.path() / "data").string();
+  const std::string shm = it::unique_name("crash");
+  std::vector<Writer> writers(kWriters);
+  for (int i = 0; i < kWriters; ++i) writers[static_cast<size_t>(i)].index = i;
+  const it::fs::path snapshots = it::fs::path(data) / "snapshots";
+  const std::vector<std::string> no_snap = {"--snapshot-every", "0", "--fsync", "true"};
+  const std::vector<std::string> snap = {"--snapshot-every", "64", "--fsync", "true"};
+
+  {
+    it::ManagerProcess m({data, shm, no_snap});
+    crash_cycle(m, writers, Mix::kWritesOnly, 1, rng, snapshots, false);
+  }
+  {
+    it::ManagerProcess m({data, shm, no_snap});
+    verify(m.endpoint(), writers, "after cycle 1 (writes)");
+    crash_cycle(m, writers, Mix::kWithUpdatesAndDeletes, 2, rng, snapshots, false);
+  }
+  {
+    it::ManagerProcess m({data, shm, snap});
+    verify(m.endpoint(), writers, "after cycle 2 (writes, updates, deletes)");
+    crash_cycle(m, writers, Mix::kWithUpdatesAndDeletes, 3, rng, snapshots, true);
+  }
+  {
+    it::ManagerProcess m({data, shm, snap});
+    const std::string log = m.err();
+    CHECK_MESSAGE(log.find("snapshot") != std::string::npos, log);
+    CHECK_MESSAGE(log.find("loaded (up to LSN") != std::string::npos, log);
+    verify(m.endpoint(), writers, "after cycle 3 (with snapshots)");
+    CHECK(m.terminate() == 0);  // clean stop: final snapshot
+  }
+  {
+    it::ManagerProcess m({data, shm, snap});
+    verify(m.endpoint(), writers, "after a clean shutdown");
+    CHECK(m.terminate() == 0);
+  }
+}
