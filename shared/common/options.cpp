@@ -95,7 +95,7 @@ Status Options::parse(int argc, char** argv) {
       if (is_bool && (i + 1 >= argc || std::string(argv[i + 1]).rfind("--", 0) == 0 ||
                       !(std::string(argv[i + 1]) == "true" || std::string(argv[i + 1]) == "false"))) {
         value = "true";  // a bare boolean flag
-      } else if (i + 1 < argc) {
+      } else if (i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0) {
         value = argv[++i];
       } else {
         return Status(Code::kInvalidArgument, "option --" + name + " needs a value");

@@ -67,6 +67,10 @@ TEST_CASE("bad values and unknown flags are clear errors") {
   REQUIRE(parse(o2, {"--tau", "abc", "--arena", "12XB"}).is_ok());
   CHECK(o2.number("tau").status().code() == keep::Code::kInvalidArgument);
   CHECK(o2.bytes("arena").status().message().find("12XB") != std::string::npos);
+  auto o4 = make();
+  auto missing = parse(o4, {"--tau", "--endpoint", "x"});
+  CHECK(missing.code() == keep::Code::kInvalidArgument);
+  CHECK(missing.message() == "option --tau needs a value");
   auto o3 = make();
   REQUIRE(parse(o3, {"--help"}).is_ok());
   CHECK(o3.help_requested());
