@@ -33,7 +33,7 @@ void declare_manager_options(Options* o) {
   o->add("model-rope-theta", "100000", "planner model RoPE theta (KV fingerprint)");
   o->add("lease-ms", "30000", "lease of a worker's KV reservation");
   o->add("max-message-bytes", "1MiB", "largest request accepted (checked before decoding)");
-  o->add("max-batch", "256", "requests handled per batch (one fsync covers a batch)");
+  o->add("max-batch", "1024", "requests handled per batch (one fsync covers a batch)");
   o->add("log-level", "info", "debug, info, warn, error or off");
 }
 

@@ -1,6 +1,9 @@
 #include "services/manager/daemon/manager_daemon.h"
 
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -361,6 +364,11 @@ Status ManagerDaemon::Impl::take_snapshot() {
 }
 
 void ManagerDaemon::Impl::embed_loop() {
+  // The encoder is the heaviest CPU user and is off the request path: let the I/O thread win
+  // the CPU when both are runnable (Linux nice values are per thread).
+  if (setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), 10) != 0) {
+    KEEP_LOG_DEBUG(kLog, "could not lower the embedding thread's priority");
+  }
   while (!stopping.load()) {
     std::vector<PendingEmbedding> pending;
     {
