@@ -17,11 +17,16 @@ Sink g_sink;  // empty: stderr
 
 char level_char(Level l) {
   switch (l) {
-    case Level::kDebug: return 'D';
-    case Level::kInfo: return 'I';
-    case Level::kWarn: return 'W';
-    case Level::kError: return 'E';
-    case Level::kOff: return '-';
+    case Level::kDebug:
+      return 'D';
+    case Level::kInfo:
+      return 'I';
+    case Level::kWarn:
+      return 'W';
+    case Level::kError:
+      return 'E';
+    case Level::kOff:
+      return '-';
   }
   return '?';
 }
@@ -32,9 +37,11 @@ void set_level(Level l) { g_level.store(static_cast<int>(l)); }
 Level level() { return static_cast<Level>(g_level.load(std::memory_order_relaxed)); }
 
 bool parse_level(std::string_view name, Level* out) {
-  static constexpr std::pair<std::string_view, Level> kNames[] = {
-      {"debug", Level::kDebug}, {"info", Level::kInfo}, {"warn", Level::kWarn},
-      {"error", Level::kError}, {"off", Level::kOff}};
+  static constexpr std::pair<std::string_view, Level> kNames[] = {{"debug", Level::kDebug},
+                                                                  {"info", Level::kInfo},
+                                                                  {"warn", Level::kWarn},
+                                                                  {"error", Level::kError},
+                                                                  {"off", Level::kOff}};
   for (const auto& [n, l] : kNames) {
     if (n == name) {
       *out = l;

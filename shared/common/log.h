@@ -24,9 +24,9 @@ void write(Level level, const char* component, const char* fmt, ...)
 
 }  // namespace keep::log
 
-#define KEEP_LOG_DEBUG(component, ...)                                      \
-  do {                                                                      \
-    if (::keep::log::level() <= ::keep::log::Level::kDebug)                 \
+#define KEEP_LOG_DEBUG(component, ...)                                        \
+  do {                                                                        \
+    if (::keep::log::level() <= ::keep::log::Level::kDebug)                   \
       ::keep::log::write(::keep::log::Level::kDebug, component, __VA_ARGS__); \
   } while (0)
 #define KEEP_LOG_INFO(component, ...) \

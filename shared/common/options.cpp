@@ -24,9 +24,10 @@ Options::Options(std::string program, std::string summary)
 
 void Options::add(const std::string& name, const std::string& default_value,
                   const std::string& help) {
-  KEEP_CHECK_MSG(!name.empty() && name.find_first_not_of("abcdefghijklmnopqrstuvwxyz0123456789-_") ==
-                                      std::string::npos,
-                 name.c_str());
+  KEEP_CHECK_MSG(
+      !name.empty() &&
+          name.find_first_not_of("abcdefghijklmnopqrstuvwxyz0123456789-_") == std::string::npos,
+      name.c_str());
   KEEP_CHECK_MSG(entries_.count(name) == 0, name.c_str());
   order_.push_back(name);
   entries_[name] = Entry{default_value, default_value, help};
@@ -92,8 +93,9 @@ Status Options::parse(int argc, char** argv) {
       auto it = entries_.find(name);
       bool is_bool = it != entries_.end() &&
                      (it->second.default_value == "true" || it->second.default_value == "false");
-      if (is_bool && (i + 1 >= argc || std::string(argv[i + 1]).rfind("--", 0) == 0 ||
-                      !(std::string(argv[i + 1]) == "true" || std::string(argv[i + 1]) == "false"))) {
+      if (is_bool &&
+          (i + 1 >= argc || std::string(argv[i + 1]).rfind("--", 0) == 0 ||
+           !(std::string(argv[i + 1]) == "true" || std::string(argv[i + 1]) == "false"))) {
         value = "true";  // a bare boolean flag
       } else if (i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0) {
         value = argv[++i];
@@ -115,11 +117,12 @@ Status Options::parse(int argc, char** argv) {
 
 std::string Options::help_text() const {
   std::ostringstream o;
-  o << program_ << ": " << summary_ << "\n\nOptions (a config file takes the same names as `name = value`):\n";
+  o << program_ << ": " << summary_
+    << "\n\nOptions (a config file takes the same names as `name = value`):\n";
   for (const auto& name : order_) {
     const Entry& e = entries_.at(name);
-    o << "  --" << name << "\n      " << e.help << "\n      default: "
-      << (e.default_value.empty() ? "(empty)" : e.default_value) << "\n";
+    o << "  --" << name << "\n      " << e.help
+      << "\n      default: " << (e.default_value.empty() ? "(empty)" : e.default_value) << "\n";
   }
   o << "  --help\n      print this text and exit\n";
   return o.str();
@@ -145,13 +148,15 @@ Result<int64_t> Options::int64(const std::string& name) const {
 Result<uint64_t> Options::uint64(const std::string& name) const {
   const std::string& v = str(name);
   if (v.empty() || v[0] == '-') {
-    return Status(Code::kInvalidArgument, "--" + name + ": not a non-negative integer: '" + v + "'");
+    return Status(Code::kInvalidArgument,
+                  "--" + name + ": not a non-negative integer: '" + v + "'");
   }
   errno = 0;
   char* end = nullptr;
   unsigned long long x = std::strtoull(v.c_str(), &end, 10);
   if (*end != '\0' || errno != 0) {
-    return Status(Code::kInvalidArgument, "--" + name + ": not a non-negative integer: '" + v + "'");
+    return Status(Code::kInvalidArgument,
+                  "--" + name + ": not a non-negative integer: '" + v + "'");
   }
   return static_cast<uint64_t>(x);
 }

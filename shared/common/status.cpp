@@ -4,22 +4,38 @@ namespace keep {
 
 const char* code_name(Code code) {
   switch (code) {
-    case Code::kOk: return "ok";
-    case Code::kUnknown: return "unknown";
-    case Code::kInvalidArgument: return "invalid_argument";
-    case Code::kMalformed: return "malformed";
-    case Code::kTooLarge: return "too_large";
-    case Code::kVersionMismatch: return "version_mismatch";
-    case Code::kNotFound: return "not_found";
-    case Code::kAlreadyExists: return "already_exists";
-    case Code::kStale: return "stale";
-    case Code::kResourceExhausted: return "resource_exhausted";
-    case Code::kUnavailable: return "unavailable";
-    case Code::kIoError: return "io_error";
-    case Code::kCorrupt: return "corrupt";
-    case Code::kInternal: return "internal";
-    case Code::kLeaseExpired: return "lease_expired";
-    case Code::kTimeout: return "timeout";
+    case Code::kOk:
+      return "ok";
+    case Code::kUnknown:
+      return "unknown";
+    case Code::kInvalidArgument:
+      return "invalid_argument";
+    case Code::kMalformed:
+      return "malformed";
+    case Code::kTooLarge:
+      return "too_large";
+    case Code::kVersionMismatch:
+      return "version_mismatch";
+    case Code::kNotFound:
+      return "not_found";
+    case Code::kAlreadyExists:
+      return "already_exists";
+    case Code::kStale:
+      return "stale";
+    case Code::kResourceExhausted:
+      return "resource_exhausted";
+    case Code::kUnavailable:
+      return "unavailable";
+    case Code::kIoError:
+      return "io_error";
+    case Code::kCorrupt:
+      return "corrupt";
+    case Code::kInternal:
+      return "internal";
+    case Code::kLeaseExpired:
+      return "lease_expired";
+    case Code::kTimeout:
+      return "timeout";
   }
   return "unknown";
 }

@@ -66,7 +66,7 @@ class [[nodiscard]] Status {
 template <typename T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : v_(std::move(value)) {}  // NOLINT(google-explicit-constructor)
+  Result(T value) : v_(std::move(value)) {}        // NOLINT(google-explicit-constructor)
   Result(Status status) : v_(std::move(status)) {  // NOLINT(google-explicit-constructor)
     if (std::get<Status>(v_).is_ok()) {
       v_ = Status(Code::kInternal, "Result constructed from an ok Status");
@@ -97,9 +97,9 @@ class [[nodiscard]] Result {
 }  // namespace keep
 
 // Invariants: abort with file:line. Not for input validation.
-#define KEEP_CHECK(cond)                                                 \
-  do {                                                                   \
-    if (!(cond)) ::keep::check_failed(__FILE__, __LINE__, #cond, "");    \
+#define KEEP_CHECK(cond)                                              \
+  do {                                                                \
+    if (!(cond)) ::keep::check_failed(__FILE__, __LINE__, #cond, ""); \
   } while (0)
 #define KEEP_CHECK_MSG(cond, msg)                                        \
   do {                                                                   \
@@ -107,10 +107,10 @@ class [[nodiscard]] Result {
   } while (0)
 
 // Early return of a failed Status / Result from a function returning Status or Result<U>.
-#define KEEP_RETURN_IF_ERROR(expr)               \
-  do {                                           \
-    ::keep::Status _keep_st = (expr);            \
-    if (!_keep_st.is_ok()) return _keep_st;      \
+#define KEEP_RETURN_IF_ERROR(expr)          \
+  do {                                      \
+    ::keep::Status _keep_st = (expr);       \
+    if (!_keep_st.is_ok()) return _keep_st; \
   } while (0)
 
 #define KEEP_CONCAT_INNER(a, b) a##b

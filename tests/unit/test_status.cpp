@@ -54,7 +54,8 @@ TEST_CASE("result propagates errors through KEEP_ASSIGN_OR_RETURN") {
 
 TEST_CASE("log sink receives lines at or above the level") {
   std::string got;
-  keep::log::set_sink([&](keep::log::Level, std::string_view line) { got += std::string(line) + "\n"; });
+  keep::log::set_sink(
+      [&](keep::log::Level, std::string_view line) { got += std::string(line) + "\n"; });
   keep::log::set_level(keep::log::Level::kWarn);
   KEEP_LOG_INFO("test", "hidden %d", 1);
   KEEP_LOG_WARN("test", "shown %d", 2);

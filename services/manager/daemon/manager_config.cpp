@@ -6,15 +6,18 @@ namespace keep::manager {
 
 void declare_manager_options(Options* o) {
   o->add("endpoint", "tcp://127.0.0.1:7601",
-         "ZeroMQ ROUTER endpoint(s) for agents, keepctl and workers; comma-separated; tcp:// or ipc://");
+         "ZeroMQ ROUTER endpoint(s) for agents, keepctl and workers; comma-separated; tcp:// or "
+         "ipc://");
   o->add("metrics-listen", "127.0.0.1:9464", "host:port serving GET /metrics; 'off' disables it");
   o->add("data-dir", "keep-data", "directory of the write-ahead log and the snapshots");
   o->add("fsync", "true", "fdatasync the WAL before acknowledging a write (one per batch)");
   o->add("wal-segment-bytes", "64MiB", "WAL file size before rotating to a new file");
-  o->add("snapshot-every", "200000", "WAL records between snapshots (0: snapshot only at shutdown)");
+  o->add("snapshot-every", "200000",
+         "WAL records between snapshots (0: snapshot only at shutdown)");
   o->add("encoder", "models/all-MiniLM-L6-v2", "sentence-transformers BERT model directory");
   o->add("tokenizer", "models/qwen2.5-tokenizer/tokenizer.json",
-         "the planner model's tokenizer.json (counts tokens per segment; hashed into the fingerprint)");
+         "the planner model's tokenizer.json (counts tokens per segment; hashed into the "
+         "fingerprint)");
   o->add("tau", "0.45", "cosine threshold for a segment to join a group (all-MiniLM-L6-v2 scale)");
   o->add("group-token-budget", "512", "most tokens a group may hold");
   o->add("static-after-steps", "10", "t: a group unchanged for t steps turns static");
@@ -22,7 +25,8 @@ void declare_manager_options(Options* o) {
   o->add("embed-batch", "32", "segments embedded per background encoder call");
   o->add("shm-name", "keep-kv", "POSIX shm object of the KV region (/dev/shm/<name>)");
   o->add("shm-bytes", "1GiB", "KV arena size");
-  o->add("shm-block-bytes", "64KiB", "KV arena block size (an entry is a contiguous run of blocks)");
+  o->add("shm-block-bytes", "64KiB",
+         "KV arena block size (an entry is a contiguous run of blocks)");
   o->add("shm-max-entries", "65536", "directory entries of the KV region");
   o->add("shm-mode", "0600", "permissions of the shm object (octal)");
   o->add("model-name", "SmolLM2-135M-Instruct", "planner model name (part of the KV fingerprint)");
@@ -108,7 +112,8 @@ Result<ManagerConfig> read_manager_config(const Options& o) {
   } else if (dt == "f32") {
     fp.dtype = kv::KvDType::kF32;
   } else {
-    return Status(Code::kInvalidArgument, "--model-kv-dtype: expected f16, bf16 or f32, got '" + dt + "'");
+    return Status(Code::kInvalidArgument,
+                  "--model-kv-dtype: expected f16, bf16 or f32, got '" + dt + "'");
   }
   KEEP_ASSIGN_OR_RETURN(fp.rope_theta, o.number("model-rope-theta"));
   fp.set_model_name(o.str("model-name"));

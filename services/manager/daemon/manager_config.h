@@ -20,9 +20,9 @@ struct ManagerConfig {
   std::string data_dir;                // WAL and snapshots
   bool fsync = true;                   // fdatasync before acknowledging (group commit)
   uint64_t wal_segment_bytes = 0;
-  uint64_t snapshot_every = 0;         // WAL records between snapshots; 0: only at shutdown
-  std::string encoder_dir;             // sentence-transformers BERT directory
-  std::string tokenizer_path;          // the planner model's tokenizer.json
+  uint64_t snapshot_every = 0;  // WAL records between snapshots; 0: only at shutdown
+  std::string encoder_dir;      // sentence-transformers BERT directory
+  std::string tokenizer_path;   // the planner model's tokenizer.json
   StoreOptions store;
   size_t embed_batch = 32;
   // The shared KV region.

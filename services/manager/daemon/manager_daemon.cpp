@@ -178,20 +178,34 @@ class RegionOps final : public KvRegionOps {
 // Request names for metric labels, indexed by the Request union's discriminant.
 const char* request_name(proto::Request::Which w) {
   switch (w) {
-    case proto::Request::NONE: return "none";
-    case proto::Request::WRITE_MEMORY: return "write";
-    case proto::Request::UPDATE_MEMORY: return "update";
-    case proto::Request::DELETE_MEMORY: return "delete";
-    case proto::Request::ADVANCE_STEP: return "advance_step";
-    case proto::Request::RETRIEVE: return "retrieve";
-    case proto::Request::LIST_GROUPS: return "list_groups";
-    case proto::Request::STATS: return "stats";
-    case proto::Request::FETCH_JOBS: return "fetch_jobs";
-    case proto::Request::RESERVE_ENTRY: return "reserve_entry";
-    case proto::Request::COMMIT_ENTRY: return "commit_entry";
-    case proto::Request::REVOKE_ENTRY: return "revoke_entry";
-    case proto::Request::RENEW_LEASE: return "renew_lease";
-    case proto::Request::PING: return "ping";
+    case proto::Request::NONE:
+      return "none";
+    case proto::Request::WRITE_MEMORY:
+      return "write";
+    case proto::Request::UPDATE_MEMORY:
+      return "update";
+    case proto::Request::DELETE_MEMORY:
+      return "delete";
+    case proto::Request::ADVANCE_STEP:
+      return "advance_step";
+    case proto::Request::RETRIEVE:
+      return "retrieve";
+    case proto::Request::LIST_GROUPS:
+      return "list_groups";
+    case proto::Request::STATS:
+      return "stats";
+    case proto::Request::FETCH_JOBS:
+      return "fetch_jobs";
+    case proto::Request::RESERVE_ENTRY:
+      return "reserve_entry";
+    case proto::Request::COMMIT_ENTRY:
+      return "commit_entry";
+    case proto::Request::REVOKE_ENTRY:
+      return "revoke_entry";
+    case proto::Request::RENEW_LEASE:
+      return "renew_lease";
+    case proto::Request::PING:
+      return "ping";
   }
   return "unknown";
 }
@@ -300,18 +314,21 @@ Status ManagerDaemon::Impl::recover() {
   uint64_t from_lsn = 1;
   KEEP_ASSIGN_OR_RETURN(auto snap, read_latest_snapshot(snapshot_dir()));
   if (snap.has_value()) {
-    KEEP_RETURN_IF_ERROR(store->deserialize(snap->payload).with_context("loading snapshot " + snap->file));
+    KEEP_RETURN_IF_ERROR(
+        store->deserialize(snap->payload).with_context("loading snapshot " + snap->file));
     from_lsn = snap->last_lsn + 1;
     KEEP_LOG_INFO(kLog, "snapshot %s loaded (up to LSN %llu)", snap->file.c_str(),
                   static_cast<unsigned long long>(snap->last_lsn));
   }
   ReplayStats rs;
   KEEP_RETURN_IF_ERROR(wal_replay(
-      wal_dir(), from_lsn,
-      [&](uint64_t lsn, std::string_view payload) {
-        return store->apply_record(payload).with_context("WAL record " + std::to_string(lsn));
-      },
-      &rs).with_context("replaying the WAL"));
+                           wal_dir(), from_lsn,
+                           [&](uint64_t lsn, std::string_view payload) {
+                             return store->apply_record(payload).with_context("WAL record " +
+                                                                              std::to_string(lsn));
+                           },
+                           &rs)
+                           .with_context("replaying the WAL"));
   if (rs.truncated_bytes > 0) {
     KEEP_LOG_WARN(kLog, "recovery dropped a torn WAL tail of %llu bytes in %s",
                   static_cast<unsigned long long>(rs.truncated_bytes), rs.truncated_file.c_str());
@@ -326,11 +343,10 @@ Status ManagerDaemon::Impl::recover() {
   KEEP_ASSIGN_OR_RETURN(auto writer, WalWriter::open(std::move(wo)));
   wal = std::make_unique<WalCommitter>(std::move(writer));
   StoreStats st = store->stats();
-  KEEP_LOG_INFO(kLog,
-                "recovered %llu memories of %llu agents (%llu WAL records replayed) in %.3f s",
-                static_cast<unsigned long long>(st.memories),
-                static_cast<unsigned long long>(st.agents),
-                static_cast<unsigned long long>(rs.records_replayed), seconds_since(t0));
+  KEEP_LOG_INFO(
+      kLog, "recovered %llu memories of %llu agents (%llu WAL records replayed) in %.3f s",
+      static_cast<unsigned long long>(st.memories), static_cast<unsigned long long>(st.agents),
+      static_cast<unsigned long long>(rs.records_replayed), seconds_since(t0));
   return Status::ok();
 }
 
@@ -441,30 +457,30 @@ void ManagerDaemon::Impl::register_metrics() {
   embedded_total = &registry.counter("keep_manager_embeddings_total",
                                      "Segment embeddings computed and installed");
   snapshots_total = &registry.counter("keep_manager_snapshots_total", "Snapshots written");
-  snapshot_seconds = &registry.histogram("keep_manager_snapshot_seconds",
-                                         "Time to write one snapshot");
+  snapshot_seconds =
+      &registry.histogram("keep_manager_snapshot_seconds", "Time to write one snapshot");
   reaped_total = &registry.counter("keep_manager_kv_reservations_reaped_total",
                                    "KV reservations reclaimed after their lease expired");
 
   auto& agents = registry.gauge("keep_manager_agents", "Agent namespaces");
   auto& memories = registry.gauge("keep_manager_memories", "Memory segments stored");
   auto& groups = registry.gauge("keep_manager_groups", "Semantic groups by state", {"state"});
-  auto& pending = registry.gauge("keep_manager_embeddings_pending",
-                                 "Segments waiting for their embedding");
+  auto& pending =
+      registry.gauge("keep_manager_embeddings_pending", "Segments waiting for their embedding");
   auto& jobs = registry.gauge("keep_manager_kv_jobs", "KV jobs by state", {"state"});
   auto& transitions = registry.counter("keep_manager_group_transitions_total",
                                        "Group state transitions, by the state entered", {"to"});
   auto& jobs_done = registry.counter("keep_manager_kv_jobs_finished_total",
                                      "KV jobs finished, by outcome", {"outcome"});
   auto& arena = registry.gauge("keep_manager_arena_bytes", "KV arena bytes by use", {"state"});
-  auto& entries = registry.gauge("keep_manager_kv_entries", "KV region entries by state",
-                                 {"state"});
-  auto& wal_records = registry.counter("keep_manager_wal_records_total",
-                                       "Records appended to the WAL since start");
-  auto& wal_bytes = registry.counter("keep_manager_wal_bytes_total",
-                                     "Bytes appended to the WAL since start");
-  auto& cache = registry.counter("keep_manager_query_cache_total",
-                                 "Query embedding cache lookups", {"result"});
+  auto& entries =
+      registry.gauge("keep_manager_kv_entries", "KV region entries by state", {"state"});
+  auto& wal_records =
+      registry.counter("keep_manager_wal_records_total", "Records appended to the WAL since start");
+  auto& wal_bytes =
+      registry.counter("keep_manager_wal_bytes_total", "Bytes appended to the WAL since start");
+  auto& cache = registry.counter("keep_manager_query_cache_total", "Query embedding cache lookups",
+                                 {"result"});
 
   // Counters mirror monotonic totals kept by the components: add the delta at each scrape.
   struct Last {
@@ -579,7 +595,8 @@ Result<std::unique_ptr<ManagerDaemon>> ManagerDaemon::start(const ManagerConfig&
     mo.host = config.metrics_listen.substr(0, colon);
     int port = std::atoi(config.metrics_listen.c_str() + colon + 1);
     if (port < 0 || port > 65535) {
-      return Status(Code::kInvalidArgument, "--metrics-listen: bad port in '" + config.metrics_listen + "'");
+      return Status(Code::kInvalidArgument,
+                    "--metrics-listen: bad port in '" + config.metrics_listen + "'");
     }
     mo.port = static_cast<uint16_t>(port);
     KEEP_ASSIGN_OR_RETURN(d.http, metrics::MetricsHttpServer::start(d.registry, mo));
