@@ -1,0 +1,24 @@
+// Loading a Hugging Face model directory into ModelWeights.
+//
+// The directory holds config.json (Qwen2ForCausalLM or LlamaForCausalLM, see model_config.h) and
+// model.safetensors or model.safetensors.index.json with its shards (shared/safetensors). Tensors
+// may be F32, F16 or BF16; each is converted to fp32 with its shape checked against the config.
+// Tensor names are HF's ("model.layers.{i}.self_attn.q_proj.weight", ...); lm_head.weight is
+// required unless tie_word_embeddings (when tied, a present lm_head.weight is ignored).
+// Optional extras: tokenizer.json (the tokenizer), tokenizer_config.json ("chat_template").
+#pragma once
+
+#include <string>
+
+#include "services/worker/engine/model_weights.h"
+#include "shared/common/status.h"
+
+namespace keep::engine {
+
+// The weights only. Errors name the file and the tensor.
+Result<ModelWeights> load_hf_weights(const std::string& dir, int threads = 0);
+
+// Weights + tokenizer.json (when present and options.load_tokenizer) + chat template.
+Result<LoadedModel> load_hf_model(const std::string& dir, const LoadOptions& options = {});
+
+}  // namespace keep::engine
