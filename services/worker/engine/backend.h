@@ -1,0 +1,143 @@
+// Backend: where the engine's tensors live and its layer computations run (CPU now, CUDA next).
+//
+// The engine (engine.h) owns the layer-level API and validates every argument; a backend only
+// executes. Its compute entry points are launchers in llm.c style: outputs first, then inputs, then
+// sizes; no validation beyond KEEP_CHECKs, no allocation, no logging. Memory is allocated ahead of
+// time: DeviceBuffers for tensors, reserve() for the backend's private workspace.
+//
+// Pointers marked "device" are in the backend's address space (host memory for the CPU backend,
+// GPU memory for CUDA); small per-call index arrays (token ids, positions, rows) are host memory
+// and the backend uploads them itself. Attention layouts are turned into an AttentionPlan once
+// (plan()), then consumed by any number of layer calls: the host-side plan / device-side run split
+// a CUDA backend needs (uploading the spans once per request, not once per layer).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "services/worker/engine/attention_layout.h"
+#include "services/worker/engine/model_config.h"
+#include "shared/common/status.h"
+
+namespace keep::engine {
+
+enum class DeviceKind : uint8_t { kCpu, kCuda };
+const char* device_kind_name(DeviceKind kind);  // "cpu", "cuda"
+
+// An owning array of floats in a backend's memory. Move-only; frees through the backend's deleter.
+class DeviceBuffer {
+ public:
+  using Free = void (*)(float*);
+
+  DeviceBuffer() = default;
+  DeviceBuffer(float* data, size_t size, DeviceKind kind, Free free_fn)
+      : data_(data), size_(size), kind_(kind), free_(free_fn) {}
+  DeviceBuffer(DeviceBuffer&& o) noexcept { *this = std::move(o); }
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+    if (this != &o) {
+      reset();
+      data_ = o.data_;
+      size_ = o.size_;
+      kind_ = o.kind_;
+      free_ = o.free_;
+      o.data_ = nullptr;
+      o.size_ = 0;
+    }
+    return *this;
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() { reset(); }
+
+  float* data() const { return data_; }
+  size_t size() const { return size_; }  // floats
+  DeviceKind kind() const { return kind_; }
+  bool empty() const { return data_ == nullptr; }
+
+ private:
+  void reset() {
+    if (data_ != nullptr && free_ != nullptr) free_(data_);
+    data_ = nullptr;
+    size_ = 0;
+  }
+  float* data_ = nullptr;
+  size_t size_ = 0;
+  DeviceKind kind_ = DeviceKind::kCpu;
+  Free free_ = nullptr;
+};
+
+// One layer's working keys and values (device). Slot t holds the K of the token at prompt slot t,
+// ROTATED to that token's position, and its V. Loaded slots are filled with Backend::rope_k (from
+// pre-RoPE K) and a V copy; computed slots are written by layer_forward.
+struct KvView {
+  float* k = nullptr;    // (capacity, kv_heads, head_dim)
+  float* v = nullptr;    // (capacity, kv_heads, head_dim)
+  int32_t capacity = 0;  // slots
+};
+
+// What one layer call returns (device pointers; the optional ones may be null).
+struct LayerOutputs {
+  float* hidden = nullptr;  // (rows, hidden) the layer's output; may equal the input
+  float* k_pre = nullptr;   // (rows, kv_heads, head_dim) the rows' new K before RoPE, or null
+  float* v = nullptr;       // (rows, kv_heads, head_dim) the rows' new V, or null
+  float* lse = nullptr;     // (rows, heads) log Σ_t exp(q·k_t / sqrt(hd)) over visible t, or null
+  float* pooled = nullptr;  // (rows, num_groups) Σ_heads Σ_{t in g} p[row, head, t], or null
+};
+
+// A validated layout in the form the backend consumes (for CUDA: uploaded index arrays).
+class AttentionPlan {
+ public:
+  virtual ~AttentionPlan() = default;
+  virtual const AttentionLayout& layout() const = 0;
+  int32_t num_rows() const { return layout().num_rows(); }
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  virtual DeviceKind kind() const = 0;
+  // "cpu fp32 (openblas 2 threads, 2 attention threads)"
+  virtual std::string name() const = 0;
+  virtual const ModelConfig& config() const = 0;
+
+  // ---- memory ----
+  // A zero-filled buffer of `floats` floats (kResourceExhausted when it cannot be had).
+  virtual Result<DeviceBuffer> allocate(size_t floats) = 0;
+  virtual void copy_to_device(float* dst, const float* src_host, size_t floats) = 0;
+  virtual void copy_to_host(float* dst_host, const float* src, size_t floats) = 0;
+  virtual void copy_on_device(float* dst, const float* src, size_t floats) = 0;
+  // Waits for all launched work (no-op on the CPU).
+  virtual void synchronize() = 0;
+
+  // ---- planning (before the run) ----
+  // Sizes the workspace for calls of up to `max_rows` rows attending to up to `max_keys` keys.
+  // Idempotent; only grows. Launching more rows than reserved is a bug (KEEP_CHECK).
+  virtual Status reserve(int32_t max_rows, int32_t max_keys) = 0;
+  int32_t reserved_rows() const { return reserved_rows_; }
+  int32_t reserved_keys() const { return reserved_keys_; }
+  // `layout` must have passed validate().
+  virtual Result<std::unique_ptr<AttentionPlan>> plan(const AttentionLayout& layout) = 0;
+
+  // ---- launchers (outputs first) ----
+  // hidden (n, C) = embed[tokens[i]]; tokens (host) already range-checked.
+  virtual void embed(float* hidden, const int32_t* tokens, int32_t n) = 0;
+  // One transformer block for the plan's rows. Writes each row's rotated K and V into kv at its
+  // slot, attends per the plan, fills `out`. hidden_in (rows, C) (device); out.hidden may alias it.
+  virtual void layer_forward(const LayerOutputs& out, const float* hidden_in, int32_t layer,
+                             const KvView& kv, const AttentionPlan& plan) = 0;
+  // k_out (n, kv_heads, head_dim) = RoPE(k_pre) at positions (host); k_out may equal k_pre.
+  // k_pre may be host memory registered with the backend (the shared KV region) or device memory.
+  virtual void rope_k(float* k_out, const float* k_pre, const int32_t* positions, int32_t n) = 0;
+  // logits (n, vocab) = lm_head(final_norm(hidden[rows[i]])); hidden (device) has >= max(rows)+1
+  // rows of C; rows (host).
+  virtual void final_logits(float* logits, const float* hidden, const int32_t* rows, int32_t n) = 0;
+
+ protected:
+  int32_t reserved_rows_ = 0;
+  int32_t reserved_keys_ = 0;
+};
+
+}  // namespace keep::engine

@@ -1,0 +1,285 @@
+#include "services/worker/engine/engine.h"
+
+#include <algorithm>
+#include <string>
+
+namespace keep::engine {
+
+namespace {
+
+constexpr int32_t kLogitRows = 16;  // rows of logits computed per backend call
+
+Status invalid(const std::string& msg) { return Status(Code::kInvalidArgument, msg); }
+
+Status check_buffer(const DeviceBuffer* b, size_t need, const char* what) {
+  if (b == nullptr) return Status::ok();
+  if (b->size() < need) {
+    return invalid(std::string(what) + " buffer holds " + std::to_string(b->size()) +
+                   " floats, needs " + std::to_string(need));
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+const char* device_kind_name(DeviceKind kind) {
+  switch (kind) {
+    case DeviceKind::kCpu:
+      return "cpu";
+    case DeviceKind::kCuda:
+      return "cuda";
+  }
+  return "unknown";
+}
+
+Result<KvCache> KvCache::create(Backend& backend, int32_t capacity) {
+  if (capacity <= 0) return invalid("kv cache: capacity must be positive");
+  const ModelConfig& c = backend.config();
+  KvCache cache;
+  cache.capacity_ = capacity;
+  const size_t n = static_cast<size_t>(capacity) * static_cast<size_t>(c.kv_dim());
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    KEEP_ASSIGN_OR_RETURN(DeviceBuffer k, backend.allocate(n));
+    KEEP_ASSIGN_OR_RETURN(DeviceBuffer v, backend.allocate(n));
+    cache.k_.push_back(std::move(k));
+    cache.v_.push_back(std::move(v));
+  }
+  return cache;
+}
+
+Result<std::unique_ptr<Engine>> Engine::create(std::unique_ptr<Backend> backend, int32_t max_rows) {
+  if (!backend) return invalid("engine: no backend");
+  if (max_rows <= 0) return invalid("engine: max_rows must be positive");
+  std::unique_ptr<Engine> e(new Engine(std::move(backend)));
+  KEEP_RETURN_IF_ERROR(e->ensure_rows(max_rows));
+  KEEP_ASSIGN_OR_RETURN(
+      e->logits_, e->backend_->allocate(static_cast<size_t>(kLogitRows) * e->config().vocab_size));
+  return e;
+}
+
+Status Engine::ensure_rows(int32_t rows) {
+  if (rows <= max_rows_) return Status::ok();
+  KEEP_RETURN_IF_ERROR(backend_->reserve(rows, std::max(rows, backend_->reserved_keys())));
+  KEEP_ASSIGN_OR_RETURN(hidden_,
+                        backend_->allocate(static_cast<size_t>(rows) * config().hidden_size));
+  max_rows_ = rows;
+  return Status::ok();
+}
+
+Result<DeviceBuffer> Engine::allocate_hidden(int32_t rows) {
+  if (rows <= 0) return invalid("allocate_hidden: rows must be positive");
+  return backend_->allocate(static_cast<size_t>(rows) * config().hidden_size);
+}
+
+Status Engine::embed(DeviceBuffer& hidden, std::span<const int32_t> tokens) {
+  const int64_t c = config().hidden_size;
+  if (tokens.empty()) return invalid("embed: no tokens");
+  KEEP_RETURN_IF_ERROR(check_buffer(&hidden, tokens.size() * c, "embed: hidden"));
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    if (tokens[i] < 0 || tokens[i] >= config().vocab_size) {
+      return invalid("embed: token " + std::to_string(i) + " = " + std::to_string(tokens[i]) +
+                     " outside the vocabulary [0, " + std::to_string(config().vocab_size) + ")");
+    }
+  }
+  backend_->embed(hidden.data(), tokens.data(), static_cast<int32_t>(tokens.size()));
+  return Status::ok();
+}
+
+Result<std::unique_ptr<AttentionPlan>> Engine::plan(const AttentionLayout& layout) {
+  KEEP_RETURN_IF_ERROR(layout.validate().with_context("attention layout"));
+  // Keys workspace: the whole view (tiled attention scores a tile against the hull of its spans).
+  const int64_t keys = layout.num_keys;
+  if (keys > INT32_MAX / 2) return invalid("attention layout: too many keys");
+  KEEP_RETURN_IF_ERROR(
+      backend_->reserve(std::max(layout.num_rows(), backend_->reserved_rows()),
+                        std::max(static_cast<int32_t>(keys), backend_->reserved_keys())));
+  return backend_->plan(layout);
+}
+
+Status Engine::load_kv(const KvView& kv, int32_t first_slot, std::span<const int32_t> positions,
+                       const float* k_pre, const float* v) {
+  const auto n = static_cast<int64_t>(positions.size());
+  if (n == 0) return Status::ok();
+  if (k_pre == nullptr || v == nullptr) return invalid("load_kv: null source");
+  if (first_slot < 0 || first_slot + n > kv.capacity) {
+    return invalid("load_kv: slots [" + std::to_string(first_slot) + ", " +
+                   std::to_string(first_slot + n) + ") outside the view's " +
+                   std::to_string(kv.capacity));
+  }
+  for (int32_t p : positions) {
+    if (p < 0) return invalid("load_kv: negative position");
+  }
+  const int64_t kvd = config().kv_dim();
+  backend_->rope_k(kv.k + first_slot * kvd, k_pre, positions.data(), static_cast<int32_t>(n));
+  backend_->copy_to_device(kv.v + first_slot * kvd, v, static_cast<size_t>(n * kvd));
+  return Status::ok();
+}
+
+Status Engine::prefill_layer(int32_t layer, DeviceBuffer& hidden, const KvView& kv,
+                             const AttentionPlan& plan, const LayerExtras& extras) {
+  const ModelConfig& c = config();
+  const AttentionLayout& layout = plan.layout();
+  const size_t rows = static_cast<size_t>(layout.num_rows());
+  if (layer < 0 || layer >= c.num_layers) {
+    return invalid("prefill_layer: layer " + std::to_string(layer) + " outside [0, " +
+                   std::to_string(c.num_layers) + ")");
+  }
+  if (layout.num_keys > kv.capacity || kv.k == nullptr || kv.v == nullptr) {
+    return invalid("prefill_layer: the layout references " + std::to_string(layout.num_keys) +
+                   " slots, the view has " + std::to_string(kv.capacity));
+  }
+  KEEP_RETURN_IF_ERROR(check_buffer(&hidden, rows * c.hidden_size, "prefill_layer: hidden"));
+  KEEP_RETURN_IF_ERROR(check_buffer(extras.k_pre, rows * c.kv_dim(), "prefill_layer: k_pre"));
+  KEEP_RETURN_IF_ERROR(check_buffer(extras.v, rows * c.kv_dim(), "prefill_layer: v"));
+  KEEP_RETURN_IF_ERROR(check_buffer(extras.lse, rows * c.num_heads, "prefill_layer: lse"));
+  if (extras.pooled != nullptr && layout.num_groups == 0) {
+    return invalid("prefill_layer: pooled output requested but the layout has no groups");
+  }
+  KEEP_RETURN_IF_ERROR(check_buffer(extras.pooled, rows * static_cast<size_t>(layout.num_groups),
+                                    "prefill_layer: pooled"));
+  if (layout.num_rows() > backend_->reserved_rows() ||
+      layout.num_keys > backend_->reserved_keys()) {
+    return invalid("prefill_layer: the plan was not made by this engine");
+  }
+  LayerOutputs out;
+  out.hidden = hidden.data();
+  out.k_pre = extras.k_pre ? extras.k_pre->data() : nullptr;
+  out.v = extras.v ? extras.v->data() : nullptr;
+  out.lse = extras.lse ? extras.lse->data() : nullptr;
+  out.pooled = extras.pooled ? extras.pooled->data() : nullptr;
+  backend_->layer_forward(out, hidden.data(), layer, kv, plan);
+  return Status::ok();
+}
+
+Result<std::vector<float>> Engine::logits(const DeviceBuffer& hidden,
+                                          std::span<const int32_t> rows) {
+  const int64_t c = config().hidden_size;
+  const int64_t vocab = config().vocab_size;
+  const int64_t have = static_cast<int64_t>(hidden.size()) / c;
+  for (int32_t r : rows) {
+    if (r < 0 || r >= have) {
+      return invalid("logits: row " + std::to_string(r) + " outside the hidden buffer's " +
+                     std::to_string(have) + " rows");
+    }
+  }
+  std::vector<float> out(rows.size() * static_cast<size_t>(vocab));
+  for (size_t a = 0; a < rows.size(); a += kLogitRows) {
+    const auto m = static_cast<int32_t>(std::min<size_t>(kLogitRows, rows.size() - a));
+    backend_->final_logits(logits_.data(), hidden.data(), rows.data() + a, m);
+    backend_->copy_to_host(out.data() + a * vocab, logits_.data(), static_cast<size_t>(m) * vocab);
+  }
+  return out;
+}
+
+Result<std::vector<float>> Engine::prefill(KvCache& cache, std::span<const int32_t> tokens) {
+  if (tokens.empty()) return invalid("prefill: no tokens");
+  if (cache.num_layers() != config().num_layers) return invalid("prefill: cache of another model");
+  if (cache.size() + static_cast<int64_t>(tokens.size()) > cache.capacity()) {
+    return invalid("prefill: " + std::to_string(tokens.size()) + " tokens after " +
+                   std::to_string(cache.size()) + " exceed the cache's " +
+                   std::to_string(cache.capacity()));
+  }
+  int32_t last_row = 0;
+  for (size_t a = 0; a < tokens.size(); a += static_cast<size_t>(max_rows_)) {
+    const auto n = static_cast<int32_t>(std::min<size_t>(max_rows_, tokens.size() - a));
+    KEEP_RETURN_IF_ERROR(embed(hidden_, tokens.subspan(a, n)));
+    KEEP_ASSIGN_OR_RETURN(auto p, plan(AttentionLayout::causal(n, cache.size())));
+    for (int32_t l = 0; l < config().num_layers; ++l) {
+      KEEP_RETURN_IF_ERROR(prefill_layer(l, hidden_, cache.layer(l), *p));
+    }
+    cache.set_size(cache.size() + n);
+    last_row = n - 1;
+  }
+  return logits(hidden_, std::span<const int32_t>(&last_row, 1));
+}
+
+Result<std::vector<float>> Engine::decode_step(KvCache& cache, int32_t token) {
+  return prefill(cache, std::span<const int32_t>(&token, 1));
+}
+
+Result<std::vector<int32_t>> Engine::generate(std::span<const int32_t> prompt,
+                                              const GenerateOptions& options) {
+  if (options.max_tokens < 0) return invalid("generate: negative max_tokens");
+  KEEP_ASSIGN_OR_RETURN(KvCache cache,
+                        KvCache::create(*backend_, static_cast<int32_t>(prompt.size()) +
+                                                       std::max(options.max_tokens, 1)));
+  KEEP_ASSIGN_OR_RETURN(std::vector<float> logits_host, prefill(cache, prompt));
+  Sampler sampler(options.sampling);
+  std::vector<int32_t> out;
+  const auto& eos = config().eos_token_ids;
+  for (int32_t i = 0; i < options.max_tokens; ++i) {
+    const int32_t tok = sampler.sample(logits_host);
+    out.push_back(tok);
+    const bool stop =
+        (options.stop_at_eos && std::find(eos.begin(), eos.end(), tok) != eos.end()) ||
+        std::find(options.stop_tokens.begin(), options.stop_tokens.end(), tok) !=
+            options.stop_tokens.end();
+    if (stop || i + 1 == options.max_tokens) break;
+    KEEP_ASSIGN_OR_RETURN(logits_host, decode_step(cache, tok));
+  }
+  return out;
+}
+
+Result<std::vector<CandidateScore>> Engine::score_candidates(
+    std::span<const int32_t> prompt, const std::vector<std::vector<int32_t>>& candidates) {
+  if (prompt.empty()) return invalid("score_candidates: empty prompt");
+  const auto p = static_cast<int32_t>(prompt.size());
+  int64_t total_rows = 0;
+  for (const auto& c : candidates) total_rows += static_cast<int64_t>(c.size());
+  if (p + total_rows > INT32_MAX / 4) return invalid("score_candidates: too many tokens");
+  const auto rows = static_cast<int32_t>(total_rows);
+  KEEP_ASSIGN_OR_RETURN(KvCache cache, KvCache::create(*backend_, p + std::max(rows, 1)));
+  KEEP_ASSIGN_OR_RETURN(std::vector<float> last, prefill(cache, prompt));
+  std::vector<CandidateScore> scores(candidates.size());
+  if (rows == 0) return scores;
+
+  // One block per candidate after the prompt; every candidate starts at position p.
+  std::vector<int32_t> tokens;
+  std::vector<KeySpan> blocks;
+  int32_t slot = p;
+  for (const auto& c : candidates) {
+    if (c.empty()) continue;
+    blocks.push_back({slot, slot + static_cast<int32_t>(c.size())});
+    tokens.insert(tokens.end(), c.begin(), c.end());
+    slot += static_cast<int32_t>(c.size());
+  }
+  AttentionLayout layout = AttentionLayout::blocks(p, blocks);
+  for (size_t r = 0; r < layout.row_slot.size(); ++r) {
+    for (const KeySpan& b : blocks) {
+      if (layout.row_slot[r] >= b.begin && layout.row_slot[r] < b.end) {
+        layout.row_position[r] = p + (layout.row_slot[r] - b.begin);
+      }
+    }
+  }
+  KEEP_RETURN_IF_ERROR(ensure_rows(rows));
+  KEEP_RETURN_IF_ERROR(embed(hidden_, tokens));
+  KEEP_ASSIGN_OR_RETURN(auto pl, plan(layout));
+  for (int32_t l = 0; l < config().num_layers; ++l) {
+    KEEP_RETURN_IF_ERROR(prefill_layer(l, hidden_, cache.layer(l), *pl));
+  }
+  // Rows predicting candidate tokens 1..len-1: the rows of tokens 0..len-2.
+  std::vector<int32_t> need;
+  for (const KeySpan& b : blocks) {
+    for (int32_t s = b.begin; s + 1 < b.end; ++s) need.push_back(s - p);
+  }
+  KEEP_ASSIGN_OR_RETURN(std::vector<float> lg, logits(hidden_, need));
+  const auto vocab = static_cast<size_t>(config().vocab_size);
+  size_t at = 0;
+  for (size_t ci = 0; ci < candidates.size(); ++ci) {
+    const auto& c = candidates[ci];
+    scores[ci].tokens = static_cast<int32_t>(c.size());
+    if (c.empty()) continue;
+    for (int32_t t : c) {
+      if (t < 0 || t >= config().vocab_size) return invalid("score_candidates: bad token id");
+    }
+    double s = log_prob(last, c[0]);
+    for (size_t i = 1; i < c.size(); ++i) {
+      s += log_prob(std::span<const float>(lg.data() + at * vocab, vocab), c[i]);
+      ++at;
+    }
+    scores[ci].log_prob = s;
+  }
+  return scores;
+}
+
+}  // namespace keep::engine

@@ -1,0 +1,126 @@
+// Engine: the layer-level API of the LLM, over any Backend, plus the whole-model calls built on it.
+//
+// The paper's three interfaces map to:
+//   load KV for a layer        load_kv(view, first_slot, positions, k_pre, v): a run of slots from
+//                              pre-RoPE K (rotated to `positions` on the way) and V.
+//   prefill a layer over KV    prefill_layer(layer, hidden, view, plan, extras): the rows of an
+//                              AttentionLayout (attention_layout.h) through one block, returning
+//                              their new pre-RoPE K and V, and per-row log-sum-exp.
+//   importance from attention  extras.pooled: Σ_heads Σ_{t in segment g} p[row, head, t] per row
+//                              and segment, plus extras.lse to recompute any single probability.
+// A request runs: embed → plan(layout) → for each layer: load_kv(...) for loaded slots, then
+// prefill_layer → logits(rows) → sample or score. Every argument is checked here (token ids, sizes,
+// layout invariants) and reported as a Status with context; the backend only executes.
+//
+// Buffers passed as DeviceBuffer live in the backend's memory (engine.backend().allocate()).
+// Not thread-safe: one Engine serves one request at a time (its backend owns one workspace).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "services/worker/engine/attention_layout.h"
+#include "services/worker/engine/backend.h"
+#include "services/worker/engine/model_config.h"
+#include "services/worker/engine/sampling.h"
+#include "shared/common/status.h"
+
+namespace keep::engine {
+
+// Rotated K and V of every layer for up to `capacity` slots, in backend memory: the KV of one
+// sequence (decode) or the working view of one request (recompute + load).
+class KvCache {
+ public:
+  static Result<KvCache> create(Backend& backend, int32_t capacity);
+
+  int32_t capacity() const { return capacity_; }
+  int32_t num_layers() const { return static_cast<int32_t>(k_.size()); }
+  // Slots [0, size) are filled (prefill / decode_step append after them).
+  int32_t size() const { return size_; }
+  void set_size(int32_t size) { size_ = size; }
+  KvView layer(int32_t i) const { return KvView{k_[i].data(), v_[i].data(), capacity_}; }
+
+ private:
+  std::vector<DeviceBuffer> k_;  // per layer (capacity, kv_heads, head_dim)
+  std::vector<DeviceBuffer> v_;
+  int32_t capacity_ = 0;
+  int32_t size_ = 0;
+};
+
+// Optional outputs of prefill_layer (null = not wanted). Sizes are checked against the plan.
+struct LayerExtras {
+  DeviceBuffer* k_pre = nullptr;   // >= (rows, kv_heads, head_dim)
+  DeviceBuffer* v = nullptr;       // >= (rows, kv_heads, head_dim)
+  DeviceBuffer* lse = nullptr;     // >= (rows, heads)
+  DeviceBuffer* pooled = nullptr;  // >= (rows, num_groups); needs layout.num_groups > 0
+};
+
+struct GenerateOptions {
+  int32_t max_tokens = 32;
+  SamplingParams sampling;           // temperature 0 = greedy
+  bool stop_at_eos = true;           // stop after emitting one of config.eos_token_ids
+  std::vector<int32_t> stop_tokens;  // more tokens that end generation (emitted, then stop)
+};
+
+struct CandidateScore {
+  double log_prob = 0.0;  // Σ_i log p(candidate[i] | prompt, candidate[<i])
+  int32_t tokens = 0;
+};
+
+class Engine {
+ public:
+  // `max_rows`: rows per layer call the workspace is first sized for (prefill chunk length).
+  static Result<std::unique_ptr<Engine>> create(std::unique_ptr<Backend> backend,
+                                                int32_t max_rows = 512);
+
+  const ModelConfig& config() const { return backend_->config(); }
+  Backend& backend() { return *backend_; }
+  int32_t max_rows() const { return max_rows_; }
+
+  // ---- layer-level API ----
+  // A zero-filled (rows, hidden) buffer.
+  Result<DeviceBuffer> allocate_hidden(int32_t rows);
+  // hidden (n, C) = embeddings of `tokens` (each in [0, vocab)).
+  Status embed(DeviceBuffer& hidden, std::span<const int32_t> tokens);
+  // Validates `layout`, sizes the workspace for it, and returns the backend's plan.
+  Result<std::unique_ptr<AttentionPlan>> plan(const AttentionLayout& layout);
+  // Copies a run of `positions.size()` loaded tokens into slots [first_slot, ...) of one layer's
+  // view: V as is, K rotated from pre-RoPE to `positions`. k_pre / v: (n, kv_heads, head_dim),
+  // host memory (the KV region) or backend memory.
+  Status load_kv(const KvView& kv, int32_t first_slot, std::span<const int32_t> positions,
+                 const float* k_pre, const float* v);
+  // One block for the plan's rows: hidden (rows, C) in place; new rotated K/V go into `kv` at the
+  // rows' slots; `extras` receive pre-RoPE K, V, lse, pooled attention.
+  Status prefill_layer(int32_t layer, DeviceBuffer& hidden, const KvView& kv,
+                       const AttentionPlan& plan, const LayerExtras& extras = {});
+  // Final norm + lm_head for chosen rows of `hidden`: host (rows.size(), vocab).
+  Result<std::vector<float>> logits(const DeviceBuffer& hidden, std::span<const int32_t> rows);
+
+  // ---- whole-model calls ----
+  // Appends `tokens` to the cache causally (positions = slots), in chunks of max_rows; returns the
+  // logits of the last token (vocab).
+  Result<std::vector<float>> prefill(KvCache& cache, std::span<const int32_t> tokens);
+  // One token at slot cache.size(); returns its logits.
+  Result<std::vector<float>> decode_step(KvCache& cache, int32_t token);
+  // Prefill + up to max_tokens new tokens (greedy or sampled). Returns the new tokens only.
+  Result<std::vector<int32_t>> generate(std::span<const int32_t> prompt,
+                                        const GenerateOptions& options);
+  // Σ log-probs of each candidate continuation after `prompt` (non-empty). The prompt is
+  // prefilled once; all candidates then run in one batched call, each an independent block after
+  // the prompt at positions prompt.size() + i. Empty candidates score 0.
+  Result<std::vector<CandidateScore>> score_candidates(
+      std::span<const int32_t> prompt, const std::vector<std::vector<int32_t>>& candidates);
+
+ private:
+  explicit Engine(std::unique_ptr<Backend> backend) : backend_(std::move(backend)) {}
+  Status ensure_rows(int32_t rows);
+
+  std::unique_ptr<Backend> backend_;
+  int32_t max_rows_ = 0;
+  DeviceBuffer hidden_;  // (max_rows, C) for the whole-model calls
+  DeviceBuffer logits_;  // (kLogitRows, vocab)
+};
+
+}  // namespace keep::engine
