@@ -34,7 +34,7 @@ cmake -S "$source_dir" -B "$build" "${generator[@]}" \
 
 # Every fuzz_* target the build knows about.
 mapfile -t targets < <(cmake --build "$build" --target help | grep -oE '(^|[[:space:]])fuzz_[A-Za-z0-9_]+' \
-                         | tr -d '[:space:]' | sort -u)
+                         | tr -d ' \t' | sort -u)
 if [[ ${#targets[@]} -eq 0 ]]; then
   echo "run-fuzzers: no fuzz_* targets configured" >&2
   exit 1
