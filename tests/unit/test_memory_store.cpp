@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <map>
 #include <random>
 #include <sstream>
 
@@ -710,6 +711,96 @@ TEST_CASE("after a snapshot restore, KV jobs are queued for static groups and dy
   Env r2;
   CHECK_FALSE(r2.store.deserialize(bad.substr(0, bad.size() - 1)).is_ok());
   CHECK(r2.store.list_agents().empty());
+}
+
+// The store's normalisation and exact score (embedding_index.h), rebuilt here for the reference.
+std::vector<float> normalised(std::vector<float> v) {
+  double n = 0.0;
+  for (float x : v) n += static_cast<double>(x) * x;
+  n = std::sqrt(n);
+  if (n > 0.0) {
+    for (float& x : v) x = static_cast<float>(x / n);
+  }
+  return v;
+}
+float exact_dot(const std::vector<float>& x, const std::vector<float>& y) {
+  double acc[4] = {0, 0, 0, 0};
+  size_t j = 0;
+  for (; j + 4 <= x.size(); j += 4) {
+    for (size_t l = 0; l < 4; ++l) acc[l] += double(x[j + l]) * double(y[j + l]);
+  }
+  for (; j < x.size(); ++j) acc[0] += double(x[j]) * double(y[j]);
+  return static_cast<float>((acc[0] + acc[1]) + (acc[2] + acc[3]));
+}
+
+TEST_CASE("retrieve's top-k equals a brute-force ranking after writes, updates, deletes, restore") {
+  TestEmbedder emb(45);  // d not a multiple of 32
+  WhitespaceCounter counter;
+  StoreOptions o;
+  o.tau = 0.8f;
+  MemoryStore store(o, &emb, &counter);
+  std::map<uint64_t, std::string> texts;  // live non-plan segments
+  std::mt19937 rng(5);
+  for (int i = 0; i < 1500; ++i) {
+    WriteRequest w;
+    w.agent = "x";
+    // Clustered texts, exact duplicates (ties) and some example plans.
+    w.text =
+        i % 7 == 0 ? "c3: duplicate" : "c" + std::to_string(i % 40) + ": item " + std::to_string(i);
+    w.kind = i % 100 == 1 ? SegmentKind::kExamplePlan : SegmentKind::kObjectState;
+    auto r = store.write(w, nullptr);
+    REQUIRE(r.is_ok());
+    if (w.kind != SegmentKind::kExamplePlan) texts[r->id] = w.text;
+  }
+  // Updates (rows removed and re-added) and deletes (the last row moves into the hole).
+  for (int i = 0; i < 200; ++i) {
+    auto it = texts.begin();
+    std::advance(it, static_cast<long>(rng() % texts.size()));
+    if (i % 2 == 0) {
+      REQUIRE(store.remove("x", it->first, nullptr).is_ok());
+      texts.erase(it);
+    } else {
+      UpdateRequest u;
+      u.agent = "x";
+      u.id = it->first;
+      u.text = "c" + std::to_string(rng() % 40) + ": moved " + std::to_string(i);
+      REQUIRE(store.update(u, nullptr).is_ok());
+      it->second = u.text;
+    }
+  }
+  MemoryStore restored(o, &emb, &counter);
+  bool checked_restored = false;
+  for (MemoryStore* st : {&store, &restored}) {
+    for (int t = 0; t < 30; ++t) {
+      const std::string q = t % 3 == 0 ? "c3: duplicate" : "c" + std::to_string(t) + ": query";
+      const uint32_t k = t % 2 == 0 ? 8 : 50;
+      auto r = st->retrieve("x", q, k, nullptr);
+      REQUIRE(r.is_ok());
+      const std::vector<float> qv = normalised(emb.vec(q));
+      std::vector<std::pair<float, uint64_t>> want;
+      for (const auto& [id, text] : texts)
+        want.push_back({exact_dot(normalised(emb.vec(text)), qv), id});
+      std::sort(want.begin(), want.end(), [](const auto& a, const auto& b) {
+        return a.first != b.first ? a.first > b.first : a.second < b.second;
+      });
+      want.resize(k);
+      std::vector<std::pair<float, uint64_t>> got;
+      for (const RetrievedSegment& s : *r) {
+        if (s.kind != SegmentKind::kExamplePlan) got.push_back({s.score, s.id});
+      }
+      // retrieve returns prompt order; compare as sets of (score, id) with identical scores.
+      std::sort(got.begin(), got.end(), [](const auto& a, const auto& b) {
+        return a.first != b.first ? a.first > b.first : a.second < b.second;
+      });
+      CHECK(got == want);
+    }
+    if (st == &store) {
+      REQUIRE(restored.deserialize(store.serialize()).is_ok());  // int8 copy rebuilt on load
+    } else {
+      checked_restored = true;
+    }
+  }
+  CHECK(checked_restored);
 }
 
 TEST_CASE("retrieve over 10k memories of 384 dimensions is fast") {

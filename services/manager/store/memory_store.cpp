@@ -1,7 +1,5 @@
 #include "services/manager/store/memory_store.h"
 
-#include <cblas.h>
-
 #include <algorithm>
 #include <cmath>
 #include <functional>
@@ -11,6 +9,7 @@
 #include <unordered_map>
 #include <utility>
 
+#include "services/manager/store/embedding_index.h"
 #include "services/manager/store/group_tracker.h"
 #include "services/manager/store/kv_jobs.h"
 #include "services/manager/store/record_codec.h"
@@ -62,12 +61,14 @@ struct Segment {
   uint64_t seq = 0;       // write order of the latest write/update
   uint64_t group = 0;     // 0: none yet
   bool awaiting = false;  // waiting for placement (in Agent::awaiting)
-  int64_t row = -1;       // row in Agent::matrix when embedded
+  int64_t row = -1;       // row in Agent::index when embedded
   std::optional<OwnKv> own_kv;
   uint64_t seg_job = 0;  // latest segment job (queued or running), 0: none
 };
 
 struct Agent {
+  explicit Agent(int dim) : index(dim) {}
+
   std::string name;
   uint64_t step = 0;
   uint64_t next_id = 1;
@@ -75,8 +76,7 @@ struct Agent {
   std::unordered_map<uint64_t, Segment> segments;
   std::set<uint64_t> example_plans;
   std::map<uint64_t, uint64_t> awaiting;  // seq -> segment id, write order
-  std::vector<float> matrix;              // (rows, dim) normalised embeddings
-  std::vector<uint64_t> row_ids;          // segment id of each row
+  EmbeddingIndex index;                   // normalised embeddings, keyed by segment id
   std::unique_ptr<GroupTracker> groups;
   std::unordered_map<uint64_t, JointKv> joint;       // group id -> its joint KV (valid only)
   std::unordered_map<uint64_t, uint64_t> group_job;  // group id -> latest group job
@@ -114,8 +114,8 @@ struct MemoryStore::Impl {
   std::unordered_map<std::string_view, decltype(lru)::iterator> lru_index;
 
   // Retrieval scratch (kept to avoid allocations per call).
-  std::vector<float> scores;
-  std::vector<uint32_t> cand;
+  TopKScratch topk_scratch;
+  std::vector<ScoredRow> top;
   std::vector<float> query_vec;
 
   Impl(const StoreOptions& o, Embedder* e, const TokenCounter* c)
@@ -170,7 +170,7 @@ struct MemoryStore::Impl {
       return Status(Code::kResourceExhausted,
                     "agent limit reached (" + std::to_string(opt.max_agents) + ")");
     }
-    auto agent = std::make_unique<Agent>();
+    auto agent = std::make_unique<Agent>(dim);
     Agent* a = agent.get();
     a->name = std::string(name);
     a->groups = std::make_unique<GroupTracker>(
@@ -178,7 +178,7 @@ struct MemoryStore::Impl {
         [this, a](uint64_t sid) -> const float* {
           const Segment* s = a->find(sid);
           if (s == nullptr || s->row < 0) return nullptr;
-          return a->matrix.data() + static_cast<size_t>(s->row) * static_cast<size_t>(dim);
+          return a->index.row(static_cast<size_t>(s->row));
         },
         [a](uint64_t sid) -> uint32_t {
           const Segment* s = a->find(sid);
@@ -191,27 +191,21 @@ struct MemoryStore::Impl {
   // ---- embeddings matrix -----------------------------------------------------------------------
 
   const float* row_ptr(const Agent& a, const Segment& s) const {
-    return a.matrix.data() + static_cast<size_t>(s.row) * static_cast<size_t>(dim);
+    return a.index.row(static_cast<size_t>(s.row));
   }
 
+  // A segment's kind cannot change while it has a row (update removes the row first), so whether
+  // top-k may return it (example plans are returned apart) is fixed at insertion.
   void add_row(Agent& a, Segment& s, const float* e) {
-    s.row = static_cast<int64_t>(a.row_ids.size());
-    a.row_ids.push_back(s.id);
-    a.matrix.insert(a.matrix.end(), e, e + dim);
+    s.row = static_cast<int64_t>(a.index.append(s.id, e, s.kind != SegmentKind::kExamplePlan));
   }
 
   void remove_row(Agent& a, Segment& s) {
     if (s.row < 0) return;
     const size_t row = static_cast<size_t>(s.row);
-    const size_t last = a.row_ids.size() - 1;
-    const size_t d = static_cast<size_t>(dim);
-    if (row != last) {
-      std::copy_n(a.matrix.data() + last * d, d, a.matrix.data() + row * d);
-      a.row_ids[row] = a.row_ids[last];
-      a.segments.at(a.row_ids[row]).row = static_cast<int64_t>(row);
+    if (auto moved = a.index.swap_remove(row)) {
+      a.segments.at(*moved).row = static_cast<int64_t>(row);  // the last row moved into the hole
     }
-    a.row_ids.pop_back();
-    a.matrix.resize(a.matrix.size() - d);
     s.row = -1;
   }
 
@@ -908,42 +902,21 @@ Result<std::vector<RetrievedSegment>> MemoryStore::retrieve(std::string_view age
     }
   }
 
-  std::vector<RetrievedSegment> out;
-  const size_t rows = a->row_ids.size();
-  if (k > 0 && rows > 0) {
-    m.scores.resize(rows);
-    cblas_sgemv(CblasRowMajor, CblasNoTrans, static_cast<int>(rows), m.dim, 1.0f, a->matrix.data(),
-                m.dim, m.query_vec.data(), 1, 0.0f, m.scores.data(), 1);
-  } else {
-    m.scores.assign(rows, 0.0f);
-  }
+  // Exact top-k among the non-plan segments (int8 scan + fp32 rescoring, embedding_index.h).
+  a->index.top_k(m.query_vec.data(), k, &m.topk_scratch, &m.top);
 
-  // Top-k among the non-plan segments.
-  m.cand.clear();
-  if (k > 0) {
-    for (size_t r = 0; r < rows; ++r) {
-      if (a->example_plans.count(a->row_ids[r]) == 0) m.cand.push_back(static_cast<uint32_t>(r));
-    }
-    const auto better = [&](uint32_t x, uint32_t y) {
-      if (m.scores[x] != m.scores[y]) return m.scores[x] > m.scores[y];
-      return a->row_ids[x] < a->row_ids[y];
-    };
-    if (m.cand.size() > k) {
-      std::nth_element(m.cand.begin(), m.cand.begin() + (k - 1), m.cand.end(), better);
-      m.cand.resize(k);
-    }
-  }
   // Prompt order: static groups, then dynamic, by group id, then member id; ungrouped last.
-  const auto order_key = [&](uint32_t r) {
-    const Segment& s = a->segments.at(a->row_ids[r]);
+  const auto order_key = [&](const ScoredRow& r) {
+    const Segment& s = a->segments.at(a->index.key(r.row));
     const Group* g = s.group == 0 ? nullptr : a->groups->find(s.group);
     const int cls = g == nullptr ? 2 : (g->state == GroupState::kStatic ? 0 : 1);
     return std::tuple<int, uint64_t, uint64_t>(cls, s.group, s.id);
   };
-  std::sort(m.cand.begin(), m.cand.end(),
-            [&](uint32_t x, uint32_t y) { return order_key(x) < order_key(y); });
+  std::sort(m.top.begin(), m.top.end(),
+            [&](const ScoredRow& x, const ScoredRow& y) { return order_key(x) < order_key(y); });
 
-  out.reserve(a->example_plans.size() + m.cand.size());
+  std::vector<RetrievedSegment> out;
+  out.reserve(a->example_plans.size() + m.top.size());
   const auto emit = [&](const Segment& s, float score) {
     RetrievedSegment r;
     r.id = s.id;
@@ -963,9 +936,10 @@ Result<std::vector<RetrievedSegment>> MemoryStore::retrieve(std::string_view age
   };
   for (uint64_t id : a->example_plans) {
     const Segment& s = a->segments.at(id);
-    emit(s, s.row >= 0 && k > 0 ? m.scores[static_cast<size_t>(s.row)] : 0.0f);
+    emit(s, s.row >= 0 && k > 0 ? a->index.score(static_cast<size_t>(s.row), m.query_vec.data())
+                                : 0.0f);
   }
-  for (uint32_t r : m.cand) emit(a->segments.at(a->row_ids[r]), m.scores[r]);
+  for (const ScoredRow& r : m.top) emit(a->segments.at(a->index.key(r.row)), r.score);
   return out;
 }
 

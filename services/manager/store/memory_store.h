@@ -267,7 +267,8 @@ class MemoryStore {
   // them (read-your-writes; *wal_record gets their embedding record, empty if none; it is set
   // only when retrieve succeeds, and then it must be logged like any mutation's), then
   // returns the agent's example plans (always, whatever k) plus the top-k other segments by
-  // cosine to the query (ties: lower id first; k clamped to max_retrieve_k), ordered for the
+  // cosine to the query (ties: lower id first; k clamped to max_retrieve_k; exact scores from
+  // EmbeddingIndex::score, found through its int8 scan — embedding_index.h), ordered for the
   // prompt:
   //   1. example plans, by id;
   //   2. segments of STATIC groups, groups by ascending group id, members contiguous by id;
