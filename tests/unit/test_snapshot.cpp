@@ -1,7 +1,6 @@
 // Snapshot files: round trip, pruning to the newest two, fallback past a corrupt newest one, and
 // decoding of damaged bytes.
 #include <doctest/doctest.h>
-#include <stdlib.h>
 
 #include <filesystem>
 #include <fstream>
@@ -13,6 +12,7 @@
 #include "services/manager/durability/snapshot_file.h"
 #include "services/manager/durability/wal_format.h"
 #include "shared/common/log.h"
+#include "tests/temp_dir.h"
 
 namespace fs = std::filesystem;
 using keep::Code;
@@ -25,19 +25,9 @@ namespace wal = keep::manager::wal;
 
 namespace {
 
-struct TempDir {
-  std::string path;
-  TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "keep-test-snap-XXXXXX").string();
-    char* p = ::mkdtemp(tmpl.data());
-    KEEP_CHECK(p != nullptr);
-    path = p;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string file(uint64_t lsn) const { return path + "/" + wal::snapshot_file_name(lsn); }
+struct TempDir : keep::test::TempDir {
+  TempDir() : keep::test::TempDir("snap") {}
+  std::string file(uint64_t lsn) const { return sub(wal::snapshot_file_name(lsn)); }
 };
 
 std::string random_bytes(size_t n, unsigned seed) {

@@ -23,6 +23,7 @@
 #include "services/manager/durability/wal_reader.h"
 #include "services/manager/durability/wal_writer.h"
 #include "shared/common/log.h"
+#include "tests/temp_dir.h"
 
 namespace fs = std::filesystem;
 using keep::Code;
@@ -35,19 +36,9 @@ namespace wal = keep::manager::wal;
 
 namespace {
 
-struct TempDir {
-  std::string path;
-  TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "keep-test-wal-XXXXXX").string();
-    char* p = ::mkdtemp(tmpl.data());
-    KEEP_CHECK(p != nullptr);
-    path = p;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string sub(const std::string& name) const { return path + "/" + name; }
+// Each test's own directory.
+struct TempDir : keep::test::TempDir {
+  TempDir() : keep::test::TempDir("wal") {}
 };
 
 // Deterministic payload of each LSN; sizes vary (0 .. 199 bytes).
