@@ -107,15 +107,8 @@ int main(int argc, char** argv) {
   o.add("k", "8", "top-k");
   o.add("load", "writes",
         "writes: real writes + wait for the background embedder; snapshot: preload a snapshot");
-  o.add("fsync", "true", "keep-manager --fsync");
   o.add("drain-timeout", "600", "seconds to wait for the background embedder to drain");
-  o.add("manager-bin", "",
-        "keep-manager path (default: $KEEP_BIN_DIR, this binary's dir, build/bin)");
-  o.add("models-dir", KEEP_SOURCE_DIR "/models",
-        "directory with all-MiniLM-L6-v2/ and qwen2.5-tokenizer/");
-  o.add("data-parent", "/tmp", "the manager's data dir is created (and removed) under it");
-  o.add("manager-openblas-threads", "1", "OPENBLAS_NUM_THREADS of the manager (empty: inherit)");
-  o.add("manager-args", "", "extra keep-manager flags, space-separated");
+  keep::bench::add_manager_options(&o);
   o.add("smoke", "false", "100 memories, a few retrieves; exit 1 unless retrieve returned k");
   Status st = o.parse(argc, argv);
   if (!st.is_ok()) {
@@ -134,11 +127,11 @@ int main(int argc, char** argv) {
   auto repeated = o.uint64("repeated");
   auto fresh = o.uint64("fresh");
   auto k = o.uint64("k");
-  auto fsync = o.boolean("fsync");
   auto drain_timeout = o.number("drain-timeout");
+  auto mo_or = keep::bench::manager_options_from(o);
   auto smoke = o.boolean("smoke");
   for (const Status& s : {sizes.status(), repeated.status(), fresh.status(), k.status(),
-                          fsync.status(), drain_timeout.status(), smoke.status()}) {
+                          mo_or.status(), drain_timeout.status(), smoke.status()}) {
     if (!s.is_ok()) return fail(s);
   }
   const std::string load_mode = o.str("load");
@@ -154,16 +147,7 @@ int main(int argc, char** argv) {
     n_fresh = 5;
   }
   keep::log::set_level(keep::log::Level::kWarn);
-  keep::bench::ManagerProcessOptions mo;
-  mo.binary = keep::bench::find_manager_binary(o.str("manager-bin"));
-  mo.models_dir = o.str("models-dir");
-  mo.data_parent = o.str("data-parent");
-  mo.fsync = *fsync;
-  mo.openblas_threads = o.str("manager-openblas-threads");
-  {
-    std::stringstream ss(o.str("manager-args"));
-    for (std::string a; ss >> a;) mo.extra_args.push_back(a);
-  }
+  keep::bench::ManagerProcessOptions mo = std::move(mo_or).value();
 
   std::printf(
       "# bench_manager_retrieve: manager %s, fsync %s, load %s, k %llu, %llu repeated + "

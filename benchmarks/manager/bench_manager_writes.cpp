@@ -311,14 +311,7 @@ int main(int argc, char** argv) {
   o.add("seconds", "5", "measurement window per run");
   o.add("warmup", "1", "seconds before the window (not measured)");
   o.add("count", "0", "writes per agent instead of a timed window (0: timed)");
-  o.add("fsync", "true", "keep-manager --fsync (fdatasync per batch before acknowledging)");
-  o.add("manager-bin", "",
-        "keep-manager path (default: $KEEP_BIN_DIR, this binary's dir, build/bin)");
-  o.add("models-dir", KEEP_SOURCE_DIR "/models",
-        "directory with all-MiniLM-L6-v2/ and qwen2.5-tokenizer/");
-  o.add("data-parent", "/tmp", "the manager's data dir is created (and removed) under it");
-  o.add("manager-openblas-threads", "1", "OPENBLAS_NUM_THREADS of the manager (empty: inherit)");
-  o.add("manager-args", "", "extra keep-manager flags, space-separated");
+  keep::bench::add_manager_options(&o);
   o.add("perf-dir", "", "if set: `perf record -g` the manager during each window into this dir");
   o.add("smoke", "false", "1 agent per mode, 1 s; exit 1 unless writes were acknowledged");
   Status st = o.parse(argc, argv);
@@ -351,10 +344,10 @@ int main(int argc, char** argv) {
   auto seconds = o.number("seconds");
   auto warmup = o.number("warmup");
   auto count = o.uint64("count");
-  auto fsync = o.boolean("fsync");
+  auto manager = keep::bench::manager_options_from(o);
   auto smoke = o.boolean("smoke");
   for (const Status& s : {window.status(), seconds.status(), warmup.status(), count.status(),
-                          fsync.status(), smoke.status()}) {
+                          manager.status(), smoke.status()}) {
     if (!s.is_ok()) return fail(s);
   }
   cfg.window = std::max<uint64_t>(1, *window);
@@ -368,15 +361,7 @@ int main(int argc, char** argv) {
     cfg.warmup = 0.2;
     cfg.count = 0;
   }
-  cfg.manager.binary = keep::bench::find_manager_binary(o.str("manager-bin"));
-  cfg.manager.models_dir = o.str("models-dir");
-  cfg.manager.data_parent = o.str("data-parent");
-  cfg.manager.fsync = *fsync;
-  cfg.manager.openblas_threads = o.str("manager-openblas-threads");
-  {
-    std::stringstream ss(o.str("manager-args"));
-    for (std::string a; ss >> a;) cfg.manager.extra_args.push_back(a);
-  }
+  cfg.manager = std::move(manager).value();
   cfg.perf_dir = o.str("perf-dir");
 
   std::printf(

@@ -534,4 +534,27 @@ Result<std::vector<uint64_t>> parse_list(const std::string& s, const std::string
   return out;
 }
 
+void add_manager_options(Options* o) {
+  o->add("fsync", "true", "keep-manager --fsync (fdatasync per batch before acknowledging)");
+  o->add("manager-bin", "",
+         "keep-manager path (default: $KEEP_BIN_DIR, this binary's dir, build/bin)");
+  o->add("models-dir", KEEP_SOURCE_DIR "/models",
+         "directory with all-MiniLM-L6-v2/ and qwen2.5-tokenizer/");
+  o->add("data-parent", "/tmp", "the manager's data dir is created (and removed) under it");
+  o->add("manager-openblas-threads", "1", "OPENBLAS_NUM_THREADS of the manager (empty: inherit)");
+  o->add("manager-args", "", "extra keep-manager flags, space-separated");
+}
+
+Result<ManagerProcessOptions> manager_options_from(const Options& o) {
+  ManagerProcessOptions mo;
+  KEEP_ASSIGN_OR_RETURN(mo.fsync, o.boolean("fsync"));
+  mo.binary = find_manager_binary(o.str("manager-bin"));
+  mo.models_dir = o.str("models-dir");
+  mo.data_parent = o.str("data-parent");
+  mo.openblas_threads = o.str("manager-openblas-threads");
+  std::stringstream ss(o.str("manager-args"));
+  for (std::string a; ss >> a;) mo.extra_args.push_back(a);
+  return mo;
+}
+
 }  // namespace keep::bench

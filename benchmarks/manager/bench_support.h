@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "shared/client/manager_client.h"
+#include "shared/common/options.h"
 #include "shared/common/status.h"
 
 namespace keep::bench {
@@ -32,6 +33,12 @@ struct ManagerProcessOptions {
   // Called with the (still empty) --data-dir before the manager starts: e.g. to place a snapshot.
   std::function<Status(const std::string& data_dir)> prepare;
 };
+
+// The keep-manager launch flags every manager benchmark takes: --fsync, --manager-bin,
+// --models-dir, --data-parent, --manager-openblas-threads, --manager-args.
+void add_manager_options(Options* o);
+// Reads them back (after Options::parse); errors name the flag.
+Result<ManagerProcessOptions> manager_options_from(const Options& o);
 
 struct ThreadCpu {
   int tid = 0;
