@@ -5,46 +5,35 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <iterator>
 #include <limits>
+#include <numeric>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "services/worker/kernels/bf16.h"
 #include "services/worker/kernels/kernels.h"
 #include "services/worker/kernels/reference.h"
+#include "tests/gpu/gpu_test_util.h"
 
 namespace {
 
 using keep::kernels::Bf16;
 namespace ref = keep::kernels::ref;
 
-int g_failures = 0;
-int g_checks = 0;
-
-#define CUDA_OK(expr)                                                      \
-  do {                                                                     \
-    cudaError_t err_ = (expr);                                             \
-    if (err_ != cudaSuccess) {                                             \
-      std::fprintf(stderr, "%s:%d: %s -> %s\n", __FILE__, __LINE__, #expr, \
-                   cudaGetErrorString(err_));                              \
-      std::exit(2);                                                        \
-    }                                                                      \
-  } while (0)
-
-// Host T -> device type of the same bytes.
-template <typename T>
-struct Dev {
-  using type = float;
-};
-template <>
-struct Dev<Bf16> {
-  using type = __nv_bfloat16;
-};
+using keep::gputest::Buf;
+using keep::gputest::g_checks;
+using keep::gputest::g_failures;
+using keep::gputest::nan_vec;
+using keep::gputest::random_vec;
 
 template <typename T>
 struct Tol {
@@ -58,45 +47,6 @@ struct Tol<Bf16> {  // a result may differ by one rounding: 2 ulp of bf16 (8 man
   static constexpr float rtol = 1.6e-2f;
   static constexpr const char* name = "bf16";
 };
-
-// Device buffer, RAII.
-template <typename T>
-class Buf {
- public:
-  explicit Buf(const std::vector<T>& host) : n_(host.size()) {
-    CUDA_OK(cudaMalloc(&p_, std::max<size_t>(1, n_) * sizeof(T)));
-    if (n_ > 0) CUDA_OK(cudaMemcpy(p_, host.data(), n_ * sizeof(T), cudaMemcpyHostToDevice));
-  }
-  ~Buf() { cudaFree(p_); }
-  Buf(const Buf&) = delete;
-  Buf& operator=(const Buf&) = delete;
-  template <typename D = typename Dev<T>::type>
-  D* dev() {
-    return reinterpret_cast<D*>(p_);
-  }
-  std::vector<T> host() const {
-    std::vector<T> h(n_);
-    if (n_ > 0) CUDA_OK(cudaMemcpy(h.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost));
-    return h;
-  }
-
- private:
-  void* p_ = nullptr;
-  size_t n_;
-};
-
-template <typename T>
-std::vector<T> random_vec(std::mt19937& rng, size_t n, float lo, float hi) {
-  std::uniform_real_distribution<float> d(lo, hi);
-  std::vector<T> v(n);
-  for (auto& x : v) x = keep::kernels::from_float<T>(d(rng));
-  return v;
-}
-
-template <typename T>
-std::vector<T> nan_vec(size_t n) {
-  return std::vector<T>(n, keep::kernels::from_float<T>(std::numeric_limits<float>::quiet_NaN()));
-}
 
 template <typename T>
 void check(const std::string& what, const std::vector<T>& got, const std::vector<T>& want) {
@@ -255,21 +205,485 @@ void test_invalid_arguments() {
   }
 }
 
+// ---- misc.cu: the element-wise / normalisation kernels of the bf16 block (reference_misc.cpp)
+// ----
+
+// ||got - want|| / ||want|| over the elements where want is not NaN; fp32 1e-5, bf16 1e-2.
+template <typename T>
+void check_rel_norm(const std::string& what, const std::vector<T>& got,
+                    const std::vector<T>& want) {
+  ++g_checks;
+  double num = 0.0;
+  double den = 0.0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double w = keep::kernels::to_float(want[i]);
+    if (std::isnan(w)) continue;
+    const double d = static_cast<double>(keep::kernels::to_float(got[i])) - w;
+    num += d * d;
+    den += w * w;
+  }
+  const double rel = keep::gputest::relative_norm(num, den);
+  const double limit = std::is_same_v<T, Bf16> ? 1e-2 : 1e-5;
+  if (!(rel <= limit)) {
+    ++g_failures;
+    std::fprintf(stderr, "FAIL %s [%s]: relative norm error %.3g > %.3g\n", what.c_str(),
+                 Tol<T>::name, rel, limit);
+  }
+}
+
+// Element-wise (with the NaN check) and relative-norm comparison.
+template <typename T>
+void compare(const std::string& what, const std::vector<T>& got, const std::vector<T>& want) {
+  check(what, got, want);
+  check_rel_norm(what, got, want);
+}
+
+// Bit-for-bit equality; NaNs count as equal to any NaN when nan_any.
+template <typename T>
+void check_bits(const std::string& what, const std::vector<T>& got, const std::vector<T>& want,
+                bool nan_any = false) {
+  ++g_checks;
+  size_t bad = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const float g = keep::kernels::to_float(got[i]);
+    const float w = keep::kernels::to_float(want[i]);
+    if (nan_any && std::isnan(g) && std::isnan(w)) continue;
+    if (std::memcmp(&got[i], &want[i], sizeof(T)) != 0) {
+      if (bad < 3) {
+        std::fprintf(stderr, "FAIL %s [%s] bits at %zu: got %.9g want %.9g\n", what.c_str(),
+                     Tol<T>::name, i, g, w);
+      }
+      ++bad;
+    }
+  }
+  if (bad > 0) {
+    ++g_failures;
+    std::fprintf(stderr, "FAIL %s [%s]: %zu of %zu elements differ\n", what.c_str(), Tol<T>::name,
+                 bad, want.size());
+  }
+}
+
+void expect(bool ok, const std::string& what) {
+  ++g_checks;
+  if (!ok) {
+    ++g_failures;
+    std::fprintf(stderr, "FAIL %s\n", what.c_str());
+  }
+}
+
+template <typename T>
+std::vector<T> slice(const std::vector<T>& v, size_t from) {
+  return std::vector<T>(v.begin() + static_cast<std::ptrdiff_t>(from), v.end());
+}
+
+void test_embedding_f32(std::mt19937& rng, int64_t n, int64_t hidden, int64_t vocab) {
+  const auto table = random_vec<Bf16>(rng, static_cast<size_t>(vocab * hidden), -2.0f, 2.0f);
+  std::uniform_int_distribution<int32_t> id(-2, static_cast<int32_t>(vocab) + 1);  // some off-range
+  std::vector<int32_t> ids(n);
+  for (auto& v : ids) v = id(rng);
+  auto want = nan_vec<float>(static_cast<size_t>(n * hidden));
+  ref::embedding_bf16_to_f32(want.data(), table.data(), ids.data(), n, hidden, vocab);
+  Buf<Bf16> d_table(table);
+  Buf<int32_t> d_ids(ids);
+  Buf<float> d_out(nan_vec<float>(want.size()));
+  CUDA_OK(keep::kernels::embedding(d_out.dev(), d_table.dev(), d_ids.template dev<int32_t>(), n,
+                                   hidden, vocab, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  check_bits("embedding bf16->fp32 " + shape({n, hidden, vocab}), d_out.host(), want);
+}
+
+// offset > 0 shifts every pointer by one element (no 16-byte alignment: the scalar path).
+// alias_x: out is x's buffer.
+void test_add_rmsnorm(std::mt19937& rng, int64_t rows, int64_t cols, bool with_x, bool with_bias,
+                      bool with_out, size_t offset = 0, bool alias_x = false) {
+  const float eps = 1e-6f;
+  const size_t nc = static_cast<size_t>(rows * cols);
+  const auto residual = random_vec<float>(rng, nc + offset, -3.0f, 3.0f);
+  const auto x = random_vec<Bf16>(rng, nc + offset, -3.0f, 3.0f);
+  const auto bias = random_vec<float>(rng, static_cast<size_t>(cols) + offset, -0.5f, 0.5f);
+  const auto weight = random_vec<float>(rng, static_cast<size_t>(cols) + offset, 0.5f, 1.5f);
+  auto want_res = slice(residual, offset);
+  auto want = nan_vec<Bf16>(nc);
+  ref::add_rmsnorm(with_out ? want.data() : nullptr, want_res.data(),
+                   with_x ? x.data() + offset : nullptr, with_bias ? bias.data() + offset : nullptr,
+                   weight.data() + offset, rows, cols, eps);
+  Buf<float> d_res(residual), d_bias(bias), d_w(weight);
+  Buf<Bf16> d_x(x), d_out(nan_vec<Bf16>(nc + offset));
+  __nv_bfloat16* out = alias_x ? d_x.dev() + offset : d_out.dev() + offset;
+  CUDA_OK(keep::kernels::add_rmsnorm(
+      with_out ? out : nullptr, d_res.dev() + offset, with_x ? d_x.dev() + offset : nullptr,
+      with_bias ? d_bias.dev() + offset : nullptr, d_w.dev() + offset, rows, cols, eps, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  const std::string s = std::string("add_rmsnorm") + (with_x ? " +x" : "") +
+                        (with_bias ? " +bias" : "") + (with_out ? " +out" : "") +
+                        (offset > 0 ? " misaligned" : "") + (alias_x ? " out=x" : "") + " " +
+                        shape({rows, cols});
+  compare(s + " residual", slice(d_res.host(), offset), want_res);
+  if (with_out) {
+    compare(s + " out", slice(alias_x ? d_x.host() : d_out.host(), offset), want);
+  } else {
+    check_bits(s + " out untouched", d_out.host(), nan_vec<Bf16>(nc + offset), true);
+  }
+}
+
+void test_gather_rows(std::mt19937& rng, int64_t n, int64_t cols, int64_t src_rows,
+                      size_t offset = 0) {
+  const auto in = random_vec<float>(rng, static_cast<size_t>(src_rows * cols) + offset, -5, 5);
+  std::uniform_int_distribution<int32_t> pick(0, static_cast<int32_t>(src_rows) - 1);
+  std::vector<int32_t> rows(n);
+  for (auto& r : rows) r = pick(rng);
+  auto want = nan_vec<float>(static_cast<size_t>(n * cols));
+  ref::gather_rows(want.data(), in.data() + offset, rows.data(), n, cols);
+  Buf<float> d_in(in), d_out(nan_vec<float>(want.size() + offset));
+  Buf<int32_t> d_rows(rows);
+  CUDA_OK(keep::kernels::gather_rows(d_out.dev() + offset, d_in.dev() + offset,
+                                     d_rows.template dev<int32_t>(), n, cols, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  check_bits("gather_rows " + shape({n, cols, src_rows}) + (offset > 0 ? " misaligned" : ""),
+             slice(d_out.host(), offset), want);
+}
+
+void test_swiglu_rows(std::mt19937& rng, int64_t rows, int64_t inter) {
+  auto gate_up = random_vec<Bf16>(rng, static_cast<size_t>(rows * 2 * inter), -8.0f, 8.0f);
+  if (inter > 2) {
+    gate_up[0] = keep::kernels::from_float<Bf16>(-100.0f);  // exp(-g) overflows: silu -> -0
+    gate_up[1] = keep::kernels::from_float<Bf16>(100.0f);
+  }
+  auto want = nan_vec<Bf16>(static_cast<size_t>(rows * inter));
+  ref::swiglu_rows(want.data(), gate_up.data(), rows, inter);
+  Buf<Bf16> d_gu(gate_up), d_out(nan_vec<Bf16>(want.size()));
+  CUDA_OK(keep::kernels::swiglu_rows(d_out.dev(), d_gu.dev(), rows, inter, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  compare("swiglu_rows " + shape({rows, inter}), d_out.host(), want);
+}
+
+struct QkvCase {
+  int64_t heads;
+  int64_t kv_heads;
+  int64_t head_dim;
+  double theta;
+};
+
+// variant: 0 all biases and both fp32 outputs; 1 no bias, no k_pre, no v_out; 2 bias on K only,
+// v_out only. misalign_kpre: k_pre one float off 16-byte alignment (the scalar path).
+template <typename KV>
+void test_qkv_finish(std::mt19937& rng, int64_t rows, const QkvCase& c, int variant,
+                     bool misalign_kpre = false) {
+  const int64_t hd = c.head_dim;
+  const int64_t half = hd / 2;
+  const int64_t qd = c.heads * hd;
+  const int64_t kvd = c.kv_heads * hd;
+  const int64_t capacity = 2 * rows + 5;
+  const bool bias_q = variant == 0;
+  const bool bias_k = variant == 0 || variant == 2;
+  const bool bias_v = variant == 0;
+  const bool with_kpre = variant == 0 || (misalign_kpre && variant != 1);
+  const bool with_vout = variant == 0 || variant == 2;
+  std::vector<float> inv_freq(static_cast<size_t>(half));
+  for (int64_t i = 0; i < half; ++i) {
+    inv_freq[i] = static_cast<float>(1.0 / std::pow(c.theta, 2.0 * i / static_cast<double>(hd)));
+  }
+  std::uniform_int_distribution<int32_t> pos(0, 40000);
+  std::vector<int32_t> positions(rows);
+  for (auto& p : positions) p = pos(rng);
+  positions[0] = 0;                      // identity rotation
+  if (rows > 2) positions[1] = 131071;   // beyond any table
+  if (rows > 3) positions[2] = 1000003;  // large angles (slow sincosf path)
+  std::vector<int32_t> all(static_cast<size_t>(capacity));
+  std::iota(all.begin(), all.end(), 0);
+  std::shuffle(all.begin(), all.end(), rng);
+  const std::vector<int32_t> slots(all.begin(), all.begin() + rows);  // distinct, scattered
+  const auto qkv = random_vec<Bf16>(rng, static_cast<size_t>(rows * (qd + 2 * kvd)), -2.0f, 2.0f);
+  const auto bq = random_vec<float>(rng, static_cast<size_t>(qd), -0.5f, 0.5f);
+  const auto bk = random_vec<float>(rng, static_cast<size_t>(kvd), -0.5f, 0.5f);
+  const auto bv = random_vec<float>(rng, static_cast<size_t>(kvd), -0.5f, 0.5f);
+  const size_t koff = misalign_kpre ? 1 : 0;
+
+  auto want_qkv = qkv;
+  auto want_kpre = nan_vec<float>(static_cast<size_t>(rows * kvd));
+  auto want_vout = nan_vec<float>(static_cast<size_t>(rows * kvd));
+  auto want_k = nan_vec<KV>(static_cast<size_t>(capacity * kvd));
+  auto want_v = nan_vec<KV>(static_cast<size_t>(capacity * kvd));
+  ref::qkv_finish<KV>(want_qkv.data(), with_kpre ? want_kpre.data() : nullptr,
+                      with_vout ? want_vout.data() : nullptr, want_k.data(), want_v.data(),
+                      bias_q ? bq.data() : nullptr, bias_k ? bk.data() : nullptr,
+                      bias_v ? bv.data() : nullptr, positions.data(), slots.data(), inv_freq.data(),
+                      rows, c.heads, c.kv_heads, hd);
+
+  Buf<Bf16> d_qkv(qkv);
+  Buf<float> d_kpre(nan_vec<float>(want_kpre.size() + koff)),
+      d_vout(nan_vec<float>(want_vout.size()));
+  Buf<KV> d_k(nan_vec<KV>(want_k.size())), d_v(nan_vec<KV>(want_v.size()));
+  Buf<float> d_bq(bq), d_bk(bk), d_bv(bv), d_inv(inv_freq);
+  Buf<int32_t> d_pos(positions), d_slots(slots);
+  CUDA_OK(keep::kernels::qkv_finish(
+      d_qkv.dev(), with_kpre ? d_kpre.dev() + koff : nullptr, with_vout ? d_vout.dev() : nullptr,
+      d_k.dev(), d_v.dev(), bias_q ? d_bq.dev() : nullptr, bias_k ? d_bk.dev() : nullptr,
+      bias_v ? d_bv.dev() : nullptr, d_pos.template dev<int32_t>(), d_slots.template dev<int32_t>(),
+      d_inv.dev(), rows, c.heads, c.kv_heads, hd, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  const std::string s = std::string("qkv_finish[KV ") + Tol<KV>::name + "] v" +
+                        std::to_string(variant) + (misalign_kpre ? " misaligned" : "") + " " +
+                        shape({rows, c.heads, c.kv_heads, hd});
+  compare(s + " q (qkv)", d_qkv.host(), want_qkv);  // K and V of qkv must be unchanged
+  const auto kpre = d_kpre.host();
+  if (koff > 0) expect(std::isnan(kpre[0]), s + " k_pre: element before the output untouched");
+  compare(s + " k_pre", slice(kpre, koff), want_kpre);  // all NaN when null: nothing written
+  compare(s + " v_out", d_vout.host(), want_vout);
+  compare(s + " kv_k", d_k.host(), want_k);  // slots not in `slots` stay NaN
+  compare(s + " kv_v", d_v.host(), want_v);
+}
+
+template <typename T>
+void test_fill_uniform(int64_t n, uint64_t seed, float lo, float hi, size_t offset = 0) {
+  std::vector<T> want(static_cast<size_t>(n));
+  ref::fill_uniform<T>(want.data(), n, seed, lo, hi);
+  Buf<T> d_out(nan_vec<T>(want.size() + offset));
+  CUDA_OK(keep::kernels::fill_uniform(d_out.dev() + offset, n, seed, lo, hi, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  const auto all = d_out.host();
+  const auto got = slice(all, offset);
+  const std::string s = "fill_uniform " + shape({n}) + " seed " + std::to_string(seed) + " [" +
+                        std::to_string(lo) + ", " + std::to_string(hi) + ")" +
+                        (offset > 0 ? " misaligned" : "");
+  check_bits(s, got, want);
+  if (offset > 0) expect(std::isnan(keep::kernels::to_float(all[0])), s + ": before untouched");
+  double sum = 0.0;
+  bool in_range = true;
+  bool any_nonzero = false;
+  for (const T& v : got) {
+    const float f = keep::kernels::to_float(v);
+    in_range = in_range && f >= lo && f < hi;
+    any_nonzero = any_nonzero || f != 0.0f;
+    sum += f;
+  }
+  expect(in_range, s + ": values in [lo, hi)");
+  expect(any_nonzero, s + ": not all zeros");
+  if (n >= 100000) {
+    const double mean = sum / static_cast<double>(n);
+    const double mid = 0.5 * (static_cast<double>(lo) + hi);
+    expect(std::fabs(mean - mid) < 0.01 * (static_cast<double>(hi) - lo), s + ": mean near centre");
+  }
+}
+
+template <typename T>
+void test_fill_uniform_seeds() {
+  const int64_t n = 4099;
+  Buf<T> a(nan_vec<T>(n)), b(nan_vec<T>(n));
+  CUDA_OK(keep::kernels::fill_uniform(a.dev(), n, 0, -1.0f, 1.0f, nullptr));
+  CUDA_OK(keep::kernels::fill_uniform(b.dev(), n, 1, -1.0f, 1.0f, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  const auto ha = a.host();
+  const auto hb = b.host();
+  size_t same = 0;
+  for (size_t i = 0; i < ha.size(); ++i) same += std::memcmp(&ha[i], &hb[i], sizeof(T)) == 0;
+  expect(same < ha.size() / 20,
+         std::string("fill_uniform seeds 0 and 1 differ [") + Tol<T>::name + "]");
+}
+
+// fp32 -> bf16 (round to nearest even, NaN stays NaN, bits of float_to_bf16) -> fp32 (exact).
+void test_convert(std::mt19937& rng, int64_t n, size_t offset = 0) {
+  auto in = random_vec<float>(rng, static_cast<size_t>(n) + offset, -1000.0f, 1000.0f);
+  const float specials[] = {std::numeric_limits<float>::quiet_NaN(),
+                            -std::numeric_limits<float>::quiet_NaN(),
+                            std::numeric_limits<float>::infinity(),
+                            -std::numeric_limits<float>::infinity(),
+                            -0.0f,
+                            0.0f,
+                            1.0f + 0x1p-8f,                     // tie: to even (down)
+                            1.0f + 3 * 0x1p-8f,                 // tie: to even (up)
+                            std::numeric_limits<float>::max(),  // rounds to inf
+                            std::numeric_limits<float>::denorm_min(),
+                            1e-40f,
+                            -3.0e38f};
+  for (size_t i = 0; i < std::size(specials) && offset + i < in.size(); ++i) {
+    in[offset + i] = specials[i];
+  }
+  std::vector<Bf16> want16(static_cast<size_t>(n));
+  std::vector<float> want32(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    want16[i] = keep::kernels::float_to_bf16(in[offset + i]);
+    want32[i] = keep::kernels::bf16_to_float(want16[i]);
+  }
+  Buf<float> d_in(in), d_back(nan_vec<float>(static_cast<size_t>(n) + offset));
+  Buf<Bf16> d_16(nan_vec<Bf16>(static_cast<size_t>(n) + offset));
+  CUDA_OK(keep::kernels::convert(d_16.dev() + offset, d_in.dev() + offset, n, nullptr));
+  CUDA_OK(keep::kernels::convert(d_back.dev() + offset, d_16.dev() + offset, n, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  const std::string s = "convert " + shape({n}) + (offset > 0 ? " misaligned" : "");
+  check_bits(s + " fp32->bf16", slice(d_16.host(), offset), want16, true);
+  check_bits(s + " bf16->fp32", slice(d_back.host(), offset), want32, true);
+  // bf16 -> fp32 is exact: the bits of each bf16 the kernel wrote, shifted.
+  const auto got16 = slice(d_16.host(), offset);
+  std::vector<float> exact(got16.size());
+  for (size_t i = 0; i < got16.size(); ++i) exact[i] = keep::kernels::bf16_to_float(got16[i]);
+  check_bits(s + " bf16->fp32 exact", slice(d_back.host(), offset), exact, true);
+}
+
+void run_misc(std::mt19937& rng) {
+  const int64_t odd[] = {1, 3, 7, 19, 733};
+  const int64_t cols[] = {1, 3, 7, 19, 733, 576, 3584, 5120};
+  for (int64_t n : odd) {
+    for (int64_t h : cols) test_embedding_f32(rng, n, h, 37);
+  }
+  test_embedding_f32(rng, 4096, 3584, 1000);
+
+  for (int64_t rows : odd) {
+    for (int64_t c : cols) {
+      test_add_rmsnorm(rng, rows, c, true, true, true);
+      test_add_rmsnorm(rng, rows, c, true, false, true);
+    }
+  }
+  for (int64_t c : {int64_t{576}, int64_t{3584}, int64_t{5120}}) {
+    test_add_rmsnorm(rng, 19, c, false, false, true);        // norm only
+    test_add_rmsnorm(rng, 19, c, true, true, false);         // add only
+    test_add_rmsnorm(rng, 19, c, true, false, false);        // add only, no bias
+    test_add_rmsnorm(rng, 7, c, true, true, true, 1);        // misaligned: scalar path
+    test_add_rmsnorm(rng, 7, c, true, true, true, 0, true);  // out = x
+  }
+  test_add_rmsnorm(rng, 7, 3584, false, false, true, 1);
+  test_add_rmsnorm(rng, 19, 8200, true, true, true);  // wider than the registers hold
+  test_add_rmsnorm(rng, 19, 1031, true, true, true);  // the same, scalar
+  test_add_rmsnorm(rng, 3, 18944, true, false, true);
+  test_add_rmsnorm(rng, 4096, 3584, true, true, true);  // model-like
+  test_add_rmsnorm(rng, 1024, 5120, true, false, true);
+  test_add_rmsnorm(rng, 70000, 8, true, true, true);  // more rows than the grid: rows stride
+
+  for (int64_t n : odd) {
+    for (int64_t c : cols) test_gather_rows(rng, n, c, 41);
+  }
+  test_gather_rows(rng, 733, 3584, 4096);
+  test_gather_rows(rng, 19, 3584, 100, 1);
+  test_gather_rows(rng, 70000, 4, 50);
+
+  const int64_t inters[] = {1, 3, 7, 19, 733, 576, 4864, 18944};
+  for (int64_t rows : odd) {
+    for (int64_t inter : inters) {
+      if (rows * inter > 733 * 4864) continue;
+      test_swiglu_rows(rng, rows, inter);
+    }
+  }
+  test_swiglu_rows(rng, 733, 4864);
+  test_swiglu_rows(rng, 1024, 18944);
+  test_swiglu_rows(rng, 70000, 8);  // rows beyond grid.y: rows stride
+
+  const QkvCase cases[] = {
+      {9, 3, 64, 10000.0},      // SmolLM2-135M
+      {28, 4, 128, 1000000.0},  // Qwen2.5-7B
+      {14, 2, 64, 1000000.0},   // Qwen2.5-0.5B
+      {3, 1, 6, 10000.0},       // half not a multiple of 8: scalar path
+      {2, 2, 14, 10000.0},
+  };
+  for (int64_t rows : odd) {
+    for (const QkvCase& c : cases) {
+      for (int variant = 0; variant < 3; ++variant) {
+        test_qkv_finish<float>(rng, rows, c, variant);
+        test_qkv_finish<Bf16>(rng, rows, c, variant);
+      }
+    }
+  }
+  test_qkv_finish<float>(rng, 19, cases[1], 0, true);
+  test_qkv_finish<Bf16>(rng, 19, cases[0], 2, true);
+  test_qkv_finish<Bf16>(rng, 4096, cases[1], 0);  // model-like prefill
+  test_qkv_finish<float>(rng, 2048, cases[0], 0);
+  test_qkv_finish<Bf16>(rng, 70000, cases[3], 1);  // more rows than the grid
+
+  for (int64_t n : odd) {
+    test_fill_uniform<float>(n, 42, -1.0f, 1.0f);
+    test_fill_uniform<Bf16>(n, 42, -1.0f, 1.0f);
+    test_fill_uniform<float>(n, 7, -0.02f, 0.02f, 1);
+    test_fill_uniform<Bf16>(n, 7, -0.02f, 0.02f, 1);
+  }
+  test_fill_uniform<float>((1 << 20) + 3, 0, 0.0f, 1.0f);
+  test_fill_uniform<Bf16>((1 << 20) + 3, 0, 0.0f, 1.0f);
+  test_fill_uniform<float>((1 << 20) + 5, 123456789, -0.05f, 0.05f, 1);
+  test_fill_uniform<Bf16>((1 << 20) + 5, 123456789, 2.0f, 3.0f, 1);
+  test_fill_uniform<Bf16>(4099, 5, 1.0f, 1.0078125f);  // one bf16 step wide: every value is lo
+  test_fill_uniform<float>(4099, 5, 1.0f, std::nextafter(1.0f, 2.0f));
+  test_fill_uniform_seeds<float>();
+  test_fill_uniform_seeds<Bf16>();
+
+  for (int64_t n : odd) {
+    test_convert(rng, n);
+    test_convert(rng, n, 1);
+  }
+  test_convert(rng, (1 << 20) + 5);
+  test_convert(rng, 4099, 1);
+}
+
+void test_misc_invalid_arguments() {
+  ++g_checks;
+  float* f = nullptr;
+  __nv_bfloat16* b = nullptr;
+  int32_t* ip = nullptr;
+  namespace k = keep::kernels;
+  __nv_bfloat16 fake_out;  // non-null, never written: the launcher refuses before any launch
+  // Each call with the code it must return; a mismatch names the call.
+  struct Case {
+    const char* call;
+    cudaError_t got, want;
+  };
+  const Case cases[] = {
+      {"k::embedding(f, b, ip, 2, 8, 4, nullptr)", k::embedding(f, b, ip, 2, 8, 4, nullptr),
+       cudaErrorInvalidValue},
+      {"k::embedding(f, b, ip, 0, 8, 4, nullptr)", k::embedding(f, b, ip, 0, 8, 4, nullptr),
+       cudaSuccess},
+      {"k::add_rmsnorm(&fake_out, nullptr residual, ...)",
+       k::add_rmsnorm(&fake_out, f, nullptr, f, f, 3, 8, 1e-6f, nullptr), cudaErrorInvalidValue},
+      {"k::add_rmsnorm(b, f, b, f, f, -1, 8, 1e-6f, nullptr)",
+       k::add_rmsnorm(b, f, b, f, f, -1, 8, 1e-6f, nullptr), cudaErrorInvalidValue},
+      {"k::add_rmsnorm(b, f, b, f, f, 0, 8, 1e-6f, nullptr)",
+       k::add_rmsnorm(b, f, b, f, f, 0, 8, 1e-6f, nullptr), cudaSuccess},
+      {"k::add_rmsnorm(nullptr, f, nullptr, f, f, 3, 8, 1e-6f, nullptr)",
+       k::add_rmsnorm(nullptr, f, nullptr, f, f, 3, 8, 1e-6f, nullptr), cudaSuccess},
+      {"k::gather_rows(f, f, ip, 3, 8, nullptr)", k::gather_rows(f, f, ip, 3, 8, nullptr),
+       cudaErrorInvalidValue},
+      {"k::gather_rows(f, f, ip, 3, 0, nullptr)", k::gather_rows(f, f, ip, 3, 0, nullptr),
+       cudaSuccess},
+      {"k::swiglu_rows(b, b, 2, 8, nullptr)", k::swiglu_rows(b, b, 2, 8, nullptr),
+       cudaErrorInvalidValue},
+      {"k::swiglu_rows(b, b, 2, -8, nullptr)", k::swiglu_rows(b, b, 2, -8, nullptr),
+       cudaErrorInvalidValue},
+      {"k::qkv_finish(b, f, f, f, f, f, f, f, ip, ip, f, 2, 2, 1, 6, nullptr)",
+       k::qkv_finish(b, f, f, f, f, f, f, f, ip, ip, f, 2, 2, 1, 6, nullptr),
+       cudaErrorInvalidValue},
+      {"k::qkv_finish(b, f, f, b, b, f, f, f, ip, ip, f, 2, 2, 1, 7, nullptr)",
+       k::qkv_finish(b, f, f, b, b, f, f, f, ip, ip, f, 2, 2, 1, 7, nullptr),
+       cudaErrorInvalidValue},  // odd head_dim
+      {"k::qkv_finish(b, f, f, b, b, f, f, f, ip, ip, f, 0, 2, 1, 8, nullptr)",
+       k::qkv_finish(b, f, f, b, b, f, f, f, ip, ip, f, 0, 2, 1, 8, nullptr), cudaSuccess},
+      {"k::fill_uniform(f, 4, 1, 0.0f, 1.0f, nullptr)",
+       k::fill_uniform(f, 4, 1, 0.0f, 1.0f, nullptr), cudaErrorInvalidValue},
+      {"k::fill_uniform(f, 0, 1, 0.0f, 1.0f, nullptr)",
+       k::fill_uniform(f, 0, 1, 0.0f, 1.0f, nullptr), cudaSuccess},
+      {"k::fill_uniform(b, 0, 1, 1.0f, 1.0f, nullptr)",
+       k::fill_uniform(b, 0, 1, 1.0f, 1.0f, nullptr), cudaErrorInvalidValue},  // lo == hi
+      {"k::fill_uniform(b, 0, 1, 0.0f, std::numeric_limits<float>::quiet_NaN(), nullptr)",
+       k::fill_uniform(b, 0, 1, 0.0f, std::numeric_limits<float>::quiet_NaN(), nullptr),
+       cudaErrorInvalidValue},  // NaN hi
+      {"k::convert(b, f, 5, nullptr)", k::convert(b, f, 5, nullptr), cudaErrorInvalidValue},
+      {"k::convert(f, b, -1, nullptr)", k::convert(f, b, -1, nullptr), cudaErrorInvalidValue},
+      {"k::convert(f, b, 0, nullptr)", k::convert(f, b, 0, nullptr), cudaSuccess},
+  };
+  for (const Case& c : cases) {
+    if (c.got != c.want) {
+      ++g_failures;
+      std::fprintf(stderr, "FAIL misc launcher argument check: %s returned %s, want %s\n", c.call,
+                   cudaGetErrorName(c.got), cudaGetErrorName(c.want));
+    }
+  }
+}
+
 }  // namespace
 
 int main() {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
-    std::fprintf(stderr, "no CUDA device\n");
-    return 2;
-  }
-  cudaDeviceProp prop{};
-  CUDA_OK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("device: %s (sm_%d%d)\n", prop.name, prop.major, prop.minor);
+  if (!keep::gputest::print_device()) return 2;
   std::mt19937 rng(1234);
   run_all<float>(rng);
   run_all<Bf16>(rng);
   test_invalid_arguments();
-  std::printf("%d checks, %d failed\n", g_checks, g_failures);
+  run_misc(rng);
+  test_misc_invalid_arguments();
+  std::printf("test_kernels: %d checks, %d failures\n", g_checks, g_failures);
   return g_failures == 0 ? 0 : 1;
 }

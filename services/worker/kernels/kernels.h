@@ -9,7 +9,10 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
+
+#include "services/worker/kernels/layout.h"
 
 namespace keep::kernels {
 
@@ -41,5 +44,138 @@ cudaError_t rope(__nv_bfloat16* x, const int32_t* positions, const float* inv_fr
 cudaError_t swiglu(float* out, const float* gate, const float* up, int64_t n, cudaStream_t stream);
 cudaError_t swiglu(__nv_bfloat16* out, const __nv_bfloat16* gate, const __nv_bfloat16* up,
                    int64_t n, cudaStream_t stream);
+
+// ---- element-wise and normalisation kernels of the bf16 transformer block (misc.cu) ----
+// The CUDA backend keeps the residual stream (engine hidden) in fp32 and feeds the matrix products
+// bf16; these kernels sit at those boundaries.
+
+// out (n, hidden) fp32 = table (vocab, hidden) bf16 [ids[t], :]; ids outside [0, vocab) give zero
+// rows.
+cudaError_t embedding(float* out, const __nv_bfloat16* table, const int32_t* ids, int64_t n,
+                      int64_t hidden, int64_t vocab, cudaStream_t stream);
+
+// residual (rows, cols) fp32 += float(x) + bias, x (rows, cols) bf16, bias (cols) fp32 or null, in
+// fp32 with no rounding (skipped when x is null); then, unless out is null,
+// out (rows, cols) bf16 = bf16(weight[i] * (residual[i] * 1 / sqrt(mean(residual^2) + eps))).
+// out may equal x. Both out and x null: nothing to do (cudaSuccess).
+cudaError_t add_rmsnorm(__nv_bfloat16* out, float* residual, const __nv_bfloat16* x,
+                        const float* bias, const float* weight, int64_t rows, int64_t cols,
+                        float eps, cudaStream_t stream);
+
+// out (n, cols) fp32 = in[rows[i], :] (in: (>= max(rows)+1, cols) fp32); rows (n) device int32.
+cudaError_t gather_rows(float* out, const float* in, const int32_t* rows, int64_t n, int64_t cols,
+                        cudaStream_t stream);
+
+// out (rows, inter) bf16 = bf16(silu(gate) * up), gate_up (rows, 2 * inter) bf16 holding
+// [gate | up] per row (the fused gate/up projection's output).
+cudaError_t swiglu_rows(__nv_bfloat16* out, const __nv_bfloat16* gate_up, int64_t rows,
+                        int64_t inter, cudaStream_t stream);
+
+// After the fused QKV projection: qkv (rows, (heads + 2 * kv_heads) * head_dim) bf16 holds [q | k |
+// v] per row, without bias. For each row r (position positions[r], view slot slots[r]):
+//   q (in place, bf16)     = bf16(rope(float(q) + bq, positions[r]))
+//   k_pre[r] (fp32)        = float(k) + bk                (skipped when k_pre is null)
+//   v_out[r] (fp32)        = float(v) + bv                (skipped when v_out is null)
+//   kv_k[slots[r]] (KV)    = KV(rope(float(k) + bk, positions[r]))   (fp32 RoPE, as ref::rope)
+//   kv_v[slots[r]] (KV)    = KV(float(v) + bv)
+// bq/bk/bv (fp32) may be null (no bias). kv_k / kv_v: (capacity, kv_heads, head_dim). positions,
+// slots: (rows) device int32. inv_freq: (head_dim / 2) fp32. KV is float or bf16.
+cudaError_t qkv_finish(__nv_bfloat16* qkv, float* k_pre, float* v_out, float* kv_k, float* kv_v,
+                       const float* bq, const float* bk, const float* bv, const int32_t* positions,
+                       const int32_t* slots, const float* inv_freq, int64_t rows, int64_t heads,
+                       int64_t kv_heads, int64_t head_dim, cudaStream_t stream);
+cudaError_t qkv_finish(__nv_bfloat16* qkv, float* k_pre, float* v_out, __nv_bfloat16* kv_k,
+                       __nv_bfloat16* kv_v, const float* bq, const float* bk, const float* bv,
+                       const int32_t* positions, const int32_t* slots, const float* inv_freq,
+                       int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                       cudaStream_t stream);
+
+// out (n) = values uniform in [lo, hi) from a counter-based hash of (seed, index): the same bits on
+// every device and in ref::fill_uniform, never all zeros. For random model weights.
+cudaError_t fill_uniform(__nv_bfloat16* out, int64_t n, uint64_t seed, float lo, float hi,
+                         cudaStream_t stream);
+cudaError_t fill_uniform(float* out, int64_t n, uint64_t seed, float lo, float hi,
+                         cudaStream_t stream);
+
+// Storage conversion, out (n) = in (n), rounding to nearest even for bf16.
+cudaError_t convert(__nv_bfloat16* out, const float* in, int64_t n, cudaStream_t stream);
+cudaError_t convert(float* out, const __nv_bfloat16* in, int64_t n, cudaStream_t stream);
+
+// ---- attention (attention_prefill.cu, attention_decode.cu, attention_pool.cu) ----
+// Shared semantics (ref::attention): for row r, head h (kv head g = h / (heads / kv_heads)) and the
+// keys t the row sees (AttentionRows),
+//   s_t = (q[r, h, :] · k[t, g, :]) * scale          (fp32 from the stored values)
+//   lse[r, h] = log Σ_t exp(s_t)                      (natural log; -inf when no key)
+//   out[r, h, :] = Σ_t exp(s_t - lse) v[t, g, :]      (0 when no key)
+// q: (rows, q_stride) bf16, heads * head_dim used at the start of each row (rotated Q, e.g. inside
+// the fused qkv buffer); k, v: (num_keys, kv_heads, head_dim) in KV = float or bf16; out: (rows,
+// out_stride) bf16; lse (rows, heads) fp32 or null. heads % kv_heads == 0.
+
+// Tiled flash-style kernel (tensor cores), for any number of rows; schedule from
+// build_prefill_schedule over the same rows. head_dim 64 or 128 (else cudaErrorInvalidValue).
+cudaError_t attention_prefill(__nv_bfloat16* out, int64_t out_stride, float* lse,
+                              const __nv_bfloat16* q, int64_t q_stride, const float* k,
+                              const float* v, const AttentionRows& rows,
+                              const PrefillSchedule& schedule, int heads, int kv_heads,
+                              int head_dim, float scale, cudaStream_t stream);
+cudaError_t attention_prefill(__nv_bfloat16* out, int64_t out_stride, float* lse,
+                              const __nv_bfloat16* q, int64_t q_stride, const __nv_bfloat16* k,
+                              const __nv_bfloat16* v, const AttentionRows& rows,
+                              const PrefillSchedule& schedule, int heads, int kv_heads,
+                              int head_dim, float scale, cudaStream_t stream);
+
+// Split-key kernel for few rows (decode steps, short candidate batches): the keys of each row are
+// cut into chunks processed by separate blocks, then combined. Correct for any rows, fast for few.
+// workspace: device fp32 scratch of attention_decode_workspace_floats(rows, heads, head_dim,
+// num_keys) floats. head_dim a multiple of 32, at most 256.
+size_t attention_decode_workspace_floats(int64_t rows, int heads, int head_dim, int64_t num_keys);
+cudaError_t attention_decode(__nv_bfloat16* out, int64_t out_stride, float* lse,
+                             const __nv_bfloat16* q, int64_t q_stride, const float* k,
+                             const float* v, const AttentionRows& rows, int heads, int kv_heads,
+                             int head_dim, float scale, float* workspace, size_t workspace_floats,
+                             cudaStream_t stream);
+cudaError_t attention_decode(__nv_bfloat16* out, int64_t out_stride, float* lse,
+                             const __nv_bfloat16* q, int64_t q_stride, const __nv_bfloat16* k,
+                             const __nv_bfloat16* v, const AttentionRows& rows, int heads,
+                             int kv_heads, int head_dim, float scale, float* workspace,
+                             size_t workspace_floats, cudaStream_t stream);
+
+// Importance pooling (ARCHITECTURE §5): pooled (rows, num_groups) fp32, overwritten,
+//   pooled[r, g] = Σ_h Σ_{t seen by r, key_group[t] == g} exp(s_t(r, h) - lse[r, h])
+// with s_t as above and lse from the attention call over the same rows. key_group (num_keys)
+// device int32; a key whose group is outside [0, num_groups) (-1: in no group) is skipped. head_dim
+// a multiple of 32, at most 256.
+cudaError_t attention_pool(float* pooled, const __nv_bfloat16* q, int64_t q_stride, const float* k,
+                           const float* lse, const AttentionRows& rows, const int32_t* key_group,
+                           int num_groups, int heads, int kv_heads, int head_dim, float scale,
+                           cudaStream_t stream);
+cudaError_t attention_pool(float* pooled, const __nv_bfloat16* q, int64_t q_stride,
+                           const __nv_bfloat16* k, const float* lse, const AttentionRows& rows,
+                           const int32_t* key_group, int num_groups, int heads, int kv_heads,
+                           int head_dim, float scale, cudaStream_t stream);
+
+// ---- logits (logits.cu): greedy, sampling, scoring over fp32 logits (rows, vocab) ----
+// out (rows) = index of the largest logit of each row, lowest index on ties, NaN never wins (an
+// all-NaN row gives 0) — engine::argmax's rule.
+cudaError_t argmax(int32_t* out, const float* logits, int64_t rows, int64_t vocab,
+                   cudaStream_t stream);
+
+// out (rows) = logits[r, tokens[r]] - log Σ_i exp(logits[r, i]) (fp32 result, accumulated with a
+// running max in fp32). tokens (rows) device int32, each in [0, vocab): a token outside gives NaN,
+// as does a row holding a NaN logit; an infinite max m gives logits[r, tokens[r]] - m.
+cudaError_t token_logprob(float* out, const float* logits, const int32_t* tokens, int64_t rows,
+                          int64_t vocab, cudaStream_t stream);
+
+// Temperature / top-k / top-p sampling, one draw per row with uniforms (rows) in [0, 1); the
+// result is bit-identical to ref::sample (reference_logits.cpp has the rule in full). Each token's
+// mass is an exact integer w_i = floor(2^40 * p_i), p_i = exp((l_i - max) / temperature) from a
+// fixed fma polynomial (NaN logits and p_i < 2^-40 weigh 0), so sums do not depend on order. Keep
+// the shortest prefix of the tokens ordered by (logit desc, index asc) whose mass reaches
+// ceil(top_p * W) (all of W when top_p >= 1), at most top_k tokens when top_k > 0; then walk the
+// kept tokens in INDEX order and return the first whose running mass exceeds floor(u * kept).
+// temperature finite and > 0, top_p in (0, 1], vocab < 2^24 (else cudaErrorInvalidValue).
+cudaError_t sample(int32_t* out, const float* logits, const float* uniforms, int64_t rows,
+                   int64_t vocab, float temperature, float top_p, int32_t top_k,
+                   cudaStream_t stream);
 
 }  // namespace keep::kernels

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "services/worker/kernels/bf16.h"
+#include "services/worker/kernels/layout.h"
 
 namespace keep::kernels::ref {
 
@@ -38,5 +39,48 @@ void rope(T* x, const int32_t* positions, const float* inv_freq, int64_t n, int6
 // gate or up.
 template <typename T>
 void swiglu(T* out, const T* gate, const T* up, int64_t n);
+
+// ---- misc.cu (reference_misc.cpp) ----
+// out fp32 = table bf16 rows (zero rows for ids outside [0, vocab)).
+void embedding_bf16_to_f32(float* out, const Bf16* table, const int32_t* ids, int64_t n,
+                           int64_t hidden, int64_t vocab);
+// residual fp32 += x (+ bias) (when x is set), then out = Bf16(weight * residual * inv_rms) unless
+// out is null. inv_rms = 1 / sqrt(mean(residual^2) + eps), fp32 arithmetic with a double sum.
+void add_rmsnorm(Bf16* out, float* residual, const Bf16* x, const float* bias, const float* weight,
+                 int64_t rows, int64_t cols, float eps);
+void gather_rows(float* out, const float* in, const int32_t* rows, int64_t n, int64_t cols);
+// out (rows, inter) = Bf16(silu(gate) * up), gate_up (rows, 2 * inter) = [gate | up].
+void swiglu_rows(Bf16* out, const Bf16* gate_up, int64_t rows, int64_t inter);
+// kernels.h qkv_finish, KV = float or Bf16.
+template <typename KV>
+void qkv_finish(Bf16* qkv, float* k_pre, float* v_out, KV* kv_k, KV* kv_v, const float* bq,
+                const float* bk, const float* bv, const int32_t* positions, const int32_t* slots,
+                const float* inv_freq, int64_t rows, int64_t heads, int64_t kv_heads,
+                int64_t head_dim);
+// Counter-based uniform values in [lo, hi): value i depends only on (seed, i).
+template <typename T>
+void fill_uniform(T* out, int64_t n, uint64_t seed, float lo, float hi);
+
+// ---- attention (reference_attention.cpp) ----
+// kernels.h attention semantics in double accumulation: out (rows, out_stride) stored as Bf16,
+// lse (rows, heads) or null. KV = float or Bf16.
+template <typename KV>
+void attention(Bf16* out, int64_t out_stride, float* lse, const Bf16* q, int64_t q_stride,
+               const KV* k, const KV* v, const AttentionRows& rows, int heads, int kv_heads,
+               int head_dim, float scale);
+// kernels.h attention_pool, in double.
+template <typename KV>
+void attention_pool(float* pooled, const Bf16* q, int64_t q_stride, const KV* k, const float* lse,
+                    const AttentionRows& rows, const int32_t* key_group, int num_groups, int heads,
+                    int kv_heads, int head_dim, float scale);
+
+// ---- logits (reference_logits.cpp) ----
+void argmax(int32_t* out, const float* logits, int64_t rows, int64_t vocab);
+void token_logprob(float* out, const float* logits, const int32_t* tokens, int64_t rows,
+                   int64_t vocab);
+// kernels.h sample's rule, exactly (the same fma polynomial for p, integer masses). Returns the
+// token per row in out.
+void sample(int32_t* out, const float* logits, const float* uniforms, int64_t rows, int64_t vocab,
+            float temperature, float top_p, int32_t top_k);
 
 }  // namespace keep::kernels::ref

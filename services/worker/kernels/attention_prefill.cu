@@ -1,0 +1,625 @@
+// Prefill attention: a FlashAttention-2 style kernel on tensor cores (mma.sync m16n8k16 bf16,
+// fp32 accumulation), driven by the host-built tile schedule of attention_schedule.h.
+//
+// One block = one row tile (kPrefillRowTile = 64 rows of Q) x one head; 4 warps, warp w owns rows
+// [16w, 16w + 16) of the tile. Q is staged through shared memory once and kept in registers as
+// mma A fragments. The block walks the key tiles (kPrefillKeyTile = 64 keys) its schedule lists,
+// with K/V tiles double-buffered in shared memory as bf16 (row stride HD + 8 elements, so the
+// 8 rows an ldmatrix reads fall in distinct banks):
+//   S = Q K^T                  mma, B fragments from ldmatrix on the K tile (keys are the n axis)
+//   S *= scale * log2(e)       (exp2 domain), masked to -inf outside the rows' spans unless the
+//                              schedule marks the tile full
+//   online softmax in fp32     running max m and thread-partial sums l per row
+//   O = O * alpha + P V        P rounded to bf16 in registers (the S accumulators are exactly the
+//                              A fragments of P), V fragments from ldmatrix.trans
+// At the end O / l is staged through shared memory and stored with 16-byte writes; lse = (m +
+// log2 l) * ln 2. A row that sees no key (or a padding row past `rows`) has l = 0: out 0, lse -inf.
+//
+// K/V loads: bf16 storage (16-byte aligned) goes through cp.async straight into shared memory;
+// fp32 storage is loaded into registers, converted and stored. The V of a tile the schedule does
+// not mark full also goes through registers, with non-finite values replaced by 0: such a tile may
+// hold keys no row of the block sees (slots never written, possibly NaN), and a masked P = 0 times
+// a NaN V would still poison the mma. Keys past num_keys are zero-filled.
+#include <cuda_bf16.h>
+
+#include <atomic>
+#include <cstdint>
+#include <type_traits>
+
+#include "services/worker/kernels/common.cuh"
+#include "services/worker/kernels/kernels.h"
+
+namespace keep::kernels {
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+constexpr int kThreads = 128;
+constexpr int kWarps = kThreads / 32;
+constexpr int kRows = kPrefillRowTile;  // rows of Q per block
+constexpr int kKeys = kPrefillKeyTile;  // keys per tile
+static_assert(kRows == kWarps * 16, "each warp owns 16 rows (one mma M)");
+static_assert(kKeys == 64, "the span mask of a row within a key tile is one 64-bit word");
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// Shared-memory geometry per head dimension.
+template <int HD>
+struct Geometry {
+  static_assert(HD % 16 == 0, "head_dim must be a multiple of 16");
+  static constexpr int kStride = HD + 8;              // bf16 elements per smem row (padded)
+  static constexpr int kTileElems = kKeys * kStride;  // one K or V tile (also Q, O staging)
+  static constexpr int kChunksPerRow = HD / 8;        // 16-byte chunks per row
+  static constexpr int kRowsPerPass = kThreads / kChunksPerRow;
+  static constexpr int kPasses = kKeys / kRowsPerPass;                 // chunks per thread per tile
+  static constexpr size_t kSmemBytes = 4 * kTileElems * sizeof(bf16);  // K[2], V[2]
+  static_assert(kThreads % kChunksPerRow == 0 && kKeys % kRowsPerPass == 0, "tile mapping");
+  static_assert(kRows == kKeys, "the Q and O staging reuse a key tile buffer");
+};
+
+template <typename KV>
+struct Params {
+  bf16* out;  // (rows, out_stride)
+  int64_t out_stride;
+  float* lse;     // (rows, heads) or null
+  const bf16* q;  // (rows, q_stride)
+  int64_t q_stride;
+  const KV* k;                  // (num_keys, kv_heads, head_dim)
+  const KV* v;                  // (num_keys, kv_heads, head_dim)
+  const int32_t* row_offsets;   // (rows + 1)
+  const KeyRange* spans;        // (row_offsets[rows])
+  const int32_t* tile_offsets;  // (row_tiles + 1)
+  const int32_t* tiles;         // (tile_offsets[row_tiles])
+  int32_t rows;
+  int32_t num_keys;
+  int32_t row_tiles;
+  int heads;
+  int group;  // heads / kv_heads
+  int kv_heads;
+  float scale_log2;  // scale * log2(e)
+  bool q_vec;        // q and q_stride allow 16-byte loads
+  bool out_vec;      // out and out_stride allow 16-byte stores
+  bool kv_vec;       // k and v allow 16-byte loads
+};
+
+// ---- PTX wrappers ----
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared, asynchronously; src_bytes = 0 zero-fills the destination.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const bf16* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const bf16* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+
+// c (16x8 fp32) += a (16x16 bf16, row) * b (16x8 bf16, col).
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {  // exp2(-inf) = 0
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// Zeroes the non-finite halves (exponent all ones) of two packed bf16.
+__device__ __forceinline__ uint32_t finite_bf16x2(uint32_t w) {
+  uint32_t keep = 0;
+  if ((w & 0x7f80u) != 0x7f80u) keep |= 0x0000ffffu;
+  if ((w & 0x7f800000u) != 0x7f800000u) keep |= 0xffff0000u;
+  return w & keep;
+}
+
+// ---- loads of 8 consecutive elements (one 16-byte smem chunk) ----
+__device__ __forceinline__ uint4 load8(const bf16* p, bool vec, bool sanitize) {
+  uint4 u;
+  if (vec) {
+    u = __ldg(reinterpret_cast<const uint4*>(p));
+  } else {
+    const auto* s = reinterpret_cast<const unsigned short*>(p);
+    u.x = static_cast<uint32_t>(__ldg(s + 0)) | (static_cast<uint32_t>(__ldg(s + 1)) << 16);
+    u.y = static_cast<uint32_t>(__ldg(s + 2)) | (static_cast<uint32_t>(__ldg(s + 3)) << 16);
+    u.z = static_cast<uint32_t>(__ldg(s + 4)) | (static_cast<uint32_t>(__ldg(s + 5)) << 16);
+    u.w = static_cast<uint32_t>(__ldg(s + 6)) | (static_cast<uint32_t>(__ldg(s + 7)) << 16);
+  }
+  if (sanitize) {
+    u.x = finite_bf16x2(u.x);
+    u.y = finite_bf16x2(u.y);
+    u.z = finite_bf16x2(u.z);
+    u.w = finite_bf16x2(u.w);
+  }
+  return u;
+}
+
+__device__ __forceinline__ uint4 load8(const float* p, bool vec, bool sanitize) {
+  float f[8];
+  if (vec) {
+    const float4 a = __ldg(reinterpret_cast<const float4*>(p));
+    const float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+    f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) f[i] = __ldg(p + i);
+  }
+  if (sanitize) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) f[i] = isfinite(f[i]) ? f[i] : 0.0f;
+  }
+  return make_uint4(pack_bf16x2(f[0], f[1]), pack_bf16x2(f[2], f[3]), pack_bf16x2(f[4], f[5]),
+                    pack_bf16x2(f[6], f[7]));
+}
+
+// ---- tile loaders: 64 rows of HD elements into a padded smem tile ----
+// Thread tid handles the chunk column tid % kChunksPerRow of rows tid / kChunksPerRow + i *
+// kRowsPerPass. Source row `r` is src + (first + r) * row_stride; rows at or past `limit` are zero.
+
+// Asynchronous (cp.async, 16-byte aligned source rows).
+template <int HD, typename T>
+__device__ __forceinline__ void tile_async(bf16* dst, const T* src, int64_t row_stride,
+                                           int32_t first, int32_t limit, int tid) {
+  using G = Geometry<HD>;
+  const int col = (tid % G::kChunksPerRow) * 8;
+  const int r0 = tid / G::kChunksPerRow;
+#pragma unroll
+  for (int i = 0; i < G::kPasses; ++i) {
+    const int r = r0 + i * G::kRowsPerPass;
+    const bool ok = first + r < limit;
+    const T* s = ok ? src + static_cast<int64_t>(first + r) * row_stride + col : src;
+    cp_async16(dst + r * G::kStride + col, s, ok ? 16 : 0);
+  }
+}
+
+// Through registers (fp32 conversion, unaligned sources, sanitising non-finite values to 0), for
+// N tiles at once (K and V: their loads are in flight together), in batches of at most 64
+// registers of loaded data.
+template <int HD, int N, typename T>
+__device__ __forceinline__ void tile_regs(bf16* const (&dst)[N], const T* const (&src)[N],
+                                          const bool (&sanitize)[N], int64_t row_stride,
+                                          int32_t first, int32_t limit, int tid, bool vec) {
+  using G = Geometry<HD>;
+  constexpr int kMaxBatch = 64 / (N * 2 * static_cast<int>(sizeof(T)));  // chunks per tile
+  constexpr int kBatch = G::kPasses < kMaxBatch ? G::kPasses : kMaxBatch;
+  static_assert(G::kPasses % kBatch == 0, "batches");
+  const int col = (tid % G::kChunksPerRow) * 8;
+  const int r0 = tid / G::kChunksPerRow;
+#pragma unroll
+  for (int b = 0; b < G::kPasses; b += kBatch) {
+    uint4 val[N][kBatch];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int r = r0 + (b + i) * G::kRowsPerPass;
+      const int64_t offset = static_cast<int64_t>(first + r) * row_stride + col;
+#pragma unroll
+      for (int n = 0; n < N; ++n) {
+        val[n][i] = make_uint4(0, 0, 0, 0);
+        if (first + r < limit) val[n][i] = load8(src[n] + offset, vec, sanitize[n]);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int r = r0 + (b + i) * G::kRowsPerPass;
+#pragma unroll
+      for (int n = 0; n < N; ++n) {
+        *reinterpret_cast<uint4*>(dst[n] + r * G::kStride + col) = val[n][i];
+      }
+    }
+  }
+}
+
+// Starts loading the K and V tiles of schedule entry `entry` into sk / sv.
+template <int HD, typename KV>
+__device__ __forceinline__ void issue_kv_tile(bf16* sk, bf16* sv, const Params<KV>& p, const KV* kg,
+                                              const KV* vg, int32_t entry, int tid) {
+  const int32_t first = (entry >> 1) * kKeys;
+  const bool full = (entry & 1) != 0;
+  const int64_t stride = static_cast<int64_t>(p.kv_heads) * HD;
+  if constexpr (std::is_same_v<KV, bf16>) {
+    if (p.kv_vec) {
+      tile_async<HD>(sk, kg, stride, first, p.num_keys, tid);
+      if (full) {
+        tile_async<HD>(sv, vg, stride, first, p.num_keys, tid);
+      } else {
+        bf16* const dst[1] = {sv};
+        const bf16* const src[1] = {vg};
+        const bool sanitize[1] = {true};
+        tile_regs<HD>(dst, src, sanitize, stride, first, p.num_keys, tid, true);
+      }
+      return;
+    }
+  }
+  bf16* const dst[2] = {sk, sv};
+  const KV* const src[2] = {kg, vg};
+  const bool sanitize[2] = {false, !full};
+  tile_regs<HD>(dst, src, sanitize, stride, first, p.num_keys, tid, p.kv_vec);
+}
+
+// Bits [lo, hi) of a 64-bit word, 0 <= lo < hi <= 64.
+__device__ __forceinline__ uint64_t bit_range(int lo, int hi) {
+  const int n = hi - lo;
+  const uint64_t ones = n >= 64 ? ~0ull : ((1ull << n) - 1ull);
+  return ones << lo;
+}
+
+// Which keys of the tile [first, first + 64) a row sees, as bits; `cursor` (the row's first span
+// not wholly before the tile) only moves forward since the tiles come in ascending order.
+__device__ __forceinline__ uint64_t span_mask(const KeyRange* __restrict__ spans, int32_t& cursor,
+                                              int32_t end, int32_t first) {
+  int32_t c = cursor;
+  while (c < end && __ldg(&spans[c].end) <= first) ++c;
+  cursor = c;
+  uint64_t mask = 0;
+  for (; c < end; ++c) {
+    const int32_t b = __ldg(&spans[c].begin);
+    if (b >= first + kKeys) break;
+    const int32_t e = __ldg(&spans[c].end);
+    const int lo = b > first ? b - first : 0;
+    const int hi = e < first + kKeys ? e - first : kKeys;
+    mask |= bit_range(lo, hi);
+  }
+  return mask;
+}
+
+// One key tile for one warp: S = Q K^T, masking, online softmax update, O += P V.
+// Thread (lane) holds rows g = lane / 4 and g + 8 of the warp's 16 and, of every 8-column block,
+// columns 2 * (lane % 4) and + 1 (mma C layout).
+template <int HD, bool kFull>
+__device__ __forceinline__ void attend_tile(float (&o)[HD / 8][4], float (&m)[2], float (&l)[2],
+                                            const uint32_t (&qa)[HD / 16][4], const bf16* sk,
+                                            const bf16* sv, int lane, float scale_log2,
+                                            const uint64_t (&mask)[2]) {
+  using G = Geometry<HD>;
+  float s[kKeys / 8][4];
+#pragma unroll
+  for (int n = 0; n < kKeys / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+  // ldmatrix.x4 on K: matrices (keys +0..7, dims +0..7), (+0..7, +8..15), (+8..15, +0..7),
+  // (+8..15, +8..15) = B fragments (b0, b1) of key blocks 2np and 2np + 1.
+  const int k_row = (lane & 7) + ((lane >> 4) & 1) * 8;
+  const int k_col = ((lane >> 3) & 1) * 8;
+#pragma unroll
+  for (int ks = 0; ks < HD / 16; ++ks) {
+#pragma unroll
+    for (int np = 0; np < kKeys / 16; ++np) {
+      uint32_t b[4];
+      ldmatrix_x4(b, sk + (np * 16 + k_row) * G::kStride + ks * 16 + k_col);
+      mma_bf16(s[2 * np], qa[ks], b[0], b[1]);
+      mma_bf16(s[2 * np + 1], qa[ks], b[2], b[3]);
+    }
+  }
+  const int tig = lane & 3;
+  float row_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int n = 0; n < kKeys / 8; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float x = s[n][e] * scale_log2;
+      if constexpr (!kFull) {
+        const int col = n * 8 + tig * 2 + (e & 1);
+        if (((mask[e >> 1] >> col) & 1ull) == 0) x = -INFINITY;
+      }
+      s[n][e] = x;
+      row_max[e >> 1] = fmaxf(row_max[e >> 1], x);
+    }
+  }
+  float m_use[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    row_max[i] = fmaxf(row_max[i], __shfl_xor_sync(0xffffffffu, row_max[i], 1));
+    row_max[i] = fmaxf(row_max[i], __shfl_xor_sync(0xffffffffu, row_max[i], 2));
+    const float m_new = fmaxf(m[i], row_max[i]);
+    // Nothing seen yet: subtract 0 instead of -inf (exp2(-inf - -inf) would be NaN); every
+    // masked score then gives exp2(-inf) = 0, and so does alpha.
+    m_use[i] = m_new == -INFINITY ? 0.0f : m_new;
+    const float alpha = fast_exp2(m[i] - m_use[i]);
+    m[i] = m_new;
+    l[i] *= alpha;
+#pragma unroll
+    for (int d = 0; d < HD / 8; ++d) {
+      o[d][2 * i] *= alpha;
+      o[d][2 * i + 1] *= alpha;
+    }
+  }
+#pragma unroll
+  for (int n = 0; n < kKeys / 8; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float pe = fast_exp2(s[n][e] - m_use[e >> 1]);
+      s[n][e] = pe;
+      l[e >> 1] += pe;
+    }
+  }
+  // O += P V. The C fragments of key blocks 2kk and 2kk + 1 are the A fragment of keys
+  // [16kk, 16kk + 16). ldmatrix.x4.trans on V: matrices (keys +0..7, dims +0..7), (+8..15,
+  // +0..7), (+0..7, +8..15), (+8..15, +8..15) = B fragments of dim blocks 2dp and 2dp + 1.
+  const int v_row = (lane & 7) + ((lane >> 3) & 1) * 8;
+  const int v_col = ((lane >> 4) & 1) * 8;
+#pragma unroll
+  for (int kk = 0; kk < kKeys / 16; ++kk) {
+    const uint32_t a[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]),
+                           pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
+                           pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                           pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+    for (int dp = 0; dp < HD / 16; ++dp) {
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, sv + (kk * 16 + v_row) * G::kStride + dp * 16 + v_col);
+      mma_bf16(o[2 * dp], a, b[0], b[1]);
+      mma_bf16(o[2 * dp + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+template <int HD, typename KV>
+__global__ void __launch_bounds__(kThreads, HD <= 64 ? 3 : 2)
+    attention_prefill_kernel(const Params<KV> p) {
+  using G = Geometry<HD>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bf16* const sk = reinterpret_cast<bf16*>(smem_raw);  // K tiles [2]
+  bf16* const sv = sk + 2 * G::kTileElems;             // V tiles [2]
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+
+  // Heaviest row tiles first (the last rows see the most keys in the usual layouts), all heads of
+  // a row tile next to each other (GQA heads share their K/V tiles in L2).
+  const int64_t block = static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x;
+  const int h = static_cast<int>(block % p.heads);
+  const int32_t row_tile = p.row_tiles - 1 - static_cast<int32_t>(block / p.heads);
+  const int32_t row_base = row_tile * kRows;
+  const int64_t kv_offset = static_cast<int64_t>(h / p.group) * HD;
+  const KV* const kg = p.k + kv_offset;
+  const KV* const vg = p.v + kv_offset;
+  const int32_t sched_begin = __ldg(p.tile_offsets + row_tile);
+  const int32_t n_tiles = __ldg(p.tile_offsets + row_tile + 1) - sched_begin;
+
+  // Stage Q (rows past `rows` zero) in K buffer 1 and start the first K/V tile into buffer 0.
+  bf16* const sq = sk + G::kTileElems;
+  const bf16* const qh = p.q + static_cast<int64_t>(h) * HD;
+  if (p.q_vec) {
+    tile_async<HD>(sq, qh, p.q_stride, row_base, p.rows, tid);
+  } else {
+    bf16* const dst[1] = {sq};
+    const bf16* const src[1] = {qh};
+    const bool sanitize[1] = {false};
+    tile_regs<HD>(dst, src, sanitize, p.q_stride, row_base, p.rows, tid, false);
+  }
+  if (n_tiles > 0) issue_kv_tile<HD>(sk, sv, p, kg, vg, __ldg(p.tiles + sched_begin), tid);
+  cp_async_commit();
+  cp_async_wait_all();
+  __syncthreads();
+
+  // Q A fragments of the warp's 16 rows: matrices (rows +0..7, dims +0..7), (+8..15, +0..7),
+  // (+0..7, +8..15), (+8..15, +8..15).
+  uint32_t qa[HD / 16][4];
+  {
+    const int q_row = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+    const int q_col = ((lane >> 4) & 1) * 8;
+#pragma unroll
+    for (int ks = 0; ks < HD / 16; ++ks) {
+      ldmatrix_x4(qa[ks], sq + q_row * G::kStride + ks * 16 + q_col);
+    }
+  }
+
+  // The thread's two rows and their span lists.
+  const int local_row = warp * 16 + lane / 4;  // and local_row + 8
+  int32_t cursor[2];
+  int32_t span_end[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int32_t r = row_base + local_row + 8 * i;
+    cursor[i] = r < p.rows ? __ldg(p.row_offsets + r) : 0;
+    span_end[i] = r < p.rows ? __ldg(p.row_offsets + r + 1) : 0;
+  }
+
+  float o[HD / 8][4];
+#pragma unroll
+  for (int d = 0; d < HD / 8; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.0f;
+  float m[2] = {-INFINITY, -INFINITY};
+  float l[2] = {0.0f, 0.0f};
+
+  int32_t entry = n_tiles > 0 ? __ldg(p.tiles + sched_begin) : 0;
+  for (int32_t j = 0; j < n_tiles; ++j) {
+    // Tile j is in buffer j & 1. The barrier publishes it and guarantees that every warp is done
+    // with tile j - 1 (and, for j = 0, with the Q staging), whose buffer the next load reuses.
+    cp_async_wait_all();
+    __syncthreads();
+    int32_t next = 0;
+    if (j + 1 < n_tiles) {
+      next = __ldg(p.tiles + sched_begin + j + 1);
+      const int buf = (j + 1) & 1;
+      issue_kv_tile<HD>(sk + buf * G::kTileElems, sv + buf * G::kTileElems, p, kg, vg, next, tid);
+    }
+    cp_async_commit();
+    const bf16* const tk = sk + (j & 1) * G::kTileElems;
+    const bf16* const tv = sv + (j & 1) * G::kTileElems;
+    if (entry & 1) {
+      const uint64_t no_mask[2] = {~0ull, ~0ull};
+      attend_tile<HD, true>(o, m, l, qa, tk, tv, lane, p.scale_log2, no_mask);
+    } else {
+      const int32_t first = (entry >> 1) * kKeys;
+      const uint64_t mask[2] = {span_mask(p.spans, cursor[0], span_end[0], first),
+                                span_mask(p.spans, cursor[1], span_end[1], first)};
+      attend_tile<HD, false>(o, m, l, qa, tk, tv, lane, p.scale_log2, mask);
+    }
+    entry = next;
+  }
+
+  // Normalise, stage the warp's 16 rows of O as bf16 in the K buffer the last tile did not use
+  // (for no tiles, buffer 0; for one tile, buffer 1 = the Q staging, whose rows each warp only
+  // read for itself), then store them with 16-byte writes.
+  bf16* const so = sk + (n_tiles & 1) * G::kTileElems;
+  const int tig = lane & 3;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    float sum = l[i];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    const int lr = local_row + 8 * i;
+#pragma unroll
+    for (int d = 0; d < HD / 8; ++d) {
+      *reinterpret_cast<uint32_t*>(so + lr * G::kStride + d * 8 + tig * 2) =
+          pack_bf16x2(o[d][2 * i] * inv, o[d][2 * i + 1] * inv);
+    }
+    const int32_t r = row_base + lr;
+    if (p.lse != nullptr && tig == 0 && r < p.rows) {
+      p.lse[static_cast<int64_t>(r) * p.heads + h] =
+          sum > 0.0f ? (m[i] + log2f(sum)) * kLn2 : -INFINITY;
+    }
+  }
+  __syncwarp();
+  bf16* const out_h = p.out + static_cast<int64_t>(h) * HD;
+#pragma unroll
+  for (int i = 0; i < 16 * G::kChunksPerRow / 32; ++i) {
+    const int c = lane + 32 * i;
+    const int lr = warp * 16 + c / G::kChunksPerRow;
+    const int col = (c % G::kChunksPerRow) * 8;
+    const int32_t r = row_base + lr;
+    if (r >= p.rows) continue;
+    const uint4 val = *reinterpret_cast<const uint4*>(so + lr * G::kStride + col);
+    bf16* const dst = out_h + static_cast<int64_t>(r) * p.out_stride + col;
+    if (p.out_vec) {
+      *reinterpret_cast<uint4*>(dst) = val;
+    } else {
+      auto* d = reinterpret_cast<unsigned short*>(dst);
+      const uint32_t w[4] = {val.x, val.y, val.z, val.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        d[2 * e] = static_cast<unsigned short>(w[e] & 0xffffu);
+        d[2 * e + 1] = static_cast<unsigned short>(w[e] >> 16);
+      }
+    }
+  }
+}
+
+bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
+
+// Raises the dynamic shared-memory limit of a kernel instantiation once per device (devices 0..63;
+// others every launch).
+template <int HD, typename KV>
+cudaError_t configure_once() {
+  static std::atomic<uint64_t> configured{0};
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  const uint64_t bit = device < 64 ? (1ull << device) : 0;
+  if (bit != 0 && (configured.load(std::memory_order_acquire) & bit) != 0) return cudaSuccess;
+  err = cudaFuncSetAttribute(attention_prefill_kernel<HD, KV>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(Geometry<HD>::kSmemBytes));
+  if (err != cudaSuccess) return err;
+  err = cudaFuncSetAttribute(attention_prefill_kernel<HD, KV>,
+                             cudaFuncAttributePreferredSharedMemoryCarveout,
+                             cudaSharedmemCarveoutMaxShared);
+  if (err != cudaSuccess) return err;
+  configured.fetch_or(bit, std::memory_order_release);
+  return cudaSuccess;
+}
+
+template <int HD, typename KV>
+cudaError_t launch_hd(const Params<KV>& p, cudaStream_t stream) {
+  const cudaError_t err = configure_once<HD, KV>();
+  if (err != cudaSuccess) return err;
+  const dim3 grid(static_cast<unsigned int>(p.row_tiles), static_cast<unsigned int>(p.heads));
+  attention_prefill_kernel<HD, KV><<<grid, kThreads, Geometry<HD>::kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename KV>
+cudaError_t launch(bf16* out, int64_t out_stride, float* lse, const bf16* q, int64_t q_stride,
+                   const KV* k, const KV* v, const AttentionRows& rows,
+                   const PrefillSchedule& schedule, int heads, int kv_heads, int head_dim,
+                   float scale, cudaStream_t stream) {
+  if (rows.rows < 0 || rows.num_keys < 0 || heads <= 0 || kv_heads <= 0 || heads > 65535 ||
+      heads % kv_heads != 0 || (head_dim != 64 && head_dim != 128)) {
+    return cudaErrorInvalidValue;
+  }
+  const int64_t width = static_cast<int64_t>(heads) * head_dim;
+  if (q_stride < width || out_stride < width) return cudaErrorInvalidValue;
+  if (rows.rows == 0) return cudaSuccess;
+  if (out == nullptr || q == nullptr || rows.row_offsets == nullptr ||
+      schedule.tile_offsets == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  if (rows.num_keys > 0 &&
+      (k == nullptr || v == nullptr || rows.spans == nullptr || schedule.tiles == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
+  Params<KV> p{};
+  p.out = out;
+  p.out_stride = out_stride;
+  p.lse = lse;
+  p.q = q;
+  p.q_stride = q_stride;
+  p.k = k;
+  p.v = v;
+  p.row_offsets = rows.row_offsets;
+  p.spans = rows.spans;
+  p.tile_offsets = schedule.tile_offsets;
+  p.tiles = schedule.tiles;
+  p.rows = rows.rows;
+  p.num_keys = rows.num_keys;
+  p.row_tiles = (rows.rows + kRows - 1) / kRows;
+  p.heads = heads;
+  p.group = heads / kv_heads;
+  p.kv_heads = kv_heads;
+  p.scale_log2 = scale * kLog2e;
+  p.q_vec = aligned16(q) && q_stride % 8 == 0;
+  p.out_vec = aligned16(out) && out_stride % 8 == 0;
+  p.kv_vec = aligned16(k) && aligned16(v);  // rows are head_dim (a multiple of 8) apart
+  // The one place head_dim becomes a compile-time constant.
+  switch (head_dim) {
+    case 64:
+      return launch_hd<64>(p, stream);
+    case 128:
+      return launch_hd<128>(p, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+
+cudaError_t attention_prefill(__nv_bfloat16* out, int64_t out_stride, float* lse,
+                              const __nv_bfloat16* q, int64_t q_stride, const float* k,
+                              const float* v, const AttentionRows& rows,
+                              const PrefillSchedule& schedule, int heads, int kv_heads,
+                              int head_dim, float scale, cudaStream_t stream) {
+  return launch(out, out_stride, lse, q, q_stride, k, v, rows, schedule, heads, kv_heads, head_dim,
+                scale, stream);
+}
+cudaError_t attention_prefill(__nv_bfloat16* out, int64_t out_stride, float* lse,
+                              const __nv_bfloat16* q, int64_t q_stride, const __nv_bfloat16* k,
+                              const __nv_bfloat16* v, const AttentionRows& rows,
+                              const PrefillSchedule& schedule, int heads, int kv_heads,
+                              int head_dim, float scale, cudaStream_t stream) {
+  return launch(out, out_stride, lse, q, q_stride, k, v, rows, schedule, heads, kv_heads, head_dim,
+                scale, stream);
+}
+
+}  // namespace keep::kernels

@@ -1,0 +1,55 @@
+// Matrix products of the CUDA backend through cuBLAS: y = x W^T with bf16 operands and fp32
+// accumulation, W in Hugging Face nn.Linear orientation (out, in) row-major.
+//
+// cuBLAS is column-major; a row-major (rows, out) y is the column-major (out, rows) matrix y^T =
+// W x^T, so every product here is cublasGemmEx(op(A) = T, op(B) = N, m = out, n = rows, k = in)
+// with A = W (lda = in), B = x (ldb = x_stride), C = y (ldc = y_stride).
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace keep::kernels {
+
+// An owned cuBLAS handle bound to one stream and one caller-owned workspace, so that no product
+// allocates (and a CUDA graph can capture them). Move-only.
+class BlasHandle {
+ public:
+  BlasHandle() = default;
+  ~BlasHandle();
+  BlasHandle(BlasHandle&& o) noexcept : h_(o.h_) { o.h_ = nullptr; }
+  BlasHandle& operator=(BlasHandle&& o) noexcept;
+  BlasHandle(const BlasHandle&) = delete;
+  BlasHandle& operator=(const BlasHandle&) = delete;
+
+  // Creates the handle; `workspace` (device, `bytes` >= 32 MiB recommended on Hopper) must outlive
+  // it. Tensor-op math with fp32 accumulation.
+  cublasStatus_t init(cudaStream_t stream, void* workspace, size_t bytes);
+  cublasHandle_t get() const { return h_; }
+
+ private:
+  cublasHandle_t h_ = nullptr;
+};
+
+const char* blas_status_name(cublasStatus_t s);
+
+// y (rows, y_stride) bf16 = x (rows, x_stride) bf16 · W^T, W (out, in) bf16; first `out` columns
+// of each y row written, `in` columns of each x row read. beta = 0.
+cublasStatus_t gemm_nt(cublasHandle_t h, __nv_bfloat16* y, int64_t y_stride, const __nv_bfloat16* x,
+                       int64_t x_stride, const __nv_bfloat16* w, int64_t rows, int64_t out,
+                       int64_t in);
+// The same with an fp32 y (logits).
+cublasStatus_t gemm_nt(cublasHandle_t h, float* y, int64_t y_stride, const __nv_bfloat16* x,
+                       int64_t x_stride, const __nv_bfloat16* w, int64_t rows, int64_t out,
+                       int64_t in);
+
+// y (rows, y_stride) fp32 = x (rows, x_stride) fp32 · W^T, W (out, in) fp32: plain fp32 products
+// (no TF32), for the logits when they are kept in full precision.
+cublasStatus_t gemm_nt_f32(cublasHandle_t h, float* y, int64_t y_stride, const float* x,
+                           int64_t x_stride, const float* w, int64_t rows, int64_t out, int64_t in);
+
+}  // namespace keep::kernels

@@ -1,0 +1,428 @@
+// attention_prefill (services/worker/kernels/attention_prefill.cu) against ref::attention on random
+// layouts: causal chunks after a past, recompute subsets, blocks after a prefix, rows with many
+// spans, rows with no key; GQA shapes of SmolLM2 (9/3, hd 64), Qwen2.5-7B (28/4, hd 128) and 40/8;
+// Q inside a fused QKV row; padded, odd and misaligned strides; KV fp32 and bf16. Outputs are
+// NaN-poisoned (every element the kernel must write is checked, the columns past heads * head_dim
+// must stay NaN) and the K/V of keys no row sees are NaN (the kernel must not let them leak). Also
+// times a 4096-row causal prefill (informational). A plain main: exit 0 when all pass.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
+#include <random>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include "services/worker/kernels/attention_schedule.h"
+#include "services/worker/kernels/bf16.h"
+#include "services/worker/kernels/kernels.h"
+#include "services/worker/kernels/reference.h"
+#include "tests/attention_test_layouts.h"
+#include "tests/gpu/gpu_test_util.h"
+
+namespace {
+
+using keep::kernels::AttentionRows;
+using keep::kernels::Bf16;
+using keep::kernels::KeyRange;
+namespace kk = keep::kernels;
+namespace ref = keep::kernels::ref;
+
+using keep::gputest::Buf;
+using keep::gputest::dtype_name;
+using keep::gputest::g_checks;
+using keep::gputest::g_failures;
+using keep::kernels::testing::blocks;
+using keep::kernels::testing::causal;
+using keep::kernels::testing::Layout;
+using keep::kernels::testing::random_spans;
+using keep::kernels::testing::recompute;
+using keep::kernels::testing::seen_keys;
+
+// ---- the test case ----
+struct Shape {
+  int heads;
+  int kv_heads;
+  int head_dim;
+};
+constexpr Shape kSmol{9, 3, 64};
+constexpr Shape kQwen7{28, 4, 128};
+constexpr Shape kWide{40, 8, 128};
+
+struct Options {
+  bool fused_q = true;       // q_stride = (heads + 2 * kv_heads) * head_dim, else heads * hd
+  int64_t out_extra = 8;     // out_stride = heads * head_dim + out_extra
+  bool misalign = false;     // q, out, k, v at an odd element offset (the kernel's scalar paths)
+  float q_amplitude = 1.0f;  // q uniform in [-a, a] (larger: peakier softmax)
+  bool with_lse = true;
+};
+
+// Runs ref::attention over rows split across threads (each slice of rows is an AttentionRows of
+// its own: row_offsets shifted, spans shared).
+template <typename KV>
+void reference_parallel(std::vector<Bf16>& out, int64_t out_stride, std::vector<float>& lse,
+                        const std::vector<Bf16>& q, int64_t q_stride, const std::vector<KV>& k,
+                        const std::vector<KV>& v, const Layout& lay, const Shape& sh, float scale) {
+  const int32_t rows = lay.rows();
+  const int threads =
+      static_cast<int>(std::clamp<unsigned>(std::thread::hardware_concurrency(), 1, 32));
+  const int32_t per = (rows + threads - 1) / threads;
+  std::vector<std::thread> pool;
+  for (int32_t r0 = 0; r0 < rows; r0 += per) {
+    const int32_t n = std::min(per, rows - r0);
+    pool.emplace_back([&, r0, n] {
+      const AttentionRows sub{lay.offsets.data() + r0, lay.spans.data(), n, lay.num_keys};
+      ref::attention<KV>(out.data() + r0 * out_stride, out_stride,
+                         lse.empty() ? nullptr : lse.data() + static_cast<int64_t>(r0) * sh.heads,
+                         q.data() + r0 * q_stride, q_stride, k.data(), v.data(), sub, sh.heads,
+                         sh.kv_heads, sh.head_dim, scale);
+    });
+  }
+  for (auto& t : pool) t.join();
+}
+
+struct Compare {
+  int64_t bad = 0;
+  int64_t count = 0;
+  double diff2 = 0.0;
+  double ref2 = 0.0;
+};
+
+template <typename KV>
+void run_case(const std::string& name, std::mt19937& rng, const Layout& lay, const Shape& sh,
+              const Options& opt) {
+  const int32_t rows = lay.rows();
+  const int64_t width = static_cast<int64_t>(sh.heads) * sh.head_dim;
+  const int64_t q_stride =
+      opt.fused_q ? static_cast<int64_t>(sh.heads + 2 * sh.kv_heads) * sh.head_dim : width;
+  const int64_t out_stride = width + opt.out_extra;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(sh.head_dim));
+  const size_t shift = opt.misalign ? 1 : 0;
+
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+  std::vector<Bf16> q(static_cast<size_t>(rows) * q_stride);
+  for (auto& x : q) x = kk::float_to_bf16(opt.q_amplitude * unit(rng));
+  const size_t kv_elems = static_cast<size_t>(lay.num_keys) * sh.kv_heads * sh.head_dim;
+  std::vector<KV> k(kv_elems), v(kv_elems);
+  for (auto& x : k) x = kk::from_float<KV>(unit(rng));
+  for (auto& x : v) x = kk::from_float<KV>(unit(rng));
+  // Keys nobody sees hold NaN: slots of a view never written.
+  const auto seen = seen_keys(lay);
+  const size_t per_key = static_cast<size_t>(sh.kv_heads) * sh.head_dim;
+  const KV nan = kk::from_float<KV>(std::numeric_limits<float>::quiet_NaN());
+  for (int32_t t = 0; t < lay.num_keys; ++t) {
+    if (seen[t]) continue;
+    std::fill(k.begin() + t * per_key, k.begin() + (t + 1) * per_key, nan);
+    std::fill(v.begin() + t * per_key, v.begin() + (t + 1) * per_key, nan);
+  }
+
+  const Bf16 bnan = kk::float_to_bf16(std::numeric_limits<float>::quiet_NaN());
+  std::vector<Bf16> want(static_cast<size_t>(rows) * out_stride, bnan);
+  std::vector<float> want_lse(opt.with_lse ? static_cast<size_t>(rows) * sh.heads : 0,
+                              std::numeric_limits<float>::quiet_NaN());
+  reference_parallel<KV>(want, out_stride, want_lse, q, q_stride, k, v, lay, sh, scale);
+
+  const auto sched = kk::build_prefill_schedule(lay.view());
+  Buf<int32_t> d_offsets(lay.offsets), d_tile_offsets(sched.tile_offsets), d_tiles(sched.tiles);
+  Buf<KeyRange> d_spans(lay.spans);
+  Buf<Bf16> d_q(q, shift), d_out(std::vector<Bf16>(want.size(), bnan), shift);
+  Buf<KV> d_k(k, shift), d_v(v, shift);
+  Buf<float> d_lse(std::vector<float>(want_lse.size(), std::numeric_limits<float>::quiet_NaN()));
+  const AttentionRows d_rows{d_offsets.dev(), d_spans.dev(), rows, lay.num_keys};
+  const kk::PrefillSchedule d_sched{d_tile_offsets.dev(), d_tiles.dev()};
+  CUDA_OK(kk::attention_prefill(d_out.dev(), out_stride, opt.with_lse ? d_lse.dev() : nullptr,
+                                d_q.dev(), q_stride, d_k.dev(), d_v.dev(), d_rows, d_sched,
+                                sh.heads, sh.kv_heads, sh.head_dim, scale, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  const auto got = d_out.host();
+  const auto got_lse = d_lse.host();
+
+  const std::string what = name + " rows=" + std::to_string(rows) +
+                           " keys=" + std::to_string(lay.num_keys) + " " +
+                           std::to_string(sh.heads) + "/" + std::to_string(sh.kv_heads) + " hd" +
+                           std::to_string(sh.head_dim) + " kv " + dtype_name<KV>();
+  // out: every element of the heads' columns within tolerance; the padding columns untouched.
+  Compare c;
+  int64_t untouched_bad = 0;
+  for (int32_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < out_stride; ++i) {
+      const float g = kk::bf16_to_float(got[r * out_stride + i]);
+      const float w = kk::bf16_to_float(want[r * out_stride + i]);
+      if (i >= width) {
+        if (!std::isnan(g)) ++untouched_bad;
+        continue;
+      }
+      ++c.count;
+      const bool ok = !std::isnan(g) && std::fabs(g - w) <= 2e-2f + 2e-2f * std::fabs(w);
+      if (!ok) {
+        if (c.bad < 3) {
+          std::fprintf(stderr, "FAIL %s out[%d, %lld]: got %.6g want %.6g\n", what.c_str(), r,
+                       static_cast<long long>(i), g, w);
+        }
+        ++c.bad;
+      }
+      c.diff2 += (static_cast<double>(g) - w) * (static_cast<double>(g) - w);
+      c.ref2 += static_cast<double>(w) * w;
+    }
+  }
+  ++g_checks;
+  if (c.bad > 0) {
+    ++g_failures;
+    std::fprintf(stderr, "FAIL %s: %lld of %lld outputs off\n", what.c_str(),
+                 static_cast<long long>(c.bad), static_cast<long long>(c.count));
+  }
+  ++g_checks;
+  const double rel = keep::gputest::relative_norm(c.diff2, c.ref2);
+  if (!(rel < 1e-2)) {
+    ++g_failures;
+    std::fprintf(stderr, "FAIL %s: relative norm %.3g\n", what.c_str(), rel);
+  }
+  ++g_checks;
+  if (untouched_bad > 0) {
+    ++g_failures;
+    std::fprintf(stderr, "FAIL %s: %lld padding columns written\n", what.c_str(),
+                 static_cast<long long>(untouched_bad));
+  }
+  // lse: natural log, -inf for rows with no key. With fp32 K the kernel rounds K to bf16 for the
+  // tensor cores: scores move by ~4e-4 * q_amplitude (std, U(-1,1) inputs), so a row with one key
+  // moves its lse as much; 1e-3 holds for bf16 storage only.
+  if (opt.with_lse) {
+    const double tol =
+        std::is_same_v<KV, float> ? 1e-3 + 4e-3 * static_cast<double>(opt.q_amplitude) : 1e-3;
+    int64_t bad = 0;
+    for (size_t i = 0; i < want_lse.size(); ++i) {
+      const float g = got_lse[i];
+      const float w = want_lse[i];
+      const bool ok = std::isinf(w) ? (std::isinf(g) && g < 0)
+                                    : (std::fabs(g - w) <= tol * std::max(1.0f, std::fabs(w)));
+      if (!ok) {
+        if (bad < 3) {
+          std::fprintf(stderr, "FAIL %s lse[%zu]: got %.8g want %.8g\n", what.c_str(), i, g, w);
+        }
+        ++bad;
+      }
+    }
+    ++g_checks;
+    if (bad > 0) {
+      ++g_failures;
+      std::fprintf(stderr, "FAIL %s: %lld of %zu lse off\n", what.c_str(),
+                   static_cast<long long>(bad), want_lse.size());
+    }
+  }
+  std::printf("  %-70s rel %.2e  tiles %lld\n", what.c_str(), rel,
+              static_cast<long long>(sched.visited_pairs));
+}
+
+// Times a large call (median of 20) and checks a sample of its rows against the reference.
+template <typename KV>
+void bench(std::mt19937& rng, const Layout& lay, const Shape& sh) {
+  const int32_t rows = lay.rows();
+  const int64_t width = static_cast<int64_t>(sh.heads) * sh.head_dim;
+  const int64_t q_stride = static_cast<int64_t>(sh.heads + 2 * sh.kv_heads) * sh.head_dim;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(sh.head_dim));
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+  std::vector<Bf16> q(static_cast<size_t>(rows) * q_stride);
+  for (auto& x : q) x = kk::float_to_bf16(unit(rng));
+  const size_t kv_elems = static_cast<size_t>(lay.num_keys) * sh.kv_heads * sh.head_dim;
+  std::vector<KV> k(kv_elems), v(kv_elems);
+  for (auto& x : k) x = kk::from_float<KV>(unit(rng));
+  for (auto& x : v) x = kk::from_float<KV>(unit(rng));
+  const auto sched = kk::build_prefill_schedule(lay.view());
+  Buf<int32_t> d_offsets(lay.offsets), d_tile_offsets(sched.tile_offsets), d_tiles(sched.tiles);
+  Buf<KeyRange> d_spans(lay.spans);
+  Buf<Bf16> d_q(q), d_out(std::vector<Bf16>(static_cast<size_t>(rows) * width));
+  Buf<KV> d_k(k), d_v(v);
+  Buf<float> d_lse(std::vector<float>(static_cast<size_t>(rows) * sh.heads));
+  const AttentionRows d_rows{d_offsets.dev(), d_spans.dev(), rows, lay.num_keys};
+  const kk::PrefillSchedule d_sched{d_tile_offsets.dev(), d_tiles.dev()};
+  auto call = [&] {
+    return kk::attention_prefill(d_out.dev(), width, d_lse.dev(), d_q.dev(), q_stride, d_k.dev(),
+                                 d_v.dev(), d_rows, d_sched, sh.heads, sh.kv_heads, sh.head_dim,
+                                 scale, nullptr);
+  };
+  for (int i = 0; i < 3; ++i) CUDA_OK(call());
+  CUDA_OK(cudaDeviceSynchronize());
+  cudaEvent_t start, stop;
+  CUDA_OK(cudaEventCreate(&start));
+  CUDA_OK(cudaEventCreate(&stop));
+  std::vector<float> ms;
+  for (int i = 0; i < 20; ++i) {
+    CUDA_OK(cudaEventRecord(start));
+    CUDA_OK(call());
+    CUDA_OK(cudaEventRecord(stop));
+    CUDA_OK(cudaEventSynchronize(stop));
+    float t = 0;
+    CUDA_OK(cudaEventElapsedTime(&t, start, stop));
+    ms.push_back(t);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(ms.begin(), ms.end());
+  const double median = ms[ms.size() / 2];
+  const double flops = 4.0 * static_cast<double>(lay.visible()) * sh.head_dim * sh.heads;
+  std::printf(
+      "  timing: %d rows causal, %d/%d hd%d kv %s: %.3f ms median of 20 (min %.3f), "
+      "%.1f TFLOP/s\n",
+      rows, sh.heads, sh.kv_heads, sh.head_dim, dtype_name<KV>(), median, ms.front(),
+      flops / (median * 1e-3) / 1e12);
+
+  // A sample of rows against the reference: a sub-layout of those rows with their Q.
+  const auto got = d_out.host();
+  const auto got_lse = d_lse.host();
+  std::vector<int32_t> pick;
+  for (int32_t r = 0; r < rows; r += 97) pick.push_back(r);
+  pick.push_back(rows - 1);
+  Layout sub;
+  sub.num_keys = lay.num_keys;
+  std::vector<Bf16> sub_q;
+  for (int32_t r : pick) {
+    sub.add_row(std::vector<KeyRange>(lay.spans.begin() + lay.offsets[r],
+                                      lay.spans.begin() + lay.offsets[r + 1]));
+    sub_q.insert(sub_q.end(), q.begin() + r * q_stride, q.begin() + (r + 1) * q_stride);
+  }
+  std::vector<Bf16> want(pick.size() * width);
+  std::vector<float> want_lse(pick.size() * sh.heads);
+  reference_parallel<KV>(want, width, want_lse, sub_q, q_stride, k, v, sub, sh, scale);
+  int64_t bad = 0;
+  for (size_t i = 0; i < pick.size(); ++i) {
+    for (int64_t c = 0; c < width; ++c) {
+      const float g = kk::bf16_to_float(got[pick[i] * width + c]);
+      const float w = kk::bf16_to_float(want[i * width + c]);
+      if (std::isnan(g) || std::fabs(g - w) > 2e-2f + 2e-2f * std::fabs(w)) ++bad;
+    }
+    const double tol = std::is_same_v<KV, float> ? 5e-3 : 1e-3;
+    for (int h = 0; h < sh.heads; ++h) {
+      const float g = got_lse[pick[i] * sh.heads + h];
+      const float w = want_lse[i * sh.heads + h];
+      if (!(std::fabs(g - w) <= tol * std::max(1.0f, std::fabs(w)))) ++bad;
+    }
+  }
+  ++g_checks;
+  if (bad > 0) {
+    ++g_failures;
+    std::fprintf(stderr, "FAIL timing case %d rows %d/%d hd%d kv %s: %lld sampled values off\n",
+                 rows, sh.heads, sh.kv_heads, sh.head_dim, dtype_name<KV>(),
+                 static_cast<long long>(bad));
+  }
+}
+
+template <typename KV>
+void run_all(std::mt19937& rng) {
+  std::printf("KV %s\n", dtype_name<KV>());
+  const Shape shapes[] = {kSmol, kQwen7, kWide};
+  // Causal chunks, with and without a past (rows then start mid-view, not on a tile boundary).
+  int si = 0;
+  for (int32_t n : {1, 3, 7, 19, 64, 65, 733}) {
+    for (int32_t past : {0, 37}) {
+      const Shape& sh = n == 733 ? (past == 0 ? kQwen7 : kSmol) : shapes[si++ % 3];
+      run_case<KV>("causal past=" + std::to_string(past), rng, causal(n, past), sh, Options{});
+    }
+  }
+  run_case<KV>("causal past=128", rng, causal(200, 128), kWide, Options{});
+  {
+    Options o;
+    o.q_amplitude = 8.0f;  // peaky softmax: the running max moves by a lot
+    run_case<KV>("causal peaky", rng, causal(300, 20), kQwen7, o);
+  }
+  // Recompute subsets.
+  run_case<KV>("recompute", rng, recompute(rng, 300, 0.4, true), kSmol, Options{});
+  run_case<KV>("recompute", rng, recompute(rng, 1000, 0.15, true), kQwen7, Options{});
+  run_case<KV>("recompute sparse", rng, recompute(rng, 700, 0.03, true), kWide, Options{});
+  // Blocks after a prefix (adjacent spans when a block starts at the prefix; gaps unseen = NaN).
+  run_case<KV>("blocks", rng, blocks(50, {{50, 120}, {120, 300}, {300, 301}, {301, 420}}), kSmol,
+               Options{});
+  run_case<KV>("blocks gaps", rng, blocks(64, {{100, 228}, {300, 301}, {320, 512}}), kQwen7,
+               Options{});
+  run_case<KV>("blocks no prefix", rng, blocks(0, {{0, 90}, {90, 91}, {91, 200}}), kWide,
+               Options{});
+  // Many spans per row, rows with none.
+  run_case<KV>("random spans", rng, random_spans(rng, 150, 500, 8, false), kSmol, Options{});
+  run_case<KV>("random spans", rng, random_spans(rng, 97, 1300, 20, false), kQwen7, Options{});
+  run_case<KV>("random spans few keys", rng, random_spans(rng, 70, 9, 3, false), kWide, Options{});
+  {
+    Layout l;  // zero-key rows among others, and a whole row tile of them
+    l.num_keys = 40;
+    l.add_row({});
+    l.add_row({{0, 5}});
+    l.add_row({});
+    l.add_row({{3, 4}, {10, 40}});
+    for (int i = 0; i < 130; ++i) l.add_row({});
+    l.add_row({{39, 40}});
+    run_case<KV>("zero-key rows", rng, l, kSmol, Options{});
+    Layout none;  // no keys at all
+    for (int i = 0; i < 5; ++i) none.add_row({});
+    run_case<KV>("no keys", rng, none, kQwen7, Options{});
+  }
+  // Strides: plain Q, odd out stride (scalar stores), everything misaligned (scalar loads), no
+  // lse.
+  {
+    Options o;
+    o.fused_q = false;
+    o.out_extra = 0;
+    run_case<KV>("packed strides", rng, causal(130, 5), kQwen7, o);
+    o.out_extra = 3;
+    run_case<KV>("odd out stride", rng, causal(77, 3), kSmol, o);
+    o.fused_q = true;
+    o.misalign = true;
+    run_case<KV>("misaligned", rng, blocks(30, {{40, 100}, {100, 190}}), kQwen7, o);
+    run_case<KV>("misaligned", rng, random_spans(rng, 66, 300, 4, false), kSmol, o);
+    Options n;
+    n.with_lse = false;
+    run_case<KV>("no lse", rng, causal(70, 0), kWide, n);
+  }
+  if (!keep::gputest::quick()) {  // KEEP_GPU_TEST_QUICK: set under compute-sanitizer
+    bench<KV>(rng, causal(4096, 0), kQwen7);
+    bench<KV>(rng, causal(1024, 0), kQwen7);
+    bench<KV>(rng, causal(4096, 0), kSmol);
+  }
+}
+
+void test_invalid_arguments() {
+  ++g_checks;
+  // Fake device pointers, never dereferenced: each call below must refuse (or, for no rows, do
+  // nothing) before launching.
+  auto* fake = reinterpret_cast<__nv_bfloat16*>(uintptr_t{256});
+  const auto* ints = reinterpret_cast<const int32_t*>(uintptr_t{256});
+  const AttentionRows rows{ints, reinterpret_cast<const KeyRange*>(ints), 3, 10};
+  const kk::PrefillSchedule sched{ints, ints};
+  auto call = [&](__nv_bfloat16* out, int64_t out_stride, const AttentionRows& r, int heads,
+                  int kv_heads, int head_dim, const __nv_bfloat16* k) {
+    return kk::attention_prefill(out, out_stride, nullptr, fake, 512, k, fake, r, sched, heads,
+                                 kv_heads, head_dim, 0.1f, nullptr);
+  };
+  AttentionRows empty = rows;
+  empty.rows = 0;
+  AttentionRows negative = rows;
+  negative.num_keys = -1;
+  const bool ok = call(fake, 512, rows, 4, 2, 96, fake) == cudaErrorInvalidValue &&    // head_dim
+                  call(fake, 512, rows, 4, 3, 128, fake) == cudaErrorInvalidValue &&   // 4 % 3
+                  call(fake, 511, rows, 4, 2, 128, fake) == cudaErrorInvalidValue &&   // out stride
+                  call(fake, 1024, rows, 8, 2, 128, fake) == cudaErrorInvalidValue &&  // q stride
+                  call(nullptr, 512, rows, 4, 2, 128, fake) == cudaErrorInvalidValue &&
+                  call(fake, 512, rows, 4, 2, 128, nullptr) == cudaErrorInvalidValue &&
+                  call(fake, 512, negative, 4, 2, 128, fake) == cudaErrorInvalidValue &&
+                  call(nullptr, 512, empty, 4, 2, 128, nullptr) == cudaSuccess;
+  if (!ok) {
+    ++g_failures;
+    std::fprintf(stderr, "FAIL launcher argument checks\n");
+  }
+}
+
+}  // namespace
+
+int main() {
+  if (!keep::gputest::print_device()) return 2;
+  std::mt19937 rng(4321);
+  test_invalid_arguments();
+  run_all<Bf16>(rng);
+  run_all<float>(rng);
+  std::printf("test_attention: %d checks, %d failures\n", g_checks, g_failures);
+  return g_failures == 0 ? 0 : 1;
+}

@@ -1,0 +1,581 @@
+// attention_decode (split-key decode attention, services/worker/kernels/attention_decode.cu)
+// against ref::attention, and attention_pool (attention_pool.cu) against ref::attention_pool, on
+// random layouts: causal (the last rows of a prompt), recompute-like (rows at random slots, each
+// causal), two spans (a prefix and the row's own block), many short spans, rows with no key; GQA
+// shapes 9/3 hd64 (SmolLM2), 28/4 hd128 (Qwen2.5-7B), 40/8 hd128, and a few others for the
+// remaining head_dim / group-size code paths; KV fp32 and bf16; odd q/out strides. Outputs and the
+// decode workspace are NaN-poisoned (every element the kernel must write is checked, the columns
+// past heads * head_dim must stay NaN), and the K/V of keys no row sees are NaN (they must not
+// leak). Decode must be bitwise deterministic. Prints decode timings (informational). A plain main:
+// exit 0 when all pass.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include "services/worker/kernels/bf16.h"
+#include "services/worker/kernels/kernels.h"
+#include "services/worker/kernels/reference.h"
+#include "tests/attention_test_layouts.h"
+#include "tests/gpu/gpu_test_util.h"
+
+namespace {
+
+using keep::kernels::AttentionRows;
+using keep::kernels::Bf16;
+using keep::kernels::KeyRange;
+namespace kk = keep::kernels;
+namespace ref = keep::kernels::ref;
+
+using keep::gputest::Buf;
+using keep::gputest::dtype_name;
+using keep::gputest::fail;
+using keep::gputest::g_checks;
+using keep::gputest::g_failures;
+using keep::gputest::quick;
+using keep::gputest::random_vec;
+using keep::kernels::testing::Layout;
+
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+enum Kind { kCausal, kRecompute, kTwoSpan, kManySpan, kKinds };
+const char* kind_name(int k) {
+  static const char* names[] = {"causal", "recompute", "two-span", "many-span"};
+  return names[k];
+}
+
+// rows over num_keys (>= 1) keys. kCausal: row r sees [0, num_keys - rows + 1 + r) (at least one
+// key). kRecompute: row at a random slot s sees [0, s]. kTwoSpan: [0, P) and the row's own block
+// [b, e) after a gap. kManySpan: spans of 1-8 keys with gaps of 1-8. With empty_row, row rows / 2
+// sees nothing.
+Layout make_layout(std::mt19937& rng, int kind, int rows, int32_t num_keys, bool empty_row) {
+  Layout l;
+  l.num_keys = num_keys;
+  std::uniform_int_distribution<int32_t> slot(0, num_keys - 1);
+  std::uniform_int_distribution<int32_t> small(1, 8);
+  for (int r = 0; r < rows; ++r) {
+    if (empty_row && r == rows / 2) {
+      l.add_row({});
+      continue;
+    }
+    switch (kind) {
+      case kCausal:
+        l.add_row({{0, std::max<int32_t>(1, std::min(num_keys, num_keys - rows + 1 + r))}});
+        break;
+      case kRecompute:
+        l.add_row({{0, slot(rng) + 1}});
+        break;
+      case kTwoSpan: {
+        if (num_keys < 3) {
+          l.add_row({{0, num_keys}});
+          break;
+        }
+        const int32_t p = std::max(1, num_keys / 3);
+        const int32_t b = std::uniform_int_distribution<int32_t>(p + 1, num_keys - 1)(rng);
+        const int32_t e = std::uniform_int_distribution<int32_t>(b + 1, num_keys)(rng);
+        l.add_row({{0, p}, {b, e}});
+        break;
+      }
+      default: {
+        std::vector<KeyRange> row;
+        int32_t t = small(rng) - 1;
+        while (t < num_keys) {
+          const int32_t e = std::min(num_keys, t + small(rng));
+          row.push_back({t, e});
+          t = e + small(rng);
+        }
+        if (row.empty()) row.push_back({0, 1});
+        l.add_row(row);
+        break;
+      }
+    }
+  }
+  return l;
+}
+
+// Keys no row sees get NaN K and V.
+template <typename KV>
+void poison_unseen(const Layout& l, int kv_heads, int head_dim, std::vector<KV>* k,
+                   std::vector<KV>* v) {
+  const std::vector<bool> seen = keep::kernels::testing::seen_keys(l);
+  const size_t per_key = static_cast<size_t>(kv_heads) * head_dim;
+  for (int32_t t = 0; t < l.num_keys; ++t) {
+    if (seen[t]) continue;
+    for (size_t i = 0; i < per_key; ++i) {
+      (*k)[t * per_key + i] = kk::from_float<KV>(kNaN);
+      if (v != nullptr) (*v)[t * per_key + i] = kk::from_float<KV>(kNaN);
+    }
+  }
+}
+
+// Runs f(r0, r1) over slices of [0, rows) on several threads.
+template <typename F>
+void parallel_rows(int rows, F f) {
+  const int threads =
+      std::max(1, std::min<int>(rows, static_cast<int>(std::thread::hardware_concurrency())));
+  std::vector<std::thread> pool;
+  for (int i = 0; i < threads; ++i) {
+    const int r0 = static_cast<int>(static_cast<int64_t>(rows) * i / threads);
+    const int r1 = static_cast<int>(static_cast<int64_t>(rows) * (i + 1) / threads);
+    if (r0 < r1) pool.emplace_back(f, r0, r1);
+  }
+  for (auto& t : pool) t.join();
+}
+
+AttentionRows slice(const AttentionRows& a, int r0, int r1) {
+  AttentionRows s = a;
+  s.row_offsets = a.row_offsets + r0;  // offsets are absolute indices into the shared spans
+  s.rows = r1 - r0;
+  return s;
+}
+
+template <typename KV>
+void ref_attention(std::vector<Bf16>* out, int64_t out_stride, std::vector<float>* lse,
+                   const std::vector<Bf16>& q, int64_t q_stride, const std::vector<KV>& k,
+                   const std::vector<KV>& v, const Layout& l, int heads, int kv_heads, int head_dim,
+                   float scale) {
+  const AttentionRows rows = l.view();
+  parallel_rows(l.rows(), [&](int r0, int r1) {
+    ref::attention<KV>(out->data() + r0 * out_stride, out_stride,
+                       lse != nullptr ? lse->data() + static_cast<int64_t>(r0) * heads : nullptr,
+                       q.data() + r0 * q_stride, q_stride, k.data(), v.data(), slice(rows, r0, r1),
+                       heads, kv_heads, head_dim, scale);
+  });
+}
+
+// ---- checks ----
+// out (rows, out_stride) bf16: columns < width within 2e-2 + 2e-2 |want| and relative norm < 1e-2;
+// columns >= width still NaN.
+void check_out(const std::string& what, const std::vector<Bf16>& got, const std::vector<Bf16>& want,
+               int rows, int64_t out_stride, int64_t width) {
+  ++g_checks;
+  int bad = 0;
+  int pad_bad = 0;
+  double diff2 = 0.0;
+  double want2 = 0.0;
+  for (int r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < out_stride; ++c) {
+      const size_t i = static_cast<size_t>(r) * out_stride + c;
+      const float g = kk::bf16_to_float(got[i]);
+      if (c >= width) {
+        if (!std::isnan(g)) ++pad_bad;
+        continue;
+      }
+      const float w = kk::bf16_to_float(want[i]);
+      const bool off = std::isnan(g) || !(std::fabs(g - w) <= 2e-2f + 2e-2f * std::fabs(w));
+      if (off) {
+        if (bad < 3) {
+          std::fprintf(stderr, "FAIL %s out row %d col %lld: got %.6g want %.6g\n", what.c_str(), r,
+                       static_cast<long long>(c), g, w);
+        }
+        ++bad;
+      }
+      if (!std::isnan(g)) diff2 += static_cast<double>(g - w) * (g - w);
+      want2 += static_cast<double>(w) * w;
+    }
+  }
+  char buf[200];
+  if (bad > 0) {
+    std::snprintf(buf, sizeof buf, "%d out elements off", bad);
+    fail(what, buf);
+  }
+  if (pad_bad > 0) {
+    std::snprintf(buf, sizeof buf, "%d padding elements written", pad_bad);
+    fail(what, buf);
+  }
+  const double rel = keep::gputest::relative_norm(diff2, want2);
+  if (!(rel < 1e-2)) {
+    std::snprintf(buf, sizeof buf, "out relative norm error %.3g", rel);
+    fail(what, buf);
+  }
+}
+
+// lse within 1e-3 * max(1, |want|); -inf exactly where want is -inf.
+void check_lse(const std::string& what, const std::vector<float>& got,
+               const std::vector<float>& want) {
+  ++g_checks;
+  int bad = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const float g = got[i];
+    const float w = want[i];
+    bool off;
+    if (std::isinf(w)) {
+      off = !(g == w);
+    } else {
+      off = std::isnan(g) || !(std::fabs(g - w) <= 1e-3f * std::max(1.0f, std::fabs(w)));
+    }
+    if (off) {
+      if (bad < 3) {
+        std::fprintf(stderr, "FAIL %s lse %zu: got %.8g want %.8g\n", what.c_str(), i, g, w);
+      }
+      ++bad;
+    }
+  }
+  if (bad > 0) {
+    char buf[100];
+    std::snprintf(buf, sizeof buf, "%d lse elements off", bad);
+    fail(what, buf);
+  }
+}
+
+// ---- attention_decode ----
+struct Shape {
+  int heads;
+  int kv_heads;
+  int head_dim;
+};
+constexpr Shape kSmol{9, 3, 64};
+constexpr Shape kQwen7{28, 4, 128};
+constexpr Shape kWide{40, 8, 128};
+
+template <typename KV>
+void test_decode(std::mt19937& rng, const Layout& l, Shape sh, const char* label,
+                 bool with_lse = true, size_t kv_shift = 0) {
+  const int rows = l.rows();
+  const int32_t n = l.num_keys;
+  const int64_t width = static_cast<int64_t>(sh.heads) * sh.head_dim;
+  const int64_t q_stride = width + 3;    // odd: scalar q loads
+  const int64_t out_stride = width + 5;  // odd
+  const float scale = 1.0f / std::sqrt(static_cast<float>(sh.head_dim));
+  const auto q = random_vec<Bf16>(rng, static_cast<size_t>(rows * q_stride), -2.0f, 2.0f);
+  const size_t kv_elems = static_cast<size_t>(n) * sh.kv_heads * sh.head_dim;
+  auto k = random_vec<KV>(rng, kv_elems, -2.0f, 2.0f);
+  auto v = random_vec<KV>(rng, kv_elems, -1.0f, 1.0f);
+  poison_unseen(l, sh.kv_heads, sh.head_dim, &k, &v);
+
+  std::vector<Bf16> want(static_cast<size_t>(rows * out_stride), kk::float_to_bf16(kNaN));
+  std::vector<float> want_lse(static_cast<size_t>(rows) * sh.heads, kNaN);
+  ref_attention(&want, out_stride, &want_lse, q, q_stride, k, v, l, sh.heads, sh.kv_heads,
+                sh.head_dim, scale);
+
+  const size_t ws_floats = kk::attention_decode_workspace_floats(rows, sh.heads, sh.head_dim, n);
+  Buf<float> d_ws(std::vector<float>(ws_floats, kNaN));
+  Buf<Bf16> d_q(q);
+  Buf<KV> d_k(k, kv_shift);
+  Buf<KV> d_v(v, kv_shift);
+  Buf<int32_t> d_off(l.offsets);
+  Buf<KeyRange> d_spans(l.spans);
+  AttentionRows dr{d_off.dev(), d_spans.dev(), rows, n};
+
+  std::vector<Bf16> got[2];
+  std::vector<float> got_lse[2];
+  for (int run = 0; run < 2; ++run) {
+    Buf<Bf16> d_out(std::vector<Bf16>(want.size(), kk::float_to_bf16(kNaN)));
+    Buf<float> d_lse(std::vector<float>(want_lse.size(), kNaN));
+    CUDA_OK(kk::attention_decode(d_out.dev(), out_stride, with_lse ? d_lse.dev() : nullptr,
+                                 d_q.dev(), q_stride, d_k.dev(), d_v.dev(), dr, sh.heads,
+                                 sh.kv_heads, sh.head_dim, scale, d_ws.dev(), ws_floats, nullptr));
+    CUDA_OK(cudaDeviceSynchronize());
+    got[run] = d_out.host();
+    got_lse[run] = d_lse.host();
+  }
+  char name[200];
+  std::snprintf(name, sizeof name, "decode %s rows=%d keys=%d %d/%d hd%d %s%s%s", label, rows, n,
+                sh.heads, sh.kv_heads, sh.head_dim, dtype_name<KV>(), with_lse ? "" : " no-lse",
+                kv_shift > 0 ? " misaligned" : "");
+  const std::string what = name;
+  check_out(what, got[0], want, rows, out_stride, width);
+  if (with_lse) check_lse(what, got_lse[0], want_lse);
+  ++g_checks;
+  if (std::memcmp(got[0].data(), got[1].data(), got[0].size() * sizeof(Bf16)) != 0 ||
+      std::memcmp(got_lse[0].data(), got_lse[1].data(), got_lse[0].size() * sizeof(float)) != 0) {
+    fail(what, "two runs differ (not deterministic)");
+  }
+}
+
+template <typename KV>
+void test_decode_case(std::mt19937& rng, int kind, int rows, int32_t n, Shape sh) {
+  const bool empty_row = rows >= 2 && (kind == kTwoSpan || kind == kManySpan);
+  const Layout l = make_layout(rng, kind, rows, n, empty_row);
+  std::printf("  decode %-9s rows=%-3d keys=%-5d %d/%d hd%d %s\n", kind_name(kind), rows, n,
+              sh.heads, sh.kv_heads, sh.head_dim, dtype_name<KV>());
+  test_decode<KV>(rng, l, sh, kind_name(kind));
+}
+
+template <typename KV>
+void run_decode(std::mt19937& rng) {
+  const int row_counts[] = {1, 2, 3, 7, 16, 19};
+  const int32_t key_counts[] = {1, 7, 255, 256, 257, 1000, 4099, 32768};
+  const Shape shapes[] = {kSmol, kQwen7, kWide};
+  int counter = 0;
+  for (const Shape& sh : shapes) {
+    if (quick() && &sh != &shapes[0]) continue;
+    for (int32_t n : key_counts) {
+      if (quick() && n > 1000) continue;
+      for (int rows : row_counts) test_decode_case<KV>(rng, counter++ % kKinds, rows, n, sh);
+    }
+  }
+  // The other instantiations: head_dim 32 / 96 / 256, groups of 1, 8 and 16 (two head packs).
+  test_decode_case<KV>(rng, kManySpan, 3, 1000, Shape{4, 4, 32});
+  test_decode_case<KV>(rng, kCausal, 2, 4099, Shape{12, 4, 96});
+  test_decode_case<KV>(rng, kTwoSpan, 7, 1000, Shape{16, 2, 256});
+  test_decode_case<KV>(rng, kRecompute, 5, 257, Shape{64, 4, 128});
+  if (!quick()) test_decode_case<KV>(rng, kCausal, 1, 32768, Shape{8, 1, 160});
+  test_decode_case<KV>(rng, kManySpan, 2, 4099, Shape{14, 2, 64});
+  test_decode_case<KV>(rng, kTwoSpan, 3, 1000, Shape{32, 8, 128});
+  test_decode_case<KV>(rng, kRecompute, 7, 257, Shape{8, 1, 32});
+  // A single row seeing nothing (kernel 1 has blocks, all idle), and a call with no keys at all.
+  {
+    Layout l;
+    l.num_keys = 100;
+    l.add_row({});
+    test_decode<KV>(rng, l, kQwen7, "keyless row");
+    Layout none;
+    none.add_row({});
+    none.add_row({});
+    test_decode<KV>(rng, none, kSmol, "no keys");
+  }
+  // lse null; K/V not 16-byte aligned (element copies instead of cp.async).
+  test_decode<KV>(rng, make_layout(rng, kTwoSpan, 7, 1000, true), kQwen7, "two-span", false);
+  test_decode<KV>(rng, make_layout(rng, kManySpan, 3, 4099, true), kWide, "many-span", true, 1);
+}
+
+// ---- attention_pool ----
+template <typename KV>
+void test_pool(std::mt19937& rng, int kind, int rows, int32_t n, Shape sh, int num_groups,
+               bool with_none, size_t k_shift = 0) {
+  const bool empty_row = rows >= 3;
+  const Layout l = make_layout(rng, kind, rows, n, empty_row);
+  const int64_t width = static_cast<int64_t>(sh.heads) * sh.head_dim;
+  const int64_t q_stride = width + 3;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(sh.head_dim));
+  const auto q = random_vec<Bf16>(rng, static_cast<size_t>(rows * q_stride), -2.0f, 2.0f);
+  const size_t kv_elems = static_cast<size_t>(n) * sh.kv_heads * sh.head_dim;
+  auto k = random_vec<KV>(rng, kv_elems, -2.0f, 2.0f);
+  const auto v = random_vec<KV>(rng, kv_elems, -1.0f, 1.0f);
+  std::uniform_int_distribution<int32_t> grp(with_none ? -1 : 0, num_groups - 1);
+  std::vector<int32_t> key_group(static_cast<size_t>(n));
+  for (auto& g : key_group) g = grp(rng);
+
+  // lse from the attention reference (fp32, as the engine passes the attention call's lse).
+  std::vector<Bf16> att(static_cast<size_t>(rows * width));
+  std::vector<float> lse(static_cast<size_t>(rows) * sh.heads);
+  ref_attention(&att, width, &lse, q, q_stride, k, v, l, sh.heads, sh.kv_heads, sh.head_dim, scale);
+  poison_unseen<KV>(l, sh.kv_heads, sh.head_dim, &k, nullptr);
+
+  std::vector<float> want(static_cast<size_t>(rows) * num_groups, kNaN);
+  const AttentionRows hr = l.view();
+  parallel_rows(rows, [&](int r0, int r1) {
+    ref::attention_pool<KV>(
+        want.data() + static_cast<int64_t>(r0) * num_groups, q.data() + r0 * q_stride, q_stride,
+        k.data(), lse.data() + static_cast<int64_t>(r0) * sh.heads, slice(hr, r0, r1),
+        key_group.data(), num_groups, sh.heads, sh.kv_heads, sh.head_dim, scale);
+  });
+
+  Buf<Bf16> d_q(q);
+  Buf<KV> d_k(k, k_shift);
+  Buf<float> d_lse(lse);
+  Buf<int32_t> d_off(l.offsets);
+  Buf<KeyRange> d_spans(l.spans);
+  Buf<int32_t> d_group(key_group);
+  Buf<float> d_pooled(std::vector<float>(want.size(), kNaN));
+  AttentionRows dr{d_off.dev(), d_spans.dev(), rows, n};
+  CUDA_OK(kk::attention_pool(d_pooled.dev(), d_q.dev(), q_stride, d_k.dev(), d_lse.dev(), dr,
+                             d_group.dev(), num_groups, sh.heads, sh.kv_heads, sh.head_dim, scale,
+                             nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  const std::vector<float> got = d_pooled.host();
+
+  char name[200];
+  std::snprintf(name, sizeof name, "pool %s rows=%d keys=%d %d/%d hd%d groups=%d%s %s%s",
+                kind_name(kind), rows, n, sh.heads, sh.kv_heads, sh.head_dim, num_groups,
+                with_none ? " (with -1)" : "", dtype_name<KV>(), k_shift > 0 ? " misaligned" : "");
+  std::printf("  %s\n", name);
+  const std::string what = name;
+  ++g_checks;
+  int bad = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const float g = got[i];
+    const float w = want[i];
+    if (std::isnan(g) || !(std::fabs(g - w) <= 1e-4f + 1e-3f * std::fabs(w))) {
+      if (bad < 3) {
+        std::fprintf(stderr, "FAIL %s pooled row %zu group %zu: got %.8g want %.8g\n", what.c_str(),
+                     i / num_groups, i % num_groups, g, w);
+      }
+      ++bad;
+    }
+  }
+  if (bad > 0) {
+    char buf[100];
+    std::snprintf(buf, sizeof buf, "%d pooled elements off", bad);
+    fail(what, buf);
+  }
+  if (!with_none) {  // every key in a group: each row with keys pools to `heads`
+    ++g_checks;
+    for (int r = 0; r < rows; ++r) {
+      double sum = 0.0;
+      for (int g = 0; g < num_groups; ++g) sum += got[static_cast<size_t>(r) * num_groups + g];
+      const double expect = l.row_empty(r) ? 0.0 : sh.heads;
+      if (!(std::fabs(sum - expect) <= 1e-3 * sh.heads)) {
+        char buf[120];
+        std::snprintf(buf, sizeof buf, "row %d pools to %.6f, expected %.1f", r, sum, expect);
+        fail(what, buf);
+        break;
+      }
+    }
+  }
+}
+
+template <typename KV>
+void run_pool(std::mt19937& rng) {
+  struct PoolCase {
+    int kind;
+    int rows;
+    int32_t keys;
+    Shape shape;
+    int groups;
+  };
+  const PoolCase cases[] = {
+      {kCausal, 1, 7, kSmol, 1},
+      {kTwoSpan, 7, 1000, kQwen7, 5},
+      {kManySpan, 19, 4099, kWide, 300},
+      {kRecompute, 130, 1000, kSmol, 300},
+      {kCausal, 16, 8192, kQwen7, 10000},
+      {kManySpan, 3, 257, kWide, 10000},
+      {kRecompute, 130, 4099, kQwen7, 5},
+      {kTwoSpan, 5, 300, Shape{16, 2, 256}, 7},
+      {kCausal, 3, 100, Shape{4, 4, 32}, 3},
+      {kManySpan, 2, 33, Shape{12, 4, 96}, 1},
+      {kCausal, 2, 255, Shape{64, 4, 128}, 8192},
+  };
+  for (const PoolCase& c : cases) {
+    test_pool<KV>(rng, c.kind, c.rows, c.keys, c.shape, c.groups, true);
+    test_pool<KV>(rng, c.kind, c.rows, c.keys, c.shape, c.groups, false);
+  }
+  test_pool<KV>(rng, kTwoSpan, 7, 1000, kQwen7, 300, false, 1);  // K not 16-byte aligned
+}
+
+// ---- launcher argument checks ----
+void test_invalid_arguments() {
+  ++g_checks;
+  __nv_bfloat16* o = nullptr;
+  float* f = nullptr;
+  const int32_t* ip = nullptr;
+  AttentionRows none{};
+  AttentionRows one{ip, nullptr, 1, 16};
+  const size_t ws = kk::attention_decode_workspace_floats(1, 4, 64, 16);
+  const bool ok =
+      kk::attention_decode(o, 256, f, o, 256, f, f, none, 4, 4, 64, 1.0f, f, 0, nullptr) ==
+          cudaSuccess &&  // no rows
+      kk::attention_decode(o, 256, f, o, 256, f, f, one, 4, 4, 48, 1.0f, f, ws, nullptr) ==
+          cudaErrorInvalidValue &&  // head_dim not a multiple of 32
+      kk::attention_decode(o, 512, f, o, 512, f, f, one, 4, 4, 288, 1.0f, f, ws, nullptr) ==
+          cudaErrorInvalidValue &&  // head_dim > 256
+      kk::attention_decode(o, 256, f, o, 256, f, f, one, 4, 3, 64, 1.0f, f, ws, nullptr) ==
+          cudaErrorInvalidValue &&  // heads % kv_heads
+      kk::attention_decode(o, 256, f, o, 256, f, f, one, 4, 4, 64, 1.0f, f, ws, nullptr) ==
+          cudaErrorInvalidValue &&  // null pointers
+      kk::attention_pool(f, o, 256, f, f, none, ip, 5, 4, 4, 64, 1.0f, nullptr) == cudaSuccess &&
+      kk::attention_pool(f, o, 256, f, f, one, ip, 5, 4, 4, 40, 1.0f, nullptr) ==
+          cudaErrorInvalidValue &&
+      kk::attention_pool(f, o, 256, f, f, one, ip, -1, 4, 4, 64, 1.0f, nullptr) ==
+          cudaErrorInvalidValue &&
+      kk::attention_pool(f, o, 256, f, f, one, ip, 5, 4, 4, 64, 1.0f, nullptr) ==
+          cudaErrorInvalidValue &&
+      ws > 0 && kk::attention_decode_workspace_floats(0, 4, 64, 16) == 0 &&
+      kk::attention_decode_workspace_floats(3, 4, 64, 0) == 0;
+  if (!ok) fail("launcher argument checks", "unexpected return code");
+
+  // A workspace one float short is refused.
+  ++g_checks;
+  std::mt19937 rng(7);
+  const Layout l = make_layout(rng, kCausal, 2, 300, false);
+  Buf<int32_t> d_off(l.offsets);
+  Buf<KeyRange> d_spans(l.spans);
+  AttentionRows dr{d_off.dev(), d_spans.dev(), 2, 300};
+  const size_t need = kk::attention_decode_workspace_floats(2, 4, 64, 300);
+  Buf<float> d_ws(std::vector<float>(need, 0.0f));
+  Buf<float> d_kv(std::vector<float>(300 * 4 * 64, 0.0f));
+  Buf<Bf16> d_q(std::vector<Bf16>(2 * 256));
+  Buf<Bf16> d_out(std::vector<Bf16>(2 * 256));
+  if (kk::attention_decode(d_out.dev(), 256, nullptr, d_q.dev(), 256, d_kv.dev(), d_kv.dev(), dr, 4,
+                           4, 64, 1.0f, d_ws.dev(), need - 1, nullptr) != cudaErrorInvalidValue) {
+    fail("workspace size check", "a short workspace was accepted");
+  }
+}
+
+// ---- timings (informational) ----
+template <typename KV>
+void time_decode(int rows, int32_t n, Shape sh) {
+  std::mt19937 rng(99);
+  const Layout l = make_layout(rng, kCausal, rows, n, false);
+  const int64_t width = static_cast<int64_t>(sh.heads) * sh.head_dim;
+  const size_t kv_elems = static_cast<size_t>(n) * sh.kv_heads * sh.head_dim;
+  Buf<Bf16> d_q(random_vec<Bf16>(rng, static_cast<size_t>(rows * width), -2.0f, 2.0f));
+  Buf<KV> d_k(random_vec<KV>(rng, kv_elems, -2.0f, 2.0f));
+  Buf<KV> d_v(random_vec<KV>(rng, kv_elems, -1.0f, 1.0f));
+  Buf<Bf16> d_out(std::vector<Bf16>(static_cast<size_t>(rows * width)));
+  Buf<float> d_lse(std::vector<float>(static_cast<size_t>(rows) * sh.heads));
+  Buf<int32_t> d_off(l.offsets);
+  Buf<KeyRange> d_spans(l.spans);
+  const size_t ws_floats = kk::attention_decode_workspace_floats(rows, sh.heads, sh.head_dim, n);
+  Buf<float> d_ws{std::vector<float>(ws_floats)};
+  AttentionRows dr{d_off.dev(), d_spans.dev(), rows, n};
+  const float scale = 1.0f / std::sqrt(static_cast<float>(sh.head_dim));
+  auto run = [&] {
+    CUDA_OK(kk::attention_decode(d_out.dev(), width, d_lse.dev(), d_q.dev(), width, d_k.dev(),
+                                 d_v.dev(), dr, sh.heads, sh.kv_heads, sh.head_dim, scale,
+                                 d_ws.dev(), ws_floats, nullptr));
+  };
+  for (int i = 0; i < 3; ++i) run();
+  CUDA_OK(cudaDeviceSynchronize());
+  cudaEvent_t a;
+  cudaEvent_t b;
+  CUDA_OK(cudaEventCreate(&a));
+  CUDA_OK(cudaEventCreate(&b));
+  std::vector<float> ms;
+  for (int i = 0; i < 20; ++i) {
+    CUDA_OK(cudaEventRecord(a));
+    run();
+    CUDA_OK(cudaEventRecord(b));
+    CUDA_OK(cudaEventSynchronize(b));
+    float t = 0.0f;
+    CUDA_OK(cudaEventElapsedTime(&t, a, b));
+    ms.push_back(t);
+  }
+  CUDA_OK(cudaEventDestroy(a));
+  CUDA_OK(cudaEventDestroy(b));
+  std::sort(ms.begin(), ms.end());
+  const double median_ms = ms[ms.size() / 2];
+  // K and V bytes, each key counted once (causal: every row sees nearly all of them).
+  const double bytes = 2.0 * static_cast<double>(n) * sh.kv_heads * sh.head_dim * sizeof(KV);
+  std::printf("timing decode rows=%d keys=%d %d/%d hd%d %s: %.1f us, %.0f GB/s of K/V\n", rows, n,
+              sh.heads, sh.kv_heads, sh.head_dim, dtype_name<KV>(), median_ms * 1e3,
+              bytes / (median_ms * 1e-3) / 1e9);
+}
+
+}  // namespace
+
+int main() {
+  if (!keep::gputest::print_device()) return 2;
+  std::mt19937 rng(20240611);
+  run_decode<float>(rng);
+  run_decode<Bf16>(rng);
+  if (!quick()) {
+    std::printf("  decode recompute rows=733 keys=4099 9/3 hd64 bf16\n");
+    test_decode<Bf16>(rng, make_layout(rng, kRecompute, 733, 4099, true), kSmol, "recompute");
+  }
+  run_pool<float>(rng);
+  run_pool<Bf16>(rng);
+  test_invalid_arguments();
+  if (!quick()) {  // timings
+    for (int32_t n : {4096, 32768}) {
+      time_decode<Bf16>(1, n, kQwen7);
+      time_decode<float>(1, n, kQwen7);
+    }
+    time_decode<Bf16>(16, 32768, kQwen7);
+  }
+  std::printf("test_attention_decode: %d checks, %d failures\n", g_checks, g_failures);
+  return g_failures == 0 ? 0 : 1;
+}

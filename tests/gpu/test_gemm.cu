@@ -1,0 +1,233 @@
+// cuBLAS products of gemm.h against a double-precision CPU product of the same bf16 operands, on
+// odd and model-like sizes, with row strides wider than the matrices; bf16 and fp32 outputs; NaN-
+// poisoned outputs (an unwritten element fails). Prints one timing of a Qwen2.5-7B-sized product
+// (informational). A plain main: exit 0 when all pass.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "services/worker/kernels/bf16.h"
+#include "services/worker/kernels/gemm.h"
+#include "services/worker/kernels/kernels.h"
+#include "tests/gpu/gpu_test_util.h"
+
+namespace {
+
+using keep::kernels::Bf16;
+using keep::kernels::bf16_to_float;
+using keep::kernels::float_to_bf16;
+
+using keep::gputest::g_checks;
+using keep::gputest::g_failures;
+
+#define BLAS_OK(expr)                                                      \
+  do {                                                                     \
+    cublasStatus_t st_ = (expr);                                           \
+    if (st_ != CUBLAS_STATUS_SUCCESS) {                                    \
+      std::fprintf(stderr, "%s:%d: %s -> %s\n", __FILE__, __LINE__, #expr, \
+                   keep::kernels::blas_status_name(st_));                  \
+      std::exit(2);                                                        \
+    }                                                                      \
+  } while (0)
+
+template <typename T>
+T* upload(const std::vector<T>& h) {
+  T* p = nullptr;
+  CUDA_OK(cudaMalloc(&p, std::max<size_t>(1, h.size()) * sizeof(T)));
+  if (!h.empty()) CUDA_OK(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return p;
+}
+
+std::vector<Bf16> random_bf16(std::mt19937& rng, size_t n, float a) {
+  std::uniform_real_distribution<float> d(-a, a);
+  std::vector<Bf16> v(n);
+  for (auto& x : v) x = float_to_bf16(d(rng));
+  return v;
+}
+
+template <bool kF32Out>
+void check_one(keep::kernels::BlasHandle& blas, std::mt19937& rng, int64_t rows, int64_t out,
+               int64_t in, int64_t x_pad, int64_t y_pad) {
+  const int64_t xs = in + x_pad, ys = out + y_pad;
+  const auto x = random_bf16(rng, static_cast<size_t>(rows * xs), 1.0f);
+  const auto w = random_bf16(rng, static_cast<size_t>(out * in), 1.0f / std::sqrt(float(in)));
+  using Y = std::conditional_t<kF32Out, float, Bf16>;
+  using DY = std::conditional_t<kF32Out, float, __nv_bfloat16>;
+  std::vector<Y> y0(static_cast<size_t>(rows * ys));
+  for (auto& v : y0) {
+    if constexpr (kF32Out) {
+      v = NAN;
+    } else {
+      v = float_to_bf16(NAN);
+    }
+  }
+  auto* dx = upload(x);
+  auto* dw = upload(w);
+  auto* dy = upload(y0);
+  BLAS_OK(keep::kernels::gemm_nt(blas.get(), reinterpret_cast<DY*>(dy), ys,
+                                 reinterpret_cast<const __nv_bfloat16*>(dx), xs,
+                                 reinterpret_cast<const __nv_bfloat16*>(dw), rows, out, in));
+  CUDA_OK(cudaDeviceSynchronize());
+  std::vector<Y> y(y0.size());
+  CUDA_OK(cudaMemcpy(y.data(), dy, y.size() * sizeof(Y), cudaMemcpyDeviceToHost));
+  double num = 0.0, den = 0.0;
+  int bad = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t o = 0; o < out; ++o) {
+      double want = 0.0;
+      for (int64_t i = 0; i < in; ++i) {
+        want += double(bf16_to_float(x[r * xs + i])) * double(bf16_to_float(w[o * in + i]));
+      }
+      float got;
+      if constexpr (kF32Out) {
+        got = y[r * ys + o];
+      } else {
+        got = bf16_to_float(y[r * ys + o]);
+      }
+      // fp32 accumulation of `in` products, then (bf16 out) one rounding: 2^-8 relative.
+      const double tol = (kF32Out ? 1e-4 : 8e-3) * std::fabs(want) + 1e-3;
+      if (!std::isfinite(got) || std::fabs(got - want) > tol) {
+        if (bad < 3) {
+          std::fprintf(stderr, "FAIL gemm (%lld,%lld,%lld) at [%lld,%lld]: got %.6g want %.6g\n",
+                       (long long)rows, (long long)out, (long long)in, (long long)r, (long long)o,
+                       got, want);
+        }
+        ++bad;
+      }
+      num += (got - want) * (got - want);
+      den += want * want;
+    }
+    for (int64_t o = out; o < ys; ++o) {  // padding columns must stay untouched (NaN)
+      float got;
+      if constexpr (kF32Out) {
+        got = y[r * ys + o];
+      } else {
+        got = bf16_to_float(y[r * ys + o]);
+      }
+      if (!std::isnan(got)) ++bad;
+    }
+  }
+  ++g_checks;
+  const double rel = den > 0 ? std::sqrt(num / den) : 0.0;
+  if (bad > 0 || rel > (kF32Out ? 1e-5 : 5e-3)) {
+    ++g_failures;
+    std::fprintf(stderr, "FAIL gemm %s (%lld,%lld,%lld): %d bad, rel %.3g\n",
+                 kF32Out ? "f32" : "bf16", (long long)rows, (long long)out, (long long)in, bad,
+                 rel);
+  }
+  cudaFree(dx);
+  cudaFree(dw);
+  cudaFree(dy);
+}
+
+// gemm_nt_f32: plain fp32 operands and result against double.
+void check_f32(keep::kernels::BlasHandle& blas, std::mt19937& rng, int64_t rows, int64_t out,
+               int64_t in) {
+  std::uniform_real_distribution<float> d(-1.0f, 1.0f);
+  std::vector<float> x(static_cast<size_t>(rows * in)), w(static_cast<size_t>(out * in));
+  for (auto& v : x) v = d(rng);
+  for (auto& v : w) v = d(rng);
+  std::vector<float> y0(static_cast<size_t>(rows * out), NAN);
+  float* dx = upload(x);
+  float* dw = upload(w);
+  float* dy = upload(y0);
+  BLAS_OK(keep::kernels::gemm_nt_f32(blas.get(), dy, out, dx, in, dw, rows, out, in));
+  CUDA_OK(cudaDeviceSynchronize());
+  std::vector<float> y(y0.size());
+  CUDA_OK(cudaMemcpy(y.data(), dy, y.size() * 4, cudaMemcpyDeviceToHost));
+  int bad = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t o = 0; o < out; ++o) {
+      double want = 0.0, mag = 0.0;
+      for (int64_t i = 0; i < in; ++i) {
+        want += double(x[r * in + i]) * double(w[o * in + i]);
+        mag += std::fabs(double(x[r * in + i]) * double(w[o * in + i]));
+      }
+      // fp32 accumulation (no TF32: that would be ~1e-3 of mag)
+      if (!(std::fabs(y[r * out + o] - want) <= 1e-5 * mag + 1e-6)) ++bad;
+    }
+  }
+  ++g_checks;
+  if (bad > 0) {
+    ++g_failures;
+    std::fprintf(stderr, "FAIL gemm_nt_f32 (%lld,%lld,%lld): %d bad\n", (long long)rows,
+                 (long long)out, (long long)in, bad);
+  }
+  cudaFree(dx);
+  cudaFree(dw);
+  cudaFree(dy);
+}
+
+void time_one(keep::kernels::BlasHandle& blas, int64_t rows, int64_t out, int64_t in) {
+  __nv_bfloat16 *x, *w, *y;
+  CUDA_OK(cudaMalloc(&x, rows * in * 2));
+  CUDA_OK(cudaMalloc(&w, out * in * 2));
+  CUDA_OK(cudaMalloc(&y, rows * out * 2));
+  CUDA_OK(keep::kernels::fill_uniform(x, rows * in, 1, -1.0f, 1.0f, nullptr));
+  CUDA_OK(keep::kernels::fill_uniform(w, out * in, 2, -0.02f, 0.02f, nullptr));
+  cudaEvent_t a, b;
+  CUDA_OK(cudaEventCreate(&a));
+  CUDA_OK(cudaEventCreate(&b));
+  std::vector<float> ms;
+  for (int it = 0; it < 23; ++it) {
+    CUDA_OK(cudaEventRecord(a));
+    BLAS_OK(keep::kernels::gemm_nt(blas.get(), y, out, x, in, w, rows, out, in));
+    CUDA_OK(cudaEventRecord(b));
+    CUDA_OK(cudaEventSynchronize(b));
+    float t = 0;
+    CUDA_OK(cudaEventElapsedTime(&t, a, b));
+    if (it >= 3) ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  const double med = ms[ms.size() / 2];
+  std::printf("gemm_nt bf16 (%lld x %lld x %lld): %.3f ms, %.0f TFLOP/s\n", (long long)rows,
+              (long long)out, (long long)in, med, 2.0 * rows * out * in / (med * 1e-3) / 1e12);
+  cudaFree(x);
+  cudaFree(w);
+  cudaFree(y);
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+}
+
+}  // namespace
+
+int main() {
+  void* ws = nullptr;
+  const size_t ws_bytes = size_t{32} << 20;
+  CUDA_OK(cudaMalloc(&ws, ws_bytes));
+  keep::kernels::BlasHandle blas;
+  BLAS_OK(blas.init(nullptr, ws, ws_bytes));
+  std::mt19937 rng(1234);
+  for (int64_t rows : {1, 3, 7, 19, 733}) {
+    for (auto [out, in] :
+         {std::pair<int64_t, int64_t>{1, 1}, {7, 3}, {64, 576}, {733, 19}, {576, 1536}}) {
+      check_one<false>(blas, rng, rows, out, in, 0, 0);
+      check_one<true>(blas, rng, rows, out, in, 0, 0);
+    }
+    check_one<false>(blas, rng, rows, 384, 320, 16, 24);  // strided x and y (fused buffers)
+    check_one<true>(blas, rng, rows, 384, 320, 8, 40);
+  }
+  for (int64_t rows : {1, 3, 19}) check_f32(blas, rng, rows, 733, 576);
+  // Invalid sizes are refused without touching memory.
+  if (keep::kernels::gemm_nt(blas.get(), static_cast<__nv_bfloat16*>(nullptr), 4, nullptr, 4,
+                             nullptr, 2, 8, 4) != CUBLAS_STATUS_INVALID_VALUE) {
+    ++g_failures;
+    std::fprintf(stderr, "FAIL gemm: y_stride < out accepted\n");
+  }
+  ++g_checks;
+  if (!keep::gputest::quick()) {  // KEEP_GPU_TEST_QUICK: set under compute-sanitizer
+    time_one(blas, 4096, 18944 * 2, 3584);
+    time_one(blas, 1024, 3584 + 2 * 512, 3584);
+  }
+  std::printf("test_gemm: %d checks, %d failures\n", g_checks, g_failures);
+  cudaFree(ws);
+  return g_failures == 0 ? 0 : 1;
+}
