@@ -21,6 +21,7 @@
 #include "services/worker/engine/cpu_backend.h"
 #include "services/worker/engine/engine.h"
 #include "services/worker/engine/model_weights.h"
+#include "tests/engine_fixture.h"
 
 using namespace keep::engine;
 
@@ -29,44 +30,11 @@ namespace {
 constexpr double kTopTol = 5e-4;
 constexpr double kTieMargin = 1e-3;
 
-float half_to_float(uint16_t h) {
-  const uint32_t sign = (h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1f;
-  uint32_t mant = h & 0x3ffu;
-  uint32_t bits;
-  if (exp == 0) {
-    if (mant == 0) {
-      bits = sign;
-    } else {  // subnormal
-      exp = 127 - 15 + 1;
-      while ((mant & 0x400u) == 0) {
-        mant <<= 1;
-        --exp;
-      }
-      mant &= 0x3ffu;
-      bits = sign | (exp << 23) | (mant << 13);
-    }
-  } else if (exp == 31) {
-    bits = sign | 0x7f800000u | (mant << 13);
-  } else {
-    bits = sign | ((exp - 15 + 127) << 23) | (mant << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
 void check_model(const std::string& model_path, const std::string& name) {
-  const std::string fix = "tests/fixtures/engine/";
-  std::ifstream jf(fix + name + "_reference.json");
-  REQUIRE_MESSAGE(jf.good(), "missing " << fix << name << "_reference.json");
-  const auto ref = nlohmann::json::parse(jf);
-  const int64_t vocab = ref["vocab_size"].get<int64_t>();
-  const auto& prompts = ref["prompts"];
-  std::ifstream lf(fix + ref["logits_file"].get<std::string>(), std::ios::binary);
-  std::vector<uint16_t> f16(static_cast<size_t>(vocab) * prompts.size());
-  lf.read(reinterpret_cast<char*>(f16.data()), static_cast<std::streamsize>(f16.size() * 2));
-  REQUIRE(lf.gcount() == static_cast<std::streamsize>(f16.size() * 2));
+  const keep::testing::EngineFixture fx = keep::testing::load_engine_fixture(name);
+  const auto& ref = fx.ref;
+  const int64_t vocab = fx.vocab;
+  const auto& prompts = fx.prompts();
 
   LoadOptions lo;
   lo.load_tokenizer = false;
@@ -103,7 +71,7 @@ void check_model(const std::string& model_path, const std::string& name) {
       const double x = (*logits)[v];
       sum += x;
       sum_sq += x * x;
-      const double h = half_to_float(f16[p * vocab + v]);
+      const double h = fx.logit(p, v);
       const double d = std::fabs(x - h);
       worst_full = std::max(worst_full, d - std::fabs(h) / 2048.0);
       if (d > kTopTol + std::fabs(h) / 2048.0) {

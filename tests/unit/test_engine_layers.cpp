@@ -64,7 +64,8 @@ Run run_layers(Engine& e, KvCache& cache, const std::vector<int32_t>& tokens,
       run.pooled.emplace_back(pooled->data(), pooled->data() + rows * layout.num_groups);
     }
     KvView view = cache.layer(l);
-    run.view_k.emplace_back(view.k, view.k + static_cast<size_t>(layout.num_keys) * c.kv_dim());
+    run.view_k.emplace_back(view.k_f32(),
+                            view.k_f32() + static_cast<size_t>(layout.num_keys) * c.kv_dim());
   }
   run.hidden.assign(hidden->data(), hidden->data() + rows * c.hidden_size);
   return run;
@@ -219,7 +220,7 @@ TEST_CASE("KV per independent block equals each block computed alone, and re-rot
       CHECK(max_abs_diff(at0.k_pre[l].data(), at100.k_pre[l].data(), l1 * kvd) < kTol);
       CHECK(max_abs_diff(at0.v[l].data(), at100.v[l].data(), l1 * kvd) < kTol);
       REQUIRE(e->load_kv(view->layer(l), 0, pos100, at0.k_pre[l].data(), at0.v[l].data()).is_ok());
-      CHECK(max_abs_diff(view->layer(l).k, at100.view_k[l].data(), l1 * kvd) < kTol);
+      CHECK(max_abs_diff(view->layer(l).k_f32(), at100.view_k[l].data(), l1 * kvd) < kTol);
     }
   }
 }
@@ -272,7 +273,8 @@ TEST_CASE("tiled attention (many rows) equals per-row attention (small chunks)")
     REQUIRE(b.is_ok());
     CHECK(max_abs_diff(a->data(), b->data(), a->size()) < kTol);
     for (int32_t l = 0; l < shape.layers; ++l) {
-      CHECK(max_abs_diff(c1->layer(l).v, c2->layer(l).v, 203 * e->config().kv_dim()) < kTol);
+      CHECK(max_abs_diff(c1->layer(l).v_f32(), c2->layer(l).v_f32(), 203 * e->config().kv_dim()) <
+            kTol);
     }
   }
 }

@@ -68,13 +68,24 @@ class DeviceBuffer {
   Free free_ = nullptr;
 };
 
+// Element type of a backend's KV views: fp32 on the CPU, bf16 on CUDA (half the bytes every
+// attention kernel streams, and the K values the attention, decode and pooling kernels all see are
+// the same ones, so pooled probabilities sum to exactly what the LSE normalised).
+enum class KvType : uint8_t { kF32, kBF16 };
+inline size_t kv_type_size(KvType t) { return t == KvType::kF32 ? 4 : 2; }
+
 // One layer's working keys and values (device). Slot t holds the K of the token at prompt slot t,
-// ROTATED to that token's position, and its V. Loaded slots are filled with Backend::rope_k (from
-// pre-RoPE K) and a V copy; computed slots are written by layer_forward.
+// ROTATED to that token's position, and its V. Loaded slots are filled with Backend::load_kv (from
+// pre-RoPE K and V); computed slots are written by layer_forward.
 struct KvView {
-  float* k = nullptr;    // (capacity, kv_heads, head_dim)
-  float* v = nullptr;    // (capacity, kv_heads, head_dim)
+  void* k = nullptr;     // (capacity, kv_heads, head_dim) of `type`
+  void* v = nullptr;     // (capacity, kv_heads, head_dim) of `type`
   int32_t capacity = 0;  // slots
+  KvType type = KvType::kF32;
+
+  // The fp32 arrays of an fp32 view (the CPU backend's); aborts on another type.
+  float* k_f32() const;
+  float* v_f32() const;
 };
 
 // What one layer call returns (device pointers; the optional ones may be null).
@@ -102,6 +113,7 @@ class Backend {
   // "cpu fp32 (openblas 2 threads, 2 attention threads)"
   virtual std::string name() const = 0;
   virtual const ModelConfig& config() const = 0;
+  virtual KvType kv_type() const { return KvType::kF32; }
 
   // ---- memory ----
   // A zero-filled buffer of `floats` floats (kResourceExhausted when it cannot be had).
@@ -128,12 +140,21 @@ class Backend {
   // slot, attends per the plan, fills `out`. hidden_in (rows, C) (device); out.hidden may alias it.
   virtual void layer_forward(const LayerOutputs& out, const float* hidden_in, int32_t layer,
                              const KvView& kv, const AttentionPlan& plan) = 0;
-  // k_out (n, kv_heads, head_dim) = RoPE(k_pre) at positions (host); k_out may equal k_pre.
-  // k_pre may be host memory registered with the backend (the shared KV region) or device memory.
-  virtual void rope_k(float* k_out, const float* k_pre, const int32_t* positions, int32_t n) = 0;
+  // Fills view slots [first_slot, first_slot + n): K = RoPE(k_pre) at positions (host), V = v,
+  // both converted to the view's type. k_pre, v: (n, kv_heads, head_dim) fp32, host memory (the
+  // shared KV region, registered or not) or device memory.
+  virtual void load_kv(const KvView& kv, int32_t first_slot, const float* k_pre, const float* v,
+                       const int32_t* positions, int32_t n) = 0;
   // logits (n, vocab) = lm_head(final_norm(hidden[rows[i]])); hidden (device) has >= max(rows)+1
   // rows of C; rows (host).
   virtual void final_logits(float* logits, const float* hidden, const int32_t* rows, int32_t n) = 0;
+  // out_host (rows) = argmax of each row of logits (device, (rows, vocab)), lowest index on ties,
+  // NaN never wins (engine::argmax's rule). Waits for the result. The default copies the rows to
+  // the host; a GPU backend reduces on the device and copies back `rows` ints.
+  virtual void argmax(int32_t* out_host, const float* logits, int32_t rows);
+  // out_host (rows) = log softmax(logits[r])[tokens_host[r]] (tokens in range). Waits.
+  virtual void token_logprob(float* out_host, const float* logits, const int32_t* tokens_host,
+                             int32_t rows);
 
  protected:
   int32_t reserved_rows_ = 0;

@@ -196,7 +196,7 @@ void CpuBackend::attention(const LayerOutputs& out, const float* q, const KvView
     int32_t j = 0;
     for (int32_t b = b0; b < b1; ++b) {
       for (int32_t t = layout.spans[b].begin; t < layout.spans[b].end; ++t) {
-        const float v = dot(qr, kv.k + t * kv_stride + kh * hd, hd) * scale;
+        const float v = dot(qr, kv.k_f32() + t * kv_stride + kh * hd, hd) * scale;
         s[j++] = v;
         mx = std::max(mx, v);
       }
@@ -213,7 +213,7 @@ void CpuBackend::attention(const LayerOutputs& out, const float* q, const KvView
     for (int32_t b = b0; b < b1; ++b) {
       for (int32_t t = layout.spans[b].begin; t < layout.spans[b].end; ++t) {
         const float p = s[j++] * inv;
-        const float* vt = kv.v + t * kv_stride + kh * hd;
+        const float* vt = kv.v_f32() + t * kv_stride + kh * hd;
         for (int32_t d = 0; d < hd; ++d) o[d] += p * vt[d];
         if (pool) {
           const int32_t g = layout.key_group[t];
@@ -270,8 +270,8 @@ void CpuBackend::attention_tiled(const LayerOutputs& out, const float* q, const 
     for (int32_t h = 0; h < heads; ++h) {
       const int32_t kh = h / group;
       blas::gemm_nt_strided(S, w, q + static_cast<int64_t>(r0) * q_stride + h * hd, q_stride,
-                            kv.k + static_cast<int64_t>(lo) * kv_stride + kh * hd, kv_stride, m, w,
-                            hd, scale, 0.0f);
+                            kv.k_f32() + static_cast<int64_t>(lo) * kv_stride + kh * hd, kv_stride,
+                            m, w, hd, scale, 0.0f);
       pool_->parallel_for(m, [&](int64_t i, int) {
         const int32_t r = r0 + static_cast<int32_t>(i);
         float* srow = S + i * w;
@@ -300,8 +300,8 @@ void CpuBackend::attention_tiled(const LayerOutputs& out, const float* q, const 
         }
       });
       blas::gemm_nn_strided(att_.data() + static_cast<int64_t>(r0) * q_stride + h * hd, q_stride, S,
-                            w, kv.v + static_cast<int64_t>(lo) * kv_stride + kh * hd, kv_stride, m,
-                            hd, w, 1.0f, 0.0f);
+                            w, kv.v_f32() + static_cast<int64_t>(lo) * kv_stride + kh * hd,
+                            kv_stride, m, hd, w, 1.0f, 0.0f);
     }
   }
 }
@@ -333,9 +333,10 @@ void CpuBackend::layer_forward(const LayerOutputs& out, const float* hidden_in, 
   rope_.apply(q_.data(), pos, n, c.num_heads);
   for (int32_t r = 0; r < n; ++r) {
     const int64_t slot = layout.row_slot[r];
-    rope_.apply_strided(kv.k + slot * kvd, kvd, k_.data() + static_cast<int64_t>(r) * kvd, kvd,
-                        pos + r, 1, c.num_kv_heads);
-    std::memcpy(kv.v + slot * kvd, v_.data() + static_cast<int64_t>(r) * kvd, sizeof(float) * kvd);
+    rope_.apply_strided(kv.k_f32() + slot * kvd, kvd, k_.data() + static_cast<int64_t>(r) * kvd,
+                        kvd, pos + r, 1, c.num_kv_heads);
+    std::memcpy(kv.v_f32() + slot * kvd, v_.data() + static_cast<int64_t>(r) * kvd,
+                sizeof(float) * kvd);
   }
   attention(out, q_.data(), kv, layout);
   linear(proj_.data(), att_.data(), w.wo.ptr(), bias(w.bo), n, C, qd);
@@ -358,8 +359,11 @@ void CpuBackend::layer_forward(const LayerOutputs& out, const float* hidden_in, 
   for (int64_t i = 0; i < nc; ++i) out.hidden[i] += proj_[i];
 }
 
-void CpuBackend::rope_k(float* k_out, const float* k_pre, const int32_t* positions, int32_t n) {
+void CpuBackend::load_kv(const KvView& kv, int32_t first_slot, const float* k_pre, const float* v,
+                         const int32_t* positions, int32_t n) {
   const int64_t kvd = weights_->config.kv_dim();
+  float* k_out = kv.k_f32() + first_slot * kvd;
+  std::memcpy(kv.v_f32() + first_slot * kvd, v, sizeof(float) * static_cast<size_t>(n * kvd));
   const int64_t heads = weights_->config.num_kv_heads;
   constexpr int64_t kChunk = 64;
   pool_->parallel_for((n + kChunk - 1) / kChunk, [&](int64_t b, int) {

@@ -43,7 +43,8 @@ class CpuBackend final : public Backend {
   void embed(float* hidden, const int32_t* tokens, int32_t n) override;
   void layer_forward(const LayerOutputs& out, const float* hidden_in, int32_t layer,
                      const KvView& kv, const AttentionPlan& plan) override;
-  void rope_k(float* k_out, const float* k_pre, const int32_t* positions, int32_t n) override;
+  void load_kv(const KvView& kv, int32_t first_slot, const float* k_pre, const float* v,
+               const int32_t* positions, int32_t n) override;
   void final_logits(float* logits, const float* hidden, const int32_t* rows, int32_t n) override;
 
   const RopeTable& rope() const { return rope_; }

@@ -32,12 +32,44 @@ const char* device_kind_name(DeviceKind kind) {
   return "unknown";
 }
 
+void Backend::argmax(int32_t* out_host, const float* logits, int32_t rows) {
+  const auto vocab = static_cast<size_t>(config().vocab_size);
+  std::vector<float> host(static_cast<size_t>(rows) * vocab);
+  copy_to_host(host.data(), logits, host.size());
+  for (int32_t r = 0; r < rows; ++r) {
+    out_host[r] = engine::argmax(std::span<const float>(host.data() + r * vocab, vocab));
+  }
+}
+
+void Backend::token_logprob(float* out_host, const float* logits, const int32_t* tokens_host,
+                            int32_t rows) {
+  const auto vocab = static_cast<size_t>(config().vocab_size);
+  std::vector<float> host(static_cast<size_t>(rows) * vocab);
+  copy_to_host(host.data(), logits, host.size());
+  for (int32_t r = 0; r < rows; ++r) {
+    out_host[r] = static_cast<float>(
+        log_prob(std::span<const float>(host.data() + r * vocab, vocab), tokens_host[r]));
+  }
+}
+
+float* KvView::k_f32() const {
+  KEEP_CHECK(type == KvType::kF32);
+  return static_cast<float*>(k);
+}
+float* KvView::v_f32() const {
+  KEEP_CHECK(type == KvType::kF32);
+  return static_cast<float*>(v);
+}
+
 Result<KvCache> KvCache::create(Backend& backend, int32_t capacity) {
   if (capacity <= 0) return invalid("kv cache: capacity must be positive");
   const ModelConfig& c = backend.config();
   KvCache cache;
   cache.capacity_ = capacity;
-  const size_t n = static_cast<size_t>(capacity) * static_cast<size_t>(c.kv_dim());
+  cache.type_ = backend.kv_type();
+  // DeviceBuffers count floats: a bf16 view takes half as many.
+  const size_t elems = static_cast<size_t>(capacity) * static_cast<size_t>(c.kv_dim());
+  const size_t n = (elems * kv_type_size(cache.type_) + sizeof(float) - 1) / sizeof(float);
   for (int64_t l = 0; l < c.num_layers; ++l) {
     KEEP_ASSIGN_OR_RETURN(DeviceBuffer k, backend.allocate(n));
     KEEP_ASSIGN_OR_RETURN(DeviceBuffer v, backend.allocate(n));
@@ -109,9 +141,10 @@ Status Engine::load_kv(const KvView& kv, int32_t first_slot, std::span<const int
   for (int32_t p : positions) {
     if (p < 0) return invalid("load_kv: negative position");
   }
-  const int64_t kvd = config().kv_dim();
-  backend_->rope_k(kv.k + first_slot * kvd, k_pre, positions.data(), static_cast<int32_t>(n));
-  backend_->copy_to_device(kv.v + first_slot * kvd, v, static_cast<size_t>(n * kvd));
+  if (kv.type != backend_->kv_type() || kv.k == nullptr || kv.v == nullptr) {
+    return invalid("load_kv: the view is not one of this backend's");
+  }
+  backend_->load_kv(kv, first_slot, k_pre, v, positions.data(), static_cast<int32_t>(n));
   return Status::ok();
 }
 
@@ -123,6 +156,9 @@ Status Engine::prefill_layer(int32_t layer, DeviceBuffer& hidden, const KvView& 
   if (layer < 0 || layer >= c.num_layers) {
     return invalid("prefill_layer: layer " + std::to_string(layer) + " outside [0, " +
                    std::to_string(c.num_layers) + ")");
+  }
+  if (kv.type != backend_->kv_type()) {
+    return invalid("prefill_layer: the view is not one of this backend's");
   }
   if (layout.num_keys > kv.capacity || kv.k == nullptr || kv.v == nullptr) {
     return invalid("prefill_layer: the layout references " + std::to_string(layout.num_keys) +
@@ -171,7 +207,7 @@ Result<std::vector<float>> Engine::logits(const DeviceBuffer& hidden,
   return out;
 }
 
-Result<std::vector<float>> Engine::prefill(KvCache& cache, std::span<const int32_t> tokens) {
+Result<int32_t> Engine::run_prefill(KvCache& cache, std::span<const int32_t> tokens) {
   if (tokens.empty()) return invalid("prefill: no tokens");
   if (cache.num_layers() != config().num_layers) return invalid("prefill: cache of another model");
   if (cache.size() + static_cast<int64_t>(tokens.size()) > cache.capacity()) {
@@ -190,11 +226,24 @@ Result<std::vector<float>> Engine::prefill(KvCache& cache, std::span<const int32
     cache.set_size(cache.size() + n);
     last_row = n - 1;
   }
+  return last_row;
+}
+
+Result<std::vector<float>> Engine::prefill(KvCache& cache, std::span<const int32_t> tokens) {
+  KEEP_ASSIGN_OR_RETURN(int32_t last_row, run_prefill(cache, tokens));
   return logits(hidden_, std::span<const int32_t>(&last_row, 1));
 }
 
 Result<std::vector<float>> Engine::decode_step(KvCache& cache, int32_t token) {
   return prefill(cache, std::span<const int32_t>(&token, 1));
+}
+
+Result<int32_t> Engine::prefill_greedy(KvCache& cache, std::span<const int32_t> tokens) {
+  KEEP_ASSIGN_OR_RETURN(int32_t last_row, run_prefill(cache, tokens));
+  backend_->final_logits(logits_.data(), hidden_.data(), &last_row, 1);
+  int32_t token = 0;
+  backend_->argmax(&token, logits_.data(), 1);
+  return token;
 }
 
 Result<std::vector<int32_t>> Engine::generate(std::span<const int32_t> prompt,
@@ -203,19 +252,32 @@ Result<std::vector<int32_t>> Engine::generate(std::span<const int32_t> prompt,
   KEEP_ASSIGN_OR_RETURN(KvCache cache,
                         KvCache::create(*backend_, static_cast<int32_t>(prompt.size()) +
                                                        std::max(options.max_tokens, 1)));
-  KEEP_ASSIGN_OR_RETURN(std::vector<float> logits_host, prefill(cache, prompt));
+  // Greedy picks on the backend (a GPU copies back one int per token); sampling draws on the host
+  // from the copied logits with the seeded Sampler, so a seed gives the same draws on any backend.
+  const bool greedy = options.sampling.temperature <= 0.0f;
+  std::vector<float> logits_host;
+  int32_t next = 0;
+  if (greedy) {
+    KEEP_ASSIGN_OR_RETURN(next, prefill_greedy(cache, prompt));
+  } else {
+    KEEP_ASSIGN_OR_RETURN(logits_host, prefill(cache, prompt));
+  }
   Sampler sampler(options.sampling);
   std::vector<int32_t> out;
   const auto& eos = config().eos_token_ids;
   for (int32_t i = 0; i < options.max_tokens; ++i) {
-    const int32_t tok = sampler.sample(logits_host);
+    const int32_t tok = greedy ? next : sampler.sample(logits_host);
     out.push_back(tok);
     const bool stop =
         (options.stop_at_eos && std::find(eos.begin(), eos.end(), tok) != eos.end()) ||
         std::find(options.stop_tokens.begin(), options.stop_tokens.end(), tok) !=
             options.stop_tokens.end();
     if (stop || i + 1 == options.max_tokens) break;
-    KEEP_ASSIGN_OR_RETURN(logits_host, decode_step(cache, tok));
+    if (greedy) {
+      KEEP_ASSIGN_OR_RETURN(next, prefill_greedy(cache, std::span<const int32_t>(&tok, 1)));
+    } else {
+      KEEP_ASSIGN_OR_RETURN(logits_host, decode_step(cache, tok));
+    }
   }
   return out;
 }
@@ -257,26 +319,36 @@ Result<std::vector<CandidateScore>> Engine::score_candidates(
   for (int32_t l = 0; l < config().num_layers; ++l) {
     KEEP_RETURN_IF_ERROR(prefill_layer(l, hidden_, cache.layer(l), *pl));
   }
-  // Rows predicting candidate tokens 1..len-1: the rows of tokens 0..len-2.
-  std::vector<int32_t> need;
-  for (const KeySpan& b : blocks) {
-    for (int32_t s = b.begin; s + 1 < b.end; ++s) need.push_back(s - p);
+  // Rows predicting candidate tokens 1..len-1 are the rows of tokens 0..len-2; their log-probs are
+  // taken on the backend, kLogitRows rows at a time.
+  for (const auto& c : candidates) {
+    for (int32_t t : c) {
+      if (t < 0 || t >= config().vocab_size) return invalid("score_candidates: bad token id");
+    }
   }
-  KEEP_ASSIGN_OR_RETURN(std::vector<float> lg, logits(hidden_, need));
-  const auto vocab = static_cast<size_t>(config().vocab_size);
+  std::vector<int32_t> need, target;
+  for (size_t ci = 0, bi = 0; ci < candidates.size(); ++ci) {
+    const auto& c = candidates[ci];
+    if (c.empty()) continue;
+    const KeySpan& b = blocks[bi++];
+    for (int32_t s = b.begin; s + 1 < b.end; ++s) {
+      need.push_back(s - p);
+      target.push_back(c[static_cast<size_t>(s - b.begin + 1)]);
+    }
+  }
+  std::vector<float> lp(need.size());
+  for (size_t a = 0; a < need.size(); a += kLogitRows) {
+    const auto m = static_cast<int32_t>(std::min<size_t>(kLogitRows, need.size() - a));
+    backend_->final_logits(logits_.data(), hidden_.data(), need.data() + a, m);
+    backend_->token_logprob(lp.data() + a, logits_.data(), target.data() + a, m);
+  }
   size_t at = 0;
   for (size_t ci = 0; ci < candidates.size(); ++ci) {
     const auto& c = candidates[ci];
     scores[ci].tokens = static_cast<int32_t>(c.size());
     if (c.empty()) continue;
-    for (int32_t t : c) {
-      if (t < 0 || t >= config().vocab_size) return invalid("score_candidates: bad token id");
-    }
     double s = log_prob(last, c[0]);
-    for (size_t i = 1; i < c.size(); ++i) {
-      s += log_prob(std::span<const float>(lg.data() + at * vocab, vocab), c[i]);
-      ++at;
-    }
+    for (size_t i = 1; i < c.size(); ++i) s += lp[at++];
     scores[ci].log_prob = s;
   }
   return scores;

@@ -40,13 +40,15 @@ class KvCache {
   // Slots [0, size) are filled (prefill / decode_step append after them).
   int32_t size() const { return size_; }
   void set_size(int32_t size) { size_ = size; }
-  KvView layer(int32_t i) const { return KvView{k_[i].data(), v_[i].data(), capacity_}; }
+  KvView layer(int32_t i) const { return KvView{k_[i].data(), v_[i].data(), capacity_, type_}; }
+  KvType type() const { return type_; }
 
  private:
   std::vector<DeviceBuffer> k_;  // per layer (capacity, kv_heads, head_dim)
   std::vector<DeviceBuffer> v_;
   int32_t capacity_ = 0;
   int32_t size_ = 0;
+  KvType type_ = KvType::kF32;
 };
 
 // Optional outputs of prefill_layer (null = not wanted). Sizes are checked against the plan.
@@ -116,6 +118,11 @@ class Engine {
  private:
   explicit Engine(std::unique_ptr<Backend> backend) : backend_(std::move(backend)) {}
   Status ensure_rows(int32_t rows);
+  // Runs `tokens` through every layer into the cache (chunks of max_rows); returns the row of the
+  // last token in hidden_.
+  Result<int32_t> run_prefill(KvCache& cache, std::span<const int32_t> tokens);
+  // run_prefill, then the greedy next token, picked on the backend.
+  Result<int32_t> prefill_greedy(KvCache& cache, std::span<const int32_t> tokens);
 
   std::unique_ptr<Backend> backend_;
   int32_t max_rows_ = 0;

@@ -1,0 +1,589 @@
+#include "services/worker/engine/cuda_backend.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "services/worker/kernels/attention_schedule.h"
+#include "services/worker/kernels/bf16.h"
+#include "services/worker/kernels/kernels.h"
+
+namespace keep::engine {
+
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+// A CUDA or cuBLAS failure inside a launcher is not recoverable (the context may be lost): abort
+// with the call and the error, like any broken invariant.
+#define KEEP_CUDA_CHECK(expr)                                                            \
+  do {                                                                                   \
+    const cudaError_t _keep_err = (expr);                                                \
+    KEEP_CHECK_MSG(_keep_err == cudaSuccess,                                             \
+                   (std::string(#expr) + ": " + cudaGetErrorString(_keep_err)).c_str()); \
+  } while (0)
+#define KEEP_BLAS_CHECK(expr)                                                                  \
+  do {                                                                                         \
+    const cublasStatus_t _keep_st = (expr);                                                    \
+    KEEP_CHECK_MSG(_keep_st == CUBLAS_STATUS_SUCCESS,                                          \
+                   (std::string(#expr) + ": " + kernels::blas_status_name(_keep_st)).c_str()); \
+  } while (0)
+
+Status cuda_status(cudaError_t err, const std::string& what) {
+  if (err == cudaSuccess) return Status::ok();
+  const Code code =
+      err == cudaErrorMemoryAllocation ? Code::kResourceExhausted : Code::kUnavailable;
+  return Status(code, "cuda backend: " + what + ": " + cudaGetErrorString(err));
+}
+
+constexpr size_t kAlign = 256;
+constexpr size_t kBlasWorkspace = size_t{32} << 20;
+size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+void free_pool_floats(float* p) { cudaFreeAsync(p, nullptr); }
+
+// The device form of an AttentionLayout: one int32 block in stream-ordered memory holding every
+// array the kernels read.
+class CudaPlan final : public AttentionPlan {
+ public:
+  CudaPlan(AttentionLayout layout, cudaStream_t stream)
+      : layout_(std::move(layout)), stream_(stream) {}
+  ~CudaPlan() override {
+    if (block_ != nullptr) cudaFreeAsync(block_, stream_);
+  }
+  const AttentionLayout& layout() const override { return layout_; }
+
+  AttentionLayout layout_;
+  cudaStream_t stream_;
+  int32_t* block_ = nullptr;
+  const int32_t* slots = nullptr;      // (rows)
+  const int32_t* positions = nullptr;  // (rows)
+  const int32_t* key_group = nullptr;  // (num_keys) or null
+  kernels::AttentionRows rows;
+  kernels::PrefillSchedule schedule;
+  bool tiled = false;  // prefill kernel (else the decode kernel)
+};
+
+}  // namespace
+
+struct CudaBackend::Layer {
+  const bf16* w_qkv = nullptr;       // (q + 2 kv, C)
+  const float* b_q = nullptr;        // (q) or null
+  const float* b_k = nullptr;        // (kv) or null
+  const float* b_v = nullptr;        // (kv) or null
+  const bf16* w_o = nullptr;         // (C, q)
+  const float* b_o = nullptr;        // (C) or null
+  const bf16* w_gate_up = nullptr;   // (2 I, C)
+  const bf16* w_down = nullptr;      // (C, I)
+  const float* attn_norm = nullptr;  // (C)
+  const float* ffn_norm = nullptr;   // (C)
+};
+
+CudaBackend::CudaBackend(const ModelConfig& config, const CudaBackendOptions& options)
+    : config_(config), options_(options) {}
+
+CudaBackend::~CudaBackend() {
+  if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+  blas_ = kernels::BlasHandle();
+  cudaFree(workspace_);
+  cudaFree(weight_arena_);
+  if (stream_ != nullptr) cudaStreamDestroy(stream_);
+}
+
+std::string CudaBackend::name() const {
+  return "cuda bf16 (" + device_name_ + ", cuBLAS, " + std::to_string(weight_bytes_ >> 20) +
+         " MiB of weights" + (lm_head_f32_ != nullptr ? ", fp32 logits)" : ")");
+}
+
+// What the kernels support (prefill attention: head_dim 64 or 128).
+static Status check_supported(const ModelConfig& c) {
+  if (c.head_dim != 64 && c.head_dim != 128) {
+    return Status(Code::kInvalidArgument, "cuda backend: head_dim " + std::to_string(c.head_dim) +
+                                              " is not supported (64 or 128)");
+  }
+  return Status::ok();
+}
+
+Status CudaBackend::init_device() {
+  int count = 0;
+  cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess || count == 0) {
+    return Status(Code::kUnavailable,
+                  std::string("cuda backend: no usable GPU (") + cudaGetErrorString(err) + ")");
+  }
+  if (options_.device < 0 || options_.device >= count) {
+    return Status(
+        Code::kInvalidArgument,
+        "cuda backend: device " + std::to_string(options_.device) + " of " + std::to_string(count));
+  }
+  KEEP_RETURN_IF_ERROR(cuda_status(cudaSetDevice(options_.device), "cudaSetDevice"));
+  cudaDeviceProp prop{};
+  KEEP_RETURN_IF_ERROR(cuda_status(cudaGetDeviceProperties(&prop, options_.device), "properties"));
+  device_name_ = prop.name;
+  // Stream-ordered allocations (plans, small index uploads, engine buffers) come from the default
+  // pool; keep what it has so a steady state never returns to the driver.
+  cudaMemPool_t pool;
+  KEEP_RETURN_IF_ERROR(cuda_status(cudaDeviceGetDefaultMemPool(&pool, options_.device), "mempool"));
+  uint64_t threshold = std::numeric_limits<uint64_t>::max();
+  KEEP_RETURN_IF_ERROR(cuda_status(
+      cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold), "mempool"));
+  // A blocking stream: work on the legacy default stream (the DeviceBuffer frees) orders with it.
+  KEEP_RETURN_IF_ERROR(cuda_status(cudaStreamCreate(&stream_), "stream"));
+  return Status::ok();
+}
+
+// Lays out every weight in one allocation and points layers_ into it.
+Status CudaBackend::allocate_weights() {
+  const ModelConfig& c = config_;
+  const size_t C = c.hidden_size, q = c.q_dim(), kv = c.kv_dim(), I = c.intermediate_size;
+  const size_t L = c.num_layers, V = c.vocab_size;
+  const bool bias = c.attention_bias, bo = c.o_proj_bias();
+  size_t bytes = 0;
+  auto take = [&](size_t b) {
+    const size_t at = bytes;
+    bytes += align_up(b);
+    return at;
+  };
+  struct Offsets {
+    size_t w_qkv, b_qkv, w_o, b_o, w_gu, w_down, attn_norm, ffn_norm;
+  };
+  std::vector<Offsets> offs(L);
+  for (size_t l = 0; l < L; ++l) {
+    offs[l].w_qkv = take((q + 2 * kv) * C * 2);
+    offs[l].b_qkv = bias ? take((q + 2 * kv) * 4) : SIZE_MAX;
+    offs[l].w_o = take(C * q * 2);
+    offs[l].b_o = bo ? take(C * 4) : SIZE_MAX;
+    offs[l].w_gu = take(2 * I * C * 2);
+    offs[l].w_down = take(C * I * 2);
+    offs[l].attn_norm = take(C * 4);
+    offs[l].ffn_norm = take(C * 4);
+  }
+  const size_t embed = take(V * C * 2);
+  const size_t lm_head = c.tie_word_embeddings ? embed : take(V * C * 2);
+  const size_t lm_head_f32 = options_.fp32_logits ? take(V * C * 4) : SIZE_MAX;
+  const size_t final_norm = take(C * 4);
+  const size_t inv_freq = take(c.head_dim / 2 * 4);
+  KEEP_RETURN_IF_ERROR(
+      cuda_status(cudaMalloc(&weight_arena_, bytes),
+                  "allocating " + std::to_string(bytes >> 20) + " MiB of weights"));
+  weight_bytes_ = bytes;
+  auto* base = static_cast<char*>(weight_arena_);
+  layers_.resize(L);
+  for (size_t l = 0; l < L; ++l) {
+    Layer& w = layers_[l];
+    w.w_qkv = reinterpret_cast<const bf16*>(base + offs[l].w_qkv);
+    if (bias) {
+      w.b_q = reinterpret_cast<const float*>(base + offs[l].b_qkv);
+      w.b_k = w.b_q + q;
+      w.b_v = w.b_k + kv;
+    }
+    w.w_o = reinterpret_cast<const bf16*>(base + offs[l].w_o);
+    if (bo) w.b_o = reinterpret_cast<const float*>(base + offs[l].b_o);
+    w.w_gate_up = reinterpret_cast<const bf16*>(base + offs[l].w_gu);
+    w.w_down = reinterpret_cast<const bf16*>(base + offs[l].w_down);
+    w.attn_norm = reinterpret_cast<const float*>(base + offs[l].attn_norm);
+    w.ffn_norm = reinterpret_cast<const float*>(base + offs[l].ffn_norm);
+  }
+  embed_ = base + embed;
+  lm_head_ = base + lm_head;
+  if (options_.fp32_logits) lm_head_f32_ = reinterpret_cast<const float*>(base + lm_head_f32);
+  final_norm_ = reinterpret_cast<const float*>(base + final_norm);
+  inv_freq_ = reinterpret_cast<const float*>(base + inv_freq);
+  const std::vector<float> freqs = rope_inv_freq(c);
+  KEEP_RETURN_IF_ERROR(cuda_status(cudaMemcpy(const_cast<float*>(inv_freq_), freqs.data(),
+                                              freqs.size() * 4, cudaMemcpyHostToDevice),
+                                   "inv_freq"));
+  return Status::ok();
+}
+
+Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const ModelWeights& weights,
+                                                         const CudaBackendOptions& options) {
+  KEEP_RETURN_IF_ERROR(weights.config.validate().with_context("cuda backend: config"));
+  KEEP_RETURN_IF_ERROR(weights.validate().with_context("cuda backend: weights"));
+  std::unique_ptr<CudaBackend> b(new CudaBackend(weights.config, options));
+  KEEP_RETURN_IF_ERROR(b->init_device());  // kUnavailable first: no GPU is not a model problem
+  KEEP_RETURN_IF_ERROR(check_supported(weights.config));
+  KEEP_RETURN_IF_ERROR(b->allocate_weights());
+  const ModelConfig& c = b->config_;
+
+  // fp32 host tensors -> bf16 (or fp32) device, through one reusable host buffer.
+  std::vector<kernels::Bf16> staging;
+  auto put_bf16 = [&](const bf16* dst, const std::vector<const Tensor*>& parts) -> Status {
+    size_t n = 0;
+    for (const Tensor* t : parts) n += t->data.size();
+    staging.resize(n);
+    size_t at = 0;
+    for (const Tensor* t : parts) {
+      for (float v : t->data) staging[at++] = kernels::float_to_bf16(v);
+    }
+    return cuda_status(
+        cudaMemcpy(const_cast<bf16*>(dst), staging.data(), n * 2, cudaMemcpyHostToDevice),
+        "weight upload");
+  };
+  auto put_f32 = [&](const float* dst, const std::vector<const Tensor*>& parts) -> Status {
+    size_t at = 0;
+    for (const Tensor* t : parts) {
+      KEEP_RETURN_IF_ERROR(cuda_status(cudaMemcpy(const_cast<float*>(dst) + at, t->ptr(),
+                                                  t->data.size() * 4, cudaMemcpyHostToDevice),
+                                       "weight upload"));
+      at += t->data.size();
+    }
+    return Status::ok();
+  };
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    const LayerWeights& w = weights.layers[l];
+    const Layer& d = b->layers_[l];
+    KEEP_RETURN_IF_ERROR(put_bf16(d.w_qkv, {&w.wq, &w.wk, &w.wv}));
+    if (d.b_q != nullptr) KEEP_RETURN_IF_ERROR(put_f32(d.b_q, {&w.bq, &w.bk, &w.bv}));
+    KEEP_RETURN_IF_ERROR(put_bf16(d.w_o, {&w.wo}));
+    if (d.b_o != nullptr) KEEP_RETURN_IF_ERROR(put_f32(d.b_o, {&w.bo}));
+    KEEP_RETURN_IF_ERROR(put_bf16(d.w_gate_up, {&w.w_gate, &w.w_up}));
+    KEEP_RETURN_IF_ERROR(put_bf16(d.w_down, {&w.w_down}));
+    KEEP_RETURN_IF_ERROR(put_f32(d.attn_norm, {&w.attn_norm}));
+    KEEP_RETURN_IF_ERROR(put_f32(d.ffn_norm, {&w.ffn_norm}));
+  }
+  KEEP_RETURN_IF_ERROR(put_bf16(static_cast<const bf16*>(b->embed_), {&weights.embed}));
+  if (!c.tie_word_embeddings) {
+    KEEP_RETURN_IF_ERROR(put_bf16(static_cast<const bf16*>(b->lm_head_), {&weights.lm_head}));
+  }
+  KEEP_RETURN_IF_ERROR(put_f32(b->final_norm_, {&weights.final_norm}));
+  if (b->lm_head_f32_ != nullptr) {
+    KEEP_RETURN_IF_ERROR(put_f32(b->lm_head_f32_, {&weights.output_weight()}));
+  }
+  return b;
+}
+
+Result<std::unique_ptr<CudaBackend>> CudaBackend::create_random(const ModelConfig& config,
+                                                                uint64_t seed,
+                                                                const CudaBackendOptions& options) {
+  KEEP_RETURN_IF_ERROR(config.validate().with_context("cuda backend: config"));
+  std::unique_ptr<CudaBackend> b(new CudaBackend(config, options));
+  KEEP_RETURN_IF_ERROR(b->init_device());
+  KEEP_RETURN_IF_ERROR(check_supported(config));
+  KEEP_RETURN_IF_ERROR(b->allocate_weights());
+  const ModelConfig& c = b->config_;
+  const int64_t C = c.hidden_size, q = c.q_dim(), kv = c.kv_dim(), I = c.intermediate_size;
+  uint64_t tensor = 0;
+  cudaStream_t s = b->stream_;
+  // A projection from `in` features: uniform(+-sqrt(3 / in)) keeps unit-RMS inputs at unit RMS.
+  auto lin = [&](const bf16* p, int64_t n, int64_t in) {
+    const float a = std::sqrt(3.0f / static_cast<float>(in));
+    return kernels::fill_uniform(const_cast<bf16*>(p), n, seed + 7919 * ++tensor, -a, a, s);
+  };
+  auto f32 = [&](const float* p, int64_t n, float lo, float hi) {
+    return kernels::fill_uniform(const_cast<float*>(p), n, seed + 7919 * ++tensor, lo, hi, s);
+  };
+  for (const Layer& d : b->layers_) {
+    KEEP_RETURN_IF_ERROR(cuda_status(lin(d.w_qkv, (q + 2 * kv) * C, C), "random weights"));
+    if (d.b_q != nullptr)
+      KEEP_RETURN_IF_ERROR(cuda_status(f32(d.b_q, q + 2 * kv, -0.1f, 0.1f), "random"));
+    KEEP_RETURN_IF_ERROR(cuda_status(lin(d.w_o, C * q, q), "random weights"));
+    if (d.b_o != nullptr) KEEP_RETURN_IF_ERROR(cuda_status(f32(d.b_o, C, -0.1f, 0.1f), "random"));
+    KEEP_RETURN_IF_ERROR(cuda_status(lin(d.w_gate_up, 2 * I * C, C), "random weights"));
+    KEEP_RETURN_IF_ERROR(cuda_status(lin(d.w_down, C * I, I), "random weights"));
+    KEEP_RETURN_IF_ERROR(cuda_status(f32(d.attn_norm, C, 0.8f, 1.2f), "random weights"));
+    KEEP_RETURN_IF_ERROR(cuda_status(f32(d.ffn_norm, C, 0.8f, 1.2f), "random weights"));
+  }
+  KEEP_RETURN_IF_ERROR(
+      cuda_status(kernels::fill_uniform(static_cast<bf16*>(const_cast<void*>(b->embed_)),
+                                        c.vocab_size * C, seed + 7919 * ++tensor, -1.0f, 1.0f, s),
+                  "random weights"));
+  if (!c.tie_word_embeddings) {
+    KEEP_RETURN_IF_ERROR(cuda_status(
+        lin(static_cast<const bf16*>(b->lm_head_), c.vocab_size * C, C), "random weights"));
+  }
+  KEEP_RETURN_IF_ERROR(cuda_status(f32(b->final_norm_, C, 0.8f, 1.2f), "random weights"));
+  if (b->lm_head_f32_ != nullptr) {  // the same values as the bf16 copy
+    KEEP_RETURN_IF_ERROR(
+        cuda_status(kernels::convert(const_cast<float*>(b->lm_head_f32_),
+                                     static_cast<const bf16*>(b->lm_head_), c.vocab_size * C, s),
+                    "random weights"));
+  }
+  KEEP_RETURN_IF_ERROR(cuda_status(cudaStreamSynchronize(s), "random weights"));
+  return b;
+}
+
+// ---- memory ----
+
+Result<DeviceBuffer> CudaBackend::allocate(size_t floats) {
+  if (floats == 0) return DeviceBuffer();
+  void* p = nullptr;
+  cudaError_t err = cudaMallocAsync(&p, floats * sizeof(float), stream_);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return Status(Code::kResourceExhausted, "cuda backend: allocating " +
+                                                std::to_string(floats * 4) +
+                                                " bytes: " + cudaGetErrorString(err));
+  }
+  KEEP_CUDA_CHECK(cudaMemsetAsync(p, 0, floats * sizeof(float), stream_));
+  // Freed on the legacy default stream, which orders after this (blocking) stream's work.
+  return DeviceBuffer(static_cast<float*>(p), floats, DeviceKind::kCuda, &free_pool_floats);
+}
+
+void CudaBackend::copy_to_device(float* dst, const float* src_host, size_t floats) {
+  KEEP_CUDA_CHECK(cudaMemcpyAsync(dst, src_host, floats * 4, cudaMemcpyDefault, stream_));
+}
+void CudaBackend::copy_to_host(float* dst_host, const float* src, size_t floats) {
+  KEEP_CUDA_CHECK(cudaMemcpyAsync(dst_host, src, floats * 4, cudaMemcpyDefault, stream_));
+  KEEP_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+void CudaBackend::copy_on_device(float* dst, const float* src, size_t floats) {
+  KEEP_CUDA_CHECK(cudaMemcpyAsync(dst, src, floats * 4, cudaMemcpyDeviceToDevice, stream_));
+}
+void CudaBackend::synchronize() { KEEP_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
+int32_t* CudaBackend::upload_ints(const int32_t* host, size_t n) {
+  void* p = nullptr;
+  KEEP_CUDA_CHECK(cudaMallocAsync(&p, std::max<size_t>(n, 1) * 4, stream_));
+  if (n > 0) KEEP_CUDA_CHECK(cudaMemcpyAsync(p, host, n * 4, cudaMemcpyHostToDevice, stream_));
+  return static_cast<int32_t*>(p);
+}
+void CudaBackend::release_ints(int32_t* dev) { KEEP_CUDA_CHECK(cudaFreeAsync(dev, stream_)); }
+
+Status CudaBackend::reserve(int32_t max_rows, int32_t max_keys) {
+  if (max_rows <= 0 || max_keys <= 0) {
+    return Status(Code::kInvalidArgument, "cuda backend: reserve needs positive sizes");
+  }
+  const int32_t rows = std::max({max_rows, reserved_rows_, 16});
+  const int32_t keys = std::max(max_keys, reserved_keys_);
+  if (rows == reserved_rows_ && keys == reserved_keys_ && workspace_ != nullptr) {
+    return Status::ok();
+  }
+  const ModelConfig& c = config_;
+  const size_t R = rows, C = c.hidden_size, q = c.q_dim(), kv = c.kv_dim(), I = c.intermediate_size,
+               H = c.num_heads;
+  const size_t dec = kernels::attention_decode_workspace_floats(
+      std::min(rows, options_.decode_rows), static_cast<int>(H), static_cast<int>(c.head_dim),
+      keys);
+  size_t bytes = 0;
+  auto take = [&](size_t b) {
+    const size_t at = bytes;
+    bytes += align_up(b);
+    return at;
+  };
+  const size_t o_xn = take(R * C * 2), o_qkv = take(R * (q + 2 * kv) * 2), o_att = take(R * q * 2),
+               o_proj = take(R * C * 2), o_gu = take(R * 2 * I * 2), o_act = take(R * I * 2),
+               o_lse = take(R * H * 4), o_rows = take(R * C * 4), o_normed = take(R * C * 4),
+               o_dec = take(dec * 4), o_blas = take(kBlasWorkspace), o_sc = take(R * 4),
+               o_scf = take(R * 4);
+  synchronize();
+  blas_ = kernels::BlasHandle();
+  cudaFree(workspace_);
+  workspace_ = nullptr;
+  KEEP_RETURN_IF_ERROR(cuda_status(cudaMalloc(&workspace_, bytes),
+                                   "workspace of " + std::to_string(bytes >> 20) + " MiB for " +
+                                       std::to_string(rows) + " rows"));
+  workspace_bytes_ = bytes;
+  auto* base = static_cast<char*>(workspace_);
+  xn_ = base + o_xn;
+  qkv_ = base + o_qkv;
+  att_ = base + o_att;
+  proj_ = base + o_proj;
+  gate_up_ = base + o_gu;
+  act_ = base + o_act;
+  lse_ = reinterpret_cast<float*>(base + o_lse);
+  rows_f32_ = reinterpret_cast<float*>(base + o_rows);
+  normed_f32_ = reinterpret_cast<float*>(base + o_normed);
+  decode_ws_ = reinterpret_cast<float*>(base + o_dec);
+  decode_ws_floats_ = dec;
+  blas_ws_ = base + o_blas;
+  scalars_ = reinterpret_cast<int32_t*>(base + o_sc);
+  scalars_f_ = reinterpret_cast<float*>(base + o_scf);
+  const cublasStatus_t st = blas_.init(stream_, blas_ws_, kBlasWorkspace);
+  if (st != CUBLAS_STATUS_SUCCESS) {
+    return Status(Code::kUnavailable,
+                  std::string("cuda backend: cublas: ") + kernels::blas_status_name(st));
+  }
+  reserved_rows_ = rows;
+  reserved_keys_ = keys;
+  return Status::ok();
+}
+
+Result<std::unique_ptr<AttentionPlan>> CudaBackend::plan(const AttentionLayout& layout) {
+  auto p = std::make_unique<CudaPlan>(layout, stream_);
+  const AttentionLayout& l = p->layout_;
+  const int32_t rows = l.num_rows();
+  p->tiled = rows > options_.decode_rows;
+  kernels::PrefillScheduleHost sched;
+  if (p->tiled) {
+    kernels::AttentionRows host_rows;
+    host_rows.row_offsets = l.span_offsets.data();
+    host_rows.spans = reinterpret_cast<const kernels::KeyRange*>(l.spans.data());
+    host_rows.rows = rows;
+    host_rows.num_keys = l.num_keys;
+    sched = kernels::build_prefill_schedule(host_rows);
+  }
+  static_assert(sizeof(KeySpan) == sizeof(kernels::KeyRange), "spans upload as is");
+  // One block: slots, positions, row offsets, spans, key groups, schedule.
+  std::vector<int32_t> block;
+  auto append = [&](const int32_t* v, size_t n) {
+    const size_t at = block.size();
+    block.insert(block.end(), v, v + n);
+    while (block.size() % 4 != 0) block.push_back(0);  // 16-byte aligned arrays
+    return at;
+  };
+  const size_t a_slots = append(l.row_slot.data(), l.row_slot.size());
+  const size_t a_pos = append(l.row_position.data(), l.row_position.size());
+  const size_t a_offs = append(l.span_offsets.data(), l.span_offsets.size());
+  const size_t a_spans =
+      append(reinterpret_cast<const int32_t*>(l.spans.data()), l.spans.size() * 2);
+  const size_t a_groups = append(l.key_group.data(), l.key_group.size());
+  const size_t a_toffs = append(sched.tile_offsets.data(), sched.tile_offsets.size());
+  const size_t a_tiles = append(sched.tiles.data(), sched.tiles.size());
+  void* dev = nullptr;
+  KEEP_RETURN_IF_ERROR(cuda_status(
+      cudaMallocAsync(&dev, std::max<size_t>(block.size(), 1) * 4, stream_), "plan upload"));
+  p->block_ = static_cast<int32_t*>(dev);
+  KEEP_RETURN_IF_ERROR(cuda_status(
+      cudaMemcpyAsync(dev, block.data(), block.size() * 4, cudaMemcpyHostToDevice, stream_),
+      "plan upload"));
+  const int32_t* d = p->block_;
+  p->slots = d + a_slots;
+  p->positions = d + a_pos;
+  p->key_group = l.key_group.empty() ? nullptr : d + a_groups;
+  p->rows.row_offsets = d + a_offs;
+  p->rows.spans = reinterpret_cast<const kernels::KeyRange*>(d + a_spans);
+  p->rows.rows = rows;
+  p->rows.num_keys = l.num_keys;
+  p->schedule.tile_offsets = d + a_toffs;
+  p->schedule.tiles = d + a_tiles;
+  // The host vector is pageable: cudaMemcpyAsync has staged it before returning.
+  return std::unique_ptr<AttentionPlan>(std::move(p));
+}
+
+// ---- launchers ----
+
+void CudaBackend::embed(float* hidden, const int32_t* tokens, int32_t n) {
+  int32_t* ids = upload_ints(tokens, static_cast<size_t>(n));
+  KEEP_CUDA_CHECK(kernels::embedding(hidden, static_cast<const bf16*>(embed_), ids, n,
+                                     config_.hidden_size, config_.vocab_size, stream_));
+  release_ints(ids);
+}
+
+void CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_in, int32_t layer,
+                                const KvView& kv, const AttentionPlan& plan_base) {
+  const auto& plan = static_cast<const CudaPlan&>(plan_base);
+  const ModelConfig& c = config_;
+  const Layer& w = layers_[static_cast<size_t>(layer)];
+  const int64_t rows = plan.rows.rows;
+  KEEP_CHECK(rows <= reserved_rows_ && plan.rows.num_keys <= reserved_keys_);
+  KEEP_CHECK(kv.type == KvType::kBF16);
+  auto* view_k = static_cast<bf16*>(kv.k);
+  auto* view_v = static_cast<bf16*>(kv.v);
+  const int64_t C = c.hidden_size, q = c.q_dim(), kvd = c.kv_dim(), I = c.intermediate_size;
+  const int64_t qkv_w = q + 2 * kvd;
+  const int heads = static_cast<int>(c.num_heads), kv_heads = static_cast<int>(c.num_kv_heads);
+  const int hd = static_cast<int>(c.head_dim);
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  auto* xn = static_cast<bf16*>(xn_);
+  auto* qkv = static_cast<bf16*>(qkv_);
+  auto* att = static_cast<bf16*>(att_);
+  auto* proj = static_cast<bf16*>(proj_);
+  auto* gu = static_cast<bf16*>(gate_up_);
+  auto* act = static_cast<bf16*>(act_);
+  cublasHandle_t h = blas_.get();
+
+  float* res = out.hidden;
+  if (res != hidden_in) {
+    KEEP_CUDA_CHECK(
+        cudaMemcpyAsync(res, hidden_in, rows * C * 4, cudaMemcpyDeviceToDevice, stream_));
+  }
+  // Attention half.
+  KEEP_CUDA_CHECK(
+      kernels::add_rmsnorm(xn, res, nullptr, nullptr, w.attn_norm, rows, C, eps, stream_));
+  KEEP_BLAS_CHECK(kernels::gemm_nt(h, qkv, qkv_w, xn, C, w.w_qkv, rows, qkv_w, C));
+  KEEP_CUDA_CHECK(kernels::qkv_finish(qkv, out.k_pre, out.v, view_k, view_v, w.b_q, w.b_k, w.b_v,
+                                      plan.positions, plan.slots, inv_freq_, rows, heads, kv_heads,
+                                      hd, stream_));
+  const bool pool = out.pooled != nullptr && plan.key_group != nullptr;
+  float* lse = out.lse != nullptr ? out.lse : (pool ? lse_ : nullptr);
+  if (plan.tiled) {
+    KEEP_CUDA_CHECK(kernels::attention_prefill(att, q, lse, qkv, qkv_w, view_k, view_v, plan.rows,
+                                               plan.schedule, heads, kv_heads, hd, scale, stream_));
+  } else {
+    KEEP_CUDA_CHECK(kernels::attention_decode(att, q, lse, qkv, qkv_w, view_k, view_v, plan.rows,
+                                              heads, kv_heads, hd, scale, decode_ws_,
+                                              decode_ws_floats_, stream_));
+  }
+  if (pool) {
+    KEEP_CUDA_CHECK(kernels::attention_pool(out.pooled, qkv, qkv_w, view_k, lse, plan.rows,
+                                            plan.key_group, plan.layout().num_groups, heads,
+                                            kv_heads, hd, scale, stream_));
+  }
+  KEEP_BLAS_CHECK(kernels::gemm_nt(h, proj, C, att, q, w.w_o, rows, C, q));
+  // MLP half: residual += o_proj (+ bias), norm, gate/up, SwiGLU, down, residual += down.
+  KEEP_CUDA_CHECK(kernels::add_rmsnorm(xn, res, proj, w.b_o, w.ffn_norm, rows, C, eps, stream_));
+  KEEP_BLAS_CHECK(kernels::gemm_nt(h, gu, 2 * I, xn, C, w.w_gate_up, rows, 2 * I, C));
+  KEEP_CUDA_CHECK(kernels::swiglu_rows(act, gu, rows, I, stream_));
+  KEEP_BLAS_CHECK(kernels::gemm_nt(h, proj, C, act, I, w.w_down, rows, C, I));
+  KEEP_CUDA_CHECK(
+      kernels::add_rmsnorm(nullptr, res, proj, nullptr, w.ffn_norm, rows, C, eps, stream_));
+}
+
+void CudaBackend::load_kv(const KvView& kv, int32_t first_slot, const float* k_pre, const float* v,
+                          const int32_t* positions, int32_t n) {
+  KEEP_CHECK(kv.type == KvType::kBF16);
+  const int64_t kvd = config_.kv_dim();
+  const size_t elems = static_cast<size_t>(n) * static_cast<size_t>(kvd);
+  auto* k_out = static_cast<bf16*>(kv.k) + static_cast<int64_t>(first_slot) * kvd;
+  auto* v_out = static_cast<bf16*>(kv.v) + static_cast<int64_t>(first_slot) * kvd;
+  // Stage fp32 K in stream-ordered memory, rotate it there in fp32, round once into the view.
+  void* tmp = nullptr;
+  KEEP_CUDA_CHECK(cudaMallocAsync(&tmp, elems * sizeof(float), stream_));
+  auto* k32 = static_cast<float*>(tmp);
+  KEEP_CUDA_CHECK(cudaMemcpyAsync(k32, k_pre, elems * 4, cudaMemcpyDefault, stream_));
+  int32_t* pos = upload_ints(positions, static_cast<size_t>(n));
+  KEEP_CUDA_CHECK(
+      kernels::rope(k32, pos, inv_freq_, n, config_.num_kv_heads, config_.head_dim, kvd, stream_));
+  KEEP_CUDA_CHECK(kernels::convert(k_out, k32, static_cast<int64_t>(elems), stream_));
+  KEEP_CUDA_CHECK(cudaMemcpyAsync(k32, v, elems * 4, cudaMemcpyDefault, stream_));
+  KEEP_CUDA_CHECK(kernels::convert(v_out, k32, static_cast<int64_t>(elems), stream_));
+  release_ints(pos);
+  KEEP_CUDA_CHECK(cudaFreeAsync(tmp, stream_));
+}
+
+void CudaBackend::final_logits(float* logits, const float* hidden, const int32_t* rows, int32_t n) {
+  KEEP_CHECK(n <= reserved_rows_);
+  const int64_t C = config_.hidden_size;
+  int32_t* idx = upload_ints(rows, static_cast<size_t>(n));
+  auto* xn = static_cast<bf16*>(xn_);
+  const float eps = static_cast<float>(config_.rms_norm_eps);
+  KEEP_CUDA_CHECK(kernels::gather_rows(rows_f32_, hidden, idx, n, C, stream_));
+  if (lm_head_f32_ != nullptr) {
+    KEEP_CUDA_CHECK(kernels::rmsnorm_residual(normed_f32_, rows_f32_, nullptr, final_norm_, n, C,
+                                              eps, stream_));
+    KEEP_BLAS_CHECK(kernels::gemm_nt_f32(blas_.get(), logits, config_.vocab_size, normed_f32_, C,
+                                         lm_head_f32_, n, config_.vocab_size, C));
+  } else {
+    KEEP_CUDA_CHECK(
+        kernels::add_rmsnorm(xn, rows_f32_, nullptr, nullptr, final_norm_, n, C, eps, stream_));
+    KEEP_BLAS_CHECK(kernels::gemm_nt(blas_.get(), logits, config_.vocab_size, xn, C,
+                                     static_cast<const bf16*>(lm_head_), n, config_.vocab_size, C));
+  }
+  release_ints(idx);
+}
+
+void CudaBackend::argmax(int32_t* out_host, const float* logits, int32_t rows) {
+  KEEP_CHECK(rows <= reserved_rows_);
+  KEEP_CUDA_CHECK(kernels::argmax(scalars_, logits, rows, config_.vocab_size, stream_));
+  KEEP_CUDA_CHECK(cudaMemcpyAsync(out_host, scalars_, static_cast<size_t>(rows) * 4,
+                                  cudaMemcpyDeviceToHost, stream_));
+  KEEP_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void CudaBackend::token_logprob(float* out_host, const float* logits, const int32_t* tokens_host,
+                                int32_t rows) {
+  KEEP_CHECK(rows <= reserved_rows_);
+  int32_t* tok = upload_ints(tokens_host, static_cast<size_t>(rows));
+  KEEP_CUDA_CHECK(
+      kernels::token_logprob(scalars_f_, logits, tok, rows, config_.vocab_size, stream_));
+  KEEP_CUDA_CHECK(cudaMemcpyAsync(out_host, scalars_f_, static_cast<size_t>(rows) * 4,
+                                  cudaMemcpyDeviceToHost, stream_));
+  release_ints(tok);
+  KEEP_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+}  // namespace keep::engine

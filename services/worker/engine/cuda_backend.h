@@ -1,0 +1,125 @@
+// CudaBackend: the engine's layer computations on one NVIDIA GPU, bf16 weights and matrix-product
+// operands with fp32 accumulation (cuBLAS), our own kernels for the rest (services/worker/kernels).
+//
+// Precision plan. Weights: bf16 (norm weights and biases fp32). The residual stream -- the
+// engine's hidden buffers -- stays fp32 between layers and inside them (each residual add happens
+// in fp32 in the fused add+RMSNorm kernel), so rounding does not accumulate over layers the way a
+// bf16 residual does; what feeds a matrix product is rounded to bf16 once. The KV view is bf16
+// (kv_type()): K is rotated in fp32 and rounded once, and the attention, decode and pooling kernels
+// all read the same values. The pre-RoPE K and V handed out for the KV store are fp32.
+//
+// Memory. All weights live in one device allocation made at creation; the workspace (activations
+// of one layer call, the decode-attention scratch, the cuBLAS workspace) is allocated by reserve()
+// and only grows there. A request's plan uploads its index arrays (slots, positions, spans, the
+// prefill tile schedule) once into stream-ordered pool memory; the layer loop then only launches.
+// One stream; every launcher is asynchronous except copy_to_host and synchronize.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "services/worker/engine/backend.h"
+#include "services/worker/engine/model_weights.h"
+#include "services/worker/kernels/gemm.h"
+
+namespace keep::engine {
+
+struct CudaBackendOptions {
+  int device = 0;
+  // Rows up to which attention uses the split-key decode kernel instead of the tiled one.
+  int32_t decode_rows = 16;
+  // The final norm and lm_head in fp32 (an fp32 copy of lm_head: vocab x hidden x 4 bytes more,
+  // read once per decode step): logits for greedy picks and candidate scores without bf16's
+  // rounding of the last product. Off: bf16 like the blocks.
+  bool fp32_logits = true;
+};
+
+class CudaBackend final : public Backend {
+ public:
+  // Uploads `weights` (converted to bf16) to the device. kUnavailable without a usable GPU.
+  static Result<std::unique_ptr<CudaBackend>> create(const ModelWeights& weights,
+                                                     const CudaBackendOptions& options = {});
+  // Random weights of `config`'s shapes made on the device (uniform, never zero): for timing
+  // models whose weights are not at hand. Values are scaled so activations stay finite.
+  static Result<std::unique_ptr<CudaBackend>> create_random(const ModelConfig& config,
+                                                            uint64_t seed,
+                                                            const CudaBackendOptions& options = {});
+  ~CudaBackend() override;
+
+  DeviceKind kind() const override { return DeviceKind::kCuda; }
+  std::string name() const override;
+  const ModelConfig& config() const override { return config_; }
+  KvType kv_type() const override { return KvType::kBF16; }
+
+  Result<DeviceBuffer> allocate(size_t floats) override;
+  void copy_to_device(float* dst, const float* src_host, size_t floats) override;
+  void copy_to_host(float* dst_host, const float* src, size_t floats) override;
+  void copy_on_device(float* dst, const float* src, size_t floats) override;
+  void synchronize() override;
+
+  Status reserve(int32_t max_rows, int32_t max_keys) override;
+  Result<std::unique_ptr<AttentionPlan>> plan(const AttentionLayout& layout) override;
+
+  void embed(float* hidden, const int32_t* tokens, int32_t n) override;
+  void layer_forward(const LayerOutputs& out, const float* hidden_in, int32_t layer,
+                     const KvView& kv, const AttentionPlan& plan) override;
+  void load_kv(const KvView& kv, int32_t first_slot, const float* k_pre, const float* v,
+               const int32_t* positions, int32_t n) override;
+  void final_logits(float* logits, const float* hidden, const int32_t* rows, int32_t n) override;
+  void argmax(int32_t* out_host, const float* logits, int32_t rows) override;
+  void token_logprob(float* out_host, const float* logits, const int32_t* tokens_host,
+                     int32_t rows) override;
+
+  cudaStream_t stream() const { return stream_; }
+  size_t weight_bytes() const { return weight_bytes_; }
+  size_t workspace_bytes() const { return workspace_bytes_; }
+
+ private:
+  struct Layer;  // device pointers of one block's weights
+  CudaBackend(const ModelConfig& config, const CudaBackendOptions& options);
+  Status init_device();
+  Status allocate_weights();
+  // Device copy of `n` host ints in stream-ordered memory, freed after the stream's current work.
+  int32_t* upload_ints(const int32_t* host, size_t n);
+  void release_ints(int32_t* dev);
+
+  ModelConfig config_;
+  CudaBackendOptions options_;
+  std::string device_name_;
+  cudaStream_t stream_ = nullptr;
+  kernels::BlasHandle blas_;
+
+  // Weights: one allocation; pointers into it.
+  void* weight_arena_ = nullptr;
+  size_t weight_bytes_ = 0;
+  std::vector<Layer> layers_;
+  const void* embed_ = nullptr;         // (vocab, C) bf16
+  const void* lm_head_ = nullptr;       // (vocab, C) bf16; == embed_ when tied
+  const float* lm_head_f32_ = nullptr;  // (vocab, C) fp32 when options_.fp32_logits
+  const float* final_norm_ = nullptr;   // (C)
+  const float* inv_freq_ = nullptr;     // (hd / 2)
+
+  // Workspace (reserve()).
+  void* workspace_ = nullptr;
+  size_t workspace_bytes_ = 0;
+  void* xn_ = nullptr;           // (rows, C) bf16: normed input of a product
+  void* qkv_ = nullptr;          // (rows, q + 2 kv) bf16
+  void* att_ = nullptr;          // (rows, q) bf16
+  void* proj_ = nullptr;         // (rows, C) bf16: o_proj / down_proj output
+  void* gate_up_ = nullptr;      // (rows, 2 I) bf16
+  void* act_ = nullptr;          // (rows, I) bf16
+  float* lse_ = nullptr;         // (rows, H) when the caller wants pooling without lse
+  float* rows_f32_ = nullptr;    // (rows, C) gathered rows for final_logits
+  float* normed_f32_ = nullptr;  // (rows, C) their final norm, fp32 logits
+  float* decode_ws_ = nullptr;
+  size_t decode_ws_floats_ = 0;
+  void* blas_ws_ = nullptr;
+  int32_t* scalars_ = nullptr;  // (rows) device ints for argmax results
+  float* scalars_f_ = nullptr;  // (rows) device floats for log-probs
+};
+
+}  // namespace keep::engine
