@@ -1,4 +1,5 @@
-// keep-generate: runs the engine on one prompt from the command line, on the CPU backend.
+// keep-generate: runs the engine on one prompt from the command line, on the CPU or CUDA backend
+// (--device auto|cpu|cuda; auto takes the GPU when this build has CUDA and a GPU answers).
 //
 //   keep-generate --model models/SmolLM2-135M-Instruct.Q4_1.gguf --chat --prompt "Hi"   # text
 //   keep-generate --model DIR --prompt-ids 1,2,3 --ids --max-tokens 8                   # ids
@@ -24,6 +25,9 @@
 #include <nlohmann/json.hpp>
 
 #include "services/worker/engine/cpu_backend.h"
+#ifdef KEEP_HAVE_CUDA
+#include "services/worker/engine/cuda_backend.h"
+#endif
 #include "services/worker/engine/engine.h"
 #include "services/worker/engine/model_weights.h"
 #include "services/worker/engine/sampling.h"
@@ -83,6 +87,7 @@ std::vector<std::string> declare_options(keep::Options* opts) {
       "candidates as token ids: '1,2|3,4' (repeatable), for token-level scoring");
   add("json", "false", "print the result as one JSON object (no streaming)");
   add("threads", "0", "CPU threads for loading, attention and BLAS; 0 = all cores");
+  add("device", "auto", "cpu, cuda, or auto (cuda when built with CUDA and a GPU is usable)");
   add("stats", "false", "print load time and prefill / decode tokens per second to stderr");
   add("log-level", "warn", "debug, info, warn, error or off");
   return names;
@@ -182,6 +187,7 @@ struct Request {
   std::vector<std::vector<int32_t>> candidate_ids;  // token ids
   bool json = false;
   int threads = 0;
+  std::string device = "auto";
   bool stats = false;
 };
 
@@ -252,6 +258,10 @@ std::optional<Failure> read_request(const keep::Options& o,
   if (*threads < 0 || *threads > 4096)
     return usage("--threads: must be >= 0, got " + o.str("threads"));
   r->threads = static_cast<int>(*threads);
+  r->device = o.str("device");
+  if (r->device != "auto" && r->device != "cpu" && r->device != "cuda") {
+    return usage("--device: must be auto, cpu or cuda, got '" + r->device + "'");
+  }
 
   // Candidates: every occurrence on the command line, else the (config file) value.
   std::vector<std::string> text_lists = repeated[0], id_lists = repeated[1];
@@ -296,17 +306,37 @@ std::optional<Failure> load(const Request& r, Runtime* rt) {
   auto weights = std::make_shared<const eng::ModelWeights>(std::move(rt->model.weights));
   rt->model.weights = eng::ModelWeights{};
   rt->model.weights.config = weights->config;
-  eng::CpuBackendOptions bo;
-  bo.attention_threads = r.threads;
-  bo.blas_threads = r.threads;
-  auto backend = eng::CpuBackend::create(weights, bo);
-  if (!backend.is_ok()) return runtime("cannot load model: " + backend.status().message());
-  auto engine = eng::Engine::create(std::move(backend).value());
+  std::unique_ptr<eng::Backend> backend;
+#ifdef KEEP_HAVE_CUDA
+  if (r.device != "cpu") {
+    auto cuda = eng::CudaBackend::create(*weights);
+    if (cuda.is_ok()) {
+      backend = std::move(cuda).value();
+    } else if (r.device == "cuda") {
+      return runtime("cannot use the GPU: " + cuda.status().message());
+    } else if (cuda.status().code() != keep::Code::kUnavailable) {
+      KEEP_LOG_INFO(kProgram, "running on the CPU: %s", cuda.status().message().c_str());
+    }
+  }
+#else
+  if (r.device == "cuda") return runtime("cannot use the GPU: this build has no CUDA backend");
+#endif
+  if (!backend) {
+    eng::CpuBackendOptions bo;
+    bo.attention_threads = r.threads;
+    bo.blas_threads = r.threads;
+    auto cpu = eng::CpuBackend::create(weights, bo);
+    if (!cpu.is_ok()) return runtime("cannot load model: " + cpu.status().message());
+    backend = std::move(cpu).value();
+  }
+  const std::string backend_name = backend->name();
+  auto engine = eng::Engine::create(std::move(backend));
   if (!engine.is_ok()) return runtime(engine.status().message());
   rt->engine = std::move(engine).value();
   if (r.stats) {
-    std::fprintf(stderr, "%s: load: %.2f s (%s, %s)\n", kProgram, seconds_since(t0),
-                 rt->model.format.c_str(), weights->config.to_string().c_str());
+    std::fprintf(stderr, "%s: load: %.2f s (%s, %s) on %s\n", kProgram, seconds_since(t0),
+                 rt->model.format.c_str(), weights->config.to_string().c_str(),
+                 backend_name.c_str());
   }
   return std::nullopt;
 }
