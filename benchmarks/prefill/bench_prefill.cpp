@@ -1,0 +1,174 @@
+// bench_prefill: time-to-first-token of a full causal prefill and batch-1 decode tokens/s on the
+// CUDA backend, random bf16 weights of a real model's shape made on the GPU.
+//
+//   build/bin/bench_prefill --shape qwen2.5-7b --tokens 1024,2048,4096 [--reps 10] [--warmup 3]
+//       [--decode 64] [--decode-context 1024] [--json out.jsonl]
+//
+// TTFT = wall time of Engine::prefill (embedding, every layer, final norm + lm_head of the last
+// row, logits copied to the host), the prompt in one chunk; median of --reps after --warmup runs.
+// Decode: greedy generation of --decode tokens after a --decode-context prompt, minus the same
+// prompt's one-token generation, per token. benchmarks/prefill/run.sh runs this and HF
+// transformers (hf_prefill.py) in one go and prints the ratios.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "benchmarks/prefill/model_shapes.h"
+#include "services/worker/engine/cuda_backend.h"
+#include "services/worker/engine/engine.h"
+
+using namespace keep::engine;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+int usage(const char* msg) {
+  std::fprintf(stderr, "bench_prefill: %s\n", msg);
+  std::fprintf(stderr,
+               "usage: bench_prefill --shape NAME --tokens N[,N...] [--reps R] [--warmup W] "
+               "[--decode T] [--decode-context N] [--json FILE]\n  shapes:");
+  for (const auto& n : keep::bench::model_shape_names()) std::fprintf(stderr, " %s", n.c_str());
+  std::fprintf(stderr, "\n");
+  return 2;
+}
+
+int fail(const keep::Status& st) {
+  std::fprintf(stderr, "bench_prefill: %s\n", st.to_string().c_str());
+  return 1;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Matrix-product and attention FLOPs of a causal prefill of n tokens (last row's lm_head only).
+double prefill_flops(const ModelConfig& c, int64_t n) {
+  const double C = double(c.hidden_size), q = double(c.q_dim()), kv = double(c.kv_dim()),
+               I = double(c.intermediate_size), L = double(c.num_layers);
+  const double linear = 2.0 * n * L * (C * (q + 2 * kv) + q * C + 3.0 * C * I);
+  const double attention =
+      4.0 * double(c.head_dim) * double(c.num_heads) * L * (double(n) * (n + 1) / 2);
+  return linear + attention + 2.0 * C * double(c.vocab_size);
+}
+
+std::vector<int64_t> parse_list(const char* s) {
+  std::vector<int64_t> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) out.push_back(std::atoll(item.c_str()));
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string shape = "qwen2.5-7b", json;
+  std::vector<int64_t> lens = {1024, 2048, 4096};
+  int reps = 10, warmup = 3, decode = 64;
+  int64_t decode_context = 1024;
+  for (int i = 1; i < argc; ++i) {
+    auto next = [&]() -> const char* { return i + 1 < argc ? argv[++i] : nullptr; };
+    const char* a = argv[i];
+    const char* v = nullptr;
+    if (!std::strcmp(a, "--shape") && (v = next()))
+      shape = v;
+    else if (!std::strcmp(a, "--tokens") && (v = next()))
+      lens = parse_list(v);
+    else if (!std::strcmp(a, "--reps") && (v = next()))
+      reps = std::atoi(v);
+    else if (!std::strcmp(a, "--warmup") && (v = next()))
+      warmup = std::atoi(v);
+    else if (!std::strcmp(a, "--decode") && (v = next()))
+      decode = std::atoi(v);
+    else if (!std::strcmp(a, "--decode-context") && (v = next()))
+      decode_context = std::atoll(v);
+    else if (!std::strcmp(a, "--json") && (v = next()))
+      json = v;
+    else
+      return usage((std::string("bad argument: ") + a).c_str());
+  }
+  const auto cfg = keep::bench::model_shape(shape);
+  if (!cfg) return usage(("unknown shape " + shape).c_str());
+  if (lens.empty() || reps < 1 || warmup < 0 || decode < 0) return usage("bad sizes");
+  for (int64_t n : lens) {
+    if (n < 1 || n > 32768) return usage("--tokens must be in [1, 32768]");
+  }
+  const int64_t max_len = std::max(*std::max_element(lens.begin(), lens.end()), decode_context);
+
+  const auto t_load = Clock::now();
+  auto backend = CudaBackend::create_random(*cfg, 20261129);
+  if (!backend.is_ok()) return fail(backend.status());
+  const std::string name = (*backend)->name();
+  auto engine = Engine::create(std::move(backend).value(), static_cast<int32_t>(max_len));
+  if (!engine.is_ok()) return fail(engine.status());
+  Engine& e = **engine;
+  std::printf("# %s | %s | weights made in %.1f s\n", shape.c_str(), name.c_str(),
+              std::chrono::duration<double>(Clock::now() - t_load).count());
+  auto cache = KvCache::create(e.backend(), static_cast<int32_t>(max_len + decode + 1));
+  if (!cache.is_ok()) return fail(cache.status());
+
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<int32_t> tok(0, static_cast<int32_t>(cfg->vocab_size) - 1);
+  std::vector<int32_t> ids(static_cast<size_t>(max_len));
+  for (auto& t : ids) t = tok(rng);
+
+  std::ofstream out;
+  if (!json.empty()) out.open(json, std::ios::app);
+  std::printf("%-14s %7s %10s %10s %10s %9s\n", "shape", "tokens", "ttft_ms", "min_ms", "tok/s",
+              "TFLOP/s");
+  for (int64_t n : lens) {
+    std::vector<double> ms;
+    for (int r = 0; r < warmup + reps; ++r) {
+      cache->set_size(0);
+      const auto t0 = Clock::now();
+      auto lg = e.prefill(*cache, std::span<const int32_t>(ids.data(), static_cast<size_t>(n)));
+      const double t = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+      if (!lg.is_ok()) return fail(lg.status());
+      if (r >= warmup) ms.push_back(t);
+    }
+    const double med = median(ms);
+    const double tflops = prefill_flops(*cfg, n) / (med * 1e-3) / 1e12;
+    std::printf("%-14s %7lld %10.2f %10.2f %10.0f %9.1f\n", shape.c_str(), (long long)n, med,
+                *std::min_element(ms.begin(), ms.end()), n / (med * 1e-3), tflops);
+    if (out) {
+      out << "{\"engine\":\"keep\",\"shape\":\"" << shape << "\",\"tokens\":" << n
+          << ",\"ttft_ms\":" << med << ",\"tflops\":" << tflops << "}\n";
+    }
+  }
+  if (decode > 0) {
+    GenerateOptions g;
+    g.stop_at_eos = false;
+    const std::span<const int32_t> prompt(ids.data(), static_cast<size_t>(decode_context));
+    std::vector<double> one, many;
+    for (int r = 0; r < 3; ++r) {
+      g.max_tokens = 1;
+      auto t0 = Clock::now();
+      auto a = e.generate(prompt, g);
+      one.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+      g.max_tokens = decode + 1;
+      t0 = Clock::now();
+      auto b = e.generate(prompt, g);
+      many.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+      if (!a.is_ok()) return fail(a.status());
+      if (!b.is_ok()) return fail(b.status());
+    }
+    const double per_token = (median(many) - median(one)) / decode;
+    std::printf("%-14s decode after %lld tokens: %.3f ms/token, %.1f tokens/s\n", shape.c_str(),
+                (long long)decode_context, per_token, 1000.0 / per_token);
+    if (out) {
+      out << "{\"engine\":\"keep\",\"shape\":\"" << shape
+          << "\",\"decode_context\":" << decode_context << ",\"decode_ms_per_token\":" << per_token
+          << "}\n";
+    }
+  }
+  return 0;
+}

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Builds, on this machine, the GPU programs that need the whole repository's Debian packages
+# (test_cuda_engine, bench_prefill: the engine, its GGUF/HF loaders, nlohmann-json, utf8proc) and
+# packs them with the shared libraries a bare CUDA machine lacks into .gpu-bundle/, which
+# scripts/gpu-check.sh runs when it finds it. For GPU machines that cannot install our packages
+# (no network): carry .gpu-bundle with the call. Usage: scripts/gpu-bundle.sh [build-dir]
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+build="${1:-$root/build-gpu-bundle}"
+out="$root/.gpu-bundle"
+export PATH=/usr/local/cuda/bin:$PATH
+generator=()
+command -v ninja >/dev/null && generator=(-G Ninja)
+cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DKEEP_CUDA=ON \
+  -DCMAKE_CUDA_ARCHITECTURES=90 -DKEEP_BENCHMARKS=ON -DKEEP_TESTS=ON >/dev/null
+cmake --build "$build" --target test_cuda_engine bench_prefill -j "$(nproc)"
+rm -rf "$out"
+mkdir -p "$out/bin" "$out/lib"
+cp "$(find "$build" -type f -name test_cuda_engine -perm -u+x | head -1)" "$out/bin/"
+cp "$build/bin/bench_prefill" "$out/bin/"
+# Shared libraries outside glibc, libstdc++ and CUDA (which the GPU machine has).
+for b in "$out"/bin/*; do
+  ldd "$b" | awk '/=> \//{print $3}' | while read -r lib; do
+    case "$(basename "$lib")" in
+      libc.so* | libm.so* | libstdc++* | libgcc_s* | ld-linux* | libcuda* | libcublas* | \
+        libcudart* | libdl.so* | libpthread* | librt.so*) ;;
+      *) cp -uL "$lib" "$out/lib/" ;;
+    esac
+  done
+done
+du -sh "$out"
+ls "$out/bin" "$out/lib"
