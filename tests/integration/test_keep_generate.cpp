@@ -296,6 +296,7 @@ TEST_CASE("usage errors: one line, exit 2") {
   expect_error(run({"--model", kTiny, "--prompt-ids", "1,512"}), 2,
                {"--prompt-ids", "512", "out of range", "512"});
   expect_error(run({"--model", kTiny}), 2, {"empty prompt"});
+  expect_error(run({"--model", kTiny, "--prompt-ids", "1", "--device", "gpu"}), 2, {"--device"});
   expect_error(run({"--model", kTiny, "--prompt", ""}), 2, {"empty prompt"});
   expect_error(run({"--model", kTiny, "--prompt", "hi", "--max-tokens", "0"}), 2, {"--max-tokens"});
   expect_error(run({"--model", kTiny, "--prompt", "hi", "--max-tokens", "-5"}), 2,
@@ -470,6 +471,17 @@ TEST_CASE("runtime errors: bad paths, unsupported architecture and dtypes, one l
     CHECK_MESSAGE(ok.exit_code == 0, ok.err);
     // No tokenizer.json: text in or out is refused with a hint.
     expect_error(run({"--model", m.string(), "--prompt", "hi"}), 1, {"no tokenizer"});
+  }
+
+  // --device cuda for a model the GPU cannot take: no GPU on this machine (CI), or on a GPU machine
+  // the tiny model's head_dim 16 the CUDA kernels do not support. Either way one line, exit 1;
+  // --device auto runs it on the CPU instead.
+  expect_error(run({"--model", kTiny, "--prompt-ids", "1,2,3", "--device", "cuda"}), 1,
+               {"cannot use the GPU"});
+  {
+    Run ok = run({"--model", kTiny, "--prompt-ids", "1,2,3", "--max-tokens", "2", "--ids"});
+    CHECK_MESSAGE(ok.exit_code == 0, ok.err);
+    CHECK(ok.err.empty());
   }
 
   // A GGUF llama whose ffn_down is Q4_K (a K-quant the loader cannot dequantise).
