@@ -381,6 +381,12 @@ void run_all(std::mt19937& rng) {
     bench<KV>(rng, causal(4096, 0), kQwen7);
     bench<KV>(rng, causal(1024, 0), kQwen7);
     bench<KV>(rng, causal(4096, 0), kSmol);
+    // Few rows over a long view (decode steps, short recomputes): against the split-key kernel's
+    // timings in test_attention_decode, these set CudaBackendOptions::decode_rows.
+    for (int32_t rows : {2, 4, 8, 16}) {
+      bench<KV>(rng, causal(rows, 4096 - rows), kQwen7);
+      bench<KV>(rng, causal(rows, 32768 - rows), kQwen7);
+    }
   }
 }
 

@@ -574,7 +574,10 @@ int main() {
       time_decode<Bf16>(1, n, kQwen7);
       time_decode<float>(1, n, kQwen7);
     }
-    time_decode<Bf16>(16, 32768, kQwen7);
+    for (int rows : {2, 4, 8, 16}) {  // against test_attention's few-row prefill timings
+      time_decode<Bf16>(rows, 4096, kQwen7);
+      time_decode<Bf16>(rows, 32768, kQwen7);
+    }
   }
   std::printf("test_attention_decode: %d checks, %d failures\n", g_checks, g_failures);
   return g_failures == 0 ? 0 : 1;

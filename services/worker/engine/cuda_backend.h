@@ -30,8 +30,10 @@ namespace keep::engine {
 
 struct CudaBackendOptions {
   int device = 0;
-  // Rows up to which attention uses the split-key decode kernel instead of the tiled one.
-  int32_t decode_rows = 16;
+  // Rows up to which attention uses the split-key decode kernel instead of the tiled one. On the
+  // H200 (28/4 heads, hd 128, bf16 K/V) the split-key kernel wins up to 8 rows (8 rows x 32k keys:
+  // 0.62 vs 0.73 ms) and loses from 16 (1.22 vs 0.73 ms); benchmarks/RESULTS.md.
+  int32_t decode_rows = 8;
   // The final norm and lm_head in fp32 (an fp32 copy of lm_head: vocab x hidden x 4 bytes more,
   // read once per decode step): logits for greedy picks and candidate scores without bf16's
   // rounding of the last product. Off: bf16 like the blocks.
