@@ -113,8 +113,8 @@ TEST_CASE("ref::argmax follows engine::argmax's rule: first maximum, NaN never w
         for (size_t j = 0; j < 1 + n / 10; ++j) l[pos(rng)] = std::round(l[pos(rng)]);
         l[pos(rng)] = kNan;
         l[pos(rng)] = -kInf;
-        const float mx = *std::max_element(l.begin(), l.end(),
-                                           [](float a, float b) { return !(a >= b) && !std::isnan(b); });
+        const float mx = *std::max_element(
+            l.begin(), l.end(), [](float a, float b) { return !(a >= b) && !std::isnan(b); });
         l[pos(rng)] = mx;
       }
       int32_t got = -1;
@@ -122,8 +122,11 @@ TEST_CASE("ref::argmax follows engine::argmax's rule: first maximum, NaN never w
       CHECK(got == naive_argmax(l));
     }
   }
-  const std::vector<std::vector<float>> rows = {
-      {1, 3, 3, 2}, {kNan, -5, -7}, {-kInf, -kInf}, {kNan, kNan, kNan}, {kNan, -kInf, 2, kInf, kInf}};
+  const std::vector<std::vector<float>> rows = {{1, 3, 3, 2},
+                                                {kNan, -5, -7},
+                                                {-kInf, -kInf},
+                                                {kNan, kNan, kNan},
+                                                {kNan, -kInf, 2, kInf, kInf}};
   const std::vector<int32_t> want = {1, 1, 0, 0, 3};
   for (size_t r = 0; r < rows.size(); ++r) {
     int32_t got = -1;

@@ -70,6 +70,18 @@ __device__ __forceinline__ bool better(float v, int32_t i, float bv, int32_t bi)
   return v > bv || (v == bv && i < bi);
 }
 
+// The best (value, index) pair across the warp, in every lane.
+__device__ __forceinline__ void warp_argmax(float& bv, int32_t& bi) {
+  for (int off = 16; off > 0; off >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
+    const int32_t oi = __shfl_xor_sync(0xffffffffu, bi, off);
+    if (better(ov, oi, bv, bi)) {
+      bv = ov;
+      bi = oi;
+    }
+  }
+}
+
 __global__ void __launch_bounds__(kThreads)
     argmax_kernel(int32_t* __restrict__ out,         // (rows)
                   const float* __restrict__ logits,  // (rows, vocab)
@@ -94,14 +106,7 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
     }
-    for (int off = 16; off > 0; off >>= 1) {
-      const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
-      const int32_t oi = __shfl_xor_sync(0xffffffffu, bi, off);
-      if (better(ov, oi, bv, bi)) {
-        bv = ov;
-        bi = oi;
-      }
-    }
+    warp_argmax(bv, bi);
     if (lane == 0) {
       s_v[warp] = bv;
       s_i[warp] = bi;
@@ -110,14 +115,7 @@ __global__ void __launch_bounds__(kThreads)
     if (warp == 0) {
       bv = s_v[lane];
       bi = s_i[lane];
-      for (int off = 16; off > 0; off >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
-        const int32_t oi = __shfl_xor_sync(0xffffffffu, bi, off);
-        if (better(ov, oi, bv, bi)) {
-          bv = ov;
-          bi = oi;
-        }
-      }
+      warp_argmax(bv, bi);
       if (lane == 0) out[r] = bi == INT32_MAX ? 0 : bi;  // all NaN: token 0
     }
     __syncthreads();  // s_v / s_i are reused by the next row
@@ -139,6 +137,15 @@ __device__ __forceinline__ void lse_add(float& m, float& s, float m2, float s2) 
     m = m2;
   } else {
     s += s2 * expf(m2 - m);
+  }
+}
+
+// The warp's combined (m, s), in every lane.
+__device__ __forceinline__ void warp_lse(float& m, float& s) {
+  for (int off = 16; off > 0; off >>= 1) {
+    const float m2 = __shfl_xor_sync(0xffffffffu, m, off);
+    const float s2 = __shfl_xor_sync(0xffffffffu, s, off);
+    lse_add(m, s, m2, s2);
   }
 }
 
@@ -169,11 +176,7 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
     }
-    for (int off = 16; off > 0; off >>= 1) {
-      const float m2 = __shfl_xor_sync(0xffffffffu, m, off);
-      const float s2 = __shfl_xor_sync(0xffffffffu, s, off);
-      lse_add(m, s, m2, s2);
-    }
+    warp_lse(m, s);
     if (lane == 0) {
       s_m[warp] = m;
       s_s[warp] = s;
@@ -182,11 +185,7 @@ __global__ void __launch_bounds__(kThreads)
     if (warp == 0) {
       m = s_m[lane];
       s = s_s[lane];
-      for (int off = 16; off > 0; off >>= 1) {
-        const float m2 = __shfl_xor_sync(0xffffffffu, m, off);
-        const float s2 = __shfl_xor_sync(0xffffffffu, s, off);
-        lse_add(m, s, m2, s2);
-      }
+      warp_lse(m, s);
       if (lane == 0) {
         const int32_t tok = tokens[r];
         if (any_nan || tok < 0 || tok >= vocab) {
@@ -251,12 +250,12 @@ struct SampleShared {
   uint64_t part_mass[kBins][4];  // bin reduction: per bin, per quarter of the block
   uint64_t scan_mass[kWarps];    // block scans
   uint64_t chunk_mass;
-  uint64_t total;      // W
-  uint64_t target;     // mass the kept prefix must reach
-  uint64_t m_above;    // mass of the tokens with key > khi
-  uint64_t m_int;      // mass of the tokens with key in [klo, khi]
-  uint64_t w_lambda;   // mass of one token with key == lambda
-  uint64_t t;          // the draw: floor(u * kept_mass)
+  uint64_t total;     // W
+  uint64_t target;    // mass the kept prefix must reach
+  uint64_t m_above;   // mass of the tokens with key > khi
+  uint64_t m_int;     // mass of the tokens with key in [klo, khi]
+  uint64_t w_lambda;  // mass of one token with key == lambda
+  uint64_t t;         // the draw: floor(u * kept_mass)
   uint32_t part_cnt[kBins][4];
   uint32_t scan_cnt[kWarps];
   uint32_t chunk_cnt;
@@ -444,6 +443,18 @@ __device__ void compact(SampleShared& sh, uint32_t* ckey, uint64_t* cmass,
   __syncthreads();
 }
 
+// Inclusive scan of (count, mass) pairs across one warp's lanes, in place.
+__device__ __forceinline__ void warp_inclusive_scan(uint32_t& c, uint64_t& m, int lane) {
+  for (int off = 1; off < 32; off <<= 1) {
+    const uint32_t oc = __shfl_up_sync(0xffffffffu, c, off);
+    const uint64_t om = __shfl_up_sync(0xffffffffu, m, off);
+    if (lane >= off) {
+      c += oc;
+      m += om;
+    }
+  }
+}
+
 // Inclusive block scan of (count, mass) pairs; returns the exclusive prefix of this thread and
 // leaves the block totals in sh.chunk_cnt / sh.chunk_mass. Two barriers; the caller must barrier
 // again before the next call (the scan scratch is reused).
@@ -453,14 +464,7 @@ __device__ __forceinline__ void block_scan(SampleShared& sh, uint32_t c, uint64_
   const int warp = threadIdx.x / 32;
   uint32_t ic = c;
   uint64_t im = m;
-  for (int off = 1; off < 32; off <<= 1) {
-    const uint32_t oc = __shfl_up_sync(0xffffffffu, ic, off);
-    const uint64_t om = __shfl_up_sync(0xffffffffu, im, off);
-    if (lane >= off) {
-      ic += oc;
-      im += om;
-    }
-  }
+  warp_inclusive_scan(ic, im, lane);
   if (lane == 31) {
     sh.scan_cnt[warp] = ic;
     sh.scan_mass[warp] = im;
@@ -471,14 +475,7 @@ __device__ __forceinline__ void block_scan(SampleShared& sh, uint32_t c, uint64_
     const uint64_t wm = sh.scan_mass[lane];
     uint32_t sc = wc;
     uint64_t sm = wm;
-    for (int off = 1; off < 32; off <<= 1) {
-      const uint32_t oc = __shfl_up_sync(0xffffffffu, sc, off);
-      const uint64_t om = __shfl_up_sync(0xffffffffu, sm, off);
-      if (lane >= off) {
-        sc += oc;
-        sm += om;
-      }
-    }
+    warp_inclusive_scan(sc, sm, lane);
     sh.scan_cnt[lane] = sc - wc;  // exclusive prefix of warp `lane`
     sh.scan_mass[lane] = sm - wm;
     if (lane == 31) {
@@ -492,17 +489,17 @@ __device__ __forceinline__ void block_scan(SampleShared& sh, uint32_t c, uint64_
 }
 
 __global__ void __launch_bounds__(kThreads, 1)
-    sample_kernel(int32_t* __restrict__ out,             // (rows)
-                  const float* __restrict__ logits,      // (rows, vocab)
-                  const float* __restrict__ uniforms,    // (rows)
-                  int64_t rows, int64_t vocab, bool vec,
-                  float temperature, float inv_t, float top_p,
+    sample_kernel(int32_t* __restrict__ out,           // (rows)
+                  const float* __restrict__ logits,    // (rows, vocab)
+                  const float* __restrict__ uniforms,  // (rows)
+                  int64_t rows, int64_t vocab, bool vec, float temperature, float inv_t,
+                  float top_p,
                   int64_t top_k) {  // 0: no cap (already 0 when >= vocab)
   extern __shared__ __align__(16) unsigned char smem[];
-  uint64_t* bin_mass = reinterpret_cast<uint64_t*>(smem);   // (kBins, kThreads)
-  uint64_t* cmass = bin_mass + kBins * kThreads;            // (kCompactCap)
+  uint64_t* bin_mass = reinterpret_cast<uint64_t*>(smem);                // (kBins, kThreads)
+  uint64_t* cmass = bin_mass + kBins * kThreads;                         // (kCompactCap)
   uint32_t* bin_cnt = reinterpret_cast<uint32_t*>(cmass + kCompactCap);  // (kBins, kThreads)
-  uint32_t* ckey = bin_cnt + kBins * kThreads;              // (kCompactCap)
+  uint32_t* ckey = bin_cnt + kBins * kThreads;                           // (kCompactCap)
   __shared__ SampleShared sh;
 
   const int tid = threadIdx.x;
@@ -608,8 +605,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         if (tid == 0) place_thresholds(sh);
         __syncthreads();
-        bins_pass(sh, bin_cnt, bin_mass, ckey, cmass, sh.in_smem != 0, row, vocab, vec, mx,
-                  inv_t, sh.klo, sh.khi);
+        bins_pass(sh, bin_cnt, bin_mass, ckey, cmass, sh.in_smem != 0, row, vocab, vec, mx, inv_t,
+                  sh.klo, sh.khi);
         if (tid == 0) {
           uint32_t cnt[kBins];
           uint64_t mass[kBins];
