@@ -1,5 +1,6 @@
-// The model shapes the prefill benchmark times (random weights of the real shapes: values don't
-// change speed). Figures from each model's config.json on the Hugging Face hub.
+// The model shapes the benchmarks time on random weights (values don't change speed):
+// bench_prefill (CUDA) and bench_engine's --random-smollm2 (CPU). Figures from each model's
+// config.json on the Hugging Face hub.
 #pragma once
 
 #include <optional>

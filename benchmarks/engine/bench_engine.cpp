@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "benchmarks/model_shapes.h"
 #include "services/worker/engine/cpu_backend.h"
 #include "services/worker/engine/engine.h"
 #include "services/worker/engine/model_weights.h"
@@ -40,19 +41,8 @@ int fail(const keep::Status& st) {
 
 std::shared_ptr<ModelWeights> random_smollm2() {
   auto w = std::make_shared<ModelWeights>();
-  ModelConfig& c = w->config;
-  c.arch = Arch::kLlama;
-  c.vocab_size = 49152;
-  c.hidden_size = 576;
-  c.num_layers = 30;
-  c.num_heads = 9;
-  c.num_kv_heads = 3;
-  c.head_dim = 64;
-  c.intermediate_size = 1536;
-  c.rms_norm_eps = 1e-5;
-  c.rope_theta = 100000.0;
-  c.tie_word_embeddings = true;
-  c.max_position_embeddings = 8192;
+  w->config = *keep::bench::model_shape("smollm2-135m");
+  const ModelConfig& c = w->config;
   std::mt19937 rng(1);
   std::uniform_real_distribution<float> u(-0.05f, 0.05f);
   auto make = [&](std::vector<int64_t> shape, float offset = 0.0f) {
@@ -60,7 +50,7 @@ std::shared_ptr<ModelWeights> random_smollm2() {
     for (float& v : t.data) v = offset + u(rng);
     return t;
   };
-  const int64_t C = 576, I = 1536, Q = 576, KV = 192;
+  const int64_t C = c.hidden_size, I = c.intermediate_size, Q = c.q_dim(), KV = c.kv_dim();
   w->embed = make({c.vocab_size, C});
   w->final_norm = make({C}, 1.0f);
   for (int64_t l = 0; l < c.num_layers; ++l) {

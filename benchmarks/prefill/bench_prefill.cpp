@@ -21,7 +21,7 @@
 #include <string>
 #include <vector>
 
-#include "benchmarks/prefill/model_shapes.h"
+#include "benchmarks/model_shapes.h"
 #include "services/worker/engine/cuda_backend.h"
 #include "services/worker/engine/engine.h"
 

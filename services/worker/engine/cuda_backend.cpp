@@ -198,14 +198,21 @@ Status CudaBackend::allocate_weights() {
   return Status::ok();
 }
 
+Result<std::unique_ptr<CudaBackend>> CudaBackend::prepare(const ModelConfig& config,
+                                                          const CudaBackendOptions& options) {
+  KEEP_RETURN_IF_ERROR(config.validate().with_context("cuda backend: config"));
+  std::unique_ptr<CudaBackend> b(new CudaBackend(config, options));
+  KEEP_RETURN_IF_ERROR(b->init_device());  // kUnavailable first: no GPU is not a model problem
+  KEEP_RETURN_IF_ERROR(check_supported(config));
+  KEEP_RETURN_IF_ERROR(b->allocate_weights());
+  return b;
+}
+
 Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const ModelWeights& weights,
                                                          const CudaBackendOptions& options) {
   KEEP_RETURN_IF_ERROR(weights.config.validate().with_context("cuda backend: config"));
   KEEP_RETURN_IF_ERROR(weights.validate().with_context("cuda backend: weights"));
-  std::unique_ptr<CudaBackend> b(new CudaBackend(weights.config, options));
-  KEEP_RETURN_IF_ERROR(b->init_device());  // kUnavailable first: no GPU is not a model problem
-  KEEP_RETURN_IF_ERROR(check_supported(weights.config));
-  KEEP_RETURN_IF_ERROR(b->allocate_weights());
+  KEEP_ASSIGN_OR_RETURN(std::unique_ptr<CudaBackend> b, prepare(weights.config, options));
   const ModelConfig& c = b->config_;
 
   // fp32 host tensors -> bf16 (or fp32) device, through one reusable host buffer.
@@ -258,11 +265,7 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const ModelWeights& wei
 Result<std::unique_ptr<CudaBackend>> CudaBackend::create_random(const ModelConfig& config,
                                                                 uint64_t seed,
                                                                 const CudaBackendOptions& options) {
-  KEEP_RETURN_IF_ERROR(config.validate().with_context("cuda backend: config"));
-  std::unique_ptr<CudaBackend> b(new CudaBackend(config, options));
-  KEEP_RETURN_IF_ERROR(b->init_device());
-  KEEP_RETURN_IF_ERROR(check_supported(config));
-  KEEP_RETURN_IF_ERROR(b->allocate_weights());
+  KEEP_ASSIGN_OR_RETURN(std::unique_ptr<CudaBackend> b, prepare(config, options));
   const ModelConfig& c = b->config_;
   const int64_t C = c.hidden_size, q = c.q_dim(), kv = c.kv_dim(), I = c.intermediate_size;
   uint64_t tensor = 0;

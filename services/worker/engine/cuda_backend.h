@@ -83,6 +83,9 @@ class CudaBackend final : public Backend {
  private:
   struct Layer;  // device pointers of one block's weights
   CudaBackend(const ModelConfig& config, const CudaBackendOptions& options);
+  // What both factories share: config checks, the device, the weight arena (not yet filled).
+  static Result<std::unique_ptr<CudaBackend>> prepare(const ModelConfig& config,
+                                                      const CudaBackendOptions& options);
   Status init_device();
   Status allocate_weights();
   // Device copy of `n` host ints in stream-ordered memory, freed after the stream's current work.
