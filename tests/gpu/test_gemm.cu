@@ -1,7 +1,10 @@
 // cuBLAS products of gemm.h against a double-precision CPU product of the same bf16 operands, on
-// odd and model-like sizes, with row strides wider than the matrices; bf16 and fp32 outputs; NaN-
-// poisoned outputs (an unwritten element fails). Prints one timing of a Qwen2.5-7B-sized product
-// (informational). A plain main: exit 0 when all pass.
+// odd and model-like sizes, with row strides wider than the matrices; bf16 and fp32 outputs, and
+// fp32 accumulation onto a random residual; NaN-poisoned outputs (an unwritten element fails,
+// padding read by an accumulation too). Prints timings of Qwen2.5-7B's four products at 1024 and
+// 4096 rows with a survey of cuBLASLt's candidate algorithms for each (informational). A plain
+// main: exit 0 when all pass.
+#include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -10,6 +13,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -53,9 +57,11 @@ std::vector<Bf16> random_bf16(std::mt19937& rng, size_t n, float a) {
   return v;
 }
 
-template <bool kF32Out>
+// kAcc: gemm_nt_accumulate (fp32 y += x W^T) onto random y; else gemm_nt onto NaN.
+template <bool kF32Out, bool kAcc = false>
 void check_one(keep::kernels::BlasHandle& blas, std::mt19937& rng, int64_t rows, int64_t out,
                int64_t in, int64_t x_pad, int64_t y_pad) {
+  static_assert(kF32Out || !kAcc, "accumulation is into fp32");
   const int64_t xs = in + x_pad, ys = out + y_pad;
   const auto x = random_bf16(rng, static_cast<size_t>(rows * xs), 1.0f);
   const auto w = random_bf16(rng, static_cast<size_t>(out * in), 1.0f / std::sqrt(float(in)));
@@ -69,12 +75,25 @@ void check_one(keep::kernels::BlasHandle& blas, std::mt19937& rng, int64_t rows,
       v = float_to_bf16(NAN);
     }
   }
+  std::uniform_real_distribution<float> dacc(-4.0f, 4.0f);
+  if constexpr (kAcc) {  // a residual to add onto; padding columns stay NaN (must not be read)
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t o = 0; o < out; ++o) y0[r * ys + o] = dacc(rng);
+    }
+  }
   auto* dx = upload(x);
   auto* dw = upload(w);
   auto* dy = upload(y0);
-  BLAS_OK(keep::kernels::gemm_nt(blas.get(), reinterpret_cast<DY*>(dy), ys,
-                                 reinterpret_cast<const __nv_bfloat16*>(dx), xs,
-                                 reinterpret_cast<const __nv_bfloat16*>(dw), rows, out, in));
+  if constexpr (kAcc) {
+    BLAS_OK(keep::kernels::gemm_nt_accumulate(blas.get(), dy, ys,
+                                              reinterpret_cast<const __nv_bfloat16*>(dx), xs,
+                                              reinterpret_cast<const __nv_bfloat16*>(dw), rows,
+                                              out, in));
+  } else {
+    BLAS_OK(keep::kernels::gemm_nt(blas.get(), reinterpret_cast<DY*>(dy), ys,
+                                   reinterpret_cast<const __nv_bfloat16*>(dx), xs,
+                                   reinterpret_cast<const __nv_bfloat16*>(dw), rows, out, in));
+  }
   CUDA_OK(cudaDeviceSynchronize());
   std::vector<Y> y(y0.size());
   CUDA_OK(cudaMemcpy(y.data(), dy, y.size() * sizeof(Y), cudaMemcpyDeviceToHost));
@@ -83,6 +102,7 @@ void check_one(keep::kernels::BlasHandle& blas, std::mt19937& rng, int64_t rows,
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t o = 0; o < out; ++o) {
       double want = 0.0;
+      if constexpr (kAcc) want = y0[r * ys + o];
       for (int64_t i = 0; i < in; ++i) {
         want += double(bf16_to_float(x[r * xs + i])) * double(bf16_to_float(w[o * in + i]));
       }
@@ -120,7 +140,7 @@ void check_one(keep::kernels::BlasHandle& blas, std::mt19937& rng, int64_t rows,
   if (bad > 0 || rel > (kF32Out ? 1e-5 : 5e-3)) {
     ++g_failures;
     std::fprintf(stderr, "FAIL gemm %s (%lld,%lld,%lld): %d bad, rel %.3g\n",
-                 kF32Out ? "f32" : "bf16", (long long)rows, (long long)out, (long long)in, bad,
+                 kAcc ? "accumulate" : kF32Out ? "f32" : "bf16", (long long)rows, (long long)out, (long long)in, bad,
                  rel);
   }
   cudaFree(dx);
@@ -166,35 +186,97 @@ void check_f32(keep::kernels::BlasHandle& blas, std::mt19937& rng, int64_t rows,
   cudaFree(dy);
 }
 
-void time_one(keep::kernels::BlasHandle& blas, int64_t rows, int64_t out, int64_t in) {
-  __nv_bfloat16 *x, *w, *y;
-  CUDA_OK(cudaMalloc(&x, rows * in * 2));
-  CUDA_OK(cudaMalloc(&w, out * in * 2));
-  CUDA_OK(cudaMalloc(&y, rows * out * 2));
-  CUDA_OK(keep::kernels::fill_uniform(x, rows * in, 1, -1.0f, 1.0f, nullptr));
-  CUDA_OK(keep::kernels::fill_uniform(w, out * in, 2, -0.02f, 0.02f, nullptr));
+// Times one product as the CUDA backend issues it (bf16 out, or fp32 accumulate), then surveys
+// cuBLASLt's heuristic candidates for the same problem: how much a per-shape algorithm choice could
+// gain over cuBLAS's default pick (informational).
+float median_ms(const std::function<void()>& launch) {
   cudaEvent_t a, b;
   CUDA_OK(cudaEventCreate(&a));
   CUDA_OK(cudaEventCreate(&b));
   std::vector<float> ms;
   for (int it = 0; it < 23; ++it) {
     CUDA_OK(cudaEventRecord(a));
-    BLAS_OK(keep::kernels::gemm_nt(blas.get(), y, out, x, in, w, rows, out, in));
+    launch();
     CUDA_OK(cudaEventRecord(b));
     CUDA_OK(cudaEventSynchronize(b));
     float t = 0;
     CUDA_OK(cudaEventElapsedTime(&t, a, b));
     if (it >= 3) ms.push_back(t);
   }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
   std::sort(ms.begin(), ms.end());
-  const double med = ms[ms.size() / 2];
-  std::printf("gemm_nt bf16 (%lld x %lld x %lld): %.3f ms, %.0f TFLOP/s\n", (long long)rows,
-              (long long)out, (long long)in, med, 2.0 * rows * out * in / (med * 1e-3) / 1e12);
+  return ms[ms.size() / 2];
+}
+
+void time_one(keep::kernels::BlasHandle& blas, void* ws, size_t ws_bytes, int64_t rows,
+              int64_t out, int64_t in, bool acc) {
+  __nv_bfloat16 *x, *w;
+  void* y;
+  CUDA_OK(cudaMalloc(&x, rows * in * 2));
+  CUDA_OK(cudaMalloc(&w, out * in * 2));
+  CUDA_OK(cudaMalloc(&y, rows * out * 4));
+  CUDA_OK(keep::kernels::fill_uniform(x, rows * in, 1, -1.0f, 1.0f, nullptr));
+  CUDA_OK(keep::kernels::fill_uniform(w, out * in, 2, -0.02f, 0.02f, nullptr));
+  CUDA_OK(cudaMemset(y, 0, rows * out * 4));
+  const double flop = 2.0 * rows * out * in;
+  const float med = median_ms([&] {
+    if (acc) {
+      BLAS_OK(keep::kernels::gemm_nt_accumulate(blas.get(), static_cast<float*>(y), out, x, in, w,
+                                                rows, out, in));
+    } else {
+      BLAS_OK(keep::kernels::gemm_nt(blas.get(), static_cast<__nv_bfloat16*>(y), out, x, in, w,
+                                     rows, out, in));
+    }
+  });
+  std::printf("gemm_nt %s (%lld x %lld x %lld): %.3f ms, %.0f TFLOP/s", acc ? "acc f32" : "bf16",
+              (long long)rows, (long long)out, (long long)in, med, flop / (med * 1e-3) / 1e12);
+
+  // cuBLASLt candidates: column-major D (out, rows) = W^T (W stored (in, out), ld in) x (in, rows).
+  cublasLtHandle_t lt;
+  cublasLtMatmulDesc_t op;
+  cublasLtMatrixLayout_t la, lb, lc;
+  cublasLtMatmulPreference_t pref;
+  BLAS_OK(cublasLtCreate(&lt));
+  BLAS_OK(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+  BLAS_OK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
+  BLAS_OK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
+  BLAS_OK(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, in, out, in));
+  BLAS_OK(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, in, rows, in));
+  BLAS_OK(cublasLtMatrixLayoutCreate(&lc, acc ? CUDA_R_32F : CUDA_R_16BF, out, rows, out));
+  BLAS_OK(cublasLtMatmulPreferenceCreate(&pref));
+  BLAS_OK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                               &ws_bytes, sizeof(ws_bytes)));
+  cublasLtMatmulHeuristicResult_t cand[32];
+  int found = 0;
+  BLAS_OK(cublasLtMatmulAlgoGetHeuristic(lt, op, la, lb, lc, lc, pref, 32, cand, &found));
+  const float alpha = 1.0f, beta = acc ? 1.0f : 0.0f;
+  float first = 0, best = 1e30f;
+  int best_i = -1;
+  for (int i = 0; i < found; ++i) {
+    if (cand[i].state != CUBLAS_STATUS_SUCCESS) continue;
+    const float t = median_ms([&] {
+      BLAS_OK(cublasLtMatmul(lt, op, &alpha, w, la, x, lb, &beta, y, lc, y, lc, &cand[i].algo, ws,
+                             ws_bytes, nullptr));
+    });
+    if (i == 0) first = t;
+    if (t < best) {
+      best = t;
+      best_i = i;
+    }
+  }
+  std::printf(" | cuBLASLt %d candidates: #0 %.3f ms, best #%d %.3f ms (%.0f TFLOP/s)\n", found,
+              first, best_i, best, flop / (best * 1e-3) / 1e12);
+  cublasLtMatmulPreferenceDestroy(pref);
+  cublasLtMatrixLayoutDestroy(la);
+  cublasLtMatrixLayoutDestroy(lb);
+  cublasLtMatrixLayoutDestroy(lc);
+  cublasLtMatmulDescDestroy(op);
+  cublasLtDestroy(lt);
   cudaFree(x);
   cudaFree(w);
   cudaFree(y);
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
 }
 
 }  // namespace
@@ -211,9 +293,11 @@ int main() {
          {std::pair<int64_t, int64_t>{1, 1}, {7, 3}, {64, 576}, {733, 19}, {576, 1536}}) {
       check_one<false>(blas, rng, rows, out, in, 0, 0);
       check_one<true>(blas, rng, rows, out, in, 0, 0);
+      check_one<true, true>(blas, rng, rows, out, in, 0, 0);
     }
     check_one<false>(blas, rng, rows, 384, 320, 16, 24);  // strided x and y (fused buffers)
     check_one<true>(blas, rng, rows, 384, 320, 8, 40);
+    check_one<true, true>(blas, rng, rows, 384, 320, 8, 40);
   }
   for (int64_t rows : {1, 3, 19}) check_f32(blas, rng, rows, 733, 576);
   // Invalid sizes are refused without touching memory.
@@ -224,8 +308,13 @@ int main() {
   }
   ++g_checks;
   if (!keep::gputest::quick()) {  // KEEP_GPU_TEST_QUICK: set under compute-sanitizer
-    time_one(blas, 4096, 18944 * 2, 3584);
-    time_one(blas, 1024, 3584 + 2 * 512, 3584);
+    // Qwen2.5-7B's four products (QKV, o_proj, gate|up, down) at 1024 and 4096 rows.
+    for (int64_t rows : {1024, 4096}) {
+      time_one(blas, ws, ws_bytes, rows, 3584 + 2 * 512, 3584, false);
+      time_one(blas, ws, ws_bytes, rows, 3584, 3584, true);
+      time_one(blas, ws, ws_bytes, rows, 18944 * 2, 3584, false);
+      time_one(blas, ws, ws_bytes, rows, 3584, 18944, true);
+    }
   }
   std::printf("test_gemm: %d checks, %d failures\n", g_checks, g_failures);
   cudaFree(ws);

@@ -38,14 +38,14 @@ bool fits_int(int64_t v) { return v >= 0 && v <= INT_MAX; }
 
 cublasStatus_t gemm(cublasHandle_t h, void* y, cudaDataType_t y_type, int64_t y_stride,
                     const void* x, int64_t x_stride, const void* w, cudaDataType_t xw_type,
-                    int64_t rows, int64_t out, int64_t in) {
+                    int64_t rows, int64_t out, int64_t in, float beta = 0.0f) {
   if (h == nullptr || !fits_int(rows) || !fits_int(out) || !fits_int(in) || !fits_int(y_stride) ||
       !fits_int(x_stride) || y_stride < out || x_stride < in) {
     return CUBLAS_STATUS_INVALID_VALUE;
   }
   if (rows == 0 || out == 0) return CUBLAS_STATUS_SUCCESS;
   if (y == nullptr || x == nullptr || w == nullptr) return CUBLAS_STATUS_INVALID_VALUE;
-  const float alpha = 1.0f, beta = 0.0f;
+  const float alpha = 1.0f;
   return cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(out), static_cast<int>(rows),
                       static_cast<int>(in), &alpha, w, xw_type, static_cast<int>(in), x, xw_type,
                       static_cast<int>(x_stride), &beta, y, y_type, static_cast<int>(y_stride),
@@ -64,6 +64,12 @@ cublasStatus_t gemm_nt(cublasHandle_t h, float* y, int64_t y_stride, const __nv_
                        int64_t x_stride, const __nv_bfloat16* w, int64_t rows, int64_t out,
                        int64_t in) {
   return gemm(h, y, CUDA_R_32F, y_stride, x, x_stride, w, CUDA_R_16BF, rows, out, in);
+}
+
+cublasStatus_t gemm_nt_accumulate(cublasHandle_t h, float* y, int64_t y_stride,
+                                  const __nv_bfloat16* x, int64_t x_stride, const __nv_bfloat16* w,
+                                  int64_t rows, int64_t out, int64_t in) {
+  return gemm(h, y, CUDA_R_32F, y_stride, x, x_stride, w, CUDA_R_16BF, rows, out, in, 1.0f);
 }
 
 cublasStatus_t gemm_nt_f32(cublasHandle_t h, float* y, int64_t y_stride, const float* x,

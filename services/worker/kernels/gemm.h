@@ -47,6 +47,13 @@ cublasStatus_t gemm_nt(cublasHandle_t h, float* y, int64_t y_stride, const __nv_
                        int64_t x_stride, const __nv_bfloat16* w, int64_t rows, int64_t out,
                        int64_t in);
 
+// y (rows, y_stride) fp32 += x (rows, x_stride) bf16 · W^T, W (out, in) bf16, accumulated in fp32
+// (beta = 1): a projection added straight into the fp32 residual stream, with no bf16 rounding of
+// the projection's output and no separate add kernel.
+cublasStatus_t gemm_nt_accumulate(cublasHandle_t h, float* y, int64_t y_stride,
+                                  const __nv_bfloat16* x, int64_t x_stride, const __nv_bfloat16* w,
+                                  int64_t rows, int64_t out, int64_t in);
+
 // y (rows, y_stride) fp32 = x (rows, x_stride) fp32 · W^T, W (out, in) fp32: plain fp32 products
 // (no TF32), for the logits when they are kept in full precision.
 cublasStatus_t gemm_nt_f32(cublasHandle_t h, float* y, int64_t y_stride, const float* x,
