@@ -2,12 +2,15 @@
 // CUDA backend, random bf16 weights of a real model's shape made on the GPU.
 //
 //   build/bin/bench_prefill --shape qwen2.5-7b --tokens 1024,2048,4096 [--reps 10] [--warmup 3]
-//       [--decode 64] [--decode-context 1024] [--json out.jsonl]
+//       [--decode 64] [--decode-context 1024] [--json out.jsonl] [--graphs on|off|both]
+//       [--profile]
 //
 // TTFT = wall time of Engine::prefill (embedding, every layer, final norm + lm_head of the last
 // row, logits copied to the host), the prompt in one chunk; median of --reps after --warmup runs.
 // Decode: greedy generation of --decode tokens after a --decode-context prompt, minus the same
-// prompt's one-token generation, per token. benchmarks/prefill/run.sh runs this and HF
+// prompt's one-token generation, per token. --graphs both also times everything with each layer loop
+// captured into a CUDA graph (CudaBackendOptions::graphs); --profile prints the GPU time of each stage of the
+// layers (CudaBackend::profile). benchmarks/prefill/run.sh runs this and HF
 // transformers (hf_prefill.py) in one go and prints the ratios.
 #include <algorithm>
 #include <chrono>
@@ -34,7 +37,8 @@ int usage(const char* msg) {
   std::fprintf(stderr, "bench_prefill: %s\n", msg);
   std::fprintf(stderr,
                "usage: bench_prefill --shape NAME --tokens N[,N...] [--reps R] [--warmup W] "
-               "[--decode T] [--decode-context N] [--json FILE]\n  shapes:");
+               "[--decode T] [--decode-context N] [--json FILE] [--graphs on|off|both] [--profile]\n"
+               "  shapes:");
   for (const auto& n : keep::bench::model_shape_names()) std::fprintf(stderr, " %s", n.c_str());
   std::fprintf(stderr, "\n");
   return 2;
@@ -71,7 +75,8 @@ std::vector<int64_t> parse_list(const char* s) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string shape = "qwen2.5-7b", json;
+  std::string shape = "qwen2.5-7b", json, graphs = "off";
+  bool profile = false;
   std::vector<int64_t> lens = {1024, 2048, 4096};
   int reps = 10, warmup = 3, decode = 64;
   int64_t decode_context = 1024;
@@ -93,12 +98,17 @@ int main(int argc, char** argv) {
       decode_context = std::atoll(v);
     else if (!std::strcmp(a, "--json") && (v = next()))
       json = v;
+    else if (!std::strcmp(a, "--graphs") && (v = next()))
+      graphs = v;
+    else if (!std::strcmp(a, "--profile"))
+      profile = true;
     else
       return usage((std::string("bad argument: ") + a).c_str());
   }
   const auto cfg = keep::bench::model_shape(shape);
   if (!cfg) return usage(("unknown shape " + shape).c_str());
   if (lens.empty() || reps < 1 || warmup < 0 || decode < 0) return usage("bad sizes");
+  if (graphs != "on" && graphs != "off" && graphs != "both") return usage("--graphs on|off|both");
   for (int64_t n : lens) {
     if (n < 1 || n > 32768) return usage("--tokens must be in [1, 32768]");
   }
@@ -123,31 +133,26 @@ int main(int argc, char** argv) {
 
   std::ofstream out;
   if (!json.empty()) out.open(json, std::ios::app);
-  std::printf("%-14s %7s %10s %10s %10s %9s\n", "shape", "tokens", "ttft_ms", "min_ms", "tok/s",
-              "TFLOP/s");
-  for (int64_t n : lens) {
-    std::vector<double> ms;
+  auto& cuda = static_cast<CudaBackend&>(e.backend());
+
+  // Median TTFT of a prefill of n tokens.
+  auto time_prefill = [&](int64_t n, std::vector<double>& ms) -> keep::Status {
+    ms.clear();
     for (int r = 0; r < warmup + reps; ++r) {
       cache->set_size(0);
       const auto t0 = Clock::now();
       auto lg = e.prefill(*cache, std::span<const int32_t>(ids.data(), static_cast<size_t>(n)));
       const double t = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-      if (!lg.is_ok()) return fail(lg.status());
+      if (!lg.is_ok()) return lg.status();
       if (r >= warmup) ms.push_back(t);
     }
-    const double med = median(ms);
-    const double tflops = prefill_flops(*cfg, n) / (med * 1e-3) / 1e12;
-    std::printf("%-14s %7lld %10.2f %10.2f %10.0f %9.1f\n", shape.c_str(), (long long)n, med,
-                *std::min_element(ms.begin(), ms.end()), n / (med * 1e-3), tflops);
-    if (out) {
-      out << "{\"engine\":\"keep\",\"shape\":\"" << shape << "\",\"tokens\":" << n
-          << ",\"ttft_ms\":" << med << ",\"tflops\":" << tflops << "}\n";
-    }
-  }
-  if (decode > 0) {
-    GenerateOptions g;
-    g.stop_at_eos = false;
-    const std::span<const int32_t> prompt(ids.data(), static_cast<size_t>(decode_context));
+    return keep::Status::ok();
+  };
+  // Per-token decode time: generate(decode + 1) minus generate(1), medians of 3.
+  GenerateOptions g;
+  g.stop_at_eos = false;
+  const std::span<const int32_t> prompt(ids.data(), static_cast<size_t>(decode_context));
+  auto time_decode = [&](double& per_token) -> keep::Status {
     std::vector<double> one, many;
     for (int r = 0; r < 3; ++r) {
       g.max_tokens = 1;
@@ -158,16 +163,89 @@ int main(int argc, char** argv) {
       t0 = Clock::now();
       auto b = e.generate(prompt, g);
       many.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
-      if (!a.is_ok()) return fail(a.status());
-      if (!b.is_ok()) return fail(b.status());
+      if (!a.is_ok()) return a.status();
+      if (!b.is_ok()) return b.status();
     }
-    const double per_token = (median(many) - median(one)) / decode;
-    std::printf("%-14s decode after %lld tokens: %.3f ms/token, %.1f tokens/s\n", shape.c_str(),
-                (long long)decode_context, per_token, 1000.0 / per_token);
-    if (out) {
-      out << "{\"engine\":\"keep\",\"shape\":\"" << shape
-          << "\",\"decode_context\":" << decode_context << ",\"decode_ms_per_token\":" << per_token
-          << "}\n";
+    per_token = (median(many) - median(one)) / decode;
+    return keep::Status::ok();
+  };
+
+  // The backend's default (graphs off) is "keep"; --graphs on|both times "keep-graphs".
+  std::vector<bool> modes;
+  if (graphs != "on") modes.push_back(false);
+  if (graphs != "off") modes.push_back(true);
+  for (bool on : modes) {
+    cuda.set_graphs(on);
+    const std::string tag = on ? "keep-graphs" : "keep";
+    std::printf("%-14s %-14s %7s %10s %10s %10s %9s\n", "shape", "engine", "tokens", "ttft_ms",
+                "min_ms", "tok/s", "TFLOP/s");
+    for (int64_t n : lens) {
+      std::vector<double> ms;
+      if (auto st = time_prefill(n, ms); !st.is_ok()) return fail(st);
+      const double med = median(ms);
+      const double tflops = prefill_flops(*cfg, n) / (med * 1e-3) / 1e12;
+      std::printf("%-14s %-14s %7lld %10.2f %10.2f %10.0f %9.1f\n", shape.c_str(), tag.c_str(),
+                  (long long)n, med, *std::min_element(ms.begin(), ms.end()), n / (med * 1e-3),
+                  tflops);
+      if (out) {
+        out << "{\"engine\":\"" << tag << "\",\"shape\":\"" << shape << "\",\"tokens\":" << n
+            << ",\"ttft_ms\":" << med << ",\"tflops\":" << tflops << "}\n";
+      }
+    }
+    if (decode > 0) {
+      double per_token = 0.0;
+      if (auto st = time_decode(per_token); !st.is_ok()) return fail(st);
+      std::printf("%-14s %-14s decode after %lld tokens: %.3f ms/token, %.1f tokens/s\n",
+                  shape.c_str(), tag.c_str(), (long long)decode_context, per_token,
+                  1000.0 / per_token);
+      if (out) {
+        out << "{\"engine\":\"" << tag << "\",\"shape\":\"" << shape
+            << "\",\"decode_context\":" << decode_context
+            << ",\"decode_ms_per_token\":" << per_token << "}\n";
+      }
+    }
+  }
+  cuda.set_graphs(false);
+
+  // --profile: GPU time per stage of the layers (events between launches, graphs off), one prefill
+  // per length and (with --decode) 16 decode steps.
+  if (profile) {
+    auto show = [&](const std::string& what, const std::vector<StageTime>& st, double wall_ms) {
+      double sum = 0.0;
+      for (const auto& t : st) sum += t.ms;
+      std::printf("profile %s: layers' stages %.2f ms of %.2f ms wall\n", what.c_str(), sum,
+                  wall_ms);
+      for (const auto& t : st) {
+        if (t.calls == 0) continue;
+        std::printf("  %-11s %9.3f ms %5.1f%%  %6lld calls  %8.1f us/call\n", t.stage, t.ms,
+                    100.0 * t.ms / sum, (long long)t.calls, 1000.0 * t.ms / double(t.calls));
+      }
+    };
+    for (int64_t n : lens) {
+      cache->set_size(0);
+      cuda.set_profiling(true);
+      const auto t0 = Clock::now();
+      auto lg = e.prefill(*cache, std::span<const int32_t>(ids.data(), static_cast<size_t>(n)));
+      const double wall = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+      if (!lg.is_ok()) return fail(lg.status());
+      auto st = cuda.profile();
+      cuda.set_profiling(false);
+      show("prefill " + std::to_string(n), st, wall);
+    }
+    if (decode > 0) {
+      g.max_tokens = 1;
+      auto a = e.generate(prompt, g);  // warm
+      if (!a.is_ok()) return fail(a.status());
+      g.max_tokens = 17;
+      cuda.set_profiling(true);
+      const auto t0 = Clock::now();
+      auto b = e.generate(prompt, g);
+      const double wall = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+      if (!b.is_ok()) return fail(b.status());
+      auto st = cuda.profile();
+      cuda.set_profiling(false);
+      show("generate 17 after " + std::to_string(decode_context) + " (prefill + 16 steps)", st,
+           wall);
     }
   }
   return 0;

@@ -71,8 +71,6 @@ std::unique_ptr<Engine> cuda_engine(const ModelWeights& w, int32_t max_rows) {
 
 // ---- 1. SmolLM2 ----
 
-constexpr double kNearTie = 0.2;
-
 TEST_CASE("SmolLM2-135M-Instruct on CUDA: same top-1 as the CPU backend, small KL, same greedy") {
   const std::string gguf = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
   if (!std::filesystem::exists(gguf)) {
@@ -92,7 +90,7 @@ TEST_CASE("SmolLM2-135M-Instruct on CUDA: same top-1 as the CPU backend, small K
   MESSAGE("backend: " << e->backend().name());
 
   double worst_kl = 0.0, worst_top_diff = 0.0;
-  int same_greedy = 0, top1 = 0, near_ties_flipped = 0;
+  int same_greedy = 0, top1 = 0;
   for (size_t p = 0; p < prompts.size(); ++p) {
     CAPTURE(p);
     const auto& pr = prompts[p];
@@ -104,16 +102,14 @@ TEST_CASE("SmolLM2-135M-Instruct on CUDA: same top-1 as the CPU backend, small K
     const auto top_ids = pr["top_ids"].get<std::vector<int32_t>>();
     const auto top_logits = pr["top_logits"].get<std::vector<double>>();
     const int32_t got_top = argmax(*logits);
-    // bf16 weights put the logits within ~0.2 of fp32 (max |diff| of the top 10 is reported
-    // below); a reference top-2 margin under that is a tie at this precision, where the pick may
-    // be the reference's second.
+    // bf16 weights put the logits within ~0.12 of fp32 (max |diff| of the top 10, reported
+    // below); the nearest reference top-2 margin is 0.055, and the top-1 still holds on every
+    // prompt since the residual stream takes each sublayer's product unrounded (fp32 accumulate).
     const double margin = top_logits[0] - top_logits[1];
-    const bool near_tie = margin < kNearTie;
-    CHECK_MESSAGE((got_top == top_ids[0] || (near_tie && got_top == top_ids[1])),
-                  "prompt " << p << ": top-1 " << got_top << " vs " << top_ids[0]
-                            << " (reference margin " << margin << ")");
+    CHECK_MESSAGE(got_top == top_ids[0], "prompt " << p << ": top-1 " << got_top << " vs "
+                                                   << top_ids[0] << " (reference margin " << margin
+                                                   << ")");
     top1 += got_top == top_ids[0];
-    if (got_top != top_ids[0]) ++near_ties_flipped;
     for (size_t i = 0; i < 10; ++i) {
       worst_top_diff = std::max(worst_top_diff, std::fabs((*logits)[top_ids[i]] - top_logits[i]));
     }
@@ -135,7 +131,7 @@ TEST_CASE("SmolLM2-135M-Instruct on CUDA: same top-1 as the CPU backend, small K
       kl += std::exp(lr) * (lr - lc);
     }
     worst_kl = std::max(worst_kl, kl);
-    CHECK(kl < 2e-2);
+    CHECK(kl < 5e-3);
 
     GenerateOptions g;
     g.max_tokens = ref["steps"].get<int32_t>();
@@ -145,7 +141,7 @@ TEST_CASE("SmolLM2-135M-Instruct on CUDA: same top-1 as the CPU backend, small K
     same_greedy += *gen == pr["greedy"].get<std::vector<int32_t>>();
   }
   MESSAGE("SmolLM2 CUDA vs CPU/HF fixture: top-1 "
-          << top1 << "/" << prompts.size() << " (near ties flipped " << near_ties_flipped << ")"
+          << top1 << "/" << prompts.size()
           << ", max KL " << worst_kl << ", max |top-10 logit diff| " << worst_top_diff
           << ", identical greedy " << same_greedy << "/" << prompts.size());
   CHECK(2 * same_greedy > static_cast<int>(prompts.size()));
@@ -312,6 +308,90 @@ TEST_CASE("CUDA layer API: independent blocks equal each block alone; pooled mas
       for (float x : fb.lse[l]) CHECK(std::isfinite(x));
     }
   }
+}
+
+TEST_CASE("CUDA out_rows: kept rows' output and all K/V equal the full layer call") {
+  for (const TinyShape& s : kShapes) {
+    auto w = make_tiny_model(s, 15);
+    auto e = cuda_engine(*w, 256);
+    const ModelConfig& c = e->config();
+    const int32_t n = 40;  // tiled attention; few kept rows take the split-key kernel
+    const auto tokens = random_tokens(n, s.vocab, 5);
+    auto full_cache = KvCache::create(e->backend(), n);
+    const Full full =
+        run_layers(*e, *full_cache, tokens, AttentionLayout::causal(n), [](int32_t, const KvView&) {});
+    const size_t C = static_cast<size_t>(c.hidden_size), kvn = size_t(n) * c.kv_dim();
+    for (const int32_t keep : {0, 1, 3, 8, 9, n}) {
+      CAPTURE(keep);
+      auto cache = KvCache::create(e->backend(), n);
+      auto hidden = e->allocate_hidden(n);
+      REQUIRE(hidden.is_ok());
+      REQUIRE(e->embed(*hidden, tokens).is_ok());
+      auto plan = e->plan(AttentionLayout::causal(n));
+      REQUIRE(plan.is_ok());
+      for (int32_t l = 0; l < c.num_layers; ++l) {
+        LayerExtras ex;
+        if (l + 1 == c.num_layers) ex.out_rows = keep;
+        REQUIRE(e->prefill_layer(l, *hidden, cache->layer(l), **plan, ex).is_ok());
+      }
+      const auto got = to_host(e->backend(), hidden->data(), size_t(n) * C);
+      const size_t first = size_t(n - keep) * C;
+      if (keep > 0) CHECK(rel_diff(got, full.hidden, first, keep * C) < 2e-2);
+      for (int32_t l = 0; l < c.num_layers; ++l) {  // the same launches: bit-identical K
+        CHECK(view_to_host(e->backend(), cache->layer(l).k, kvn) ==
+              view_to_host(e->backend(), full_cache->layer(l).k, kvn));
+      }
+    }
+  }
+}
+
+TEST_CASE("CUDA graphs: the captured layer loop gives bit-identical results; profile adds up") {
+  const TinyShape& s = kShapes[0];
+  auto w = make_tiny_model(s, 16);
+  auto backend = CudaBackend::create(*w);
+  REQUIRE(backend.is_ok());
+  CudaBackend& cuda = **backend;
+  auto engine = Engine::create(std::move(backend).value(), 64);
+  REQUIRE(engine.is_ok());
+  Engine& e = **engine;
+  const auto prompt = random_tokens(150, s.vocab, 8);  // 3 chunks of 64: graphs of two shapes
+  GenerateOptions g;
+  g.max_tokens = 10;
+  g.stop_at_eos = false;
+  std::vector<std::vector<float>> logits;
+  std::vector<std::vector<int32_t>> gen;
+  for (const bool graphs : {true, false, true}) {
+    cuda.set_graphs(graphs);
+    auto cache = KvCache::create(e.backend(), 160);
+    auto lg = e.prefill(*cache, prompt);
+    REQUIRE(lg.is_ok());
+    logits.push_back(*lg);
+    auto out = e.generate(prompt, g);
+    REQUIRE(out.is_ok());
+    gen.push_back(*out);
+  }
+  CHECK(logits[0] == logits[1]);
+  CHECK(logits[2] == logits[1]);
+  CHECK(gen[0] == gen[1]);
+  CHECK(gen[2] == gen[1]);
+
+  // Profiling: every stage of every layer call is timed once per call.
+  cuda.set_profiling(true);
+  auto cache = KvCache::create(e.backend(), 64);
+  REQUIRE(e.prefill(*cache, std::span<const int32_t>(prompt).first(40)).is_ok());
+  const auto st = cuda.profile();
+  cuda.set_profiling(false);
+  const int64_t L = e.config().num_layers;
+  double total = 0.0;
+  for (const StageTime& t : st) {
+    CAPTURE(t.stage);
+    total += t.ms;
+    // No segment groups: no pooling; every other stage once per layer (the last layer keeps
+    // one row, whose MLP still runs).
+    CHECK(t.calls == (std::string(t.stage) == "pool" ? 0 : L));
+    CHECK(t.ms >= 0.0);
+  }
+  CHECK(total > 0.0);
 }
 
 TEST_CASE("CUDA: batched candidate scoring equals scoring each candidate by a full prefill") {

@@ -346,6 +346,37 @@ TEST_CASE("greedy generation is deterministic and sampling is reproducible by se
   CHECK(s3->back() == a->at(2));
 }
 
+TEST_CASE("out_rows: the kept rows' output and every row's K/V equal a full layer call") {
+  for (const TinyShape& shape : kShapes) {
+    auto e = make_engine(shape, 81);
+    const ModelConfig& c = e->config();
+    const int32_t n = 19;
+    const auto tokens = random_tokens(n, shape.vocab, 4);
+    const Run full = full_prefill(*e, tokens, AttentionLayout::causal(n));
+    const size_t C = static_cast<size_t>(c.hidden_size);
+    for (const int32_t keep : {0, 1, 3, n}) {
+      CAPTURE(keep);
+      auto cache = KvCache::create(e->backend(), n);
+      auto hidden = e->allocate_hidden(n);
+      REQUIRE(hidden.is_ok());
+      REQUIRE(e->embed(*hidden, tokens).is_ok());
+      auto plan = e->plan(AttentionLayout::causal(n));
+      REQUIRE(plan.is_ok());
+      for (int32_t l = 0; l < c.num_layers; ++l) {  // out_rows at the last layer, as prefill does
+        LayerExtras ex;
+        if (l + 1 == c.num_layers) ex.out_rows = keep;
+        REQUIRE(e->prefill_layer(l, *hidden, cache->layer(l), **plan, ex).is_ok());
+      }
+      const size_t first = static_cast<size_t>(n - keep) * C;
+      CHECK(max_abs_diff(hidden->data() + first, full.hidden.data() + first, keep * C) < kTol);
+      for (int32_t l = 0; l < c.num_layers; ++l) {
+        CHECK(max_abs_diff(cache->layer(l).k_f32(), full.view_k[l].data(),
+                           static_cast<size_t>(n) * c.kv_dim()) < kTol);
+      }
+    }
+  }
+}
+
 TEST_CASE("bad input is refused with a status, never a crash") {
   auto e = make_engine(TinyShape{}, 71);
   auto hidden = e->allocate_hidden(4);
@@ -395,6 +426,12 @@ TEST_CASE("bad input is refused with a status, never a crash") {
   ex = {};
   ex.pooled = &*tiny_lse;  // no groups in the layout
   CHECK(e->prefill_layer(0, *hidden, big->layer(0), **plan, ex).code() == Code::kInvalidArgument);
+  for (const int32_t out_rows : {-2, 5}) {  // the plan has 4 rows
+    ex = {};
+    ex.out_rows = out_rows;
+    CHECK(e->prefill_layer(0, *hidden, big->layer(0), **plan, ex).code() ==
+          Code::kInvalidArgument);
+  }
 
   std::vector<float> kv(2 * e->config().kv_dim());
   const std::vector<int32_t> pos = {0, 1};

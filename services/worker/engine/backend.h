@@ -95,6 +95,11 @@ struct LayerOutputs {
   float* v = nullptr;       // (rows, kv_heads, head_dim) the rows' new V, or null
   float* lse = nullptr;     // (rows, heads) log Σ_t exp(q·k_t / sqrt(hd)) over visible t, or null
   float* pooled = nullptr;  // (rows, num_groups) Σ_heads Σ_{t in g} p[row, head, t], or null
+  // Rows whose `hidden` output is wanted: the last out_rows of the plan (-1: all). The other rows'
+  // hidden values are left unspecified, and a backend may skip their attention output, o_proj and
+  // MLP (the last layer of a prefill needs every row's K and V but one row's output). K/V, k_pre,
+  // v, lse and pooled are still produced for every row.
+  int32_t out_rows = -1;
 };
 
 // A validated layout in the form the backend consumes (for CUDA: uploaded index arrays).
@@ -155,6 +160,35 @@ class Backend {
   // out_host (rows) = log softmax(logits[r])[tokens_host[r]] (tokens in range). Waits.
   virtual void token_logprob(float* out_host, const float* logits, const int32_t* tokens_host,
                              int32_t rows);
+
+  // ---- batching launches ----
+  // The launches between begin_capture() and end_capture(true) may be recorded instead of run, and
+  // run as one unit at end_capture (the CUDA backend captures them into a CUDA graph: one launch
+  // for a whole layer loop). In between only layer_forward and load_kv from device memory may be
+  // called: no copies to or from the host, no allocation, no planning. end_capture(false) drops
+  // what was recorded (an error stopped the sequence). Default: launches run as called.
+  virtual void begin_capture() {}
+  virtual void end_capture(bool run) { (void)run; }
+
+  // begin_capture() on construction; finish() runs the sequence; leaving scope without finish()
+  // (an early error return) drops it.
+  class Capture {
+   public:
+    explicit Capture(Backend& b) : b_(b) { b_.begin_capture(); }
+    ~Capture() {
+      if (open_) b_.end_capture(false);
+    }
+    void finish() {
+      open_ = false;
+      b_.end_capture(true);
+    }
+    Capture(const Capture&) = delete;
+    Capture& operator=(const Capture&) = delete;
+
+   private:
+    Backend& b_;
+    bool open_ = true;
+  };
 
  protected:
   int32_t reserved_rows_ = 0;

@@ -338,16 +338,25 @@ void CpuBackend::layer_forward(const LayerOutputs& out, const float* hidden_in, 
     std::memcpy(kv.v_f32() + slot * kvd, v_.data() + static_cast<int64_t>(r) * kvd,
                 sizeof(float) * kvd);
   }
+  // Rows [first, n) produce hidden output (out_rows); attention runs for all rows when lse or
+  // pooled are wanted, else only when some row's output is.
+  const int32_t keep = out.out_rows < 0 ? n : std::min(out.out_rows, n);
+  const int32_t first = n - keep;
+  if (keep == 0 && out.lse == nullptr && out.pooled == nullptr) return;
   attention(out, q_.data(), kv, layout);
-  linear(proj_.data(), att_.data(), w.wo.ptr(), bias(w.bo), n, C, qd);
-  const int64_t nc = static_cast<int64_t>(n) * C;
-  for (int64_t i = 0; i < nc; ++i) out.hidden[i] = hidden_in[i] + proj_[i];
+  if (keep == 0) return;
+  const int64_t off = static_cast<int64_t>(first) * C;
+  float* hid = out.hidden + off;
+  linear(proj_.data(), att_.data() + static_cast<int64_t>(first) * qd, w.wo.ptr(), bias(w.bo),
+         keep, C, qd);
+  const int64_t nc = static_cast<int64_t>(keep) * C;
+  for (int64_t i = 0; i < nc; ++i) hid[i] = hidden_in[off + i] + proj_[i];
 
   // MLP block: down(silu(gate(x)) * up(x)).
-  rms_norm(*pool_, xn_.data(), out.hidden, w.ffn_norm.ptr(), n, C, eps);
-  linear(gate_.data(), xn_.data(), w.w_gate.ptr(), nullptr, n, I, C);
-  linear(up_.data(), xn_.data(), w.w_up.ptr(), nullptr, n, I, C);
-  const int64_t ni = static_cast<int64_t>(n) * I;
+  rms_norm(*pool_, xn_.data(), hid, w.ffn_norm.ptr(), keep, C, eps);
+  linear(gate_.data(), xn_.data(), w.w_gate.ptr(), nullptr, keep, I, C);
+  linear(up_.data(), xn_.data(), w.w_up.ptr(), nullptr, keep, I, C);
+  const int64_t ni = static_cast<int64_t>(keep) * I;
   float* g = gate_.data();
   const float* u = up_.data();
   constexpr int64_t kChunk = 16384;
@@ -355,8 +364,8 @@ void CpuBackend::layer_forward(const LayerOutputs& out, const float* hidden_in, 
     const int64_t end = std::min(ni, (b + 1) * kChunk);
     for (int64_t i = b * kChunk; i < end; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
   });
-  linear(proj_.data(), g, w.w_down.ptr(), nullptr, n, C, I);
-  for (int64_t i = 0; i < nc; ++i) out.hidden[i] += proj_[i];
+  linear(proj_.data(), g, w.w_down.ptr(), nullptr, keep, C, I);
+  for (int64_t i = 0; i < nc; ++i) hid[i] += proj_[i];
 }
 
 void CpuBackend::load_kv(const KvView& kv, int32_t first_slot, const float* k_pre, const float* v,

@@ -86,6 +86,8 @@ CudaBackend::CudaBackend(const ModelConfig& config, const CudaBackendOptions& op
 
 CudaBackend::~CudaBackend() {
   if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+  for (auto& e : graph_execs_) cudaGraphExecDestroy(e.second);
+  for (cudaEvent_t e : events_) cudaEventDestroy(e);
   blas_ = kernels::BlasHandle();
   cudaFree(workspace_);
   cudaFree(weight_arena_);
@@ -465,6 +467,25 @@ void CudaBackend::embed(float* hidden, const int32_t* tokens, int32_t n) {
   release_ints(ids);
 }
 
+namespace {
+enum Stage : int {
+  kNorm,
+  kQkv,
+  kQkvFinish,
+  kAttention,
+  kPool,
+  kOProj,
+  kMlpNorm,
+  kGateUp,
+  kSwiglu,
+  kDown,
+  kStages
+};
+constexpr const char* kStageNames[kStages] = {"norm",    "qkv",     "qkv_finish", "attention",
+                                              "pool",    "o_proj",  "mlp_norm",   "gate_up",
+                                              "swiglu",  "down"};
+}  // namespace
+
 void CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_in, int32_t layer,
                                 const KvView& kv, const AttentionPlan& plan_base) {
   const auto& plan = static_cast<const CudaPlan&>(plan_base);
@@ -488,7 +509,11 @@ void CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_in,
   auto* gu = static_cast<bf16*>(gate_up_);
   auto* act = static_cast<bf16*>(act_);
   cublasHandle_t h = blas_.get();
+  mark(-1);
 
+  // Rows [skip, rows) produce hidden output (out.out_rows); the others only K/V (and lse/pooled).
+  const int64_t keep = out.out_rows < 0 ? rows : std::min<int64_t>(out.out_rows, rows);
+  const int64_t skip = rows - keep;
   float* res = out.hidden;
   if (res != hidden_in) {
     KEEP_CUDA_CHECK(
@@ -497,33 +522,151 @@ void CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_in,
   // Attention half.
   KEEP_CUDA_CHECK(
       kernels::add_rmsnorm(xn, res, nullptr, nullptr, w.attn_norm, rows, C, eps, stream_));
+  mark(kNorm);
   KEEP_BLAS_CHECK(kernels::gemm_nt(h, qkv, qkv_w, xn, C, w.w_qkv, rows, qkv_w, C));
+  mark(kQkv);
   KEEP_CUDA_CHECK(kernels::qkv_finish(qkv, out.k_pre, out.v, view_k, view_v, w.b_q, w.b_k, w.b_v,
                                       plan.positions, plan.slots, inv_freq_, rows, heads, kv_heads,
                                       hd, stream_));
+  mark(kQkvFinish);
   const bool pool = out.pooled != nullptr && plan.key_group != nullptr;
   float* lse = out.lse != nullptr ? out.lse : (pool ? lse_ : nullptr);
-  if (plan.tiled) {
-    KEEP_CUDA_CHECK(kernels::attention_prefill(att, q, lse, qkv, qkv_w, view_k, view_v, plan.rows,
-                                               plan.schedule, heads, kv_heads, hd, scale, stream_));
+  if (keep == 0 && lse == nullptr) return;  // K/V only
+  // Attention for every row when lse/pooled are wanted; else for the kept rows only, which the
+  // split-key kernel serves as a suffix of the plan's rows when they are few.
+  const bool tail_only = skip > 0 && lse == nullptr && keep <= options_.decode_rows;
+  const bf16* att_kept = att;  // the kept rows' attention output
+  if (tail_only) {
+    kernels::AttentionRows tail = plan.rows;
+    tail.row_offsets += skip;
+    tail.rows = static_cast<int32_t>(keep);
+    KEEP_CUDA_CHECK(kernels::attention_decode(att, q, nullptr, qkv + skip * qkv_w, qkv_w, view_k,
+                                              view_v, tail, heads, kv_heads, hd, scale,
+                                              decode_ws_, decode_ws_floats_, stream_));
   } else {
-    KEEP_CUDA_CHECK(kernels::attention_decode(att, q, lse, qkv, qkv_w, view_k, view_v, plan.rows,
-                                              heads, kv_heads, hd, scale, decode_ws_,
-                                              decode_ws_floats_, stream_));
+    if (plan.tiled) {
+      KEEP_CUDA_CHECK(kernels::attention_prefill(att, q, lse, qkv, qkv_w, view_k, view_v,
+                                                 plan.rows, plan.schedule, heads, kv_heads, hd,
+                                                 scale, stream_));
+    } else {
+      KEEP_CUDA_CHECK(kernels::attention_decode(att, q, lse, qkv, qkv_w, view_k, view_v, plan.rows,
+                                                heads, kv_heads, hd, scale, decode_ws_,
+                                                decode_ws_floats_, stream_));
+    }
+    att_kept = att + skip * q;
   }
+  mark(kAttention);
   if (pool) {
     KEEP_CUDA_CHECK(kernels::attention_pool(out.pooled, qkv, qkv_w, view_k, lse, plan.rows,
                                             plan.key_group, plan.layout().num_groups, heads,
                                             kv_heads, hd, scale, stream_));
+    mark(kPool);
   }
-  KEEP_BLAS_CHECK(kernels::gemm_nt(h, proj, C, att, q, w.w_o, rows, C, q));
-  // MLP half: residual += o_proj (+ bias), norm, gate/up, SwiGLU, down, residual += down.
-  KEEP_CUDA_CHECK(kernels::add_rmsnorm(xn, res, proj, w.b_o, w.ffn_norm, rows, C, eps, stream_));
-  KEEP_BLAS_CHECK(kernels::gemm_nt(h, gu, 2 * I, xn, C, w.w_gate_up, rows, 2 * I, C));
-  KEEP_CUDA_CHECK(kernels::swiglu_rows(act, gu, rows, I, stream_));
-  KEEP_BLAS_CHECK(kernels::gemm_nt(h, proj, C, act, I, w.w_down, rows, C, I));
-  KEEP_CUDA_CHECK(
-      kernels::add_rmsnorm(nullptr, res, proj, nullptr, w.ffn_norm, rows, C, eps, stream_));
+  if (keep == 0) return;
+  float* res_kept = res + skip * C;
+  // residual += o_proj: accumulated by the product itself in fp32 (no bf16 rounding of the
+  // projection, no add kernel); with an o_proj bias through the add kernel instead.
+  if (w.b_o == nullptr) {
+    KEEP_BLAS_CHECK(kernels::gemm_nt_accumulate(h, res_kept, C, att_kept, q, w.w_o, keep, C, q));
+    mark(kOProj);
+    KEEP_CUDA_CHECK(kernels::add_rmsnorm(xn, res_kept, nullptr, nullptr, w.ffn_norm, keep, C, eps,
+                                         stream_));
+  } else {
+    KEEP_BLAS_CHECK(kernels::gemm_nt(h, proj, C, att_kept, q, w.w_o, keep, C, q));
+    mark(kOProj);
+    KEEP_CUDA_CHECK(
+        kernels::add_rmsnorm(xn, res_kept, proj, w.b_o, w.ffn_norm, keep, C, eps, stream_));
+  }
+  mark(kMlpNorm);
+  // MLP half: gate/up, SwiGLU, residual += down (accumulated by the product).
+  KEEP_BLAS_CHECK(kernels::gemm_nt(h, gu, 2 * I, xn, C, w.w_gate_up, keep, 2 * I, C));
+  mark(kGateUp);
+  KEEP_CUDA_CHECK(kernels::swiglu_rows(act, gu, keep, I, stream_));
+  mark(kSwiglu);
+  KEEP_BLAS_CHECK(kernels::gemm_nt_accumulate(h, res_kept, C, act, I, w.w_down, keep, C, I));
+  mark(kDown);
+}
+
+// ---- graphs ----
+
+void CudaBackend::begin_capture() {
+  KEEP_CHECK(!capturing_);
+  if (!options_.graphs || profiling_) return;
+  KEEP_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+  capturing_ = true;
+}
+
+void CudaBackend::end_capture(bool run) {
+  if (!capturing_) return;
+  capturing_ = false;
+  cudaGraph_t graph = nullptr;
+  KEEP_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+  if (!run) {
+    cudaGraphDestroy(graph);
+    return;
+  }
+  size_t nodes = 0;
+  KEEP_CUDA_CHECK(cudaGraphGetNodes(graph, nullptr, &nodes));
+  auto it = std::find_if(graph_execs_.begin(), graph_execs_.end(),
+                         [&](const auto& e) { return e.first == nodes; });
+  if (it != graph_execs_.end()) {
+    cudaGraphExecUpdateResultInfo info{};
+    if (cudaGraphExecUpdate(it->second, graph, &info) != cudaSuccess) {
+      cudaGetLastError();  // another topology with as many nodes: instantiate afresh
+      cudaGraphExecDestroy(it->second);
+      graph_execs_.erase(it);
+      it = graph_execs_.end();
+    }
+  }
+  if (it == graph_execs_.end()) {
+    cudaGraphExec_t exec = nullptr;
+    KEEP_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    graph_execs_.emplace_back(nodes, exec);
+    it = graph_execs_.end() - 1;
+  }
+  KEEP_CUDA_CHECK(cudaGraphLaunch(it->second, stream_));
+  KEEP_CUDA_CHECK(cudaGraphDestroy(graph));
+}
+
+// ---- profiling ----
+
+void CudaBackend::mark(int stage) {
+  if (!profiling_) return;
+  const size_t i = marks_.size();
+  if (i == events_.size()) {
+    cudaEvent_t e = nullptr;
+    KEEP_CUDA_CHECK(cudaEventCreate(&e));
+    events_.push_back(e);
+  }
+  KEEP_CUDA_CHECK(cudaEventRecord(events_[i], stream_));
+  marks_.push_back(stage);
+}
+
+void CudaBackend::set_profiling(bool on) {
+  KEEP_CHECK(!capturing_);
+  if (on && !profiling_) {
+    marks_.clear();
+    stage_times_.clear();
+  }
+  profiling_ = on;
+}
+
+std::vector<StageTime> CudaBackend::profile() {
+  synchronize();
+  if (stage_times_.empty()) {
+    for (const char* name : kStageNames) stage_times_.push_back(StageTime{name, 0.0, 0});
+  }
+  for (size_t i = 1; i < marks_.size(); ++i) {
+    if (marks_[i] < 0) continue;
+    float ms = 0.0f;
+    KEEP_CUDA_CHECK(cudaEventElapsedTime(&ms, events_[i - 1], events_[i]));
+    stage_times_[static_cast<size_t>(marks_[i])].ms += ms;
+    ++stage_times_[static_cast<size_t>(marks_[i])].calls;
+  }
+  marks_.clear();
+  std::vector<StageTime> out = stage_times_;
+  stage_times_.clear();
+  return out;
 }
 
 void CudaBackend::load_kv(const KvView& kv, int32_t first_slot, const float* k_pre, const float* v,

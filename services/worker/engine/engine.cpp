@@ -173,6 +173,10 @@ Status Engine::prefill_layer(int32_t layer, DeviceBuffer& hidden, const KvView& 
   }
   KEEP_RETURN_IF_ERROR(check_buffer(extras.pooled, rows * static_cast<size_t>(layout.num_groups),
                                     "prefill_layer: pooled"));
+  if (extras.out_rows < -1 || extras.out_rows > layout.num_rows()) {
+    return invalid("prefill_layer: out_rows " + std::to_string(extras.out_rows) + " outside [-1, " +
+                   std::to_string(layout.num_rows()) + "]");
+  }
   if (layout.num_rows() > backend_->reserved_rows() ||
       layout.num_keys > backend_->reserved_keys()) {
     return invalid("prefill_layer: the plan was not made by this engine");
@@ -183,6 +187,7 @@ Status Engine::prefill_layer(int32_t layer, DeviceBuffer& hidden, const KvView& 
   out.v = extras.v ? extras.v->data() : nullptr;
   out.lse = extras.lse ? extras.lse->data() : nullptr;
   out.pooled = extras.pooled ? extras.pooled->data() : nullptr;
+  out.out_rows = extras.out_rows;
   backend_->layer_forward(out, hidden.data(), layer, kv, plan);
   return Status::ok();
 }
@@ -216,13 +221,21 @@ Result<int32_t> Engine::run_prefill(KvCache& cache, std::span<const int32_t> tok
                    std::to_string(cache.capacity()));
   }
   int32_t last_row = 0;
+  const int32_t layers = config().num_layers;
   for (size_t a = 0; a < tokens.size(); a += static_cast<size_t>(max_rows_)) {
     const auto n = static_cast<int32_t>(std::min<size_t>(max_rows_, tokens.size() - a));
+    const bool last_chunk = a + static_cast<size_t>(n) == tokens.size();
     KEEP_RETURN_IF_ERROR(embed(hidden_, tokens.subspan(a, n)));
     KEEP_ASSIGN_OR_RETURN(auto p, plan(AttentionLayout::causal(n, cache.size())));
-    for (int32_t l = 0; l < config().num_layers; ++l) {
-      KEEP_RETURN_IF_ERROR(prefill_layer(l, hidden_, cache.layer(l), *p));
+    // The last layer's output matters for the last token only: earlier chunks need just its K/V.
+    LayerExtras last_layer;
+    last_layer.out_rows = last_chunk ? 1 : 0;
+    Backend::Capture capture(*backend_);  // the layer loop as one CUDA graph where supported
+    for (int32_t l = 0; l < layers; ++l) {
+      KEEP_RETURN_IF_ERROR(prefill_layer(l, hidden_, cache.layer(l), *p,
+                                         l + 1 == layers ? last_layer : LayerExtras{}));
     }
+    capture.finish();
     cache.set_size(cache.size() + n);
     last_row = n - 1;
   }
@@ -316,9 +329,11 @@ Result<std::vector<CandidateScore>> Engine::score_candidates(
   KEEP_RETURN_IF_ERROR(ensure_rows(rows));
   KEEP_RETURN_IF_ERROR(embed(hidden_, tokens));
   KEEP_ASSIGN_OR_RETURN(auto pl, plan(layout));
+  Backend::Capture capture(*backend_);
   for (int32_t l = 0; l < config().num_layers; ++l) {
     KEEP_RETURN_IF_ERROR(prefill_layer(l, hidden_, cache.layer(l), *pl));
   }
+  capture.finish();
   // Rows predicting candidate tokens 1..len-1 are the rows of tokens 0..len-2; their log-probs are
   // taken on the backend, kLogitRows rows at a time.
   for (const auto& c : candidates) {

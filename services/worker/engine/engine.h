@@ -57,6 +57,9 @@ struct LayerExtras {
   DeviceBuffer* v = nullptr;       // >= (rows, kv_heads, head_dim)
   DeviceBuffer* lse = nullptr;     // >= (rows, heads)
   DeviceBuffer* pooled = nullptr;  // >= (rows, num_groups); needs layout.num_groups > 0
+  // Only the last out_rows rows' hidden output is wanted (-1: all, 0: none -- K/V only); the other
+  // rows of `hidden` are left unspecified and the backend may skip their MLP (LayerOutputs).
+  int32_t out_rows = -1;
 };
 
 struct GenerateOptions {
