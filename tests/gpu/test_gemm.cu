@@ -21,6 +21,7 @@
 #include "services/worker/kernels/bf16.h"
 #include "services/worker/kernels/gemm.h"
 #include "services/worker/kernels/kernels.h"
+#include "services/worker/kernels/reference.h"
 #include "tests/gpu/gpu_test_util.h"
 
 namespace {
@@ -186,9 +187,7 @@ void check_f32(keep::kernels::BlasHandle& blas, std::mt19937& rng, int64_t rows,
   cudaFree(dy);
 }
 
-// Times one product as the CUDA backend issues it (bf16 out, or fp32 accumulate), then surveys
-// cuBLASLt's heuristic candidates for the same problem: how much a per-shape algorithm choice could
-// gain over cuBLAS's default pick (informational).
+// Median of 20 timed launches after 3 warm-ups (events on the legacy stream).
 float median_ms(const std::function<void()>& launch) {
   cudaEvent_t a, b;
   CUDA_OK(cudaEventCreate(&a));
@@ -208,6 +207,121 @@ float median_ms(const std::function<void()>& launch) {
   std::sort(ms.begin(), ms.end());
   return ms[ms.size() / 2];
 }
+
+// gemv / gemv_accumulate against ref::gemv (double) on strided rows; bf16 output within one
+// rounding, fp32 accumulation within fp32 summation error; padding columns stay NaN.
+template <bool kAcc>
+void check_gemv(std::mt19937& rng, int64_t rows, int64_t out, int64_t in, int64_t x_pad,
+                int64_t y_pad) {
+  const int64_t xs = in + x_pad, ys = out + y_pad;
+  const auto x = random_bf16(rng, static_cast<size_t>(rows * xs), 1.0f);
+  const auto w = random_bf16(rng, static_cast<size_t>(out * in), 1.0f / std::sqrt(float(in)));
+  using Y = std::conditional_t<kAcc, float, Bf16>;
+  std::vector<Y> y0(static_cast<size_t>(rows * ys));
+  std::uniform_real_distribution<float> d(-4.0f, 4.0f);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t o = 0; o < ys; ++o) {
+      const float v = o < out && kAcc ? d(rng) : NAN;
+      if constexpr (kAcc) {
+        y0[r * ys + o] = v;
+      } else {
+        y0[r * ys + o] = float_to_bf16(v);
+      }
+    }
+  }
+  std::vector<Y> want = y0;
+  if constexpr (kAcc) {
+    keep::kernels::ref::gemv_accumulate(want.data(), ys, x.data(), xs, w.data(), rows, out, in);
+  } else {
+    keep::kernels::ref::gemv(want.data(), ys, x.data(), xs, w.data(), rows, out, in);
+  }
+  auto* dx = upload(x);
+  auto* dw = upload(w);
+  auto* dy = upload(y0);
+  cudaError_t err;
+  if constexpr (kAcc) {
+    err = keep::kernels::gemv_accumulate(dy, ys, reinterpret_cast<const __nv_bfloat16*>(dx), xs,
+                                         reinterpret_cast<const __nv_bfloat16*>(dw), rows, out, in,
+                                         nullptr);
+  } else {
+    err = keep::kernels::gemv(reinterpret_cast<__nv_bfloat16*>(dy), ys,
+                              reinterpret_cast<const __nv_bfloat16*>(dx), xs,
+                              reinterpret_cast<const __nv_bfloat16*>(dw), rows, out, in, nullptr);
+  }
+  CUDA_OK(err);
+  CUDA_OK(cudaDeviceSynchronize());
+  std::vector<Y> y(y0.size());
+  CUDA_OK(cudaMemcpy(y.data(), dy, y.size() * sizeof(Y), cudaMemcpyDeviceToHost));
+  int bad = 0;
+  for (size_t i = 0; i < y.size(); ++i) {
+    const float got = keep::kernels::to_float(y[i]);
+    const float ref = keep::kernels::to_float(want[i]);
+    if (std::isnan(ref)) {  // padding
+      if (!std::isnan(got)) ++bad;
+      continue;
+    }
+    // bf16: the reference and the kernel may round a value near a bf16 midpoint differently.
+    const double tol = kAcc ? 1e-4 * (std::fabs(ref) + 1.0) : 8e-3 * std::fabs(ref) + 1e-3;
+    if (!(std::fabs(got - ref) <= tol)) {
+      if (bad < 3) {
+        std::fprintf(stderr, "FAIL gemv%s (%lld,%lld,%lld) at %zu: got %.7g want %.7g\n",
+                     kAcc ? "_accumulate" : "", (long long)rows, (long long)out, (long long)in, i,
+                     got, ref);
+      }
+      ++bad;
+    }
+  }
+  ++g_checks;
+  if (bad > 0) {
+    ++g_failures;
+    std::fprintf(stderr, "FAIL gemv%s (%lld,%lld,%lld): %d bad\n", kAcc ? "_accumulate" : "",
+                 (long long)rows, (long long)out, (long long)in, bad);
+  }
+  cudaFree(dx);
+  cudaFree(dw);
+  cudaFree(dy);
+}
+
+// gemv against cuBLAS for few rows (informational): the decode-step products.
+void time_gemv(keep::kernels::BlasHandle& blas, int64_t rows, int64_t out, int64_t in, bool acc) {
+  __nv_bfloat16 *x, *w;
+  void* y;
+  CUDA_OK(cudaMalloc(&x, rows * in * 2));
+  CUDA_OK(cudaMalloc(&w, out * in * 2));
+  CUDA_OK(cudaMalloc(&y, rows * out * 4));
+  CUDA_OK(keep::kernels::fill_uniform(x, rows * in, 3, -1.0f, 1.0f, nullptr));
+  CUDA_OK(keep::kernels::fill_uniform(w, out * in, 4, -0.02f, 0.02f, nullptr));
+  CUDA_OK(cudaMemset(y, 0, rows * out * 4));
+  const float t_blas = median_ms([&] {
+    if (acc) {
+      BLAS_OK(keep::kernels::gemm_nt_accumulate(blas.get(), static_cast<float*>(y), out, x, in, w,
+                                                rows, out, in));
+    } else {
+      BLAS_OK(keep::kernels::gemm_nt(blas.get(), static_cast<__nv_bfloat16*>(y), out, x, in, w,
+                                     rows, out, in));
+    }
+  });
+  const float t_gemv = median_ms([&] {
+    if (acc) {
+      CUDA_OK(keep::kernels::gemv_accumulate(static_cast<float*>(y), out, x, in, w, rows, out, in,
+                                             nullptr));
+    } else {
+      CUDA_OK(keep::kernels::gemv(static_cast<__nv_bfloat16*>(y), out, x, in, w, rows, out, in,
+                                  nullptr));
+    }
+  });
+  const double gb = 2.0 * out * in / 1e9;
+  std::printf("rows %lld (%lld x %lld)%s: cuBLAS %.1f us (%.2f TB/s), gemv %.1f us (%.2f TB/s)\n",
+              (long long)rows, (long long)out, (long long)in, acc ? " acc" : "", t_blas * 1e3,
+              gb / (t_blas * 1e-3) / 1e3, t_gemv * 1e3, gb / (t_gemv * 1e-3) / 1e3);
+  cudaFree(x);
+  cudaFree(w);
+  cudaFree(y);
+}
+
+// Times one product as the CUDA backend issues it (bf16 out, or fp32 accumulate), then surveys
+// cuBLASLt's heuristic candidates for the same problem: how much a per-shape algorithm choice could
+// gain over cuBLAS's default pick (informational).
 
 void time_one(keep::kernels::BlasHandle& blas, void* ws, size_t ws_bytes, int64_t rows,
               int64_t out, int64_t in, bool acc) {
@@ -300,6 +414,29 @@ int main() {
     check_one<true, true>(blas, rng, rows, 384, 320, 8, 40);
   }
   for (int64_t rows : {1, 3, 19}) check_f32(blas, rng, rows, 733, 576);
+  for (int64_t rows = 1; rows <= keep::kernels::kGemvMaxRows; ++rows) {
+    for (auto [out, in] : {std::pair<int64_t, int64_t>{1, 8}, {7, 24}, {733, 576}, {64, 1800},
+                           {19, 3584}}) {
+      check_gemv<false>(rng, rows, out, in, 0, 0);
+      check_gemv<true>(rng, rows, out, in, 0, 0);
+    }
+    check_gemv<false>(rng, rows, 384, 320, 16, 24);  // strided x and y (fused buffers)
+    check_gemv<true>(rng, rows, 384, 320, 8, 40);
+  }
+  {  // refused: rows beyond the maximum, `in` not a multiple of 8, misaligned x
+    ++g_checks;
+    __nv_bfloat16* p = nullptr;
+    CUDA_OK(cudaMalloc(&p, 4096));
+    const bool refused =
+        keep::kernels::gemv(p, 8, p, 8, p, 9, 8, 8, nullptr) == cudaErrorInvalidValue &&
+        keep::kernels::gemv(p, 8, p, 12, p, 1, 8, 12, nullptr) == cudaErrorInvalidValue &&
+        keep::kernels::gemv(p, 8, p + 1, 8, p, 1, 8, 8, nullptr) == cudaErrorInvalidValue;
+    if (!refused) {
+      ++g_failures;
+      std::fprintf(stderr, "FAIL gemv: bad sizes accepted\n");
+    }
+    cudaFree(p);
+  }
   // Invalid sizes are refused without touching memory.
   if (keep::kernels::gemm_nt(blas.get(), static_cast<__nv_bfloat16*>(nullptr), 4, nullptr, 4,
                              nullptr, 2, 8, 4) != CUBLAS_STATUS_INVALID_VALUE) {
@@ -308,6 +445,12 @@ int main() {
   }
   ++g_checks;
   if (!keep::gputest::quick()) {  // KEEP_GPU_TEST_QUICK: set under compute-sanitizer
+    for (int64_t rows : {1, 2, 4, 8}) {  // the decode step's products
+      time_gemv(blas, rows, 3584 + 2 * 512, 3584, false);
+      time_gemv(blas, rows, 3584, 3584, true);
+      time_gemv(blas, rows, 18944 * 2, 3584, false);
+      time_gemv(blas, rows, 3584, 18944, true);
+    }
     // Qwen2.5-7B's four products (QKV, o_proj, gate|up, down) at 1024 and 4096 rows.
     for (int64_t rows : {1024, 4096}) {
       time_one(blas, ws, ws_bytes, rows, 3584 + 2 * 512, 3584, false);

@@ -360,6 +360,26 @@ TEST_CASE("add_rmsnorm reference: fp32 residual add (+ bias), then HF RMSNorm to
   }
 }
 
+TEST_CASE("gemv references: bf16 products of strided rows, rounded once or added to fp32") {
+  // x rows [1, 2, 0.5 | pad] and [-1, 0, 4 | pad]; W rows [1, 1, 1], [2, -1, 0.25] (all exact in
+  // bf16), so y = x W^T = [[3.5, 0.125], [3, -1]].
+  const float xv[] = {1, 2, 0.5f, 99, -1, 0, 4, 99};
+  const float wv[] = {1, 1, 1, 2, -1, 0.25f};
+  std::vector<Bf16> x, w;
+  for (float v : xv) x.push_back(float_to_bf16(v));
+  for (float v : wv) w.push_back(float_to_bf16(v));
+  std::vector<Bf16> y(6, float_to_bf16(-7.0f));  // stride 3: the third column must stay
+  keep::kernels::ref::gemv(y.data(), 3, x.data(), 4, w.data(), 2, 2, 3);
+  const float want[] = {3.5f, 0.125f, -7.0f, 3.0f, -1.0f, -7.0f};
+  for (int i = 0; i < 6; ++i) CHECK(bf16_to_float(y[i]) == want[i]);
+  std::vector<float> acc = {10.0f, -1.0f, 5.0f, 0.5f};
+  keep::kernels::ref::gemv_accumulate(acc.data(), 2, x.data(), 4, w.data(), 2, 2, 3);
+  CHECK(acc[0] == 13.5f);
+  CHECK(acc[1] == -0.875f);
+  CHECK(acc[2] == 8.0f);
+  CHECK(acc[3] == -0.5f);
+}
+
 TEST_CASE("gather_rows reference copies the indexed rows") {
   std::mt19937 rng(13);
   for (int64_t n : kSizes) {

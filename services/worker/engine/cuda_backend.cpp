@@ -510,6 +510,24 @@ void CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_in,
   auto* act = static_cast<bf16*>(act_);
   cublasHandle_t h = blas_.get();
   mark(-1);
+  // y (m, ys) = x W^T, or y += x W^T into fp32: our few-row kernel or cuBLAS.
+  const bool gemv_dims = C % 8 == 0 && q % 8 == 0 && I % 8 == 0;
+  auto product = [&](bf16* y, int64_t ys, const bf16* x, int64_t xs, const bf16* wt, int64_t m,
+                     int64_t n, int64_t k) {
+    if (gemv_dims && m <= options_.gemv_rows) {
+      KEEP_CUDA_CHECK(kernels::gemv(y, ys, x, xs, wt, m, n, k, stream_));
+    } else {
+      KEEP_BLAS_CHECK(kernels::gemm_nt(h, y, ys, x, xs, wt, m, n, k));
+    }
+  };
+  auto accumulate = [&](float* y, int64_t ys, const bf16* x, int64_t xs, const bf16* wt,
+                        int64_t m, int64_t n, int64_t k) {
+    if (gemv_dims && m <= options_.gemv_rows) {
+      KEEP_CUDA_CHECK(kernels::gemv_accumulate(y, ys, x, xs, wt, m, n, k, stream_));
+    } else {
+      KEEP_BLAS_CHECK(kernels::gemm_nt_accumulate(h, y, ys, x, xs, wt, m, n, k));
+    }
+  };
 
   // Rows [skip, rows) produce hidden output (out.out_rows); the others only K/V (and lse/pooled).
   const int64_t keep = out.out_rows < 0 ? rows : std::min<int64_t>(out.out_rows, rows);
@@ -523,7 +541,7 @@ void CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_in,
   KEEP_CUDA_CHECK(
       kernels::add_rmsnorm(xn, res, nullptr, nullptr, w.attn_norm, rows, C, eps, stream_));
   mark(kNorm);
-  KEEP_BLAS_CHECK(kernels::gemm_nt(h, qkv, qkv_w, xn, C, w.w_qkv, rows, qkv_w, C));
+  product(qkv, qkv_w, xn, C, w.w_qkv, rows, qkv_w, C);
   mark(kQkv);
   KEEP_CUDA_CHECK(kernels::qkv_finish(qkv, out.k_pre, out.v, view_k, view_v, w.b_q, w.b_k, w.b_v,
                                       plan.positions, plan.slots, inv_freq_, rows, heads, kv_heads,
@@ -567,23 +585,23 @@ void CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_in,
   // residual += o_proj: accumulated by the product itself in fp32 (no bf16 rounding of the
   // projection, no add kernel); with an o_proj bias through the add kernel instead.
   if (w.b_o == nullptr) {
-    KEEP_BLAS_CHECK(kernels::gemm_nt_accumulate(h, res_kept, C, att_kept, q, w.w_o, keep, C, q));
+    accumulate(res_kept, C, att_kept, q, w.w_o, keep, C, q);
     mark(kOProj);
     KEEP_CUDA_CHECK(kernels::add_rmsnorm(xn, res_kept, nullptr, nullptr, w.ffn_norm, keep, C, eps,
                                          stream_));
   } else {
-    KEEP_BLAS_CHECK(kernels::gemm_nt(h, proj, C, att_kept, q, w.w_o, keep, C, q));
+    product(proj, C, att_kept, q, w.w_o, keep, C, q);
     mark(kOProj);
     KEEP_CUDA_CHECK(
         kernels::add_rmsnorm(xn, res_kept, proj, w.b_o, w.ffn_norm, keep, C, eps, stream_));
   }
   mark(kMlpNorm);
   // MLP half: gate/up, SwiGLU, residual += down (accumulated by the product).
-  KEEP_BLAS_CHECK(kernels::gemm_nt(h, gu, 2 * I, xn, C, w.w_gate_up, keep, 2 * I, C));
+  product(gu, 2 * I, xn, C, w.w_gate_up, keep, 2 * I, C);
   mark(kGateUp);
   KEEP_CUDA_CHECK(kernels::swiglu_rows(act, gu, keep, I, stream_));
   mark(kSwiglu);
-  KEEP_BLAS_CHECK(kernels::gemm_nt_accumulate(h, res_kept, C, act, I, w.w_down, keep, C, I));
+  accumulate(res_kept, C, act, I, w.w_down, keep, C, I);
   mark(kDown);
 }
 

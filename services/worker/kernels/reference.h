@@ -57,6 +57,13 @@ void qkv_finish(Bf16* qkv, float* k_pre, float* v_out, KV* kv_k, KV* kv_v, const
                 const float* bk, const float* bv, const int32_t* positions, const int32_t* slots,
                 const float* inv_freq, int64_t rows, int64_t heads, int64_t kv_heads,
                 int64_t head_dim);
+// kernels.h gemv / gemv_accumulate: y[r, o] (+)= Σ_i x[r, i] w[o, i], in double; stored as Bf16
+// (accumulate = false) or added to the float y (accumulate = true).
+void gemv(Bf16* y, int64_t y_stride, const Bf16* x, int64_t x_stride, const Bf16* w, int64_t rows,
+          int64_t out, int64_t in);
+void gemv_accumulate(float* y, int64_t y_stride, const Bf16* x, int64_t x_stride, const Bf16* w,
+                     int64_t rows, int64_t out, int64_t in);
+
 // Counter-based uniform values in [lo, hi): value i depends only on (seed, i).
 template <typename T>
 void fill_uniform(T* out, int64_t n, uint64_t seed, float lo, float hi);

@@ -168,4 +168,31 @@ template void qkv_finish<Bf16>(Bf16*, float*, float*, Bf16*, Bf16*, const float*
 template void fill_uniform<float>(float*, int64_t, uint64_t, float, float);
 template void fill_uniform<Bf16>(Bf16*, int64_t, uint64_t, float, float);
 
+namespace {
+double dot_bf16(const Bf16* a, const Bf16* b, int64_t n) {
+  double s = 0.0;
+  for (int64_t i = 0; i < n; ++i) s += double(bf16_to_float(a[i])) * double(bf16_to_float(b[i]));
+  return s;
+}
+}  // namespace
+
+void gemv(Bf16* y, int64_t y_stride, const Bf16* x, int64_t x_stride, const Bf16* w, int64_t rows,
+          int64_t out, int64_t in) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t o = 0; o < out; ++o) {
+      y[r * y_stride + o] = float_to_bf16(static_cast<float>(dot_bf16(x + r * x_stride, w + o * in, in)));
+    }
+  }
+}
+
+void gemv_accumulate(float* y, int64_t y_stride, const Bf16* x, int64_t x_stride, const Bf16* w,
+                     int64_t rows, int64_t out, int64_t in) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t o = 0; o < out; ++o) {
+      y[r * y_stride + o] = static_cast<float>(double(y[r * y_stride + o]) +
+                                               dot_bf16(x + r * x_stride, w + o * in, in));
+    }
+  }
+}
+
 }  // namespace keep::kernels::ref
