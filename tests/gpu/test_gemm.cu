@@ -282,67 +282,67 @@ void check_gemv(std::mt19937& rng, int64_t rows, int64_t out, int64_t in, int64_
   cudaFree(dy);
 }
 
-// gemv against cuBLAS for few rows (informational): the decode-step products.
-void time_gemv(keep::kernels::BlasHandle& blas, int64_t rows, int64_t out, int64_t in, bool acc) {
-  __nv_bfloat16 *x, *w;
-  void* y;
-  CUDA_OK(cudaMalloc(&x, rows * in * 2));
-  CUDA_OK(cudaMalloc(&w, out * in * 2));
-  CUDA_OK(cudaMalloc(&y, rows * out * 4));
-  CUDA_OK(keep::kernels::fill_uniform(x, rows * in, 3, -1.0f, 1.0f, nullptr));
-  CUDA_OK(keep::kernels::fill_uniform(w, out * in, 4, -0.02f, 0.02f, nullptr));
-  CUDA_OK(cudaMemset(y, 0, rows * out * 4));
-  const float t_blas = median_ms([&] {
+// Random operands of one timed product: x (rows, in), W (out, in) bf16, y zeroed with room for
+// fp32 (rows, out); and the product as the CUDA backend issues it through cuBLAS.
+struct TimedOperands {
+  __nv_bfloat16* x = nullptr;
+  __nv_bfloat16* w = nullptr;
+  void* y = nullptr;
+  int64_t rows, out, in;
+  TimedOperands(int64_t r, int64_t o, int64_t i) : rows(r), out(o), in(i) {
+    CUDA_OK(cudaMalloc(&x, rows * in * 2));
+    CUDA_OK(cudaMalloc(&w, out * in * 2));
+    CUDA_OK(cudaMalloc(&y, rows * out * 4));
+    CUDA_OK(keep::kernels::fill_uniform(x, rows * in, 1, -1.0f, 1.0f, nullptr));
+    CUDA_OK(keep::kernels::fill_uniform(w, out * in, 2, -0.02f, 0.02f, nullptr));
+    CUDA_OK(cudaMemset(y, 0, rows * out * 4));
+  }
+  ~TimedOperands() {
+    cudaFree(x);
+    cudaFree(w);
+    cudaFree(y);
+  }
+  void blas(keep::kernels::BlasHandle& h, bool acc) const {
     if (acc) {
-      BLAS_OK(keep::kernels::gemm_nt_accumulate(blas.get(), static_cast<float*>(y), out, x, in, w,
+      BLAS_OK(keep::kernels::gemm_nt_accumulate(h.get(), static_cast<float*>(y), out, x, in, w,
                                                 rows, out, in));
     } else {
-      BLAS_OK(keep::kernels::gemm_nt(blas.get(), static_cast<__nv_bfloat16*>(y), out, x, in, w,
-                                     rows, out, in));
+      BLAS_OK(keep::kernels::gemm_nt(h.get(), static_cast<__nv_bfloat16*>(y), out, x, in, w, rows,
+                                     out, in));
     }
-  });
+  }
+};
+
+// gemv against cuBLAS for few rows (informational): the decode-step products.
+void time_gemv(keep::kernels::BlasHandle& blas, int64_t rows, int64_t out, int64_t in, bool acc) {
+  const TimedOperands t(rows, out, in);
+  const float t_blas = median_ms([&] { t.blas(blas, acc); });
   const float t_gemv = median_ms([&] {
     if (acc) {
-      CUDA_OK(keep::kernels::gemv_accumulate(static_cast<float*>(y), out, x, in, w, rows, out, in,
-                                             nullptr));
+      CUDA_OK(keep::kernels::gemv_accumulate(static_cast<float*>(t.y), out, t.x, in, t.w, rows, out,
+                                             in, nullptr));
     } else {
-      CUDA_OK(keep::kernels::gemv(static_cast<__nv_bfloat16*>(y), out, x, in, w, rows, out, in,
-                                  nullptr));
+      CUDA_OK(keep::kernels::gemv(static_cast<__nv_bfloat16*>(t.y), out, t.x, in, t.w, rows, out,
+                                  in, nullptr));
     }
   });
   const double gb = 2.0 * out * in / 1e9;
   std::printf("rows %lld (%lld x %lld)%s: cuBLAS %.1f us (%.2f TB/s), gemv %.1f us (%.2f TB/s)\n",
               (long long)rows, (long long)out, (long long)in, acc ? " acc" : "", t_blas * 1e3,
               gb / (t_blas * 1e-3) / 1e3, t_gemv * 1e3, gb / (t_gemv * 1e-3) / 1e3);
-  cudaFree(x);
-  cudaFree(w);
-  cudaFree(y);
 }
 
 // Times one product as the CUDA backend issues it (bf16 out, or fp32 accumulate), then surveys
 // cuBLASLt's heuristic candidates for the same problem: how much a per-shape algorithm choice could
 // gain over cuBLAS's default pick (informational).
-
 void time_one(keep::kernels::BlasHandle& blas, void* ws, size_t ws_bytes, int64_t rows,
               int64_t out, int64_t in, bool acc) {
-  __nv_bfloat16 *x, *w;
-  void* y;
-  CUDA_OK(cudaMalloc(&x, rows * in * 2));
-  CUDA_OK(cudaMalloc(&w, out * in * 2));
-  CUDA_OK(cudaMalloc(&y, rows * out * 4));
-  CUDA_OK(keep::kernels::fill_uniform(x, rows * in, 1, -1.0f, 1.0f, nullptr));
-  CUDA_OK(keep::kernels::fill_uniform(w, out * in, 2, -0.02f, 0.02f, nullptr));
-  CUDA_OK(cudaMemset(y, 0, rows * out * 4));
+  const TimedOperands t(rows, out, in);
+  const __nv_bfloat16* x = t.x;
+  const __nv_bfloat16* w = t.w;
+  void* y = t.y;
   const double flop = 2.0 * rows * out * in;
-  const float med = median_ms([&] {
-    if (acc) {
-      BLAS_OK(keep::kernels::gemm_nt_accumulate(blas.get(), static_cast<float*>(y), out, x, in, w,
-                                                rows, out, in));
-    } else {
-      BLAS_OK(keep::kernels::gemm_nt(blas.get(), static_cast<__nv_bfloat16*>(y), out, x, in, w,
-                                     rows, out, in));
-    }
-  });
+  const float med = median_ms([&] { t.blas(blas, acc); });
   std::printf("gemm_nt %s (%lld x %lld x %lld): %.3f ms, %.0f TFLOP/s", acc ? "acc f32" : "bf16",
               (long long)rows, (long long)out, (long long)in, med, flop / (med * 1e-3) / 1e12);
 
@@ -388,9 +388,6 @@ void time_one(keep::kernels::BlasHandle& blas, void* ws, size_t ws_bytes, int64_
   cublasLtMatrixLayoutDestroy(lc);
   cublasLtMatmulDescDestroy(op);
   cublasLtDestroy(lt);
-  cudaFree(x);
-  cudaFree(w);
-  cudaFree(y);
 }
 
 }  // namespace
