@@ -30,24 +30,36 @@ constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 using detail::kFull;
 using detail::kLog2e;
-constexpr int kMinChunk = 64;                 // chunks are multiples of this many keys
-constexpr int kTargetRowChunks = 256;         // aim for about this many (row, chunk) pairs per call
-constexpr int kMaxChunks = kTargetRowChunks;  // so a row has at most this many chunks
+constexpr int kMinChunk = 16;     // chunks are multiples of this many keys
+constexpr int kTargetBlocks = 384;  // kernel-1 blocks to aim for: about one wave on an H200
+constexpr int kMaxChunks = kTargetBlocks;  // so a row has at most this many chunks
 constexpr float kLn2 = 0.6931471805599453f;
 
+// Kernel 1's q heads per block (HP): 8 when head_dim <= 128 and the GQA group has more than 4
+// heads, else 4 (fewer registers); larger groups take several packs.
+constexpr int heads_per_block(int head_dim, int group) {
+  return head_dim / 32 <= 4 && group > 4 ? 8 : 4;
+}
+
 // Chunk size and the most chunks a row can have, from the call's sizes only (the spans live on the
-// device): chunk = max(64, ceil(rows * num_keys / 256) rounded up to 64), at most num_keys rounded
-// up to 64. So max_chunks <= 256 and rows * max_chunks <= 256 + rows: the workspace stays small
-// for any row count, and few rows over many keys still get many blocks.
+// device). `units` is kernel 1's blocks per (row, chunk), kv_heads * packs; the plan aims at
+// kTargetBlocks blocks in all: chunk = max(16, ceil(rows * num_keys * units / kTargetBlocks)
+// rounded up to 16), at most num_keys rounded up to 16. So rows * max_chunks <= kTargetBlocks /
+// units + rows and max_chunks <= kMaxChunks: the workspace stays small for any row count, and few
+// rows over few keys still get short chunks. Why about one wave of blocks with short chunks: a
+// warp's batches run one after another with long dependency chains (~2.4 us a batch on the H200,
+// measured), so the keys per warp set the time; more blocks than fit at once add waves.
+// units = 1 gives the most chunks any call of these sizes can have (the workspace bound).
 struct ChunkPlan {
   int64_t chunk = kMinChunk;
   int64_t max_chunks = 0;
 };
 
-ChunkPlan plan_chunks(int64_t rows, int64_t num_keys) {
+ChunkPlan plan_chunks(int64_t rows, int64_t num_keys, int64_t units) {
   ChunkPlan p;
   if (rows <= 0 || num_keys <= 0) return p;
-  int64_t c = (rows * num_keys + kTargetRowChunks - 1) / kTargetRowChunks;
+  const int64_t target = std::max<int64_t>(1, kTargetBlocks / std::max<int64_t>(units, 1));
+  int64_t c = (rows * num_keys + target - 1) / target;
   c = (c + kMinChunk - 1) / kMinChunk * kMinChunk;
   const int64_t keys_up = (num_keys + kMinChunk - 1) / kMinChunk * kMinChunk;
   p.chunk = std::max<int64_t>(kMinChunk, std::min(c, keys_up));
@@ -452,20 +464,19 @@ void launch_chunks(float* ws_o, float* ws_m, float* ws_l, const __nv_bfloat16* q
   const int group = heads / kv_heads;
   const int packs = (group + HP - 1) / HP;
   const int64_t blocks = static_cast<int64_t>(rows.rows) * kv_heads * packs * max_chunks;
-  // (The launcher checked blocks < 2^31: rows * max_chunks <= rows + 256.)
+  // (The launcher checked blocks < 2^31: rows * max_chunks <= rows + kTargetBlocks.)
   decode_chunk_kernel<KV, E, HP><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
       ws_o, ws_m, ws_l, q, q_stride, k, v, rows.row_offsets, rows.spans, heads, kv_heads, packs,
       chunk, max_chunks, scale_log2, aligned);
 }
 
-// HP (q heads per block): 8 when head_dim <= 128 and the GQA group has more than 4 heads, else 4
-// (fewer registers); larger groups take several packs.
+// HP from heads_per_block.
 template <typename KV, int E>
 void dispatch_hp(float* ws_o, float* ws_m, float* ws_l, const __nv_bfloat16* q, int64_t q_stride,
                  const KV* k, const KV* v, const AttentionRows& rows, int heads, int kv_heads,
                  int chunk, int max_chunks, float scale_log2, bool aligned, cudaStream_t stream) {
   if constexpr (E <= 4) {
-    if (heads / kv_heads > 4) {
+    if (heads_per_block(32 * E, heads / kv_heads) == 8) {
       launch_chunks<KV, E, 8>(ws_o, ws_m, ws_l, q, q_stride, k, v, rows, heads, kv_heads, chunk,
                               max_chunks, scale_log2, aligned, stream);
       return;
@@ -477,7 +488,7 @@ void dispatch_hp(float* ws_o, float* ws_m, float* ws_l, const __nv_bfloat16* q, 
 
 size_t decode_workspace_floats(int64_t rows, int heads, int head_dim, int64_t num_keys) {
   if (rows <= 0 || heads <= 0 || head_dim <= 0 || num_keys <= 0) return 0;
-  const ChunkPlan p = plan_chunks(rows, num_keys);
+  const ChunkPlan p = plan_chunks(rows, num_keys, 1);  // the bound over every head layout
   return static_cast<size_t>(rows) * static_cast<size_t>(heads) *
          static_cast<size_t>(p.max_chunks) * static_cast<size_t>(head_dim + 2);
 }
@@ -497,8 +508,12 @@ cudaError_t launch(__nv_bfloat16* out, int64_t out_stride, float* lse, const __n
       q_stride < width) {
     return cudaErrorInvalidValue;
   }
-  const ChunkPlan plan = plan_chunks(rows.rows, rows.num_keys);
-  const size_t need = decode_workspace_floats(rows.rows, heads, head_dim, rows.num_keys);
+  const int group = heads / kv_heads;
+  const int hp = heads_per_block(head_dim, group);
+  const ChunkPlan plan = plan_chunks(rows.rows, rows.num_keys,
+                                     static_cast<int64_t>(kv_heads) * ((group + hp - 1) / hp));
+  const size_t need = static_cast<size_t>(rows.rows) * static_cast<size_t>(heads) *
+                      static_cast<size_t>(plan.max_chunks) * static_cast<size_t>(head_dim + 2);
   if (workspace_size < need || (need > 0 && workspace == nullptr)) return cudaErrorInvalidValue;
   const int64_t entries = static_cast<int64_t>(rows.rows) * heads * plan.max_chunks;
   float* const ws_o = workspace;
