@@ -3,7 +3,7 @@
 //
 //   build/bin/bench_prefill --shape qwen2.5-7b --tokens 1024,2048,4096 [--reps 10] [--warmup 3]
 //       [--decode 64] [--decode-context 1024] [--json out.jsonl] [--graphs on|off|both]
-//       [--profile]
+//       [--profile] [--logits f32rows|f32|bf16]
 //
 // TTFT = wall time of Engine::prefill (embedding, every layer, final norm + lm_head of the last
 // row, logits copied to the host), the prompt in one chunk; median of --reps after --warmup runs.
@@ -38,6 +38,7 @@ int usage(const char* msg) {
   std::fprintf(stderr,
                "usage: bench_prefill --shape NAME --tokens N[,N...] [--reps R] [--warmup W] "
                "[--decode T] [--decode-context N] [--json FILE] [--graphs on|off|both] [--profile]\n"
+               "  [--logits f32rows|f32|bf16]\n"
                "  shapes:");
   for (const auto& n : keep::bench::model_shape_names()) std::fprintf(stderr, " %s", n.c_str());
   std::fprintf(stderr, "\n");
@@ -75,7 +76,7 @@ std::vector<int64_t> parse_list(const char* s) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string shape = "qwen2.5-7b", json, graphs = "off";
+  std::string shape = "qwen2.5-7b", json, graphs = "off", logits = "f32rows";
   bool profile = false;
   std::vector<int64_t> lens = {1024, 2048, 4096};
   int reps = 10, warmup = 3, decode = 64;
@@ -102,6 +103,8 @@ int main(int argc, char** argv) {
       graphs = v;
     else if (!std::strcmp(a, "--profile"))
       profile = true;
+    else if (!std::strcmp(a, "--logits") && (v = next()))
+      logits = v;
     else
       return usage((std::string("bad argument: ") + a).c_str());
   }
@@ -109,13 +112,23 @@ int main(int argc, char** argv) {
   if (!cfg) return usage(("unknown shape " + shape).c_str());
   if (lens.empty() || reps < 1 || warmup < 0 || decode < 0) return usage("bad sizes");
   if (graphs != "on" && graphs != "off" && graphs != "both") return usage("--graphs on|off|both");
+  CudaBackendOptions options;
+  if (logits == "f32rows") {
+    options.logits = CudaBackendOptions::Logits::kF32Rows;
+  } else if (logits == "f32") {
+    options.logits = CudaBackendOptions::Logits::kF32;
+  } else if (logits == "bf16") {
+    options.logits = CudaBackendOptions::Logits::kBF16;
+  } else {
+    return usage("--logits f32rows|f32|bf16");
+  }
   for (int64_t n : lens) {
     if (n < 1 || n > 32768) return usage("--tokens must be in [1, 32768]");
   }
   const int64_t max_len = std::max(*std::max_element(lens.begin(), lens.end()), decode_context);
 
   const auto t_load = Clock::now();
-  auto backend = CudaBackend::create_random(*cfg, 20261129);
+  auto backend = CudaBackend::create_random(*cfg, 20261129, options);
   if (!backend.is_ok()) return fail(backend.status());
   const std::string name = (*backend)->name();
   auto engine = Engine::create(std::move(backend).value(), static_cast<int32_t>(max_len));

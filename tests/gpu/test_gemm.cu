@@ -86,10 +86,9 @@ void check_one(keep::kernels::BlasHandle& blas, std::mt19937& rng, int64_t rows,
   auto* dw = upload(w);
   auto* dy = upload(y0);
   if constexpr (kAcc) {
-    BLAS_OK(keep::kernels::gemm_nt_accumulate(blas.get(), dy, ys,
-                                              reinterpret_cast<const __nv_bfloat16*>(dx), xs,
-                                              reinterpret_cast<const __nv_bfloat16*>(dw), rows,
-                                              out, in));
+    BLAS_OK(keep::kernels::gemm_nt_accumulate(
+        blas.get(), dy, ys, reinterpret_cast<const __nv_bfloat16*>(dx), xs,
+        reinterpret_cast<const __nv_bfloat16*>(dw), rows, out, in));
   } else {
     BLAS_OK(keep::kernels::gemm_nt(blas.get(), reinterpret_cast<DY*>(dy), ys,
                                    reinterpret_cast<const __nv_bfloat16*>(dx), xs,
@@ -141,8 +140,10 @@ void check_one(keep::kernels::BlasHandle& blas, std::mt19937& rng, int64_t rows,
   if (bad > 0 || rel > (kF32Out ? 1e-5 : 5e-3)) {
     ++g_failures;
     std::fprintf(stderr, "FAIL gemm %s (%lld,%lld,%lld): %d bad, rel %.3g\n",
-                 kAcc ? "accumulate" : kF32Out ? "f32" : "bf16", (long long)rows, (long long)out, (long long)in, bad,
-                 rel);
+                 kAcc      ? "accumulate"
+                 : kF32Out ? "f32"
+                           : "bf16",
+                 (long long)rows, (long long)out, (long long)in, bad, rel);
   }
   cudaFree(dx);
   cudaFree(dw);
@@ -282,6 +283,44 @@ void check_gemv(std::mt19937& rng, int64_t rows, int64_t out, int64_t in, int64_
   cudaFree(dy);
 }
 
+// The fp32-x gemv (logits) against ref::gemv: fp32 y overwritten, padding untouched.
+void check_gemv_f32x(std::mt19937& rng, int64_t rows, int64_t out, int64_t in, int64_t x_pad,
+                     int64_t y_pad) {
+  const int64_t xs = in + x_pad, ys = out + y_pad;
+  std::uniform_real_distribution<float> d(-2.0f, 2.0f);
+  std::vector<float> x(static_cast<size_t>(rows * xs));
+  for (auto& v : x) v = d(rng);
+  const auto w = random_bf16(rng, static_cast<size_t>(out * in), 1.0f / std::sqrt(float(in)));
+  std::vector<float> y0(static_cast<size_t>(rows * ys), NAN);
+  std::vector<float> want = y0;
+  keep::kernels::ref::gemv(want.data(), ys, x.data(), xs, w.data(), rows, out, in);
+  float* dx = upload(x);
+  auto* dw = upload(w);
+  float* dy = upload(y0);
+  CUDA_OK(keep::kernels::gemv(dy, ys, dx, xs, reinterpret_cast<const __nv_bfloat16*>(dw), rows,
+                              out, in, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  std::vector<float> y(y0.size());
+  CUDA_OK(cudaMemcpy(y.data(), dy, y.size() * 4, cudaMemcpyDeviceToHost));
+  int bad = 0;
+  for (size_t i = 0; i < y.size(); ++i) {
+    if (std::isnan(want[i])) {
+      if (!std::isnan(y[i])) ++bad;
+    } else if (!(std::fabs(y[i] - want[i]) <= 1e-4 * (std::fabs(want[i]) + 1.0))) {
+      ++bad;
+    }
+  }
+  ++g_checks;
+  if (bad > 0) {
+    ++g_failures;
+    std::fprintf(stderr, "FAIL gemv fp32 x (%lld,%lld,%lld): %d bad\n", (long long)rows,
+                 (long long)out, (long long)in, bad);
+  }
+  cudaFree(dx);
+  cudaFree(dw);
+  cudaFree(dy);
+}
+
 // Random operands of one timed product: x (rows, in), W (out, in) bf16, y zeroed with room for
 // fp32 (rows, out); and the product as the CUDA backend issues it through cuBLAS.
 struct TimedOperands {
@@ -335,8 +374,8 @@ void time_gemv(keep::kernels::BlasHandle& blas, int64_t rows, int64_t out, int64
 // Times one product as the CUDA backend issues it (bf16 out, or fp32 accumulate), then surveys
 // cuBLASLt's heuristic candidates for the same problem: how much a per-shape algorithm choice could
 // gain over cuBLAS's default pick (informational).
-void time_one(keep::kernels::BlasHandle& blas, void* ws, size_t ws_bytes, int64_t rows,
-              int64_t out, int64_t in, bool acc) {
+void time_one(keep::kernels::BlasHandle& blas, void* ws, size_t ws_bytes, int64_t rows, int64_t out,
+              int64_t in, bool acc) {
   const TimedOperands t(rows, out, in);
   const __nv_bfloat16* x = t.x;
   const __nv_bfloat16* w = t.w;
@@ -412,13 +451,15 @@ int main() {
   }
   for (int64_t rows : {1, 3, 19}) check_f32(blas, rng, rows, 733, 576);
   for (int64_t rows = 1; rows <= keep::kernels::kGemvMaxRows; ++rows) {
-    for (auto [out, in] : {std::pair<int64_t, int64_t>{1, 8}, {7, 24}, {733, 576}, {64, 1800},
-                           {19, 3584}}) {
+    for (auto [out, in] :
+         {std::pair<int64_t, int64_t>{1, 8}, {7, 24}, {733, 576}, {64, 1800}, {19, 3584}}) {
       check_gemv<false>(rng, rows, out, in, 0, 0);
       check_gemv<true>(rng, rows, out, in, 0, 0);
     }
     check_gemv<false>(rng, rows, 384, 320, 16, 24);  // strided x and y (fused buffers)
     check_gemv<true>(rng, rows, 384, 320, 8, 40);
+    check_gemv_f32x(rng, rows, 733, 576, 0, 0);
+    check_gemv_f32x(rng, rows, 1001, 64, 8, 3);
   }
   {  // refused: rows beyond the maximum, `in` not a multiple of 8, misaligned x
     ++g_checks;
@@ -441,7 +482,7 @@ int main() {
     std::fprintf(stderr, "FAIL gemm: y_stride < out accepted\n");
   }
   ++g_checks;
-  if (!keep::gputest::quick()) {  // KEEP_GPU_TEST_QUICK: set under compute-sanitizer
+  if (!keep::gputest::quick()) {         // KEEP_GPU_TEST_QUICK: set under compute-sanitizer
     for (int64_t rows : {1, 2, 4, 8}) {  // the decode step's products
       time_gemv(blas, rows, 3584 + 2 * 512, 3584, false);
       time_gemv(blas, rows, 3584, 3584, true);

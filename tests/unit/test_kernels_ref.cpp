@@ -378,6 +378,12 @@ TEST_CASE("gemv references: bf16 products of strided rows, rounded once or added
   CHECK(acc[1] == -0.875f);
   CHECK(acc[2] == 8.0f);
   CHECK(acc[3] == -0.5f);
+  // fp32 x (not representable in bf16: 1 + 2^-10 stays exact), fp32 y overwritten.
+  const float xf[] = {1.0f + 0.0009765625f, 2, 0.5f, 99};
+  std::vector<float> yf(2, NAN);
+  keep::kernels::ref::gemv(yf.data(), 2, xf, 4, w.data(), 1, 2, 3);
+  CHECK(yf[0] == 3.5f + 0.0009765625f);
+  CHECK(yf[1] == 0.125f + 2 * 0.0009765625f);
 }
 
 TEST_CASE("gather_rows reference copies the indexed rows") {

@@ -94,10 +94,23 @@ CudaBackend::~CudaBackend() {
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
 }
 
+static const char* logits_name(CudaBackendOptions::Logits l) {
+  switch (l) {
+    case CudaBackendOptions::Logits::kF32Rows:
+      return "fp32 rows x bf16 lm_head";
+    case CudaBackendOptions::Logits::kF32:
+      return "fp32";
+    case CudaBackendOptions::Logits::kBF16:
+      return "bf16";
+  }
+  return "?";
+}
+
 std::string CudaBackend::name() const {
   return "cuda bf16 (" + device_name_ + ", cuBLAS, " + std::to_string(weight_bytes_ >> 20) +
-         " MiB of weights" + (lm_head_f32_ != nullptr ? ", fp32 logits)" : ")");
+         " MiB of weights, logits " + logits_name(options_.logits) + ")";
 }
+
 
 // What the kernels support (prefill attention: head_dim 64 or 128).
 static Status check_supported(const ModelConfig& c) {
@@ -164,7 +177,8 @@ Status CudaBackend::allocate_weights() {
   }
   const size_t embed = take(V * C * 2);
   const size_t lm_head = c.tie_word_embeddings ? embed : take(V * C * 2);
-  const size_t lm_head_f32 = options_.fp32_logits ? take(V * C * 4) : SIZE_MAX;
+  const bool f32_copy = options_.logits == CudaBackendOptions::Logits::kF32;
+  const size_t lm_head_f32 = f32_copy ? take(V * C * 4) : SIZE_MAX;
   const size_t final_norm = take(C * 4);
   const size_t inv_freq = take(c.head_dim / 2 * 4);
   KEEP_RETURN_IF_ERROR(
@@ -190,7 +204,7 @@ Status CudaBackend::allocate_weights() {
   }
   embed_ = base + embed;
   lm_head_ = base + lm_head;
-  if (options_.fp32_logits) lm_head_f32_ = reinterpret_cast<const float*>(base + lm_head_f32);
+  if (f32_copy) lm_head_f32_ = reinterpret_cast<const float*>(base + lm_head_f32);
   final_norm_ = reinterpret_cast<const float*>(base + final_norm);
   inv_freq_ = reinterpret_cast<const float*>(base + inv_freq);
   const std::vector<float> freqs = rope_inv_freq(c);
@@ -481,9 +495,9 @@ enum Stage : int {
   kDown,
   kStages
 };
-constexpr const char* kStageNames[kStages] = {"norm",    "qkv",     "qkv_finish", "attention",
-                                              "pool",    "o_proj",  "mlp_norm",   "gate_up",
-                                              "swiglu",  "down"};
+constexpr const char* kStageNames[kStages] = {"norm",   "qkv",    "qkv_finish", "attention",
+                                              "pool",   "o_proj", "mlp_norm",   "gate_up",
+                                              "swiglu", "down"};
 }  // namespace
 
 void CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_in, int32_t layer,
@@ -520,8 +534,8 @@ void CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_in,
       KEEP_BLAS_CHECK(kernels::gemm_nt(h, y, ys, x, xs, wt, m, n, k));
     }
   };
-  auto accumulate = [&](float* y, int64_t ys, const bf16* x, int64_t xs, const bf16* wt,
-                        int64_t m, int64_t n, int64_t k) {
+  auto accumulate = [&](float* y, int64_t ys, const bf16* x, int64_t xs, const bf16* wt, int64_t m,
+                        int64_t n, int64_t k) {
     if (gemv_dims && m <= options_.gemv_rows) {
       KEEP_CUDA_CHECK(kernels::gemv_accumulate(y, ys, x, xs, wt, m, n, k, stream_));
     } else {
@@ -559,13 +573,13 @@ void CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_in,
     tail.row_offsets += skip;
     tail.rows = static_cast<int32_t>(keep);
     KEEP_CUDA_CHECK(kernels::attention_decode(att, q, nullptr, qkv + skip * qkv_w, qkv_w, view_k,
-                                              view_v, tail, heads, kv_heads, hd, scale,
-                                              decode_ws_, decode_ws_floats_, stream_));
+                                              view_v, tail, heads, kv_heads, hd, scale, decode_ws_,
+                                              decode_ws_floats_, stream_));
   } else {
     if (plan.tiled) {
-      KEEP_CUDA_CHECK(kernels::attention_prefill(att, q, lse, qkv, qkv_w, view_k, view_v,
-                                                 plan.rows, plan.schedule, heads, kv_heads, hd,
-                                                 scale, stream_));
+      KEEP_CUDA_CHECK(kernels::attention_prefill(att, q, lse, qkv, qkv_w, view_k, view_v, plan.rows,
+                                                 plan.schedule, heads, kv_heads, hd, scale,
+                                                 stream_));
     } else {
       KEEP_CUDA_CHECK(kernels::attention_decode(att, q, lse, qkv, qkv_w, view_k, view_v, plan.rows,
                                                 heads, kv_heads, hd, scale, decode_ws_,
@@ -587,8 +601,8 @@ void CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_in,
   if (w.b_o == nullptr) {
     accumulate(res_kept, C, att_kept, q, w.w_o, keep, C, q);
     mark(kOProj);
-    KEEP_CUDA_CHECK(kernels::add_rmsnorm(xn, res_kept, nullptr, nullptr, w.ffn_norm, keep, C, eps,
-                                         stream_));
+    KEEP_CUDA_CHECK(
+        kernels::add_rmsnorm(xn, res_kept, nullptr, nullptr, w.ffn_norm, keep, C, eps, stream_));
   } else {
     product(proj, C, att_kept, q, w.w_o, keep, C, q);
     mark(kOProj);
@@ -711,21 +725,33 @@ void CudaBackend::load_kv(const KvView& kv, int32_t first_slot, const float* k_p
 
 void CudaBackend::final_logits(float* logits, const float* hidden, const int32_t* rows, int32_t n) {
   KEEP_CHECK(n <= reserved_rows_);
-  const int64_t C = config_.hidden_size;
+  const int64_t C = config_.hidden_size, V = config_.vocab_size;
   int32_t* idx = upload_ints(rows, static_cast<size_t>(n));
   auto* xn = static_cast<bf16*>(xn_);
   const float eps = static_cast<float>(config_.rms_norm_eps);
   KEEP_CUDA_CHECK(kernels::gather_rows(rows_f32_, hidden, idx, n, C, stream_));
-  if (lm_head_f32_ != nullptr) {
+  using Logits = CudaBackendOptions::Logits;
+  const bool rows_f32 =
+      (options_.logits == Logits::kF32Rows && C % 8 == 0) || options_.logits == Logits::kF32;
+  if (rows_f32) {
     KEEP_CUDA_CHECK(kernels::rmsnorm_residual(normed_f32_, rows_f32_, nullptr, final_norm_, n, C,
                                               eps, stream_));
-    KEEP_BLAS_CHECK(kernels::gemm_nt_f32(blas_.get(), logits, config_.vocab_size, normed_f32_, C,
-                                         lm_head_f32_, n, config_.vocab_size, C));
   } else {
     KEEP_CUDA_CHECK(
         kernels::add_rmsnorm(xn, rows_f32_, nullptr, nullptr, final_norm_, n, C, eps, stream_));
-    KEEP_BLAS_CHECK(kernels::gemm_nt(blas_.get(), logits, config_.vocab_size, xn, C,
-                                     static_cast<const bf16*>(lm_head_), n, config_.vocab_size, C));
+  }
+  if (options_.logits == Logits::kF32) {
+    KEEP_BLAS_CHECK(
+        kernels::gemm_nt_f32(blas_.get(), logits, V, normed_f32_, C, lm_head_f32_, n, V, C));
+  } else if (rows_f32) {  // kF32Rows: the few-row kernel, kGemvMaxRows rows per pass over lm_head
+    for (int64_t a = 0; a < n; a += kernels::kGemvMaxRows) {
+      const int64_t m = std::min<int64_t>(kernels::kGemvMaxRows, n - a);
+      KEEP_CUDA_CHECK(kernels::gemv(logits + a * V, V, normed_f32_ + a * C, C,
+                                    static_cast<const bf16*>(lm_head_), m, V, C, stream_));
+    }
+  } else {  // kBF16, or kF32Rows on a hidden size the gemv cannot take
+    KEEP_BLAS_CHECK(kernels::gemm_nt(blas_.get(), logits, V, xn, C,
+                                     static_cast<const bf16*>(lm_head_), n, V, C));
   }
   release_ints(idx);
 }

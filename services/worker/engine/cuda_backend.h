@@ -4,9 +4,11 @@
 // Precision plan. Weights: bf16 (norm weights and biases fp32). The residual stream -- the
 // engine's hidden buffers -- stays fp32 between layers and inside them: o_proj and down_proj add
 // their products straight into it in fp32 (cuBLAS beta = 1, fp32 C), so neither a sublayer's output
-// nor the residual is ever rounded to bf16; what feeds a matrix product is rounded to bf16 once. The KV view is bf16
-// (kv_type()): K is rotated in fp32 and rounded once, and the attention, decode and pooling kernels
-// all read the same values. The pre-RoPE K and V handed out for the KV store are fp32.
+// nor the residual is ever rounded to bf16; what feeds a matrix product is rounded to bf16 once.
+// The KV view is bf16 (kv_type()): K is rotated in fp32 and rounded once, and the attention, decode
+// and pooling kernels all read the same values. The pre-RoPE K and V handed out for the KV store
+// are fp32. Logits: fp32 normed rows times the bf16 lm_head by default
+// (CudaBackendOptions::logits).
 //
 // Memory. All weights live in one device allocation made at creation; the workspace (activations
 // of one layer call, the decode-attention scratch, the cuBLAS workspace) is allocated by reserve()
@@ -34,10 +36,18 @@ struct CudaBackendOptions {
   // H200 (28/4 heads, hd 128, bf16 K/V) the split-key kernel wins up to 8 rows (8 rows x 32k keys:
   // 0.62 vs 0.73 ms) and loses from 16 (1.22 vs 0.73 ms); benchmarks/RESULTS.md.
   int32_t decode_rows = 8;
-  // The final norm and lm_head in fp32 (an fp32 copy of lm_head: vocab x hidden x 4 bytes more,
-  // read once per decode step): logits for greedy picks and candidate scores without bf16's
-  // rounding of the last product. Off: bf16 like the blocks.
-  bool fp32_logits = true;
+  // How the logits are made (final norm + lm_head); they are fp32 in every mode.
+  enum class Logits : uint8_t {
+    // fp32 normed rows times the bf16 lm_head on our gemv, fp32 accumulation: only the weights are
+    // rounded; reads vocab x hidden x 2 bytes per step. Rows in groups of kernels::kGemvMaxRows.
+    kF32Rows,
+    // fp32 normed rows times an fp32 copy of lm_head (cuBLAS, no TF32): nothing rounded; the copy
+    // costs vocab x hidden x 4 bytes more memory and twice kF32Rows's reads per step.
+    kF32,
+    // bf16 normed rows times the bf16 lm_head (cuBLAS), like the blocks' products.
+    kBF16,
+  };
+  Logits logits = Logits::kF32Rows;
   // Rows up to which the block's products run on our few-row kernel (kernels::gemv) instead of
   // cuBLAS; 0 = always cuBLAS. Needs every product's `in` to be a multiple of 8 (else cuBLAS). On
   // the H200 (Qwen2.5-7B products) gemv wins at 1 and 2 rows (o_proj 10.3 vs 16.7 us, QKV 12.1 vs
@@ -134,7 +144,7 @@ class CudaBackend final : public Backend {
   std::vector<Layer> layers_;
   const void* embed_ = nullptr;         // (vocab, C) bf16
   const void* lm_head_ = nullptr;       // (vocab, C) bf16; == embed_ when tied
-  const float* lm_head_f32_ = nullptr;  // (vocab, C) fp32 when options_.fp32_logits
+  const float* lm_head_f32_ = nullptr;  // (vocab, C) fp32 when options_.logits == kF32
   const float* final_norm_ = nullptr;   // (C)
   const float* inv_freq_ = nullptr;     // (hd / 2)
 
@@ -149,7 +159,7 @@ class CudaBackend final : public Backend {
   void* act_ = nullptr;          // (rows, I) bf16
   float* lse_ = nullptr;         // (rows, H) when the caller wants pooling without lse
   float* rows_f32_ = nullptr;    // (rows, C) gathered rows for final_logits
-  float* normed_f32_ = nullptr;  // (rows, C) their final norm, fp32 logits
+  float* normed_f32_ = nullptr;  // (rows, C) their final norm (fp32 rows modes)
   float* decode_ws_ = nullptr;
   size_t decode_ws_floats_ = 0;
   void* blas_ws_ = nullptr;

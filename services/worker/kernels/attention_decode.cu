@@ -30,8 +30,8 @@ constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 using detail::kFull;
 using detail::kLog2e;
-constexpr int kMinChunk = 16;     // chunks are multiples of this many keys
-constexpr int kTargetBlocks = 384;  // kernel-1 blocks to aim for: about one wave on an H200
+constexpr int kMinChunk = 16;              // chunks are multiples of this many keys
+constexpr int kTargetBlocks = 384;         // kernel-1 blocks to aim for: about one wave on an H200
 constexpr int kMaxChunks = kTargetBlocks;  // so a row has at most this many chunks
 constexpr float kLn2 = 0.6931471805599453f;
 

@@ -12,7 +12,7 @@
 namespace keep::kernels {
 namespace {
 
-constexpr int kWarps = 8;  // outputs per block
+constexpr int kWarps = 8;   // outputs per block
 constexpr int kUnroll = 4;  // 16-byte W loads in flight per lane
 
 __device__ __forceinline__ uint4 load_stream(const __nv_bfloat16* p) {
@@ -32,24 +32,42 @@ __device__ __forceinline__ void unpack8(const uint4& u, float (&f)[8]) {
   }
 }
 
+// 8 consecutive x elements as floats: one 16-byte load of bf16, two of fp32.
+__device__ __forceinline__ void load_x8(const __nv_bfloat16* p, float (&f)[8]) {
+  unpack8(__ldg(reinterpret_cast<const uint4*>(p)), f);
+}
+__device__ __forceinline__ void load_x8(const float* p, float (&f)[8]) {
+  const float4 a = __ldg(reinterpret_cast<const float4*>(p));
+  const float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+  f[0] = a.x;
+  f[1] = a.y;
+  f[2] = a.z;
+  f[3] = a.w;
+  f[4] = b.x;
+  f[5] = b.y;
+  f[6] = b.z;
+  f[7] = b.w;
+}
+
 // Adds the 8 products of one 16-byte piece of W (wf) with the same piece of each x row.
-template <int R>
-__device__ __forceinline__ void fma_piece(float (&acc)[R], const float (&wf)[8],
-                                          const __nv_bfloat16* x, int64_t x_stride, int i) {
+template <int R, typename X>
+__device__ __forceinline__ void fma_piece(float (&acc)[R], const float (&wf)[8], const X* x,
+                                          int64_t x_stride, int i) {
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     float xf[8];
-    unpack8(__ldg(reinterpret_cast<const uint4*>(x + r * x_stride + i)), xf);
+    load_x8(x + r * x_stride + i, xf);
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[r] = fmaf(wf[e], xf[e], acc[r]);
   }
 }
 
-// Y = float (accumulate into y) or __nv_bfloat16 (overwrite). `in` % 8 == 0, rows 16-byte aligned.
-template <int R, typename Y>
+// X = __nv_bfloat16 or float (rows of x); Y = __nv_bfloat16 (overwrite) or float (overwrite, or
+// accumulate into y with kAcc). `in` % 8 == 0, x rows and W 16-byte aligned.
+template <int R, typename X, typename Y, bool kAcc>
 __global__ void __launch_bounds__(kWarps * 32)
-    gemv_kernel(Y* __restrict__ y, int64_t y_stride, const __nv_bfloat16* __restrict__ x,
-                int64_t x_stride, const __nv_bfloat16* __restrict__ w, int out, int in) {
+    gemv_kernel(Y* __restrict__ y, int64_t y_stride, const X* __restrict__ x, int64_t x_stride,
+                const __nv_bfloat16* __restrict__ w, int out, int in) {
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const int o = static_cast<int>(blockIdx.x) * kWarps + (static_cast<int>(threadIdx.x) >> 5);
   if (o >= out) return;
@@ -85,20 +103,21 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
     for (int r = 1; r < R; ++r) v = lane == r ? acc[r] : v;
     Y* dst = y + static_cast<int64_t>(lane) * y_stride + o;
-    if constexpr (sizeof(Y) == 4) {
+    if constexpr (kAcc) {
       *dst += v;
+    } else if constexpr (sizeof(Y) == 4) {
+      *dst = v;
     } else {
       *dst = __float2bfloat16_rn(v);
     }
   }
 }
 
-template <typename Y>
-cudaError_t launch(Y* y, int64_t y_stride, const __nv_bfloat16* x, int64_t x_stride,
-                   const __nv_bfloat16* w, int64_t rows, int64_t out, int64_t in,
-                   cudaStream_t stream) {
-  if (rows < 0 || rows > kGemvMaxRows || out < 0 || in < 0 || out > 0x7fffffff ||
-      in > 0x7fffffff || y_stride < out || x_stride < in) {
+template <typename X, typename Y, bool kAcc>
+cudaError_t launch(Y* y, int64_t y_stride, const X* x, int64_t x_stride, const __nv_bfloat16* w,
+                   int64_t rows, int64_t out, int64_t in, cudaStream_t stream) {
+  if (rows < 0 || rows > kGemvMaxRows || out < 0 || in < 0 || out > 0x7fffffff || in > 0x7fffffff ||
+      y_stride < out || x_stride < in) {
     return cudaErrorInvalidValue;
   }
   if (rows == 0 || out == 0) return cudaSuccess;
@@ -110,9 +129,10 @@ cudaError_t launch(Y* y, int64_t y_stride, const __nv_bfloat16* x, int64_t x_str
   const unsigned blocks = static_cast<unsigned>((out + kWarps - 1) / kWarps);
   const int o = static_cast<int>(out), n = static_cast<int>(in);
   switch (rows) {
-#define KEEP_GEMV_CASE(R_)                                                             \
-  case R_:                                                                             \
-    gemv_kernel<R_, Y><<<blocks, kWarps * 32, 0, stream>>>(y, y_stride, x, x_stride, w, o, n); \
+#define KEEP_GEMV_CASE(R_)                                                       \
+  case R_:                                                                       \
+    gemv_kernel<R_, X, Y, kAcc>                                                  \
+        <<<blocks, kWarps * 32, 0, stream>>>(y, y_stride, x, x_stride, w, o, n); \
     break;
     KEEP_GEMV_CASE(1)
     KEEP_GEMV_CASE(2)
@@ -134,13 +154,20 @@ cudaError_t launch(Y* y, int64_t y_stride, const __nv_bfloat16* x, int64_t x_str
 cudaError_t gemv(__nv_bfloat16* y, int64_t y_stride, const __nv_bfloat16* x, int64_t x_stride,
                  const __nv_bfloat16* w, int64_t rows, int64_t out, int64_t in,
                  cudaStream_t stream) {
-  return launch(y, y_stride, x, x_stride, w, rows, out, in, stream);
+  return launch<__nv_bfloat16, __nv_bfloat16, false>(y, y_stride, x, x_stride, w, rows, out, in,
+                                                     stream);
 }
 
 cudaError_t gemv_accumulate(float* y, int64_t y_stride, const __nv_bfloat16* x, int64_t x_stride,
                             const __nv_bfloat16* w, int64_t rows, int64_t out, int64_t in,
                             cudaStream_t stream) {
-  return launch(y, y_stride, x, x_stride, w, rows, out, in, stream);
+  return launch<__nv_bfloat16, float, true>(y, y_stride, x, x_stride, w, rows, out, in, stream);
+}
+
+cudaError_t gemv(float* y, int64_t y_stride, const float* x, int64_t x_stride,
+                 const __nv_bfloat16* w, int64_t rows, int64_t out, int64_t in,
+                 cudaStream_t stream) {
+  return launch<float, float, false>(y, y_stride, x, x_stride, w, rows, out, in, stream);
 }
 
 }  // namespace keep::kernels

@@ -109,6 +109,10 @@ cudaError_t gemv(__nv_bfloat16* y, int64_t y_stride, const __nv_bfloat16* x, int
 cudaError_t gemv_accumulate(float* y, int64_t y_stride, const __nv_bfloat16* x, int64_t x_stride,
                             const __nv_bfloat16* w, int64_t rows, int64_t out, int64_t in,
                             cudaStream_t stream);
+// fp32 x and y, bf16 W (the logits: fp32 normed rows times bf16 lm_head, nothing rounded but W).
+cudaError_t gemv(float* y, int64_t y_stride, const float* x, int64_t x_stride,
+                 const __nv_bfloat16* w, int64_t rows, int64_t out, int64_t in,
+                 cudaStream_t stream);
 
 // Storage conversion, out (n) = in (n), rounding to nearest even for bf16.
 cudaError_t convert(__nv_bfloat16* out, const float* in, int64_t n, cudaStream_t stream);

@@ -63,6 +63,9 @@ void gemv(Bf16* y, int64_t y_stride, const Bf16* x, int64_t x_stride, const Bf16
           int64_t out, int64_t in);
 void gemv_accumulate(float* y, int64_t y_stride, const Bf16* x, int64_t x_stride, const Bf16* w,
                      int64_t rows, int64_t out, int64_t in);
+// The fp32-x, fp32-y form: y[r, o] = Σ_i x[r, i] w[o, i] in double, stored as float.
+void gemv(float* y, int64_t y_stride, const float* x, int64_t x_stride, const Bf16* w, int64_t rows,
+          int64_t out, int64_t in);
 
 // Counter-based uniform values in [lo, hi): value i depends only on (seed, i).
 template <typename T>

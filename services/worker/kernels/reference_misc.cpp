@@ -180,7 +180,8 @@ void gemv(Bf16* y, int64_t y_stride, const Bf16* x, int64_t x_stride, const Bf16
           int64_t out, int64_t in) {
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t o = 0; o < out; ++o) {
-      y[r * y_stride + o] = float_to_bf16(static_cast<float>(dot_bf16(x + r * x_stride, w + o * in, in)));
+      const double d = dot_bf16(x + r * x_stride, w + o * in, in);
+      y[r * y_stride + o] = float_to_bf16(static_cast<float>(d));
     }
   }
 }
@@ -191,6 +192,19 @@ void gemv_accumulate(float* y, int64_t y_stride, const Bf16* x, int64_t x_stride
     for (int64_t o = 0; o < out; ++o) {
       y[r * y_stride + o] = static_cast<float>(double(y[r * y_stride + o]) +
                                                dot_bf16(x + r * x_stride, w + o * in, in));
+    }
+  }
+}
+
+void gemv(float* y, int64_t y_stride, const float* x, int64_t x_stride, const Bf16* w, int64_t rows,
+          int64_t out, int64_t in) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t o = 0; o < out; ++o) {
+      double s = 0.0;
+      for (int64_t i = 0; i < in; ++i) {
+        s += double(x[r * x_stride + i]) * double(bf16_to_float(w[o * in + i]));
+      }
+      y[r * y_stride + o] = static_cast<float>(s);
     }
   }
 }
