@@ -297,8 +297,8 @@ void check_gemv_f32x(std::mt19937& rng, int64_t rows, int64_t out, int64_t in, i
   float* dx = upload(x);
   auto* dw = upload(w);
   float* dy = upload(y0);
-  CUDA_OK(keep::kernels::gemv(dy, ys, dx, xs, reinterpret_cast<const __nv_bfloat16*>(dw), rows,
-                              out, in, nullptr));
+  CUDA_OK(keep::kernels::gemv(dy, ys, dx, xs, reinterpret_cast<const __nv_bfloat16*>(dw), rows, out,
+                              in, nullptr));
   CUDA_OK(cudaDeviceSynchronize());
   std::vector<float> y(y0.size());
   CUDA_OK(cudaMemcpy(y.data(), dy, y.size() * 4, cudaMemcpyDeviceToHost));
@@ -318,6 +318,62 @@ void check_gemv_f32x(std::mt19937& rng, int64_t rows, int64_t out, int64_t in, i
   }
   cudaFree(dx);
   cudaFree(dw);
+  cudaFree(dy);
+}
+
+// gemv_rmsnorm against ref::add_rmsnorm (norm only) then ref::gemv, strided residual rows.
+void check_gemv_rmsnorm(std::mt19937& rng, int64_t rows, int64_t out, int64_t in, int64_t res_pad,
+                        int64_t y_pad) {
+  const int64_t rs = in + res_pad, ys = out + y_pad;
+  const float eps = 1e-6f;
+  std::uniform_real_distribution<float> d(-3.0f, 3.0f), dw(0.5f, 1.5f);
+  std::vector<float> res(static_cast<size_t>(rows * rs)), nw(static_cast<size_t>(in));
+  for (auto& v : res) v = d(rng);
+  for (auto& v : nw) v = dw(rng);
+  const auto w = random_bf16(rng, static_cast<size_t>(out * in), 1.0f / std::sqrt(float(in)));
+  // Reference: contiguous copies of the rows, normalised to bf16, then the product.
+  std::vector<float> packed(static_cast<size_t>(rows * in));
+  for (int64_t r = 0; r < rows; ++r) {
+    std::copy_n(res.begin() + r * rs, in, packed.begin() + r * in);
+  }
+  std::vector<Bf16> xn(packed.size());
+  keep::kernels::ref::add_rmsnorm(xn.data(), packed.data(), nullptr, nullptr, nw.data(), rows, in,
+                                  eps);
+  std::vector<Bf16> y0(static_cast<size_t>(rows * ys), float_to_bf16(NAN));
+  std::vector<Bf16> want = y0;
+  keep::kernels::ref::gemv(want.data(), ys, xn.data(), in, w.data(), rows, out, in);
+  float* dres = upload(res);
+  float* dnw = upload(nw);
+  auto* dw_ = upload(w);
+  auto* dy = upload(y0);
+  CUDA_OK(keep::kernels::gemv_rmsnorm(reinterpret_cast<__nv_bfloat16*>(dy), ys, dres, rs, dnw, eps,
+                                      reinterpret_cast<const __nv_bfloat16*>(dw_), rows, out, in,
+                                      nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  std::vector<Bf16> y(y0.size());
+  CUDA_OK(cudaMemcpy(y.data(), dy, y.size() * 2, cudaMemcpyDeviceToHost));
+  int bad = 0;
+  for (size_t k = 0; k < y.size(); ++k) {
+    const float got = bf16_to_float(y[k]), ref = bf16_to_float(want[k]);
+    if (std::isnan(ref)) {
+      if (!std::isnan(got)) ++bad;
+    } else if (!(std::fabs(got - ref) <= 8e-3 * std::fabs(ref) + 2e-3)) {
+      if (bad < 3) {
+        std::fprintf(stderr, "FAIL gemv_rmsnorm (%lld,%lld,%lld) at %zu: got %.6g want %.6g\n",
+                     (long long)rows, (long long)out, (long long)in, k, got, ref);
+      }
+      ++bad;
+    }
+  }
+  ++g_checks;
+  if (bad > 0) {
+    ++g_failures;
+    std::fprintf(stderr, "FAIL gemv_rmsnorm (%lld,%lld,%lld): %d bad\n", (long long)rows,
+                 (long long)out, (long long)in, bad);
+  }
+  cudaFree(dres);
+  cudaFree(dnw);
+  cudaFree(dw_);
   cudaFree(dy);
 }
 
@@ -351,6 +407,29 @@ struct TimedOperands {
     }
   }
 };
+
+// gemv_rmsnorm against the two launches it replaces (add_rmsnorm, then gemv), one decode row.
+void time_gemv_rmsnorm(int64_t out, int64_t in) {
+  const TimedOperands t(1, out, in);
+  float *res, *nw;
+  CUDA_OK(cudaMalloc(&res, in * 4));
+  CUDA_OK(cudaMalloc(&nw, in * 4));
+  CUDA_OK(keep::kernels::fill_uniform(res, in, 5, -2.0f, 2.0f, nullptr));
+  CUDA_OK(keep::kernels::fill_uniform(nw, in, 6, 0.5f, 1.5f, nullptr));
+  const float t_two = median_ms([&] {
+    CUDA_OK(keep::kernels::add_rmsnorm(t.x, res, nullptr, nullptr, nw, 1, in, 1e-6f, nullptr));
+    CUDA_OK(keep::kernels::gemv(static_cast<__nv_bfloat16*>(t.y), out, t.x, in, t.w, 1, out, in,
+                                nullptr));
+  });
+  const float t_fused = median_ms([&] {
+    CUDA_OK(keep::kernels::gemv_rmsnorm(static_cast<__nv_bfloat16*>(t.y), out, res, in, nw, 1e-6f,
+                                        t.w, 1, out, in, nullptr));
+  });
+  std::printf("rows 1 (%lld x %lld): add_rmsnorm + gemv %.1f us, gemv_rmsnorm %.1f us\n",
+              (long long)out, (long long)in, t_two * 1e3, t_fused * 1e3);
+  cudaFree(res);
+  cudaFree(nw);
+}
 
 // gemv against cuBLAS for few rows (informational): the decode-step products.
 void time_gemv(keep::kernels::BlasHandle& blas, int64_t rows, int64_t out, int64_t in, bool acc) {
@@ -460,6 +539,9 @@ int main() {
     check_gemv<true>(rng, rows, 384, 320, 8, 40);
     check_gemv_f32x(rng, rows, 733, 576, 0, 0);
     check_gemv_f32x(rng, rows, 1001, 64, 8, 3);
+    check_gemv_rmsnorm(rng, rows, 733, 576, 0, 0);
+    check_gemv_rmsnorm(rng, rows, 37, 1536, 12, 5);
+    if (rows <= 3) check_gemv_rmsnorm(rng, rows, 4608, 3584, 4, 0);
   }
   {  // refused: rows beyond the maximum, `in` not a multiple of 8, misaligned x
     ++g_checks;
@@ -468,7 +550,11 @@ int main() {
     const bool refused =
         keep::kernels::gemv(p, 8, p, 8, p, 9, 8, 8, nullptr) == cudaErrorInvalidValue &&
         keep::kernels::gemv(p, 8, p, 12, p, 1, 8, 12, nullptr) == cudaErrorInvalidValue &&
-        keep::kernels::gemv(p, 8, p + 1, 8, p, 1, 8, 8, nullptr) == cudaErrorInvalidValue;
+        keep::kernels::gemv(p, 8, p + 1, 8, p, 1, 8, 8, nullptr) == cudaErrorInvalidValue &&
+        // 8 rows x 4096 bf16 of normalised x: over the shared-memory bound
+        keep::kernels::gemv_rmsnorm(p, 8, reinterpret_cast<float*>(p), 4096,
+                                    reinterpret_cast<float*>(p), 1e-6f, p, 8, 8, 4096,
+                                    nullptr) == cudaErrorInvalidValue;
     if (!refused) {
       ++g_failures;
       std::fprintf(stderr, "FAIL gemv: bad sizes accepted\n");
@@ -482,7 +568,9 @@ int main() {
     std::fprintf(stderr, "FAIL gemm: y_stride < out accepted\n");
   }
   ++g_checks;
-  if (!keep::gputest::quick()) {         // KEEP_GPU_TEST_QUICK: set under compute-sanitizer
+  if (!keep::gputest::quick()) {  // KEEP_GPU_TEST_QUICK: set under compute-sanitizer
+    time_gemv_rmsnorm(3584 + 2 * 512, 3584);
+    time_gemv_rmsnorm(18944 * 2, 3584);
     for (int64_t rows : {1, 2, 4, 8}) {  // the decode step's products
       time_gemv(blas, rows, 3584 + 2 * 512, 3584, false);
       time_gemv(blas, rows, 3584, 3584, true);

@@ -111,7 +111,6 @@ std::string CudaBackend::name() const {
          " MiB of weights, logits " + logits_name(options_.logits) + ")";
 }
 
-
 // What the kernels support (prefill attention: head_dim 64 or 128).
 static Status check_supported(const ModelConfig& c) {
   if (c.head_dim != 64 && c.head_dim != 128) {
@@ -551,11 +550,22 @@ void CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_in,
     KEEP_CUDA_CHECK(
         cudaMemcpyAsync(res, hidden_in, rows * C * 4, cudaMemcpyDeviceToDevice, stream_));
   }
+  // A decode step's norms run inside the following product (gemv_rmsnorm): one launch less each.
+  auto norm_fused = [&](int64_t m) {
+    return gemv_dims && m <= options_.gemv_rows &&
+           static_cast<size_t>(m * C * 2) <= kernels::kGemvNormMaxSmem;
+  };
   // Attention half.
-  KEEP_CUDA_CHECK(
-      kernels::add_rmsnorm(xn, res, nullptr, nullptr, w.attn_norm, rows, C, eps, stream_));
-  mark(kNorm);
-  product(qkv, qkv_w, xn, C, w.w_qkv, rows, qkv_w, C);
+  if (norm_fused(rows)) {
+    mark(kNorm);  // (empty: fused into the QKV product)
+    KEEP_CUDA_CHECK(kernels::gemv_rmsnorm(qkv, qkv_w, res, C, w.attn_norm, eps, w.w_qkv, rows,
+                                          qkv_w, C, stream_));
+  } else {
+    KEEP_CUDA_CHECK(
+        kernels::add_rmsnorm(xn, res, nullptr, nullptr, w.attn_norm, rows, C, eps, stream_));
+    mark(kNorm);
+    product(qkv, qkv_w, xn, C, w.w_qkv, rows, qkv_w, C);
+  }
   mark(kQkv);
   KEEP_CUDA_CHECK(kernels::qkv_finish(qkv, out.k_pre, out.v, view_k, view_v, w.b_q, w.b_k, w.b_v,
                                       plan.positions, plan.slots, inv_freq_, rows, heads, kv_heads,
@@ -598,11 +608,14 @@ void CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_in,
   float* res_kept = res + skip * C;
   // residual += o_proj: accumulated by the product itself in fp32 (no bf16 rounding of the
   // projection, no add kernel); with an o_proj bias through the add kernel instead.
+  const bool mlp_fused = w.b_o == nullptr && norm_fused(keep);
   if (w.b_o == nullptr) {
     accumulate(res_kept, C, att_kept, q, w.w_o, keep, C, q);
     mark(kOProj);
-    KEEP_CUDA_CHECK(
-        kernels::add_rmsnorm(xn, res_kept, nullptr, nullptr, w.ffn_norm, keep, C, eps, stream_));
+    if (!mlp_fused) {
+      KEEP_CUDA_CHECK(
+          kernels::add_rmsnorm(xn, res_kept, nullptr, nullptr, w.ffn_norm, keep, C, eps, stream_));
+    }
   } else {
     product(proj, C, att_kept, q, w.w_o, keep, C, q);
     mark(kOProj);
@@ -610,8 +623,13 @@ void CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_in,
         kernels::add_rmsnorm(xn, res_kept, proj, w.b_o, w.ffn_norm, keep, C, eps, stream_));
   }
   mark(kMlpNorm);
-  // MLP half: gate/up, SwiGLU, residual += down (accumulated by the product).
-  product(gu, 2 * I, xn, C, w.w_gate_up, keep, 2 * I, C);
+  // MLP half: gate/up (the norm fused in for a decode step), SwiGLU, residual += down.
+  if (mlp_fused) {
+    KEEP_CUDA_CHECK(kernels::gemv_rmsnorm(gu, 2 * I, res_kept, C, w.ffn_norm, eps, w.w_gate_up,
+                                          keep, 2 * I, C, stream_));
+  } else {
+    product(gu, 2 * I, xn, C, w.w_gate_up, keep, 2 * I, C);
+  }
   mark(kGateUp);
   KEEP_CUDA_CHECK(kernels::swiglu_rows(act, gu, keep, I, stream_));
   mark(kSwiglu);

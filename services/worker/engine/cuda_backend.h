@@ -64,6 +64,8 @@ struct CudaBackendOptions {
 };
 
 // Where a layer's GPU time goes: one entry per stage of layer_forward (CudaBackend::profile).
+// With gemv_rmsnorm (decode steps) the norms run inside the next product: "norm" and "mlp_norm"
+// are then ~0 and "qkv" / "gate_up" include them.
 struct StageTime {
   const char* stage;  // "norm", "qkv", "qkv_finish", "attention", "pool", "o_proj", ...
   double ms = 0.0;    // summed over calls

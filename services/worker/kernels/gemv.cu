@@ -5,6 +5,7 @@
 // products: 2.5-3.9 TB/s against cuBLAS's 1.5-3.5 (tests/gpu/test_gemm.cu prints both); from 4 rows
 // cuBLAS is faster (each W piece is reused from registers, but the x loads grow with the rows), so
 // the CUDA backend uses this up to CudaBackendOptions::gemv_rows (2). Reference: ref::gemv.
+#include <algorithm>
 #include <cstdint>
 
 #include "services/worker/kernels/kernels.h"
@@ -149,6 +150,143 @@ cudaError_t launch(Y* y, int64_t y_stride, const X* x, int64_t x_stride, const _
   return cudaGetLastError();
 }
 
+// ---- RMSNorm in the prologue (gemv_rmsnorm) ----
+// Each block normalises the R residual rows itself into shared memory (bf16, add_rmsnorm's rule),
+// then its warps take outputs grid-stride. The grid is a few blocks per SM, so the redundant norms
+// cost a few reads of the rows from L2, not a kernel launch.
+constexpr int kNormBlocksPerSm = 8;
+
+__device__ __forceinline__ void load_x8_shared(const __nv_bfloat16* p, float (&f)[8]) {
+  unpack8(*reinterpret_cast<const uint4*>(p), f);
+}
+
+template <int R>
+__global__ void __launch_bounds__(kWarps * 32)
+    gemv_rmsnorm_kernel(__nv_bfloat16* __restrict__ y, int64_t y_stride,
+                        const float* __restrict__ res, int64_t res_stride,
+                        const float* __restrict__ norm_w, float eps,
+                        const __nv_bfloat16* __restrict__ w, int out, int in) {
+  extern __shared__ __align__(16) unsigned char x_raw[];
+  __nv_bfloat16* const xs = reinterpret_cast<__nv_bfloat16*>(x_raw);  // (R, in)
+  __shared__ float red[kWarps][R];
+  const int tid = static_cast<int>(threadIdx.x);
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  constexpr int kThreads = kWarps * 32;
+
+  // Sum of squares of each row.
+  float ss[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) ss[r] = 0.0f;
+  for (int i = tid * 4; i < in; i += kThreads * 4) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const float4 v = __ldg(reinterpret_cast<const float4*>(res + r * res_stride + i));
+      ss[r] += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) ss[r] += __shfl_xor_sync(0xffffffffu, ss[r], off);
+    if (lane == 0) red[warp][r] = ss[r];
+  }
+  __syncthreads();
+  float inv[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    float t = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kWarps; ++k) t += red[k][r];
+    inv[r] = 1.0f / sqrtf(t / static_cast<float>(in) + eps);
+  }
+  // x = bf16(norm_w * (res * inv)), 8 elements per step.
+  for (int i = tid * 8; i < in; i += kThreads * 8) {
+    const float4 n0 = __ldg(reinterpret_cast<const float4*>(norm_w + i));
+    const float4 n1 = __ldg(reinterpret_cast<const float4*>(norm_w + i) + 1);
+    const float nv[8] = {n0.x, n0.y, n0.z, n0.w, n1.x, n1.y, n1.z, n1.w};
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const float4 a = __ldg(reinterpret_cast<const float4*>(res + r * res_stride + i));
+      const float4 b = __ldg(reinterpret_cast<const float4*>(res + r * res_stride + i) + 1);
+      const float rv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+      uint32_t packed[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const __nv_bfloat162 h = __floats2bfloat162_rn(nv[2 * k] * (rv[2 * k] * inv[r]),
+                                                       nv[2 * k + 1] * (rv[2 * k + 1] * inv[r]));
+        packed[k] = static_cast<uint32_t>(__bfloat16_as_ushort(h.x)) |
+                    (static_cast<uint32_t>(__bfloat16_as_ushort(h.y)) << 16);
+      }
+      *reinterpret_cast<uint4*>(xs + r * in + i) =
+          make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    }
+  }
+  __syncthreads();
+
+  constexpr int kStep = 32 * 8;
+  for (int o = static_cast<int>(blockIdx.x) * kWarps + warp; o < out;
+       o += static_cast<int>(gridDim.x) * kWarps) {
+    const __nv_bfloat16* wr = w + static_cast<int64_t>(o) * in;
+    float acc[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+    int i = lane * 8;
+    for (; i + (kUnroll - 1) * kStep < in; i += kUnroll * kStep) {
+      uint4 u[kUnroll];
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) u[k] = load_stream(wr + i + k * kStep);
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        float wf[8];
+        unpack8(u[k], wf);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          float xf[8];
+          load_x8_shared(xs + r * in + i + k * kStep, xf);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[r] = fmaf(wf[e], xf[e], acc[r]);
+        }
+      }
+    }
+    for (; i < in; i += kStep) {
+      float wf[8];
+      unpack8(load_stream(wr + i), wf);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        float xf[8];
+        load_x8_shared(xs + r * in + i, xf);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[r] = fmaf(wf[e], xf[e], acc[r]);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
+    }
+    if (lane < R) {
+      float v = acc[0];
+#pragma unroll
+      for (int r = 1; r < R; ++r) v = lane == r ? acc[r] : v;
+      y[static_cast<int64_t>(lane) * y_stride + o] = __float2bfloat16_rn(v);
+    }
+  }
+}
+
+int sm_count() {
+  static const int n = [] {
+    int dev = 0, sms = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+      cudaGetLastError();
+      return 132;
+    }
+    return sms;
+  }();
+  return n;
+}
+
 }  // namespace
 
 cudaError_t gemv(__nv_bfloat16* y, int64_t y_stride, const __nv_bfloat16* x, int64_t x_stride,
@@ -168,6 +306,47 @@ cudaError_t gemv(float* y, int64_t y_stride, const float* x, int64_t x_stride,
                  const __nv_bfloat16* w, int64_t rows, int64_t out, int64_t in,
                  cudaStream_t stream) {
   return launch<float, float, false>(y, y_stride, x, x_stride, w, rows, out, in, stream);
+}
+
+cudaError_t gemv_rmsnorm(__nv_bfloat16* y, int64_t y_stride, const float* residual,
+                         int64_t residual_stride, const float* norm_weight, float eps,
+                         const __nv_bfloat16* w, int64_t rows, int64_t out, int64_t in,
+                         cudaStream_t stream) {
+  if (rows < 0 || rows > kGemvMaxRows || out < 0 || in < 0 || out > 0x7fffffff || in > 0x7fffffff ||
+      y_stride < out || residual_stride < in) {
+    return cudaErrorInvalidValue;
+  }
+  if (rows == 0 || out == 0) return cudaSuccess;
+  const auto a16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  const size_t smem = static_cast<size_t>(rows) * static_cast<size_t>(in) * 2;
+  if (y == nullptr || residual == nullptr || norm_weight == nullptr || w == nullptr ||
+      in % 8 != 0 || residual_stride % 4 != 0 || !a16(residual) || !a16(norm_weight) || !a16(w) ||
+      smem > kGemvNormMaxSmem) {
+    return cudaErrorInvalidValue;
+  }
+  const int64_t want = (out + kWarps - 1) / kWarps;
+  const unsigned blocks =
+      static_cast<unsigned>(std::min<int64_t>(want, int64_t{kNormBlocksPerSm} * sm_count()));
+  const int o = static_cast<int>(out), n = static_cast<int>(in);
+  switch (rows) {
+#define KEEP_GEMV_NORM_CASE(R_)                                             \
+  case R_:                                                                  \
+    gemv_rmsnorm_kernel<R_><<<blocks, kWarps * 32, smem, stream>>>(         \
+        y, y_stride, residual, residual_stride, norm_weight, eps, w, o, n); \
+    break;
+    KEEP_GEMV_NORM_CASE(1)
+    KEEP_GEMV_NORM_CASE(2)
+    KEEP_GEMV_NORM_CASE(3)
+    KEEP_GEMV_NORM_CASE(4)
+    KEEP_GEMV_NORM_CASE(5)
+    KEEP_GEMV_NORM_CASE(6)
+    KEEP_GEMV_NORM_CASE(7)
+    KEEP_GEMV_NORM_CASE(8)
+#undef KEEP_GEMV_NORM_CASE
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
 }
 
 }  // namespace keep::kernels

@@ -109,6 +109,17 @@ cudaError_t gemv(__nv_bfloat16* y, int64_t y_stride, const __nv_bfloat16* x, int
 cudaError_t gemv_accumulate(float* y, int64_t y_stride, const __nv_bfloat16* x, int64_t x_stride,
                             const __nv_bfloat16* w, int64_t rows, int64_t out, int64_t in,
                             cudaStream_t stream);
+// y (rows, y_stride) bf16 = x W^T with x = add_rmsnorm's normalisation of fp32 residual rows
+// (x[r, i] = bf16(norm_weight[i] * (residual[r, i] * 1 / sqrt(mean(residual[r]^2) + eps)))): the
+// norm before a decode step's QKV or gate/up product, fused into it. Each block normalises the
+// rows into shared memory (rows * in * 2 bytes, at most kGemvNormMaxSmem); needs in % 8 == 0,
+// residual_stride % 4 == 0 and residual, norm_weight, W 16-byte aligned, else
+// cudaErrorInvalidValue. Reference: ref::add_rmsnorm then ref::gemv.
+constexpr size_t kGemvNormMaxSmem = 48 * 1024;
+cudaError_t gemv_rmsnorm(__nv_bfloat16* y, int64_t y_stride, const float* residual,
+                         int64_t residual_stride, const float* norm_weight, float eps,
+                         const __nv_bfloat16* w, int64_t rows, int64_t out, int64_t in,
+                         cudaStream_t stream);
 // fp32 x and y, bf16 W (the logits: fp32 normed rows times bf16 lm_head, nothing rounded but W).
 cudaError_t gemv(float* y, int64_t y_stride, const float* x, int64_t x_stride,
                  const __nv_bfloat16* w, int64_t rows, int64_t out, int64_t in,
