@@ -274,6 +274,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
+// SMs of the device current at the first call (it only sizes the grid; one GPU per process).
 int sm_count() {
   static const int n = [] {
     int dev = 0, sms = 0;
