@@ -8,9 +8,9 @@
 // TTFT = wall time of Engine::prefill (embedding, every layer, final norm + lm_head of the last
 // row, logits copied to the host), the prompt in one chunk; median of --reps after --warmup runs.
 // Decode: greedy generation of --decode tokens after a --decode-context prompt, minus the same
-// prompt's one-token generation, per token. --graphs both also times everything with each layer loop
-// captured into a CUDA graph (CudaBackendOptions::graphs); --profile prints the GPU time of each stage of the
-// layers (CudaBackend::profile). benchmarks/prefill/run.sh runs this and HF
+// prompt's one-token generation, per token. --graphs both also times everything with each layer
+// loop captured into a CUDA graph (CudaBackendOptions::graphs); --profile prints the GPU time of
+// each stage of the layers (CudaBackend::profile). benchmarks/prefill/run.sh runs this and HF
 // transformers (hf_prefill.py) in one go and prints the ratios.
 #include <algorithm>
 #include <chrono>
@@ -35,11 +35,12 @@ namespace {
 
 int usage(const char* msg) {
   std::fprintf(stderr, "bench_prefill: %s\n", msg);
-  std::fprintf(stderr,
-               "usage: bench_prefill --shape NAME --tokens N[,N...] [--reps R] [--warmup W] "
-               "[--decode T] [--decode-context N] [--json FILE] [--graphs on|off|both] [--profile]\n"
-               "  [--logits f32rows|f32|bf16]\n"
-               "  shapes:");
+  std::fprintf(
+      stderr,
+      "usage: bench_prefill --shape NAME --tokens N[,N...] [--reps R] [--warmup W] "
+      "[--decode T] [--decode-context N] [--json FILE] [--graphs on|off|both] [--profile]\n"
+      "  [--logits f32rows|f32|bf16]\n"
+      "  shapes:");
   for (const auto& n : keep::bench::model_shape_names()) std::fprintf(stderr, " %s", n.c_str());
   std::fprintf(stderr, "\n");
   return 2;

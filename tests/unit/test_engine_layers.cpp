@@ -429,8 +429,7 @@ TEST_CASE("bad input is refused with a status, never a crash") {
   for (const int32_t out_rows : {-2, 5}) {  // the plan has 4 rows
     ex = {};
     ex.out_rows = out_rows;
-    CHECK(e->prefill_layer(0, *hidden, big->layer(0), **plan, ex).code() ==
-          Code::kInvalidArgument);
+    CHECK(e->prefill_layer(0, *hidden, big->layer(0), **plan, ex).code() == Code::kInvalidArgument);
   }
 
   std::vector<float> kv(2 * e->config().kv_dim());

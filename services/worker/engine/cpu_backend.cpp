@@ -347,8 +347,8 @@ void CpuBackend::layer_forward(const LayerOutputs& out, const float* hidden_in, 
   if (keep == 0) return;
   const int64_t off = static_cast<int64_t>(first) * C;
   float* hid = out.hidden + off;
-  linear(proj_.data(), att_.data() + static_cast<int64_t>(first) * qd, w.wo.ptr(), bias(w.bo),
-         keep, C, qd);
+  linear(proj_.data(), att_.data() + static_cast<int64_t>(first) * qd, w.wo.ptr(), bias(w.bo), keep,
+         C, qd);
   const int64_t nc = static_cast<int64_t>(keep) * C;
   for (int64_t i = 0; i < nc; ++i) hid[i] = hidden_in[off + i] + proj_[i];
 

@@ -98,10 +98,10 @@ cudaError_t fill_uniform(float* out, int64_t n, uint64_t seed, float lo, float h
                          cudaStream_t stream);
 
 // ---- few-row products (gemv.cu) ----
-// y (rows, y_stride) = x (rows, x_stride) bf16 · W^T, W (out, in) bf16 row-major, fp32 accumulation,
-// for 1 <= rows <= kGemvMaxRows (decode steps): gemv writes bf16(y); gemv_accumulate adds into an
-// fp32 y (y += x W^T). Needs in % 8 == 0, x_stride % 8 == 0 and x, W 16-byte aligned, else
-// cudaErrorInvalidValue (the caller falls back to cuBLAS). Reference: ref::gemv.
+// y (rows, y_stride) = x (rows, x_stride) bf16 · W^T, W (out, in) bf16 row-major, fp32
+// accumulation, for 1 <= rows <= kGemvMaxRows (decode steps): gemv writes bf16(y); gemv_accumulate
+// adds into an fp32 y (y += x W^T). Needs in % 8 == 0, x_stride % 8 == 0 and x, W 16-byte aligned,
+// else cudaErrorInvalidValue (the caller falls back to cuBLAS). Reference: ref::gemv.
 constexpr int64_t kGemvMaxRows = 8;
 cudaError_t gemv(__nv_bfloat16* y, int64_t y_stride, const __nv_bfloat16* x, int64_t x_stride,
                  const __nv_bfloat16* w, int64_t rows, int64_t out, int64_t in,
