@@ -525,9 +525,10 @@ void CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_in,
   mark(-1);
   // y (m, ys) = x W^T, or y += x W^T into fp32: our few-row kernel or cuBLAS.
   const bool gemv_dims = C % 8 == 0 && q % 8 == 0 && I % 8 == 0;
+  auto few_rows = [&](int64_t m) { return gemv_dims && m <= options_.gemv_rows; };
   auto product = [&](bf16* y, int64_t ys, const bf16* x, int64_t xs, const bf16* wt, int64_t m,
                      int64_t n, int64_t k) {
-    if (gemv_dims && m <= options_.gemv_rows) {
+    if (few_rows(m)) {
       KEEP_CUDA_CHECK(kernels::gemv(y, ys, x, xs, wt, m, n, k, stream_));
     } else {
       KEEP_BLAS_CHECK(kernels::gemm_nt(h, y, ys, x, xs, wt, m, n, k));
@@ -535,7 +536,7 @@ void CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_in,
   };
   auto accumulate = [&](float* y, int64_t ys, const bf16* x, int64_t xs, const bf16* wt, int64_t m,
                         int64_t n, int64_t k) {
-    if (gemv_dims && m <= options_.gemv_rows) {
+    if (few_rows(m)) {
       KEEP_CUDA_CHECK(kernels::gemv_accumulate(y, ys, x, xs, wt, m, n, k, stream_));
     } else {
       KEEP_BLAS_CHECK(kernels::gemm_nt_accumulate(h, y, ys, x, xs, wt, m, n, k));
@@ -552,8 +553,7 @@ void CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_in,
   }
   // A decode step's norms run inside the following product (gemv_rmsnorm): one launch less each.
   auto norm_fused = [&](int64_t m) {
-    return gemv_dims && m <= options_.gemv_rows &&
-           static_cast<size_t>(m * C * 2) <= kernels::kGemvNormMaxSmem;
+    return few_rows(m) && static_cast<size_t>(m * C * 2) <= kernels::kGemvNormMaxSmem;
   };
   // Attention half.
   if (norm_fused(rows)) {

@@ -50,16 +50,64 @@ __device__ __forceinline__ void load_x8(const float* p, float (&f)[8]) {
   f[7] = b.w;
 }
 
-// Adds the 8 products of one 16-byte piece of W (wf) with the same piece of each x row.
-template <int R, typename X>
-__device__ __forceinline__ void fma_piece(float (&acc)[R], const float (&wf)[8], const X* x,
-                                          int64_t x_stride, int i) {
+// The products of the warp's W row `wr` (in elements) with each of the R x rows, summed over the
+// warp: every lane ends with the totals in acc. load_x(r, i, f) fetches x row r's 8 elements at i
+// (from global memory or shared). W streams with kUnroll 16-byte loads in flight per lane.
+template <int R, typename LoadX>
+__device__ __forceinline__ void warp_dot(float (&acc)[R], const __nv_bfloat16* wr, int in, int lane,
+                                         LoadX load_x) {
+#pragma unroll
+  for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+  // Adds the 8 products of one 16-byte piece of W (wf) with the same piece of each x row.
+  auto fma_piece = [&](const float(&wf)[8], int i) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float xf[8];
+      load_x(r, i, xf);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[r] = fmaf(wf[e], xf[e], acc[r]);
+    }
+  };
+  constexpr int kStep = 32 * 8;  // elements per warp-wide 16-byte load
+  int i = lane * 8;
+  for (; i + (kUnroll - 1) * kStep < in; i += kUnroll * kStep) {
+    uint4 u[kUnroll];
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) u[k] = load_stream(wr + i + k * kStep);
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      float wf[8];
+      unpack8(u[k], wf);
+      fma_piece(wf, i + k * kStep);
+    }
+  }
+  for (; i < in; i += kStep) {
+    float wf[8];
+    unpack8(load_stream(wr + i), wf);
+    fma_piece(wf, i);
+  }
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    float xf[8];
-    load_x8(x + r * x_stride + i, xf);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) acc[r] = fmaf(wf[e], xf[e], acc[r]);
+    for (int off = 16; off > 0; off >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
+  }
+}
+
+// Lane r < R writes row r's total of output o: bf16 or fp32, overwritten, or added (kAcc).
+template <int R, typename Y, bool kAcc>
+__device__ __forceinline__ void store_rows(Y* y, int64_t y_stride, int o, const float (&acc)[R],
+                                           int lane) {
+  if (lane >= R) return;
+  float v = acc[0];
+#pragma unroll
+  for (int r = 1; r < R; ++r) v = lane == r ? acc[r] : v;
+  Y* dst = y + static_cast<int64_t>(lane) * y_stride + o;
+  if constexpr (kAcc) {
+    *dst += v;
+  } else if constexpr (sizeof(Y) == 4) {
+    *dst = v;
+  } else {
+    *dst = __float2bfloat16_rn(v);
   }
 }
 
@@ -72,46 +120,10 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const int o = static_cast<int>(blockIdx.x) * kWarps + (static_cast<int>(threadIdx.x) >> 5);
   if (o >= out) return;
-  const __nv_bfloat16* wr = w + static_cast<int64_t>(o) * in;
   float acc[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) acc[r] = 0.0f;
-  constexpr int kStep = 32 * 8;  // elements per warp-wide 16-byte load
-  int i = lane * 8;
-  for (; i + (kUnroll - 1) * kStep < in; i += kUnroll * kStep) {
-    uint4 u[kUnroll];
-#pragma unroll
-    for (int k = 0; k < kUnroll; ++k) u[k] = load_stream(wr + i + k * kStep);
-#pragma unroll
-    for (int k = 0; k < kUnroll; ++k) {
-      float wf[8];
-      unpack8(u[k], wf);
-      fma_piece<R>(acc, wf, x, x_stride, i + k * kStep);
-    }
-  }
-  for (; i < in; i += kStep) {
-    float wf[8];
-    unpack8(load_stream(wr + i), wf);
-    fma_piece<R>(acc, wf, x, x_stride, i);
-  }
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
-  }
-  if (lane < R) {
-    float v = acc[0];
-#pragma unroll
-    for (int r = 1; r < R; ++r) v = lane == r ? acc[r] : v;
-    Y* dst = y + static_cast<int64_t>(lane) * y_stride + o;
-    if constexpr (kAcc) {
-      *dst += v;
-    } else if constexpr (sizeof(Y) == 4) {
-      *dst = v;
-    } else {
-      *dst = __float2bfloat16_rn(v);
-    }
-  }
+  warp_dot<R>(acc, w + static_cast<int64_t>(o) * in, in, lane,
+              [&](int r, int i, float(&f)[8]) { load_x8(x + r * x_stride + i, f); });
+  store_rows<R, Y, kAcc>(y, y_stride, o, acc, lane);
 }
 
 template <typename X, typename Y, bool kAcc>
@@ -224,53 +236,12 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
   __syncthreads();
 
-  constexpr int kStep = 32 * 8;
   for (int o = static_cast<int>(blockIdx.x) * kWarps + warp; o < out;
        o += static_cast<int>(gridDim.x) * kWarps) {
-    const __nv_bfloat16* wr = w + static_cast<int64_t>(o) * in;
     float acc[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) acc[r] = 0.0f;
-    int i = lane * 8;
-    for (; i + (kUnroll - 1) * kStep < in; i += kUnroll * kStep) {
-      uint4 u[kUnroll];
-#pragma unroll
-      for (int k = 0; k < kUnroll; ++k) u[k] = load_stream(wr + i + k * kStep);
-#pragma unroll
-      for (int k = 0; k < kUnroll; ++k) {
-        float wf[8];
-        unpack8(u[k], wf);
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          float xf[8];
-          load_x8_shared(xs + r * in + i + k * kStep, xf);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) acc[r] = fmaf(wf[e], xf[e], acc[r]);
-        }
-      }
-    }
-    for (; i < in; i += kStep) {
-      float wf[8];
-      unpack8(load_stream(wr + i), wf);
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        float xf[8];
-        load_x8_shared(xs + r * in + i, xf);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[r] = fmaf(wf[e], xf[e], acc[r]);
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
-    }
-    if (lane < R) {
-      float v = acc[0];
-#pragma unroll
-      for (int r = 1; r < R; ++r) v = lane == r ? acc[r] : v;
-      y[static_cast<int64_t>(lane) * y_stride + o] = __float2bfloat16_rn(v);
-    }
+    warp_dot<R>(acc, w + static_cast<int64_t>(o) * in, in, lane,
+                [&](int r, int i, float(&f)[8]) { load_x8_shared(xs + r * in + i, f); });
+    store_rows<R, __nv_bfloat16, false>(y, y_stride, o, acc, lane);
   }
 }
 
