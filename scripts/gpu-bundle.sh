@@ -12,7 +12,7 @@ export PATH=/usr/local/cuda/bin:$PATH
 generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
 cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DKEEP_CUDA=ON \
-  -DCMAKE_CUDA_ARCHITECTURES=90 -DKEEP_BENCHMARKS=ON -DKEEP_TESTS=ON >/dev/null
+  -DCMAKE_CUDA_ARCHITECTURES=90a -DKEEP_BENCHMARKS=ON -DKEEP_TESTS=ON >/dev/null
 cmake --build "$build" --target test_cuda_engine bench_prefill -j "$(nproc)"
 rm -rf "$out"
 mkdir -p "$out/bin" "$out/lib"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on a GPU machine: build the CUDA kernels and their GPU tests for sm_90, run them, run
+# One call on a GPU machine: build the CUDA kernels and their GPU tests for sm_90a, run them, run
 # them again under compute-sanitizer (memcheck, racecheck), run the engine's GPU test, and with
 # --bench time the prefill benchmark against HF transformers. Exits non-zero on any failure.
 #
@@ -42,7 +42,7 @@ gpu_tests=(test_kernels test_attention test_attention_decode test_logits test_ge
 step "configure (whole repository, KEEP_CUDA=ON)"
 whole=0
 if cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DKEEP_CUDA=ON \
-    -DCMAKE_CUDA_ARCHITECTURES=90 -DKEEP_BENCHMARKS=ON >"$build.configure.log" 2>&1; then
+    -DCMAKE_CUDA_ARCHITECTURES=90a -DKEEP_BENCHMARKS=ON >"$build.configure.log" 2>&1; then
   whole=1
   targets=("${gpu_tests[@]}" test_kernels_ref test_cuda_engine bench_prefill)
   echo "configured the whole repository"
@@ -52,7 +52,7 @@ else
   step "configure (services/worker/kernels on its own)"
   rm -rf "$build"
   cmake -S "$root/services/worker/kernels" -B "$build" "${generator[@]}" \
-    -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 ||
+    -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a ||
     { echo "gpu-check: configure failed"; exit 1; }
   targets=()
   for t in "${gpu_tests[@]}"; do

@@ -3,15 +3,16 @@
 //
 //   build/bin/bench_prefill --shape qwen2.5-7b --tokens 1024,2048,4096 [--reps 10] [--warmup 3]
 //       [--decode 64] [--decode-context 1024] [--json out.jsonl] [--graphs on|off|both]
-//       [--profile] [--logits f32rows|f32|bf16]
+//       [--profile] [--logits f32rows|f32|bf16] [--attention auto|mma|wgmma]
 //
 // TTFT = wall time of Engine::prefill (embedding, every layer, final norm + lm_head of the last
 // row, logits copied to the host), the prompt in one chunk; median of --reps after --warmup runs.
 // Decode: greedy generation of --decode tokens after a --decode-context prompt, minus the same
 // prompt's one-token generation, per token. --graphs both also times everything with each layer
 // loop captured into a CUDA graph (CudaBackendOptions::graphs); --profile prints the GPU time of
-// each stage of the layers (CudaBackend::profile). benchmarks/prefill/run.sh runs this and HF
-// transformers (hf_prefill.py) in one go and prints the ratios.
+// each stage of the layers (CudaBackend::profile); --attention picks the prefill attention's
+// tensor-core instructions (CudaBackendOptions::prefill_attention). benchmarks/prefill/run.sh runs
+// this and HF transformers (hf_prefill.py) in one go and prints the ratios.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -39,7 +40,7 @@ int usage(const char* msg) {
       stderr,
       "usage: bench_prefill --shape NAME --tokens N[,N...] [--reps R] [--warmup W] "
       "[--decode T] [--decode-context N] [--json FILE] [--graphs on|off|both] [--profile]\n"
-      "  [--logits f32rows|f32|bf16]\n"
+      "  [--logits f32rows|f32|bf16] [--attention auto|mma|wgmma]\n"
       "  shapes:");
   for (const auto& n : keep::bench::model_shape_names()) std::fprintf(stderr, " %s", n.c_str());
   std::fprintf(stderr, "\n");
@@ -77,7 +78,7 @@ std::vector<int64_t> parse_list(const char* s) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string shape = "qwen2.5-7b", json, graphs = "off", logits = "f32rows";
+  std::string shape = "qwen2.5-7b", json, graphs = "off", logits = "f32rows", attention = "auto";
   bool profile = false;
   std::vector<int64_t> lens = {1024, 2048, 4096};
   int reps = 10, warmup = 3, decode = 64;
@@ -106,6 +107,8 @@ int main(int argc, char** argv) {
       profile = true;
     else if (!std::strcmp(a, "--logits") && (v = next()))
       logits = v;
+    else if (!std::strcmp(a, "--attention") && (v = next()))
+      attention = v;
     else
       return usage((std::string("bad argument: ") + a).c_str());
   }
@@ -122,6 +125,13 @@ int main(int argc, char** argv) {
     options.logits = CudaBackendOptions::Logits::kBF16;
   } else {
     return usage("--logits f32rows|f32|bf16");
+  }
+  if (attention == "mma") {
+    options.prefill_attention = keep::kernels::PrefillKernel::kMma;
+  } else if (attention == "wgmma") {
+    options.prefill_attention = keep::kernels::PrefillKernel::kWgmma;
+  } else if (attention != "auto") {
+    return usage("--attention auto|mma|wgmma");
   }
   for (int64_t n : lens) {
     if (n < 1 || n > 32768) return usage("--tokens must be in [1, 32768]");

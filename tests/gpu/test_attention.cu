@@ -62,7 +62,18 @@ struct Options {
   bool misalign = false;     // q, out, k, v at an odd element offset (the kernel's scalar paths)
   float q_amplitude = 1.0f;  // q uniform in [-a, a] (larger: peakier softmax)
   bool with_lse = true;
+  kk::PrefillKernel kernel = kk::PrefillKernel::kMma;
 };
+
+// The kernels to check: mma.sync always, wgmma where this build and device run it.
+std::vector<kk::PrefillKernel> kernels_here() {
+  std::vector<kk::PrefillKernel> v{kk::PrefillKernel::kMma};
+  if (kk::wgmma_available()) v.push_back(kk::PrefillKernel::kWgmma);
+  return v;
+}
+const char* kernel_name(kk::PrefillKernel k) {
+  return k == kk::PrefillKernel::kWgmma ? "wgmma" : k == kk::PrefillKernel::kMma ? "mma" : "auto";
+}
 
 // Runs ref::attention over rows split across threads (each slice of rows is an AttentionRows of
 // its own: row_offsets shifted, spans shared).
@@ -139,15 +150,15 @@ void run_case(const std::string& name, std::mt19937& rng, const Layout& lay, con
   const kk::PrefillSchedule d_sched{d_tile_offsets.dev(), d_tiles.dev()};
   CUDA_OK(kk::attention_prefill(d_out.dev(), out_stride, opt.with_lse ? d_lse.dev() : nullptr,
                                 d_q.dev(), q_stride, d_k.dev(), d_v.dev(), d_rows, d_sched,
-                                sh.heads, sh.kv_heads, sh.head_dim, scale, nullptr));
+                                sh.heads, sh.kv_heads, sh.head_dim, scale, nullptr, opt.kernel));
   CUDA_OK(cudaDeviceSynchronize());
   const auto got = d_out.host();
   const auto got_lse = d_lse.host();
 
-  const std::string what = name + " rows=" + std::to_string(rows) +
-                           " keys=" + std::to_string(lay.num_keys) + " " +
-                           std::to_string(sh.heads) + "/" + std::to_string(sh.kv_heads) + " hd" +
-                           std::to_string(sh.head_dim) + " kv " + dtype_name<KV>();
+  const std::string what =
+      std::string(kernel_name(opt.kernel)) + " " + name + " rows=" + std::to_string(rows) +
+      " keys=" + std::to_string(lay.num_keys) + " " + std::to_string(sh.heads) + "/" +
+      std::to_string(sh.kv_heads) + " hd" + std::to_string(sh.head_dim) + " kv " + dtype_name<KV>();
   // out: every element of the heads' columns within tolerance; the padding columns untouched.
   Compare c;
   int64_t untouched_bad = 0;
@@ -222,7 +233,7 @@ void run_case(const std::string& name, std::mt19937& rng, const Layout& lay, con
 
 // Times a large call (median of 20) and checks a sample of its rows against the reference.
 template <typename KV>
-void bench(std::mt19937& rng, const Layout& lay, const Shape& sh) {
+void bench(std::mt19937& rng, const Layout& lay, const Shape& sh, kk::PrefillKernel kernel) {
   const int32_t rows = lay.rows();
   const int64_t width = static_cast<int64_t>(sh.heads) * sh.head_dim;
   const int64_t q_stride = static_cast<int64_t>(sh.heads + 2 * sh.kv_heads) * sh.head_dim;
@@ -245,7 +256,7 @@ void bench(std::mt19937& rng, const Layout& lay, const Shape& sh) {
   auto call = [&] {
     return kk::attention_prefill(d_out.dev(), width, d_lse.dev(), d_q.dev(), q_stride, d_k.dev(),
                                  d_v.dev(), d_rows, d_sched, sh.heads, sh.kv_heads, sh.head_dim,
-                                 scale, nullptr);
+                                 scale, nullptr, kernel);
   };
   for (int i = 0; i < 3; ++i) CUDA_OK(call());
   CUDA_OK(cudaDeviceSynchronize());
@@ -268,10 +279,10 @@ void bench(std::mt19937& rng, const Layout& lay, const Shape& sh) {
   const double median = ms[ms.size() / 2];
   const double flops = 4.0 * static_cast<double>(lay.visible()) * sh.head_dim * sh.heads;
   std::printf(
-      "  timing: %d rows causal, %d/%d hd%d kv %s: %.3f ms median of 20 (min %.3f), "
+      "  timing %-5s: %d rows causal, %d/%d hd%d kv %s: %.3f ms median of 20 (min %.3f), "
       "%.1f TFLOP/s\n",
-      rows, sh.heads, sh.kv_heads, sh.head_dim, dtype_name<KV>(), median, ms.front(),
-      flops / (median * 1e-3) / 1e12);
+      kernel_name(kernel), rows, sh.heads, sh.kv_heads, sh.head_dim, dtype_name<KV>(), median,
+      ms.front(), flops / (median * 1e-3) / 1e12);
 
   // A sample of rows against the reference: a sub-layout of those rows with their Q.
   const auto got = d_out.host();
@@ -307,45 +318,45 @@ void bench(std::mt19937& rng, const Layout& lay, const Shape& sh) {
   ++g_checks;
   if (bad > 0) {
     ++g_failures;
-    std::fprintf(stderr, "FAIL timing case %d rows %d/%d hd%d kv %s: %lld sampled values off\n",
-                 rows, sh.heads, sh.kv_heads, sh.head_dim, dtype_name<KV>(),
+    std::fprintf(stderr, "FAIL timing case %s %d rows %d/%d hd%d kv %s: %lld sampled values off\n",
+                 kernel_name(kernel), rows, sh.heads, sh.kv_heads, sh.head_dim, dtype_name<KV>(),
                  static_cast<long long>(bad));
   }
 }
 
 template <typename KV>
-void run_all(std::mt19937& rng) {
-  std::printf("KV %s\n", dtype_name<KV>());
+void run_all(std::mt19937& rng, kk::PrefillKernel kernel) {
+  std::printf("KV %s, %s kernel\n", dtype_name<KV>(), kernel_name(kernel));
+  Options base;
+  base.kernel = kernel;
   const Shape shapes[] = {kSmol, kQwen7, kWide};
   // Causal chunks, with and without a past (rows then start mid-view, not on a tile boundary).
   int si = 0;
   for (int32_t n : {1, 3, 7, 19, 64, 65, 733}) {
     for (int32_t past : {0, 37}) {
       const Shape& sh = n == 733 ? (past == 0 ? kQwen7 : kSmol) : shapes[si++ % 3];
-      run_case<KV>("causal past=" + std::to_string(past), rng, causal(n, past), sh, Options{});
+      run_case<KV>("causal past=" + std::to_string(past), rng, causal(n, past), sh, base);
     }
   }
-  run_case<KV>("causal past=128", rng, causal(200, 128), kWide, Options{});
+  run_case<KV>("causal past=128", rng, causal(200, 128), kWide, base);
   {
-    Options o;
+    Options o = base;
     o.q_amplitude = 8.0f;  // peaky softmax: the running max moves by a lot
     run_case<KV>("causal peaky", rng, causal(300, 20), kQwen7, o);
   }
   // Recompute subsets.
-  run_case<KV>("recompute", rng, recompute(rng, 300, 0.4, true), kSmol, Options{});
-  run_case<KV>("recompute", rng, recompute(rng, 1000, 0.15, true), kQwen7, Options{});
-  run_case<KV>("recompute sparse", rng, recompute(rng, 700, 0.03, true), kWide, Options{});
+  run_case<KV>("recompute", rng, recompute(rng, 300, 0.4, true), kSmol, base);
+  run_case<KV>("recompute", rng, recompute(rng, 1000, 0.15, true), kQwen7, base);
+  run_case<KV>("recompute sparse", rng, recompute(rng, 700, 0.03, true), kWide, base);
   // Blocks after a prefix (adjacent spans when a block starts at the prefix; gaps unseen = NaN).
   run_case<KV>("blocks", rng, blocks(50, {{50, 120}, {120, 300}, {300, 301}, {301, 420}}), kSmol,
-               Options{});
-  run_case<KV>("blocks gaps", rng, blocks(64, {{100, 228}, {300, 301}, {320, 512}}), kQwen7,
-               Options{});
-  run_case<KV>("blocks no prefix", rng, blocks(0, {{0, 90}, {90, 91}, {91, 200}}), kWide,
-               Options{});
+               base);
+  run_case<KV>("blocks gaps", rng, blocks(64, {{100, 228}, {300, 301}, {320, 512}}), kQwen7, base);
+  run_case<KV>("blocks no prefix", rng, blocks(0, {{0, 90}, {90, 91}, {91, 200}}), kWide, base);
   // Many spans per row, rows with none.
-  run_case<KV>("random spans", rng, random_spans(rng, 150, 500, 8, false), kSmol, Options{});
-  run_case<KV>("random spans", rng, random_spans(rng, 97, 1300, 20, false), kQwen7, Options{});
-  run_case<KV>("random spans few keys", rng, random_spans(rng, 70, 9, 3, false), kWide, Options{});
+  run_case<KV>("random spans", rng, random_spans(rng, 150, 500, 8, false), kSmol, base);
+  run_case<KV>("random spans", rng, random_spans(rng, 97, 1300, 20, false), kQwen7, base);
+  run_case<KV>("random spans few keys", rng, random_spans(rng, 70, 9, 3, false), kWide, base);
   {
     Layout l;  // zero-key rows among others, and a whole row tile of them
     l.num_keys = 40;
@@ -355,15 +366,15 @@ void run_all(std::mt19937& rng) {
     l.add_row({{3, 4}, {10, 40}});
     for (int i = 0; i < 130; ++i) l.add_row({});
     l.add_row({{39, 40}});
-    run_case<KV>("zero-key rows", rng, l, kSmol, Options{});
+    run_case<KV>("zero-key rows", rng, l, kSmol, base);
     Layout none;  // no keys at all
     for (int i = 0; i < 5; ++i) none.add_row({});
-    run_case<KV>("no keys", rng, none, kQwen7, Options{});
+    run_case<KV>("no keys", rng, none, kQwen7, base);
   }
   // Strides: plain Q, odd out stride (scalar stores), everything misaligned (scalar loads), no
   // lse.
   {
-    Options o;
+    Options o = base;
     o.fused_q = false;
     o.out_extra = 0;
     run_case<KV>("packed strides", rng, causal(130, 5), kQwen7, o);
@@ -373,19 +384,19 @@ void run_all(std::mt19937& rng) {
     o.misalign = true;
     run_case<KV>("misaligned", rng, blocks(30, {{40, 100}, {100, 190}}), kQwen7, o);
     run_case<KV>("misaligned", rng, random_spans(rng, 66, 300, 4, false), kSmol, o);
-    Options n;
+    Options n = base;
     n.with_lse = false;
     run_case<KV>("no lse", rng, causal(70, 0), kWide, n);
   }
   if (!keep::gputest::quick()) {  // KEEP_GPU_TEST_QUICK: set under compute-sanitizer
-    bench<KV>(rng, causal(4096, 0), kQwen7);
-    bench<KV>(rng, causal(1024, 0), kQwen7);
-    bench<KV>(rng, causal(4096, 0), kSmol);
+    bench<KV>(rng, causal(4096, 0), kQwen7, kernel);
+    bench<KV>(rng, causal(1024, 0), kQwen7, kernel);
+    bench<KV>(rng, causal(4096, 0), kSmol, kernel);
     // Few rows over a long view (decode steps, short recomputes): against the split-key kernel's
     // timings in test_attention_decode, these set CudaBackendOptions::decode_rows.
     for (int32_t rows : {2, 4, 8, 16}) {
-      bench<KV>(rng, causal(rows, 4096 - rows), kQwen7);
-      bench<KV>(rng, causal(rows, 32768 - rows), kQwen7);
+      bench<KV>(rng, causal(rows, 4096 - rows), kQwen7, kernel);
+      bench<KV>(rng, causal(rows, 32768 - rows), kQwen7, kernel);
     }
   }
 }
@@ -419,6 +430,14 @@ void test_invalid_arguments() {
     ++g_failures;
     std::fprintf(stderr, "FAIL launcher argument checks\n");
   }
+  if (!kk::wgmma_available()) {  // asking for wgmma where it cannot run is refused, not ignored
+    ++g_checks;
+    if (kk::attention_prefill(fake, 512, nullptr, fake, 512, fake, fake, rows, sched, 4, 2, 128,
+                              0.1f, nullptr, kk::PrefillKernel::kWgmma) != cudaErrorNotSupported) {
+      ++g_failures;
+      std::fprintf(stderr, "FAIL kWgmma without wgmma not refused\n");
+    }
+  }
 }
 
 }  // namespace
@@ -427,8 +446,10 @@ int main() {
   if (!keep::gputest::print_device()) return 2;
   std::mt19937 rng(4321);
   test_invalid_arguments();
-  run_all<Bf16>(rng);
-  run_all<float>(rng);
+  for (const auto kernel : kernels_here()) {
+    run_all<Bf16>(rng, kernel);
+    run_all<float>(rng, kernel);
+  }
   std::printf("test_attention: %d checks, %d failures\n", g_checks, g_failures);
   return g_failures == 0 ? 0 : 1;
 }

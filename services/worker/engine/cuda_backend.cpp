@@ -107,8 +107,12 @@ static const char* logits_name(CudaBackendOptions::Logits l) {
 }
 
 std::string CudaBackend::name() const {
+  const bool wgmma =
+      options_.prefill_attention == kernels::PrefillKernel::kWgmma ||
+      (options_.prefill_attention == kernels::PrefillKernel::kAuto && kernels::wgmma_available());
   return "cuda bf16 (" + device_name_ + ", cuBLAS, " + std::to_string(weight_bytes_ >> 20) +
-         " MiB of weights, logits " + logits_name(options_.logits) + ")";
+         " MiB of weights, logits " + logits_name(options_.logits) + ", prefill attention " +
+         (wgmma ? "wgmma" : "mma.sync") + ")";
 }
 
 // What the kernels support (prefill attention: head_dim 64 or 128).
@@ -218,6 +222,11 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::prepare(const ModelConfig& con
   KEEP_RETURN_IF_ERROR(config.validate().with_context("cuda backend: config"));
   std::unique_ptr<CudaBackend> b(new CudaBackend(config, options));
   KEEP_RETURN_IF_ERROR(b->init_device());  // kUnavailable first: no GPU is not a model problem
+  if (options.prefill_attention == kernels::PrefillKernel::kWgmma && !kernels::wgmma_available()) {
+    return Status(Code::kUnavailable,
+                  "cuda backend: wgmma attention asked for, but this build (CUDA architectures "
+                  "without 90a) or this device (not compute 9.0) cannot run it");
+  }
   KEEP_RETURN_IF_ERROR(check_supported(config));
   KEEP_RETURN_IF_ERROR(b->allocate_weights());
   return b;
@@ -588,8 +597,8 @@ void CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_in,
   } else {
     if (plan.tiled) {
       KEEP_CUDA_CHECK(kernels::attention_prefill(att, q, lse, qkv, qkv_w, view_k, view_v, plan.rows,
-                                                 plan.schedule, heads, kv_heads, hd, scale,
-                                                 stream_));
+                                                 plan.schedule, heads, kv_heads, hd, scale, stream_,
+                                                 options_.prefill_attention));
     } else {
       KEEP_CUDA_CHECK(kernels::attention_decode(att, q, lse, qkv, qkv_w, view_k, view_v, plan.rows,
                                                 heads, kv_heads, hd, scale, decode_ws_,

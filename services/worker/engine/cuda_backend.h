@@ -27,6 +27,7 @@
 #include "services/worker/engine/backend.h"
 #include "services/worker/engine/model_weights.h"
 #include "services/worker/kernels/gemm.h"
+#include "services/worker/kernels/kernels.h"
 
 namespace keep::engine {
 
@@ -61,6 +62,10 @@ struct CudaBackendOptions {
   // of 1024 tokens 23.50 ms with vs 22.85 ms without, decode 5.85 vs 5.48 ms/token
   // (benchmarks/RESULTS.md). Graphs pay once a step can be replayed without capturing again.
   bool graphs = false;
+  // The tiled prefill attention's tensor-core instructions: kAuto = wgmma on Hopper (an sm_90a
+  // build), mma.sync elsewhere; kMma or kWgmma to compare them (kWgmma where it cannot run: the
+  // backend's creation fails with kUnavailable).
+  kernels::PrefillKernel prefill_attention = kernels::PrefillKernel::kAuto;
 };
 
 // Where a layer's GPU time goes: one entry per stage of layer_forward (CudaBackend::profile).

@@ -15,6 +15,14 @@
 // At the end O / l is staged through shared memory and stored with 16-byte writes; lse = (m +
 // log2 l) * ln 2. A row that sees no key (or a padding row past `rows`) has l = 0: out 0, lse -inf.
 //
+// On Hopper (an sm_90a build on a compute 9.0 device) the same kernel runs its two products on
+// wgmma instead (PrefillKernel::kWgmma, the default there): the warpgroup of the block computes
+// S = Q K^T (m64n64k16, Q and K from shared memory) and O += P V (m64n{HD}k16, P from registers,
+// V from shared memory in the transposed form), so no operand of B passes through registers and
+// the tensor cores run at Hopper's rate. Q, K and V then live in shared memory as wgmma core
+// panels (128-byte swizzle, wgmma.cuh) instead of padded rows; Q gets a buffer of its own. The
+// schedule, masks, softmax and epilogue are the same code.
+//
 // K/V loads: bf16 storage (16-byte aligned) goes through cp.async straight into shared memory;
 // fp32 storage is loaded into registers, converted and stored. The V of a tile the schedule does
 // not mark full also goes through registers, with non-finite values replaced by 0: such a tile may
@@ -28,6 +36,7 @@
 
 #include "services/worker/kernels/common.cuh"
 #include "services/worker/kernels/kernels.h"
+#include "services/worker/kernels/wgmma.cuh"
 
 namespace keep::kernels {
 namespace {
@@ -43,19 +52,50 @@ static_assert(kKeys == 64, "the span mask of a row within a key tile is one 64-b
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-// Shared-memory geometry per head dimension.
-template <int HD>
+// Shared-memory geometry per head dimension: padded rows for mma.sync / ldmatrix, or wgmma's
+// 128-byte swizzled panels (kSwizzled, below).
+template <int HD, bool kSwizzled>
 struct Geometry {
+  static_assert(HD % 64 == 0 || !kSwizzled, "swizzled panels are 64 elements wide");
   static_assert(HD % 16 == 0, "head_dim must be a multiple of 16");
-  static constexpr int kStride = HD + 8;              // bf16 elements per smem row (padded)
-  static constexpr int kTileElems = kKeys * kStride;  // one K or V tile (also Q, O staging)
-  static constexpr int kChunksPerRow = HD / 8;        // 16-byte chunks per row
-  static constexpr int kRowsPerPass = kThreads / kChunksPerRow;
-  static constexpr int kPasses = kKeys / kRowsPerPass;                 // chunks per thread per tile
-  static constexpr size_t kSmemBytes = 4 * kTileElems * sizeof(bf16);  // K[2], V[2]
-  static_assert(kThreads % kChunksPerRow == 0 && kKeys % kRowsPerPass == 0, "tile mapping");
-  static_assert(kRows == kKeys, "the Q and O staging reuse a key tile buffer");
+  static constexpr int kStride = HD + 8;        // padded row, bf16 elements
+  static constexpr int kChunksPerRow = HD / 8;  // 16-byte chunks per row
+  static constexpr int kTileElems = kSwizzled ? kKeys * HD : kKeys * kStride;  // Q, K or V tile
+  static constexpr int kPasses = kKeys * kChunksPerRow / kThreads;  // chunks per thread per tile
+  // mma.sync: K[2], V[2] (Q and the O staging reuse a K buffer); wgmma: K[2], V[2], Q (the O
+  // staging, padded rows, reuses the start once every product is done), plus the slack that
+  // aligns the panels to 1024 bytes.
+  static constexpr size_t kSmemBytes =
+      kSwizzled ? 5 * kTileElems * sizeof(bf16) + 1024 : 4 * kTileElems * sizeof(bf16);
+  static_assert(kKeys * kChunksPerRow % kThreads == 0, "tile mapping");
+  static_assert(kRows == kKeys, "Q tiles have the shape of key tiles");
+  static_assert(kSmemBytes >= kRows * kStride * sizeof(bf16), "O staging fits");
 };
+// wgmma tiles: columns [64p, 64p + 64) of a tile's 64 rows form panel p (8 KiB, 1024-byte
+// aligned); row r of a panel is 128 bytes at r * 128, its 16-byte chunk c stored as chunk
+// c ^ (r % 8) (the 128-byte swizzle the descriptors name). The 8 chunks one 128-byte line of a
+// global row holds land in one 128-byte line of shared memory, so cp.async makes one L2 request
+// of them (a layout scattering them costs a request each: measured, 2.8x the L2 tag requests),
+// and the 8 rows a wgmma core matrix reads lie in distinct banks.
+constexpr uint32_t kPanelBytes = kKeys * 128;
+
+// Where the 16-byte chunk c of tile row r goes (elements from the tile's start).
+template <int HD, bool kSwizzled>
+__device__ __forceinline__ int chunk_offset(int r, int c) {
+  if constexpr (kSwizzled) {
+    return (c >> 3) * static_cast<int>(kPanelBytes / 2) + r * 64 + (((c & 7) ^ (r & 7)) << 3);
+  } else {
+    return r * (HD + 8) + c * 8;
+  }
+}
+// Which chunk thread `tid` moves in pass i: consecutive threads take consecutive chunks of a row.
+template <int HD>
+__device__ __forceinline__ void chunk_of(int tid, int pass, int& r, int& c) {
+  constexpr int kCpr = HD / 8;
+  const int q = tid + kThreads * pass;
+  r = q / kCpr;
+  c = q % kCpr;
+}
 
 template <typename KV>
 struct Params {
@@ -95,6 +135,10 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_b
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+// Waits until at most the newest committed group is pending.
+__device__ __forceinline__ void cp_async_wait_but_last() {
+  asm volatile("cp.async.wait_group 1;\n" ::: "memory");
 }
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const bf16* p) {
@@ -175,46 +219,43 @@ __device__ __forceinline__ uint4 load8(const float* p, bool vec, bool sanitize) 
                     pack_bf16x2(f[6], f[7]));
 }
 
-// ---- tile loaders: 64 rows of HD elements into a padded smem tile ----
-// Thread tid handles the chunk column tid % kChunksPerRow of rows tid / kChunksPerRow + i *
-// kRowsPerPass. Source row `r` is src + (first + r) * row_stride; rows at or past `limit` are zero.
+// ---- tile loaders: 64 rows of HD elements into a shared-memory tile ----
+// Source row `r` is src + (first + r) * row_stride; rows at or past `limit` are zero.
 
 // Asynchronous (cp.async, 16-byte aligned source rows).
-template <int HD, typename T>
+template <int HD, bool kSwizzled, typename T>
 __device__ __forceinline__ void tile_async(bf16* dst, const T* src, int64_t row_stride,
                                            int32_t first, int32_t limit, int tid) {
-  using G = Geometry<HD>;
-  const int col = (tid % G::kChunksPerRow) * 8;
-  const int r0 = tid / G::kChunksPerRow;
+  using G = Geometry<HD, kSwizzled>;
 #pragma unroll
   for (int i = 0; i < G::kPasses; ++i) {
-    const int r = r0 + i * G::kRowsPerPass;
+    int r, c;
+    chunk_of<HD>(tid, i, r, c);
     const bool ok = first + r < limit;
-    const T* s = ok ? src + static_cast<int64_t>(first + r) * row_stride + col : src;
-    cp_async16(dst + r * G::kStride + col, s, ok ? 16 : 0);
+    const T* s = ok ? src + static_cast<int64_t>(first + r) * row_stride + c * 8 : src;
+    cp_async16(dst + chunk_offset<HD, kSwizzled>(r, c), s, ok ? 16 : 0);
   }
 }
 
 // Through registers (fp32 conversion, unaligned sources, sanitising non-finite values to 0), for
 // N tiles at once (K and V: their loads are in flight together), in batches of at most 64
 // registers of loaded data.
-template <int HD, int N, typename T>
+template <int HD, bool kSwizzled, int N, typename T>
 __device__ __forceinline__ void tile_regs(bf16* const (&dst)[N], const T* const (&src)[N],
                                           const bool (&sanitize)[N], int64_t row_stride,
                                           int32_t first, int32_t limit, int tid, bool vec) {
-  using G = Geometry<HD>;
+  using G = Geometry<HD, kSwizzled>;
   constexpr int kMaxBatch = 64 / (N * 2 * static_cast<int>(sizeof(T)));  // chunks per tile
   constexpr int kBatch = G::kPasses < kMaxBatch ? G::kPasses : kMaxBatch;
   static_assert(G::kPasses % kBatch == 0, "batches");
-  const int col = (tid % G::kChunksPerRow) * 8;
-  const int r0 = tid / G::kChunksPerRow;
 #pragma unroll
   for (int b = 0; b < G::kPasses; b += kBatch) {
     uint4 val[N][kBatch];
 #pragma unroll
     for (int i = 0; i < kBatch; ++i) {
-      const int r = r0 + (b + i) * G::kRowsPerPass;
-      const int64_t offset = static_cast<int64_t>(first + r) * row_stride + col;
+      int r, c;
+      chunk_of<HD>(tid, b + i, r, c);
+      const int64_t offset = static_cast<int64_t>(first + r) * row_stride + c * 8;
 #pragma unroll
       for (int n = 0; n < N; ++n) {
         val[n][i] = make_uint4(0, 0, 0, 0);
@@ -223,17 +264,18 @@ __device__ __forceinline__ void tile_regs(bf16* const (&dst)[N], const T* const 
     }
 #pragma unroll
     for (int i = 0; i < kBatch; ++i) {
-      const int r = r0 + (b + i) * G::kRowsPerPass;
+      int r, c;
+      chunk_of<HD>(tid, b + i, r, c);
 #pragma unroll
       for (int n = 0; n < N; ++n) {
-        *reinterpret_cast<uint4*>(dst[n] + r * G::kStride + col) = val[n][i];
+        *reinterpret_cast<uint4*>(dst[n] + chunk_offset<HD, kSwizzled>(r, c)) = val[n][i];
       }
     }
   }
 }
 
 // Starts loading the K and V tiles of schedule entry `entry` into sk / sv.
-template <int HD, typename KV>
+template <int HD, bool kSwizzled, typename KV>
 __device__ __forceinline__ void issue_kv_tile(bf16* sk, bf16* sv, const Params<KV>& p, const KV* kg,
                                               const KV* vg, int32_t entry, int tid) {
   const int32_t first = (entry >> 1) * kKeys;
@@ -241,14 +283,14 @@ __device__ __forceinline__ void issue_kv_tile(bf16* sk, bf16* sv, const Params<K
   const int64_t stride = static_cast<int64_t>(p.kv_heads) * HD;
   if constexpr (std::is_same_v<KV, bf16>) {
     if (p.kv_vec) {
-      tile_async<HD>(sk, kg, stride, first, p.num_keys, tid);
+      tile_async<HD, kSwizzled>(sk, kg, stride, first, p.num_keys, tid);
       if (full) {
-        tile_async<HD>(sv, vg, stride, first, p.num_keys, tid);
+        tile_async<HD, kSwizzled>(sv, vg, stride, first, p.num_keys, tid);
       } else {
         bf16* const dst[1] = {sv};
         const bf16* const src[1] = {vg};
         const bool sanitize[1] = {true};
-        tile_regs<HD>(dst, src, sanitize, stride, first, p.num_keys, tid, true);
+        tile_regs<HD, kSwizzled>(dst, src, sanitize, stride, first, p.num_keys, tid, true);
       }
       return;
     }
@@ -256,7 +298,27 @@ __device__ __forceinline__ void issue_kv_tile(bf16* sk, bf16* sv, const Params<K
   bf16* const dst[2] = {sk, sv};
   const KV* const src[2] = {kg, vg};
   const bool sanitize[2] = {false, !full};
-  tile_regs<HD>(dst, src, sanitize, stride, first, p.num_keys, tid, p.kv_vec);
+  tile_regs<HD, kSwizzled>(dst, src, sanitize, stride, first, p.num_keys, tid, p.kv_vec);
+}
+
+// The same for one of the two (the wgmma pipeline loads K and V of a tile at different times):
+// src = the K or V storage at the block's kv head; V of a tile not marked full is sanitised.
+template <int HD, bool kSwizzled, typename KV>
+__device__ __forceinline__ void issue_half_tile(bf16* dst, const Params<KV>& p, const KV* src,
+                                                int32_t entry, bool is_v, int tid) {
+  const int32_t first = (entry >> 1) * kKeys;
+  const bool sanitize = is_v && (entry & 1) == 0;
+  const int64_t stride = static_cast<int64_t>(p.kv_heads) * HD;
+  if constexpr (std::is_same_v<KV, bf16>) {
+    if (p.kv_vec && !sanitize) {
+      tile_async<HD, kSwizzled>(dst, src, stride, first, p.num_keys, tid);
+      return;
+    }
+  }
+  bf16* const d[1] = {dst};
+  const KV* const s[1] = {src};
+  const bool z[1] = {sanitize};
+  tile_regs<HD, kSwizzled>(d, s, z, stride, first, p.num_keys, tid, p.kv_vec);
 }
 
 // Bits [lo, hi) of a 64-bit word, 0 <= lo < hi <= 64.
@@ -285,16 +347,16 @@ __device__ __forceinline__ uint64_t span_mask(const KeyRange* __restrict__ spans
   return mask;
 }
 
-// One key tile for one warp: S = Q K^T, masking, online softmax update, O += P V.
-// Thread (lane) holds rows g = lane / 4 and g + 8 of the warp's 16 and, of every 8-column block,
-// columns 2 * (lane % 4) and + 1 (mma C layout).
-template <int HD, bool kFull>
-__device__ __forceinline__ void attend_tile(float (&o)[HD / 8][4], float (&m)[2], float (&l)[2],
-                                            const uint32_t (&qa)[HD / 16][4], const bf16* sk,
-                                            const bf16* sv, int lane, float scale_log2,
-                                            const uint64_t (&mask)[2]) {
-  using G = Geometry<HD>;
-  float s[kKeys / 8][4];
+// ---- one key tile: S = Q K^T, masking, online softmax update, O += P V ----
+// Thread (lane) holds rows g = lane / 4 and g + 8 of its warp's 16 and, of every 8-column block,
+// columns 2 * (lane % 4) and + 1 (the mma C layout, which wgmma's accumulators share).
+
+// S of the warp's 16 rows on mma.sync: B fragments from ldmatrix on the (padded) K tile.
+template <int HD>
+__device__ __forceinline__ void scores_mma(float (&s)[kKeys / 8][4],
+                                           const uint32_t (&qa)[HD / 16][4], const bf16* sk,
+                                           int lane) {
+  using G = Geometry<HD, false>;
 #pragma unroll
   for (int n = 0; n < kKeys / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
   // ldmatrix.x4 on K: matrices (keys +0..7, dims +0..7), (+0..7, +8..15), (+8..15, +0..7),
@@ -311,6 +373,15 @@ __device__ __forceinline__ void attend_tile(float (&o)[HD / 8][4], float (&m)[2]
       mma_bf16(s[2 * np + 1], qa[ks], b[2], b[3]);
     }
   }
+}
+
+// Scales and masks S (exp2 domain), moves the running max and l, and turns S into P; O is to be
+// multiplied by alpha (rescale_o), which the wgmma pipeline defers until the product in flight
+// on O is done.
+template <bool kFull>
+__device__ __forceinline__ void softmax_scores(float (&s)[kKeys / 8][4], float (&m)[2],
+                                               float (&l)[2], float (&alpha)[2], int lane,
+                                               float scale_log2, const uint64_t (&mask)[2]) {
   const int tig = lane & 3;
   float row_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -335,14 +406,9 @@ __device__ __forceinline__ void attend_tile(float (&o)[HD / 8][4], float (&m)[2]
     // Nothing seen yet: subtract 0 instead of -inf (exp2(-inf - -inf) would be NaN); every
     // masked score then gives exp2(-inf) = 0, and so does alpha.
     m_use[i] = m_new == -INFINITY ? 0.0f : m_new;
-    const float alpha = fast_exp2(m[i] - m_use[i]);
+    alpha[i] = fast_exp2(m[i] - m_use[i]);
     m[i] = m_new;
-    l[i] *= alpha;
-#pragma unroll
-    for (int d = 0; d < HD / 8; ++d) {
-      o[d][2 * i] *= alpha;
-      o[d][2 * i + 1] *= alpha;
-    }
+    l[i] *= alpha[i];
   }
 #pragma unroll
   for (int n = 0; n < kKeys / 8; ++n) {
@@ -353,17 +419,54 @@ __device__ __forceinline__ void attend_tile(float (&o)[HD / 8][4], float (&m)[2]
       l[e >> 1] += pe;
     }
   }
-  // O += P V. The C fragments of key blocks 2kk and 2kk + 1 are the A fragment of keys
-  // [16kk, 16kk + 16). ldmatrix.x4.trans on V: matrices (keys +0..7, dims +0..7), (+8..15,
-  // +0..7), (+0..7, +8..15), (+8..15, +8..15) = B fragments of dim blocks 2dp and 2dp + 1.
+}
+
+template <int HD>
+__device__ __forceinline__ void rescale_o(float (&o)[HD / 8][4], const float (&alpha)[2]) {
+#pragma unroll
+  for (int d = 0; d < HD / 8; ++d) {
+    o[d][0] *= alpha[0];
+    o[d][1] *= alpha[0];
+    o[d][2] *= alpha[1];
+    o[d][3] *= alpha[1];
+  }
+}
+
+// softmax_scores, branching on whether the tile needs its mask.
+__device__ __forceinline__ void softmax_tile(bool full, float (&s)[kKeys / 8][4], float (&m)[2],
+                                             float (&l)[2], float (&alpha)[2], int lane,
+                                             float scale_log2, const uint64_t (&mask)[2]) {
+  if (full) {
+    softmax_scores<true>(s, m, l, alpha, lane, scale_log2, mask);
+  } else {
+    softmax_scores<false>(s, m, l, alpha, lane, scale_log2, mask);
+  }
+}
+
+// The A fragment of P for keys [16kk, 16kk + 16): the C fragments of key blocks 2kk and 2kk + 1,
+// rounded to bf16.
+__device__ __forceinline__ void p_fragment(uint32_t (&a)[4], const float (&s)[kKeys / 8][4],
+                                           int kk) {
+  a[0] = pack_bf16x2(s[2 * kk][0], s[2 * kk][1]);
+  a[1] = pack_bf16x2(s[2 * kk][2], s[2 * kk][3]);
+  a[2] = pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+  a[3] = pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+}
+
+// O += P V on mma.sync: ldmatrix.x4.trans on the (padded) V tile: matrices (keys +0..7, dims
+// +0..7), (+8..15, +0..7), (+0..7, +8..15), (+8..15, +8..15) = B fragments of dim blocks 2dp and
+// 2dp + 1.
+template <int HD>
+__device__ __forceinline__ void accumulate_pv_mma(float (&o)[HD / 8][4],
+                                                  const float (&s)[kKeys / 8][4], const bf16* sv,
+                                                  int lane) {
+  using G = Geometry<HD, false>;
   const int v_row = (lane & 7) + ((lane >> 3) & 1) * 8;
   const int v_col = ((lane >> 4) & 1) * 8;
 #pragma unroll
   for (int kk = 0; kk < kKeys / 16; ++kk) {
-    const uint32_t a[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]),
-                           pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
-                           pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                           pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+    uint32_t a[4];
+    p_fragment(a, s, kk);
 #pragma unroll
     for (int dp = 0; dp < HD / 16; ++dp) {
       uint32_t b[4];
@@ -374,13 +477,51 @@ __device__ __forceinline__ void attend_tile(float (&o)[HD / 8][4], float (&m)[2]
   }
 }
 
-template <int HD, typename KV>
+// S of the block's 64 rows on wgmma, issued (the caller commits and waits).
+template <int HD>
+__device__ __forceinline__ void issue_scores_wgmma(float (&s)[kKeys / 8][4], uint64_t q_desc,
+                                                   const bf16* sk) {
+  // K-major, swizzled: 8-row groups 1024 bytes apart; step ks reads dims [16ks, 16ks + 16): 32
+  // bytes into the line of panel ks / 4 (the hardware applies the swizzle to that address).
+  const uint64_t k_desc = detail::wgmma_desc_sw128(sk, 16, 1024);
+#pragma unroll
+  for (int ks = 0; ks < HD / 16; ++ks) {
+    const uint32_t at = (ks >> 2) * kPanelBytes + (ks & 3) * 32;
+    detail::wgmma_m64n64k16_ss(s, detail::wgmma_desc_add(q_desc, at),
+                               detail::wgmma_desc_add(k_desc, at), ks > 0);
+  }
+}
+
+// O += P V on wgmma, issued: P from registers (`a`, which must stay untouched until the product
+// is waited for), V's tile as the transposed B.
+template <int HD>
+__device__ __forceinline__ void issue_pv_wgmma(float (&o)[HD / 8][4],
+                                               const uint32_t (&a)[kKeys / 16][4], const bf16* sv) {
+  // N-major (transposed), swizzled: the 64 dims of a panel along a 128-byte row, panels (the next
+  // 64 dims) kPanelBytes apart, 8-key groups 1024 bytes apart; step kk reads keys
+  // [16kk, 16kk + 16).
+  const uint64_t v_desc = detail::wgmma_desc_sw128(sv, kPanelBytes, 1024);
+#pragma unroll
+  for (int kk = 0; kk < kKeys / 16; ++kk) {
+    const uint64_t b = detail::wgmma_desc_add(v_desc, kk * 2048);
+    if constexpr (HD == 128) {
+      detail::wgmma_m64n128k16_rs(o, a[kk], b);
+    } else {
+      detail::wgmma_m64n64k16_rs(o, a[kk], b);
+    }
+  }
+}
+
+template <int HD, typename KV, bool kWgmma>
 __global__ void __launch_bounds__(kThreads, HD <= 64 ? 3 : 2)
     attention_prefill_kernel(const Params<KV> p) {
-  using G = Geometry<HD>;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  bf16* const sk = reinterpret_cast<bf16*>(smem_raw);  // K tiles [2]
-  bf16* const sv = sk + 2 * G::kTileElems;             // V tiles [2]
+  using G = Geometry<HD, kWgmma>;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  // wgmma: the swizzled panels start 1024-byte aligned (kSmemBytes has the slack).
+  unsigned char* const smem =
+      kWgmma ? smem_raw + ((1024 - (detail::smem_u32(smem_raw) & 1023)) & 1023) : smem_raw;
+  bf16* const sk = reinterpret_cast<bf16*>(smem);  // K tiles [2]
+  bf16* const sv = sk + 2 * G::kTileElems;         // V tiles [2]
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
@@ -397,26 +538,31 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 ? 3 : 2)
   const int32_t sched_begin = __ldg(p.tile_offsets + row_tile);
   const int32_t n_tiles = __ldg(p.tile_offsets + row_tile + 1) - sched_begin;
 
-  // Stage Q (rows past `rows` zero) in K buffer 1 and start the first K/V tile into buffer 0.
-  bf16* const sq = sk + G::kTileElems;
+  // Stage Q (rows past `rows` zero): in K buffer 1 for mma.sync (read once into registers), in a
+  // buffer of its own for wgmma (read by every product). Start the first K/V tile into buffer 0.
+  bf16* const sq = kWgmma ? sv + 2 * G::kTileElems : sk + G::kTileElems;
   const bf16* const qh = p.q + static_cast<int64_t>(h) * HD;
   if (p.q_vec) {
-    tile_async<HD>(sq, qh, p.q_stride, row_base, p.rows, tid);
+    tile_async<HD, kWgmma>(sq, qh, p.q_stride, row_base, p.rows, tid);
   } else {
     bf16* const dst[1] = {sq};
     const bf16* const src[1] = {qh};
     const bool sanitize[1] = {false};
-    tile_regs<HD>(dst, src, sanitize, p.q_stride, row_base, p.rows, tid, false);
+    tile_regs<HD, kWgmma>(dst, src, sanitize, p.q_stride, row_base, p.rows, tid, false);
   }
-  if (n_tiles > 0) issue_kv_tile<HD>(sk, sv, p, kg, vg, __ldg(p.tiles + sched_begin), tid);
+  if (n_tiles > 0) issue_kv_tile<HD, kWgmma>(sk, sv, p, kg, vg, __ldg(p.tiles + sched_begin), tid);
   cp_async_commit();
   cp_async_wait_all();
+  if constexpr (kWgmma) detail::fence_proxy_async_shared();
   __syncthreads();
 
-  // Q A fragments of the warp's 16 rows: matrices (rows +0..7, dims +0..7), (+8..15, +0..7),
-  // (+0..7, +8..15), (+8..15, +8..15).
-  uint32_t qa[HD / 16][4];
-  {
+  // mma.sync: Q A fragments of the warp's 16 rows: matrices (rows +0..7, dims +0..7), (+8..15,
+  // +0..7), (+0..7, +8..15), (+8..15, +8..15). wgmma: a descriptor of the Q tile.
+  uint32_t qa[kWgmma ? 1 : HD / 16][4];
+  uint64_t q_desc = 0;
+  if constexpr (kWgmma) {
+    q_desc = detail::wgmma_desc_sw128(sq, 16, 1024);
+  } else {
     const int q_row = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
     const int q_col = ((lane >> 4) & 1) * 8;
 #pragma unroll
@@ -442,37 +588,120 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 ? 3 : 2)
   float m[2] = {-INFINITY, -INFINITY};
   float l[2] = {0.0f, 0.0f};
 
+  auto tile_mask = [&](int32_t e, uint64_t(&mask)[2]) {
+    mask[0] = mask[1] = ~0ull;
+    if ((e & 1) == 0) {
+      const int32_t first = (e >> 1) * kKeys;
+      mask[0] = span_mask(p.spans, cursor[0], span_end[0], first);
+      mask[1] = span_mask(p.spans, cursor[1], span_end[1], first);
+    }
+  };
   int32_t entry = n_tiles > 0 ? __ldg(p.tiles + sched_begin) : 0;
-  for (int32_t j = 0; j < n_tiles; ++j) {
-    // Tile j is in buffer j & 1. The barrier publishes it and guarantees that every warp is done
-    // with tile j - 1 (and, for j = 0, with the Q staging), whose buffer the next load reuses.
-    cp_async_wait_all();
-    __syncthreads();
-    int32_t next = 0;
-    if (j + 1 < n_tiles) {
-      next = __ldg(p.tiles + sched_begin + j + 1);
-      const int buf = (j + 1) & 1;
-      issue_kv_tile<HD>(sk + buf * G::kTileElems, sv + buf * G::kTileElems, p, kg, vg, next, tid);
+  if constexpr (kWgmma) {
+    // Software pipeline over the key tiles: with tile j's P in registers, S of tile j + 1 and
+    // O += P_j V_j are issued together; the softmax of tile j + 1 runs while the second product
+    // is still in flight, and O is rescaled once it is done. Loads run ahead in two halves: K of
+    // tile j + 2 as soon as S of tile j is done (start of step j), V of tile j + 2 once
+    // O += P_j V_j is (end of step j); step j waits for all but the newest group (V of j + 1).
+    auto tile = [&](int32_t j) { return __ldg(p.tiles + sched_begin + j); };
+    if (n_tiles > 1) {
+      const int32_t e1 = tile(1);
+      issue_half_tile<HD, true>(sk + G::kTileElems, p, kg, e1, false, tid);
+      cp_async_commit();
+      issue_half_tile<HD, true>(sv + G::kTileElems, p, vg, e1, true, tid);
+      cp_async_commit();
     }
-    cp_async_commit();
-    const bf16* const tk = sk + (j & 1) * G::kTileElems;
-    const bf16* const tv = sv + (j & 1) * G::kTileElems;
-    if (entry & 1) {
-      const uint64_t no_mask[2] = {~0ull, ~0ull};
-      attend_tile<HD, true>(o, m, l, qa, tk, tv, lane, p.scale_log2, no_mask);
-    } else {
-      const int32_t first = (entry >> 1) * kKeys;
-      const uint64_t mask[2] = {span_mask(p.spans, cursor[0], span_end[0], first),
-                                span_mask(p.spans, cursor[1], span_end[1], first)};
-      attend_tile<HD, false>(o, m, l, qa, tk, tv, lane, p.scale_log2, mask);
+    float s[kKeys / 8][4];
+    float alpha[2];
+    uint64_t mask[2];
+    if (n_tiles > 0) {
+      tile_mask(entry, mask);
+      __syncwarp();  // wgmma is issued by converged warps
+      detail::wgmma_fence();
+      issue_scores_wgmma<HD>(s, q_desc, sk);
+      detail::wgmma_commit();
+      detail::wgmma_wait<0>();
+      detail::wgmma_fence_operands(s);
+      softmax_tile((entry & 1) != 0, s, m, l, alpha, lane, p.scale_log2, mask);  // O is 0 yet
     }
-    entry = next;
+    uint32_t a[kKeys / 16][4];
+    for (int32_t j = 0; j + 1 < n_tiles; ++j) {
+      const int32_t next = tile(j + 1);
+      cp_async_wait_but_last();  // K of tile j + 1 and V of tile j in place
+      detail::fence_proxy_async_shared();
+      __syncthreads();  // ... for every thread; and every thread is done with S of tile j
+      if (j + 2 < n_tiles) {
+        issue_half_tile<HD, true>(sk + (j & 1) * G::kTileElems, p, kg, tile(j + 2), false, tid);
+      }
+      cp_async_commit();  // (an empty group at the end keeps the count)
+#pragma unroll
+      for (int kk = 0; kk < kKeys / 16; ++kk) p_fragment(a[kk], s, kk);
+      __syncwarp();
+      detail::wgmma_fence();
+      issue_scores_wgmma<HD>(s, q_desc, sk + ((j + 1) & 1) * G::kTileElems);
+      detail::wgmma_commit();
+      issue_pv_wgmma<HD>(o, a, sv + (j & 1) * G::kTileElems);
+      detail::wgmma_commit();
+      tile_mask(next, mask);
+      detail::wgmma_wait<1>();  // S of tile j + 1 (committed first)
+      detail::wgmma_fence_operands(s);
+      softmax_tile((next & 1) != 0, s, m, l, alpha, lane, p.scale_log2, mask);
+      detail::wgmma_wait<0>();  // O += P_j V_j
+      detail::wgmma_fence_operands(o);
+      rescale_o<HD>(o, alpha);
+      __syncthreads();  // every warp past its wait: V buffer j & 1 is free
+      if (j + 2 < n_tiles) {
+        issue_half_tile<HD, true>(sv + (j & 1) * G::kTileElems, p, vg, tile(j + 2), true, tid);
+      }
+      cp_async_commit();
+    }
+    if (n_tiles > 0) {  // O += P V of the last tile
+      cp_async_wait_all();
+      detail::fence_proxy_async_shared();
+      __syncthreads();
+#pragma unroll
+      for (int kk = 0; kk < kKeys / 16; ++kk) p_fragment(a[kk], s, kk);
+      __syncwarp();
+      detail::wgmma_fence();
+      issue_pv_wgmma<HD>(o, a, sv + ((n_tiles - 1) & 1) * G::kTileElems);
+      detail::wgmma_commit();
+      detail::wgmma_wait<0>();
+      detail::wgmma_fence_operands(o);
+    }
+  } else {
+    for (int32_t j = 0; j < n_tiles; ++j) {
+      // Tile j is in buffer j & 1. The barrier publishes it and guarantees that every warp is
+      // done with tile j - 1 (and, for j = 0, with the Q staging), whose buffer the next load
+      // reuses.
+      cp_async_wait_all();
+      __syncthreads();
+      int32_t next = 0;
+      if (j + 1 < n_tiles) {
+        next = __ldg(p.tiles + sched_begin + j + 1);
+        const int buf = (j + 1) & 1;
+        issue_kv_tile<HD, false>(sk + buf * G::kTileElems, sv + buf * G::kTileElems, p, kg, vg,
+                                 next, tid);
+      }
+      cp_async_commit();
+      float s[kKeys / 8][4];
+      float alpha[2];
+      uint64_t mask[2];
+      tile_mask(entry, mask);
+      scores_mma<HD>(s, qa, sk + (j & 1) * G::kTileElems, lane);
+      softmax_tile((entry & 1) != 0, s, m, l, alpha, lane, p.scale_log2, mask);
+      rescale_o<HD>(o, alpha);
+      accumulate_pv_mma<HD>(o, s, sv + (j & 1) * G::kTileElems, lane);
+      entry = next;
+    }
   }
 
-  // Normalise, stage the warp's 16 rows of O as bf16 in the K buffer the last tile did not use
-  // (for no tiles, buffer 0; for one tile, buffer 1 = the Q staging, whose rows each warp only
-  // read for itself), then store them with 16-byte writes.
-  bf16* const so = sk + (n_tiles & 1) * G::kTileElems;
+  // Normalise, stage the warp's 16 rows of O as bf16 (padded rows), then store them with 16-byte
+  // writes. mma.sync: in the K buffer the last tile did not use (for no tiles, buffer 0; for one
+  // tile, buffer 1 = the Q staging, whose rows each warp only read for itself). wgmma: at the
+  // start of shared memory, after a barrier: every product of the block is then complete.
+  if constexpr (kWgmma) __syncthreads();
+  bf16* const so = kWgmma ? sk : sk + (n_tiles & 1) * G::kTileElems;
+  constexpr int kOStride = HD + 8;
   const int tig = lane & 3;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -483,7 +712,7 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 ? 3 : 2)
     const int lr = local_row + 8 * i;
 #pragma unroll
     for (int d = 0; d < HD / 8; ++d) {
-      *reinterpret_cast<uint32_t*>(so + lr * G::kStride + d * 8 + tig * 2) =
+      *reinterpret_cast<uint32_t*>(so + lr * kOStride + d * 8 + tig * 2) =
           pack_bf16x2(o[d][2 * i] * inv, o[d][2 * i + 1] * inv);
     }
     const int32_t r = row_base + lr;
@@ -501,7 +730,7 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 ? 3 : 2)
     const int col = (c % G::kChunksPerRow) * 8;
     const int32_t r = row_base + lr;
     if (r >= p.rows) continue;
-    const uint4 val = *reinterpret_cast<const uint4*>(so + lr * G::kStride + col);
+    const uint4 val = *reinterpret_cast<const uint4*>(so + lr * kOStride + col);
     bf16* const dst = out_h + static_cast<int64_t>(r) * p.out_stride + col;
     if (p.out_vec) {
       *reinterpret_cast<uint4*>(dst) = val;
@@ -521,7 +750,7 @@ bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u
 
 // Raises the dynamic shared-memory limit of a kernel instantiation once per device (devices 0..63;
 // others every launch).
-template <int HD, typename KV>
+template <int HD, typename KV, bool kWgmma>
 cudaError_t configure_once() {
   static std::atomic<uint64_t> configured{0};
   int device = 0;
@@ -529,11 +758,11 @@ cudaError_t configure_once() {
   if (err != cudaSuccess) return err;
   const uint64_t bit = device < 64 ? (1ull << device) : 0;
   if (bit != 0 && (configured.load(std::memory_order_acquire) & bit) != 0) return cudaSuccess;
-  err = cudaFuncSetAttribute(attention_prefill_kernel<HD, KV>,
+  err = cudaFuncSetAttribute(attention_prefill_kernel<HD, KV, kWgmma>,
                              cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(Geometry<HD>::kSmemBytes));
+                             static_cast<int>(Geometry<HD, kWgmma>::kSmemBytes));
   if (err != cudaSuccess) return err;
-  err = cudaFuncSetAttribute(attention_prefill_kernel<HD, KV>,
+  err = cudaFuncSetAttribute(attention_prefill_kernel<HD, KV, kWgmma>,
                              cudaFuncAttributePreferredSharedMemoryCarveout,
                              cudaSharedmemCarveoutMaxShared);
   if (err != cudaSuccess) return err;
@@ -541,12 +770,13 @@ cudaError_t configure_once() {
   return cudaSuccess;
 }
 
-template <int HD, typename KV>
+template <int HD, typename KV, bool kWgmma>
 cudaError_t launch_hd(const Params<KV>& p, cudaStream_t stream) {
-  const cudaError_t err = configure_once<HD, KV>();
+  const cudaError_t err = configure_once<HD, KV, kWgmma>();
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned int>(p.row_tiles), static_cast<unsigned int>(p.heads));
-  attention_prefill_kernel<HD, KV><<<grid, kThreads, Geometry<HD>::kSmemBytes, stream>>>(p);
+  attention_prefill_kernel<HD, KV, kWgmma>
+      <<<grid, kThreads, Geometry<HD, kWgmma>::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -554,7 +784,12 @@ template <typename KV>
 cudaError_t launch(bf16* out, int64_t out_stride, float* lse, const bf16* q, int64_t q_stride,
                    const KV* k, const KV* v, const AttentionRows& rows,
                    const PrefillSchedule& schedule, int heads, int kv_heads, int head_dim,
-                   float scale, cudaStream_t stream) {
+                   float scale, PrefillKernel kernel, cudaStream_t stream) {
+  if (kernel == PrefillKernel::kAuto) {
+    kernel = wgmma_available() ? PrefillKernel::kWgmma : PrefillKernel::kMma;
+  } else if (kernel == PrefillKernel::kWgmma && !wgmma_available()) {
+    return cudaErrorNotSupported;
+  }
   if (rows.rows < 0 || rows.num_keys < 0 || heads <= 0 || kv_heads <= 0 || heads > 65535 ||
       heads % kv_heads != 0 || (head_dim != 64 && head_dim != 128)) {
     return cudaErrorInvalidValue;
@@ -593,11 +828,12 @@ cudaError_t launch(bf16* out, int64_t out_stride, float* lse, const bf16* q, int
   p.out_vec = aligned16(out) && out_stride % 8 == 0;
   p.kv_vec = aligned16(k) && aligned16(v);  // rows are head_dim (a multiple of 8) apart
   // The one place head_dim becomes a compile-time constant.
+  const bool wgmma = kernel == PrefillKernel::kWgmma;
   switch (head_dim) {
     case 64:
-      return launch_hd<64>(p, stream);
+      return wgmma ? launch_hd<64, KV, true>(p, stream) : launch_hd<64, KV, false>(p, stream);
     case 128:
-      return launch_hd<128>(p, stream);
+      return wgmma ? launch_hd<128, KV, true>(p, stream) : launch_hd<128, KV, false>(p, stream);
     default:
       return cudaErrorInvalidValue;
   }
@@ -605,21 +841,46 @@ cudaError_t launch(bf16* out, int64_t out_stride, float* lse, const bf16* q, int
 
 }  // namespace
 
+bool wgmma_available() {
+#ifdef KEEP_KERNELS_SM90A
+  static std::atomic<uint64_t> known{0}, yes{0};  // per device 0..63
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  const uint64_t bit = device < 64 ? (1ull << device) : 0;
+  if (bit != 0 && (known.load(std::memory_order_acquire) & bit) != 0) {
+    return (yes.load(std::memory_order_relaxed) & bit) != 0;
+  }
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    return false;
+  }
+  const bool ok = major == 9 && minor == 0;
+  if (ok) yes.fetch_or(bit, std::memory_order_relaxed);
+  known.fetch_or(bit, std::memory_order_release);
+  return ok;
+#else
+  return false;
+#endif
+}
+
 cudaError_t attention_prefill(__nv_bfloat16* out, int64_t out_stride, float* lse,
                               const __nv_bfloat16* q, int64_t q_stride, const float* k,
                               const float* v, const AttentionRows& rows,
                               const PrefillSchedule& schedule, int heads, int kv_heads,
-                              int head_dim, float scale, cudaStream_t stream) {
+                              int head_dim, float scale, cudaStream_t stream,
+                              PrefillKernel kernel) {
   return launch(out, out_stride, lse, q, q_stride, k, v, rows, schedule, heads, kv_heads, head_dim,
-                scale, stream);
+                scale, kernel, stream);
 }
 cudaError_t attention_prefill(__nv_bfloat16* out, int64_t out_stride, float* lse,
                               const __nv_bfloat16* q, int64_t q_stride, const __nv_bfloat16* k,
                               const __nv_bfloat16* v, const AttentionRows& rows,
                               const PrefillSchedule& schedule, int heads, int kv_heads,
-                              int head_dim, float scale, cudaStream_t stream) {
+                              int head_dim, float scale, cudaStream_t stream,
+                              PrefillKernel kernel) {
   return launch(out, out_stride, lse, q, q_stride, k, v, rows, schedule, heads, kv_heads, head_dim,
-                scale, stream);
+                scale, kernel, stream);
 }
 
 }  // namespace keep::kernels

@@ -139,18 +139,29 @@ cudaError_t convert(float* out, const __nv_bfloat16* in, int64_t n, cudaStream_t
 // the fused qkv buffer); k, v: (num_keys, kv_heads, head_dim) in KV = float or bf16; out: (rows,
 // out_stride) bf16; lse (rows, heads) fp32 or null. heads % kv_heads == 0.
 
+// Whether the current device runs our wgmma code: this library was built for sm_90a
+// (KEEP_KERNELS_SM90A, CMAKE_CUDA_ARCHITECTURES naming 90a) and the device is compute 9.0.
+bool wgmma_available();
+
+// Which tensor-core instructions the prefill kernel uses. kAuto: wgmma where available, else
+// mma.sync. kWgmma where it is not available: cudaErrorNotSupported. Same results either way up
+// to fp32 summation order.
+enum class PrefillKernel { kAuto, kMma, kWgmma };
+
 // Tiled flash-style kernel (tensor cores), for any number of rows; schedule from
 // build_prefill_schedule over the same rows. head_dim 64 or 128 (else cudaErrorInvalidValue).
 cudaError_t attention_prefill(__nv_bfloat16* out, int64_t out_stride, float* lse,
                               const __nv_bfloat16* q, int64_t q_stride, const float* k,
                               const float* v, const AttentionRows& rows,
                               const PrefillSchedule& schedule, int heads, int kv_heads,
-                              int head_dim, float scale, cudaStream_t stream);
+                              int head_dim, float scale, cudaStream_t stream,
+                              PrefillKernel kernel = PrefillKernel::kAuto);
 cudaError_t attention_prefill(__nv_bfloat16* out, int64_t out_stride, float* lse,
                               const __nv_bfloat16* q, int64_t q_stride, const __nv_bfloat16* k,
                               const __nv_bfloat16* v, const AttentionRows& rows,
                               const PrefillSchedule& schedule, int heads, int kv_heads,
-                              int head_dim, float scale, cudaStream_t stream);
+                              int head_dim, float scale, cudaStream_t stream,
+                              PrefillKernel kernel = PrefillKernel::kAuto);
 
 // Split-key kernel for few rows (decode steps, short candidate batches): the keys of each row are
 // cut into chunks processed by separate blocks, then combined. Correct for any rows, fast for few.

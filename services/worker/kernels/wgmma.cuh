@@ -1,0 +1,167 @@
+// Hopper warpgroup matrix multiply (wgmma) for the kernels of this folder (not a public header).
+//
+// wgmma runs on sm_90a only: the wrappers compile to their instruction where the architecture-
+// specific features are (__CUDA_ARCH_FEAT_SM90_ALL, an sm_90a build) and to a trap elsewhere, so
+// a kernel using them must be launched only where kWgmmaBuilt holds and the device is compute 9.0
+// (wgmma_available()).
+//
+// Shared-memory operands are described by 64-bit descriptors: start address, leading and stride
+// byte offsets, swizzle mode. A core matrix is 8 rows of 16 bytes. With the 128-byte swizzle
+// (the layout our kernels use), an operand is made of 128-byte rows of 64 bf16, 8-row groups
+// 1024 bytes apart (the stride byte offset; 1024-byte aligned), the 16-byte chunk c of row r
+// stored as chunk c ^ (r % 8). K-major (the 64 elements of a row are k): a k16 step starts 32
+// bytes further into the rows, the next 64 k are another such block. N-major (the transposed B:
+// a row holds 64 n of one k): the leading byte offset is the distance to the next 64 n, and a k16
+// step is two 8-row groups further.
+// Register accumulators of m64nNk16: warp w of the warpgroup holds rows [16w, 16w + 16), in the
+// C layout of mma.sync m16n8k16 repeated over the N / 8 column blocks: d[j][0..1] = row lane / 4,
+// columns 8j + 2 (lane % 4) + {0, 1}; d[j][2..3] the same columns of row lane / 4 + 8. A from
+// registers is the mma.sync A fragment of the warp's 16 rows.
+#pragma once
+
+#include <cstdint>
+
+namespace keep::kernels::detail {
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define KEEP_WGMMA_ASM 1
+#endif
+
+__device__ __forceinline__ uint32_t smem_u32(const void* smem) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+}
+// Shared-memory matrix descriptor with the 128-byte swizzle (address < 256 KiB, offsets multiples
+// of 16).
+__device__ __forceinline__ uint64_t wgmma_desc_sw128(const void* smem, uint32_t leading_bytes,
+                                                     uint32_t stride_bytes) {
+  return static_cast<uint64_t>((smem_u32(smem) & 0x3ffffu) >> 4) |
+         (static_cast<uint64_t>(leading_bytes >> 4) << 16) |
+         (static_cast<uint64_t>(stride_bytes >> 4) << 32) | (1ull << 62);
+}
+// A descriptor moved by `bytes` (a multiple of 16) in shared memory.
+__device__ __forceinline__ uint64_t wgmma_desc_add(uint64_t desc, uint32_t bytes) {
+  return desc + (bytes >> 4);
+}
+
+// Orders this thread's register writes before the next wgmma reading them (accumulators, A).
+__device__ __forceinline__ void wgmma_fence() {
+#ifdef KEEP_WGMMA_ASM
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ void wgmma_commit() {
+#ifdef KEEP_WGMMA_ASM
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+// Waits until at most N committed groups are pending.
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+#ifdef KEEP_WGMMA_ASM
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
+// Makes this thread's generic-proxy shared-memory writes (st.shared, cp.async once waited for)
+// visible to the async proxy wgmma reads through; then a barrier publishes them to the warpgroup.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+#ifdef KEEP_WGMMA_ASM
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+// After a wait: the compiler must not use the accumulators before it (they are written behind its
+// back by the asynchronous instruction).
+template <int N>
+__device__ __forceinline__ void wgmma_fence_operands(float (&d)[N][4]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
+  }
+}
+
+#ifdef KEEP_WGMMA_ASM
+// clang-format off
+// d (64 x 64) = A (64 x 16) B^T (B: 64 x 16), + d when `accumulate`; A and B in shared memory,
+// both K-major (the 16 k of a row contiguous within each core matrix).
+__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[8][4], uint64_t a, uint64_t b,
+                                                   int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      :
+        "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
+        "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),
+        "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),
+        "+f"(d[7][2]), "+f"(d[7][3])
+      : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// d (64 x 64) += A (64 x 16, registers: the mma.sync A fragment of each warp's 16 rows) B
+// (16 x 64, shared memory, N-major: the transposed form).
+__device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[8][4], const uint32_t (&a)[4],
+                                                   uint64_t b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+      :
+        "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
+        "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),
+        "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),
+        "+f"(d[7][2]), "+f"(d[7][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+
+// d (64 x 128) += A (64 x 16, registers: the mma.sync A fragment of each warp's 16 rows) B
+// (16 x 128, shared memory, N-major: the transposed form).
+__device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[16][4], const uint32_t (&a)[4],
+                                                   uint64_t b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+      :
+        "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
+        "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),
+        "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),
+        "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
+        "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]),
+        "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
+        "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]),
+        "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
+        "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+// clang-format on
+#else
+__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&)[8][4], uint64_t, uint64_t, int) {
+  __trap();
+}
+__device__ __forceinline__ void wgmma_m64n64k16_rs(float (&)[8][4], const uint32_t (&)[4],
+                                                   uint64_t) {
+  __trap();
+}
+__device__ __forceinline__ void wgmma_m64n128k16_rs(float (&)[16][4], const uint32_t (&)[4],
+                                                    uint64_t) {
+  __trap();
+}
+#endif
+
+}  // namespace keep::kernels::detail
