@@ -7,9 +7,11 @@
 // with K/V tiles double-buffered in shared memory as bf16 (row stride HD + 8 elements, so the
 // 8 rows an ldmatrix reads fall in distinct banks):
 //   S = Q K^T                  mma, B fragments from ldmatrix on the K tile (keys are the n axis)
-//   S *= scale * log2(e)       (exp2 domain), masked to -inf outside the rows' spans unless the
-//                              schedule marks the tile full
-//   online softmax in fp32     running max m and thread-partial sums l per row
+//   mask                       S = -inf outside the rows' spans unless the schedule marks the
+//                              tile full
+//   online softmax in fp32     running max m (exp2 domain: scale * log2(e) times the score's)
+//                              and thread-partial sums l per row; P = exp2(S * scale * log2(e)
+//                              - m) in one FMA and exp2
 //   O = O * alpha + P V        P rounded to bf16 in registers (the S accumulators are exactly the
 //                              A fragments of P), V fragments from ldmatrix.trans
 // At the end O / l is staged through shared memory and stored with 16-byte writes; lse = (m +
@@ -227,13 +229,25 @@ template <int HD, bool kSwizzled, typename T>
 __device__ __forceinline__ void tile_async(bf16* dst, const T* src, int64_t row_stride,
                                            int32_t first, int32_t limit, int tid) {
   using G = Geometry<HD, kSwizzled>;
+  // Thread tid moves chunk tid % kChunksPerRow of rows r0 + i * kRowsPerPass: one source pointer
+  // and one destination offset, stepped per pass (kRowsPerPass is a multiple of 8, so a row's
+  // swizzle phase r % 8 is the same in every pass).
+  constexpr int kRowsPerPass = kThreads / G::kChunksPerRow;
+  static_assert(kRowsPerPass % 8 == 0, "rows per pass keep the swizzle phase");
+  constexpr int kDstStep = kRowsPerPass * (kSwizzled ? 64 : G::kStride);
+  const int r0 = tid / G::kChunksPerRow;
+  const T* s = src + static_cast<int64_t>(first + r0) * row_stride + (tid % G::kChunksPerRow) * 8;
+  bf16* d = dst + chunk_offset<HD, kSwizzled>(r0, tid % G::kChunksPerRow);
+  const int64_t src_step = kRowsPerPass * row_stride;
+  if (first + kKeys <= limit) {  // every row exists (all tiles but a view's last)
 #pragma unroll
-  for (int i = 0; i < G::kPasses; ++i) {
-    int r, c;
-    chunk_of<HD>(tid, i, r, c);
-    const bool ok = first + r < limit;
-    const T* s = ok ? src + static_cast<int64_t>(first + r) * row_stride + c * 8 : src;
-    cp_async16(dst + chunk_offset<HD, kSwizzled>(r, c), s, ok ? 16 : 0);
+    for (int i = 0; i < G::kPasses; ++i) cp_async16(d + i * kDstStep, s + i * src_step, 16);
+  } else {
+#pragma unroll
+    for (int i = 0; i < G::kPasses; ++i) {
+      const bool ok = first + r0 + i * kRowsPerPass < limit;
+      cp_async16(d + i * kDstStep, ok ? s + i * src_step : src, ok ? 16 : 0);
+    }
   }
 }
 
@@ -382,19 +396,18 @@ template <bool kFull>
 __device__ __forceinline__ void softmax_scores(float (&s)[kKeys / 8][4], float (&m)[2],
                                                float (&l)[2], float (&alpha)[2], int lane,
                                                float scale_log2, const uint64_t (&mask)[2]) {
+  // m is kept in the exp2 domain (scaled); the scale is folded into the exponent's FMA.
   const int tig = lane & 3;
   float row_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
   for (int n = 0; n < kKeys / 8; ++n) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      float x = s[n][e] * scale_log2;
       if constexpr (!kFull) {
         const int col = n * 8 + tig * 2 + (e & 1);
-        if (((mask[e >> 1] >> col) & 1ull) == 0) x = -INFINITY;
+        if (((mask[e >> 1] >> col) & 1ull) == 0) s[n][e] = -INFINITY;
       }
-      s[n][e] = x;
-      row_max[e >> 1] = fmaxf(row_max[e >> 1], x);
+      row_max[e >> 1] = fmaxf(row_max[e >> 1], s[n][e]);
     }
   }
   float m_use[2];
@@ -402,7 +415,7 @@ __device__ __forceinline__ void softmax_scores(float (&s)[kKeys / 8][4], float (
   for (int i = 0; i < 2; ++i) {
     row_max[i] = fmaxf(row_max[i], __shfl_xor_sync(0xffffffffu, row_max[i], 1));
     row_max[i] = fmaxf(row_max[i], __shfl_xor_sync(0xffffffffu, row_max[i], 2));
-    const float m_new = fmaxf(m[i], row_max[i]);
+    const float m_new = fmaxf(m[i], row_max[i] * scale_log2);
     // Nothing seen yet: subtract 0 instead of -inf (exp2(-inf - -inf) would be NaN); every
     // masked score then gives exp2(-inf) = 0, and so does alpha.
     m_use[i] = m_new == -INFINITY ? 0.0f : m_new;
@@ -414,7 +427,7 @@ __device__ __forceinline__ void softmax_scores(float (&s)[kKeys / 8][4], float (
   for (int n = 0; n < kKeys / 8; ++n) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const float pe = fast_exp2(s[n][e] - m_use[e >> 1]);
+      const float pe = fast_exp2(fmaf(s[n][e], scale_log2, -m_use[e >> 1]));
       s[n][e] = pe;
       l[e >> 1] += pe;
     }
