@@ -3,10 +3,12 @@
 //
 //   build/bin/bench_prefill --shape qwen2.5-7b --tokens 1024,2048,4096 [--reps 10] [--warmup 3]
 //       [--decode 64] [--decode-context 1024] [--json out.jsonl] [--graphs on|off|both]
-//       [--profile] [--logits f32rows|f32|bf16] [--attention auto|mma|wgmma]
+//       [--profile] [--logits f32rows|f32|bf16] [--attention auto|mma|wgmma] [--gap-ms G]
 //
 // TTFT = wall time of Engine::prefill (embedding, every layer, final norm + lm_head of the last
 // row, logits copied to the host), the prompt in one chunk; median of --reps after --warmup runs.
+// --gap-ms G leaves the GPU idle for G ms before each run: a planner's request arrives after the
+// agent acted, not back to back (back to back, an H200 at its 700 W limit lowers its clocks).
 // Decode: greedy generation of --decode tokens after a --decode-context prompt, minus the same
 // prompt's one-token generation, per token. --graphs both also times everything with each layer
 // loop captured into a CUDA graph (CudaBackendOptions::graphs); --profile prints the GPU time of
@@ -23,6 +25,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "benchmarks/model_shapes.h"
@@ -40,7 +43,7 @@ int usage(const char* msg) {
       stderr,
       "usage: bench_prefill --shape NAME --tokens N[,N...] [--reps R] [--warmup W] "
       "[--decode T] [--decode-context N] [--json FILE] [--graphs on|off|both] [--profile]\n"
-      "  [--logits f32rows|f32|bf16] [--attention auto|mma|wgmma]\n"
+      "  [--logits f32rows|f32|bf16] [--attention auto|mma|wgmma] [--gap-ms G]\n"
       "  shapes:");
   for (const auto& n : keep::bench::model_shape_names()) std::fprintf(stderr, " %s", n.c_str());
   std::fprintf(stderr, "\n");
@@ -81,7 +84,7 @@ int main(int argc, char** argv) {
   std::string shape = "qwen2.5-7b", json, graphs = "off", logits = "f32rows", attention = "auto";
   bool profile = false;
   std::vector<int64_t> lens = {1024, 2048, 4096};
-  int reps = 10, warmup = 3, decode = 64;
+  int reps = 10, warmup = 3, decode = 64, gap_ms = 0;
   int64_t decode_context = 1024;
   for (int i = 1; i < argc; ++i) {
     auto next = [&]() -> const char* { return i + 1 < argc ? argv[++i] : nullptr; };
@@ -109,12 +112,16 @@ int main(int argc, char** argv) {
       logits = v;
     else if (!std::strcmp(a, "--attention") && (v = next()))
       attention = v;
+    else if (!std::strcmp(a, "--gap-ms") && (v = next()))
+      gap_ms = std::atoi(v);
     else
       return usage((std::string("bad argument: ") + a).c_str());
   }
   const auto cfg = keep::bench::model_shape(shape);
   if (!cfg) return usage(("unknown shape " + shape).c_str());
-  if (lens.empty() || reps < 1 || warmup < 0 || decode < 0) return usage("bad sizes");
+  if (lens.empty() || reps < 1 || warmup < 0 || decode < 0 || gap_ms < 0) {
+    return usage("bad sizes");
+  }
   if (graphs != "on" && graphs != "off" && graphs != "both") return usage("--graphs on|off|both");
   CudaBackendOptions options;
   if (logits == "f32rows") {
@@ -164,6 +171,7 @@ int main(int argc, char** argv) {
     ms.clear();
     for (int r = 0; r < warmup + reps; ++r) {
       cache->set_size(0);
+      if (gap_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(gap_ms));
       const auto t0 = Clock::now();
       auto lg = e.prefill(*cache, std::span<const int32_t>(ids.data(), static_cast<size_t>(n)));
       const double t = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();

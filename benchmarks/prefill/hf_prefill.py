@@ -3,11 +3,12 @@
 the same GPU, attention through PyTorch SDPA, timed the same way.
 
   python3 benchmarks/prefill/hf_prefill.py --shape qwen2.5-7b --tokens 1024,2048,4096 \
-      [--reps 10] [--warmup 3] [--decode 64] [--decode-context 1024] [--json out.jsonl]
+      [--reps 10] [--warmup 3] [--decode 64] [--decode-context 1024] [--json out.jsonl] [--gap-ms G]
 
 TTFT: wall time of model(input_ids, use_cache=True, logits_to_keep=1) -- what generate() runs for
 the prompt -- plus the logits copy to the host (torch.cuda.synchronize() via .cpu()); median of
---reps after --warmup. Decode: a plain greedy loop over the model with its DynamicCache (no
+--reps after --warmup; --gap-ms G leaves the GPU idle for G ms before each run (as bench_prefill).
+Decode: a plain greedy loop over the model with its DynamicCache (no
 generate() overhead), per token, after a --decode-context prompt.
 """
 import argparse
@@ -77,6 +78,7 @@ def main():
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--decode-context", type=int, default=1024)
     ap.add_argument("--json")
+    ap.add_argument("--gap-ms", type=int, default=0)
     a = ap.parse_args()
     lens = [int(x) for x in a.tokens.split(",")]
     t0 = time.perf_counter()
@@ -95,6 +97,8 @@ def main():
             ms = []
             for r in range(a.warmup + a.reps):
                 torch.cuda.synchronize()
+                if a.gap_ms > 0:
+                    time.sleep(a.gap_ms / 1000.0)
                 t = time.perf_counter()
                 o = model(x, use_cache=True, logits_to_keep=1)
                 o.logits.float().cpu()

@@ -3,7 +3,8 @@
 # shape, then the ratios. Usage:
 #   benchmarks/prefill/run.sh BENCH_PREFILL_BINARY [shapes...]   (default: qwen2.5-7b qwen2.5-14b)
 # Env: TOKENS (1024,2048,4096), REPS (10), DECODE (64), OUT (a folder for results.jsonl),
-#      GRAPHS (both: KEEP also with CUDA graphs; off; on), PROFILE (1: per-stage GPU times).
+#      GRAPHS (both: KEEP also with CUDA graphs; off; on), PROFILE (1: per-stage GPU times),
+#      GAP_MS (0: runs back to back; G: the GPU idles G ms before each timed prefill, both engines).
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 bin="$1"
@@ -16,14 +17,15 @@ decode="${DECODE:-64}"
 graphs="${GRAPHS:-both}"
 profile=()
 [[ "${PROFILE:-0}" == 1 ]] && profile=(--profile)
+gap="${GAP_MS:-0}"
 out="${OUT:-/tmp}/prefill-results.jsonl"
 : >"$out"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.limit --format=csv,noheader
 for s in "${shapes[@]}"; do
   "$bin" --shape "$s" --tokens "$tokens" --reps "$reps" --decode "$decode" --json "$out" \
-    --graphs "$graphs" "${profile[@]}" || exit 1
+    --graphs "$graphs" --gap-ms "$gap" "${profile[@]}" || exit 1
   python3 "$here/hf_prefill.py" --shape "$s" --tokens "$tokens" --reps "$reps" --decode "$decode" \
-    --json "$out" || exit 1
+    --json "$out" --gap-ms "$gap" || exit 1
 done
 python3 - "$out" <<'PY'
 import json, sys
