@@ -1,7 +1,8 @@
 // The engine on the CUDA backend (label gpu; runs on a GPU machine only).
 //   1. SmolLM2-135M-Instruct (GGUF) against the fixture logits and greedy continuations that the
 //      CPU backend reproduces to 3e-5 (tests/integration/test_engine_vs_hf.cpp): same top-1 on
-//      every prompt, small KL over the whole vocabulary, identical greedy continuations on most.
+//      every prompt, small KL over the whole vocabulary, identical greedy continuations on most;
+//      in every logits mode and, on Hopper, with the mma.sync prefill attention as well as wgmma.
 //   2. The layer API on random models (head_dim 64 and 128): every way of computing KV that the
 //      recompute planner relies on agrees with a plain full prefill, within bf16 tolerances.
 #include <doctest/doctest.h>
@@ -13,6 +14,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <numeric>
+#include <vector>
 
 #include <cuda_runtime.h>
 
@@ -88,10 +90,22 @@ TEST_CASE("SmolLM2-135M-Instruct on CUDA: same top-1 as the CPU backend, small K
   auto loaded = load_model(gguf, lo);
   REQUIRE_MESSAGE(loaded.is_ok(), loaded.status().to_string());
   using Logits = CudaBackendOptions::Logits;
-  for (const Logits mode : {Logits::kF32Rows, Logits::kF32, Logits::kBF16}) {
+  using keep::kernels::PrefillKernel;
+  // Every logits mode with the default attention; and, where the default is wgmma, the default
+  // logits with the mma.sync attention, so both forms of the prefill kernel run end to end.
+  struct Config {
+    Logits logits;
+    PrefillKernel attention;
+  };
+  std::vector<Config> configs = {{Logits::kF32Rows, PrefillKernel::kAuto},
+                                 {Logits::kF32, PrefillKernel::kAuto},
+                                 {Logits::kBF16, PrefillKernel::kAuto}};
+  if (keep::kernels::wgmma_available()) configs.push_back({Logits::kF32Rows, PrefillKernel::kMma});
+  for (const Config& config : configs) {
     CudaBackendOptions opt;
-    const bool is_default = mode == opt.logits;
-    opt.logits = mode;
+    const bool is_default = config.logits == opt.logits;
+    opt.logits = config.logits;
+    opt.prefill_attention = config.attention;
     auto e = cuda_engine(loaded->weights, 256, opt);
     MESSAGE("backend: " << e->backend().name());
 
