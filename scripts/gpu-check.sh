@@ -5,6 +5,9 @@
 #
 #   scripts/gpu-check.sh [--bench] [--skip-sanitizer] [build-dir]     (default build-dir: build-gpu)
 #
+# Env: BENCH_SHAPES (the benchmark's model shapes), BENCH_GAP_MS (with --bench: also time isolated
+# requests, that many ms of idle GPU before each prefill), OUT (where results go), PROFILE=1.
+#
 # The whole repository is configured when its Debian dependencies are there (boost, zmq, capnp,
 # doctest, ...), and everything is built here. Otherwise -- GPU machines usually lack them and
 # cannot install from the network -- services/worker/kernels is configured on its own (that builds
@@ -116,6 +119,14 @@ if ((bench)) && [[ -x "$bench_bin" ]]; then
   step "benchmarks/prefill (KEEP vs HF transformers)"
   OUT="${OUT:-$build}" "$root/benchmarks/prefill/run.sh" "$bench_bin" ${BENCH_SHAPES:-} ||
     mark bench_prefill
+  # BENCH_GAP_MS=G: the prefill comparison again with G ms of idle GPU before each timed run
+  # (isolated requests, as a planner sends them; results in $OUT/isolated).
+  if [[ -n "${BENCH_GAP_MS:-}" ]]; then
+    step "benchmarks/prefill, isolated requests (GAP_MS=$BENCH_GAP_MS)"
+    mkdir -p "${OUT:-$build}/isolated"
+    OUT="${OUT:-$build}/isolated" GAP_MS="$BENCH_GAP_MS" GRAPHS=off DECODE=0 PROFILE=0 \
+      "$root/benchmarks/prefill/run.sh" "$bench_bin" ${BENCH_SHAPES:-} || mark bench_prefill_isolated
+  fi
 fi
 
 if ((fail)); then
