@@ -21,8 +21,8 @@
 // wgmma instead (PrefillKernel::kWgmma, the default there): the warpgroup of the block computes
 // S = Q K^T (m64n64k16, Q and K from shared memory) and O += P V (m64n{HD}k16, P from registers,
 // V from shared memory in the transposed form), so no operand of B passes through registers and
-// the tensor cores run at Hopper's rate. Q, K and V then live in shared memory as wgmma core
-// panels (128-byte swizzle, wgmma.cuh) instead of padded rows; Q gets a buffer of its own. The
+// the tensor cores run at Hopper's rate. Q, K and V then live in shared memory as 128-byte
+// swizzled panels (wgmma.cuh) instead of padded rows; Q gets a buffer of its own. The
 // schedule, masks, softmax and epilogue are the same code.
 //
 // K/V loads: bf16 storage (16-byte aligned) goes through cp.async straight into shared memory;
