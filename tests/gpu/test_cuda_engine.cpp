@@ -26,6 +26,7 @@
 
 using namespace keep::engine;
 using keep::engine::testing::make_tiny_model;
+using keep::engine::testing::prefill_keeping_rows;
 using keep::engine::testing::random_tokens;
 using keep::engine::testing::TinyShape;
 
@@ -347,16 +348,9 @@ TEST_CASE("CUDA out_rows: kept rows' output and all K/V equal the full layer cal
     for (const int32_t keep : {0, 1, 3, 8, 9, n}) {
       CAPTURE(keep);
       auto cache = KvCache::create(e->backend(), n);
-      auto hidden = e->allocate_hidden(n);
-      REQUIRE(hidden.is_ok());
-      REQUIRE(e->embed(*hidden, tokens).is_ok());
-      auto plan = e->plan(AttentionLayout::causal(n));
-      REQUIRE(plan.is_ok());
-      for (int32_t l = 0; l < c.num_layers; ++l) {
-        LayerExtras ex;
-        if (l + 1 == c.num_layers) ex.out_rows = keep;
-        REQUIRE(e->prefill_layer(l, *hidden, cache->layer(l), **plan, ex).is_ok());
-      }
+      REQUIRE(cache.is_ok());
+      auto hidden = prefill_keeping_rows(*e, *cache, tokens, keep);
+      REQUIRE_MESSAGE(hidden.is_ok(), hidden.status().to_string());
       const auto got = to_host(e->backend(), hidden->data(), size_t(n) * C);
       const size_t first = size_t(n - keep) * C;
       if (keep > 0) CHECK(rel_diff(got, full.hidden, first, keep * C) < 2e-2);

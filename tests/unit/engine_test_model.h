@@ -1,13 +1,17 @@
-// Small random Qwen2 / Llama models built in memory, for the engine's unit tests (no files needed).
+// Small random Qwen2 / Llama models built in memory, for the engine's unit tests (no files needed),
+// and runs over them that several backends' tests share.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <memory>
 #include <random>
+#include <span>
 #include <vector>
 
+#include "services/worker/engine/engine.h"
 #include "services/worker/engine/model_weights.h"
+#include "shared/common/status.h"
 
 namespace keep::engine::testing {
 
@@ -118,6 +122,23 @@ inline float max_abs_diff(const float* a, const float* b, size_t n) {
     if (!(d <= m)) m = d;  // NaN propagates as a failure
   }
   return m;
+}
+
+// Every layer of a causal prefill of `tokens` into `cache`, with LayerExtras::out_rows = keep at
+// the last layer (as Engine::prefill does): the hidden rows after the last layer.
+inline Result<DeviceBuffer> prefill_keeping_rows(Engine& e, KvCache& cache,
+                                                 std::span<const int32_t> tokens, int32_t keep) {
+  const auto n = static_cast<int32_t>(tokens.size());
+  KEEP_ASSIGN_OR_RETURN(DeviceBuffer hidden, e.allocate_hidden(n));
+  KEEP_RETURN_IF_ERROR(e.embed(hidden, tokens));
+  KEEP_ASSIGN_OR_RETURN(auto plan, e.plan(AttentionLayout::causal(n)));
+  const int32_t layers = e.config().num_layers;
+  for (int32_t l = 0; l < layers; ++l) {
+    LayerExtras ex;
+    if (l + 1 == layers) ex.out_rows = keep;
+    KEEP_RETURN_IF_ERROR(e.prefill_layer(l, hidden, cache.layer(l), *plan, ex));
+  }
+  return hidden;
 }
 
 }  // namespace keep::engine::testing

@@ -12,6 +12,7 @@ using namespace keep::engine;
 using keep::Code;
 using keep::engine::testing::make_tiny_model;
 using keep::engine::testing::max_abs_diff;
+using keep::engine::testing::prefill_keeping_rows;
 using keep::engine::testing::random_tokens;
 using keep::engine::testing::TinyShape;
 
@@ -357,16 +358,9 @@ TEST_CASE("out_rows: the kept rows' output and every row's K/V equal a full laye
     for (const int32_t keep : {0, 1, 3, n}) {
       CAPTURE(keep);
       auto cache = KvCache::create(e->backend(), n);
-      auto hidden = e->allocate_hidden(n);
-      REQUIRE(hidden.is_ok());
-      REQUIRE(e->embed(*hidden, tokens).is_ok());
-      auto plan = e->plan(AttentionLayout::causal(n));
-      REQUIRE(plan.is_ok());
-      for (int32_t l = 0; l < c.num_layers; ++l) {  // out_rows at the last layer, as prefill does
-        LayerExtras ex;
-        if (l + 1 == c.num_layers) ex.out_rows = keep;
-        REQUIRE(e->prefill_layer(l, *hidden, cache->layer(l), **plan, ex).is_ok());
-      }
+      REQUIRE(cache.is_ok());
+      auto hidden = prefill_keeping_rows(*e, *cache, tokens, keep);
+      REQUIRE_MESSAGE(hidden.is_ok(), hidden.status().to_string());
       const size_t first = static_cast<size_t>(n - keep) * C;
       CHECK(max_abs_diff(hidden->data() + first, full.hidden.data() + first, keep * C) < kTol);
       for (int32_t l = 0; l < c.num_layers; ++l) {
