@@ -64,6 +64,11 @@ struct Geometry {
   static constexpr int kChunksPerRow = HD / 8;  // 16-byte chunks per row
   static constexpr int kTileElems = kSwizzled ? kKeys * HD : kKeys * kStride;  // Q, K or V tile
   static constexpr int kPasses = kKeys * kChunksPerRow / kThreads;  // chunks per thread per tile
+  // The loaders' mapping: thread tid moves chunk tid % kChunksPerRow of rows
+  // tid / kChunksPerRow + i * kRowsPerPass (consecutive threads, consecutive chunks of a row).
+  // A multiple of 8, so a row's swizzle phase r % 8 is the same in every pass.
+  static constexpr int kRowsPerPass = kThreads / kChunksPerRow;
+  static_assert(kRowsPerPass % 8 == 0, "rows per pass keep the swizzle phase");
   // mma.sync: K[2], V[2] (Q and the O staging reuse a K buffer); wgmma: K[2], V[2], Q (the O
   // staging, padded rows, reuses the start once every product is done), plus the slack that
   // aligns the panels to 1024 bytes.
@@ -89,14 +94,6 @@ __device__ __forceinline__ int chunk_offset(int r, int c) {
   } else {
     return r * (HD + 8) + c * 8;
   }
-}
-// Which chunk thread `tid` moves in pass i: consecutive threads take consecutive chunks of a row.
-template <int HD>
-__device__ __forceinline__ void chunk_of(int tid, int pass, int& r, int& c) {
-  constexpr int kCpr = HD / 8;
-  const int q = tid + kThreads * pass;
-  r = q / kCpr;
-  c = q % kCpr;
 }
 
 template <typename KV>
@@ -229,11 +226,8 @@ template <int HD, bool kSwizzled, typename T>
 __device__ __forceinline__ void tile_async(bf16* dst, const T* src, int64_t row_stride,
                                            int32_t first, int32_t limit, int tid) {
   using G = Geometry<HD, kSwizzled>;
-  // Thread tid moves chunk tid % kChunksPerRow of rows r0 + i * kRowsPerPass: one source pointer
-  // and one destination offset, stepped per pass (kRowsPerPass is a multiple of 8, so a row's
-  // swizzle phase r % 8 is the same in every pass).
-  constexpr int kRowsPerPass = kThreads / G::kChunksPerRow;
-  static_assert(kRowsPerPass % 8 == 0, "rows per pass keep the swizzle phase");
+  // One source pointer and one destination offset, stepped per pass (Geometry's mapping).
+  constexpr int kRowsPerPass = G::kRowsPerPass;
   constexpr int kDstStep = kRowsPerPass * (kSwizzled ? 64 : G::kStride);
   const int r0 = tid / G::kChunksPerRow;
   const T* s = src + static_cast<int64_t>(first + r0) * row_stride + (tid % G::kChunksPerRow) * 8;
@@ -262,13 +256,13 @@ __device__ __forceinline__ void tile_regs(bf16* const (&dst)[N], const T* const 
   constexpr int kMaxBatch = 64 / (N * 2 * static_cast<int>(sizeof(T)));  // chunks per tile
   constexpr int kBatch = G::kPasses < kMaxBatch ? G::kPasses : kMaxBatch;
   static_assert(G::kPasses % kBatch == 0, "batches");
+  const int c = tid % G::kChunksPerRow;  // Geometry's mapping
 #pragma unroll
   for (int b = 0; b < G::kPasses; b += kBatch) {
     uint4 val[N][kBatch];
 #pragma unroll
     for (int i = 0; i < kBatch; ++i) {
-      int r, c;
-      chunk_of<HD>(tid, b + i, r, c);
+      const int r = tid / G::kChunksPerRow + (b + i) * G::kRowsPerPass;
       const int64_t offset = static_cast<int64_t>(first + r) * row_stride + c * 8;
 #pragma unroll
       for (int n = 0; n < N; ++n) {
@@ -278,8 +272,7 @@ __device__ __forceinline__ void tile_regs(bf16* const (&dst)[N], const T* const 
     }
 #pragma unroll
     for (int i = 0; i < kBatch; ++i) {
-      int r, c;
-      chunk_of<HD>(tid, b + i, r, c);
+      const int r = tid / G::kChunksPerRow + (b + i) * G::kRowsPerPass;
 #pragma unroll
       for (int n = 0; n < N; ++n) {
         *reinterpret_cast<uint4*>(dst[n] + chunk_offset<HD, kSwizzled>(r, c)) = val[n][i];
@@ -288,35 +281,8 @@ __device__ __forceinline__ void tile_regs(bf16* const (&dst)[N], const T* const 
   }
 }
 
-// Starts loading the K and V tiles of schedule entry `entry` into sk / sv.
-template <int HD, bool kSwizzled, typename KV>
-__device__ __forceinline__ void issue_kv_tile(bf16* sk, bf16* sv, const Params<KV>& p, const KV* kg,
-                                              const KV* vg, int32_t entry, int tid) {
-  const int32_t first = (entry >> 1) * kKeys;
-  const bool full = (entry & 1) != 0;
-  const int64_t stride = static_cast<int64_t>(p.kv_heads) * HD;
-  if constexpr (std::is_same_v<KV, bf16>) {
-    if (p.kv_vec) {
-      tile_async<HD, kSwizzled>(sk, kg, stride, first, p.num_keys, tid);
-      if (full) {
-        tile_async<HD, kSwizzled>(sv, vg, stride, first, p.num_keys, tid);
-      } else {
-        bf16* const dst[1] = {sv};
-        const bf16* const src[1] = {vg};
-        const bool sanitize[1] = {true};
-        tile_regs<HD, kSwizzled>(dst, src, sanitize, stride, first, p.num_keys, tid, true);
-      }
-      return;
-    }
-  }
-  bf16* const dst[2] = {sk, sv};
-  const KV* const src[2] = {kg, vg};
-  const bool sanitize[2] = {false, !full};
-  tile_regs<HD, kSwizzled>(dst, src, sanitize, stride, first, p.num_keys, tid, p.kv_vec);
-}
-
-// The same for one of the two (the wgmma pipeline loads K and V of a tile at different times):
-// src = the K or V storage at the block's kv head; V of a tile not marked full is sanitised.
+// Starts loading the K or V tile of schedule entry `entry` into dst: src = the K or V storage at
+// the block's kv head; V of a tile not marked full is sanitised (through registers).
 template <int HD, bool kSwizzled, typename KV>
 __device__ __forceinline__ void issue_half_tile(bf16* dst, const Params<KV>& p, const KV* src,
                                                 int32_t entry, bool is_v, int tid) {
@@ -333,6 +299,25 @@ __device__ __forceinline__ void issue_half_tile(bf16* dst, const Params<KV>& p, 
   const KV* const s[1] = {src};
   const bool z[1] = {sanitize};
   tile_regs<HD, kSwizzled>(d, s, z, stride, first, p.num_keys, tid, p.kv_vec);
+}
+
+// Both tiles of the entry into sk / sv. Where they go through registers (fp32 or unaligned
+// storage), their loads are in flight together.
+template <int HD, bool kSwizzled, typename KV>
+__device__ __forceinline__ void issue_kv_tile(bf16* sk, bf16* sv, const Params<KV>& p, const KV* kg,
+                                              const KV* vg, int32_t entry, int tid) {
+  if constexpr (std::is_same_v<KV, bf16>) {
+    if (p.kv_vec) {
+      issue_half_tile<HD, kSwizzled>(sk, p, kg, entry, false, tid);
+      issue_half_tile<HD, kSwizzled>(sv, p, vg, entry, true, tid);
+      return;
+    }
+  }
+  bf16* const dst[2] = {sk, sv};
+  const KV* const src[2] = {kg, vg};
+  const bool sanitize[2] = {false, (entry & 1) == 0};
+  tile_regs<HD, kSwizzled>(dst, src, sanitize, static_cast<int64_t>(p.kv_heads) * HD,
+                           (entry >> 1) * kKeys, p.num_keys, tid, p.kv_vec);
 }
 
 // Bits [lo, hi) of a 64-bit word, 0 <= lo < hi <= 64.
