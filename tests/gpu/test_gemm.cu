@@ -1,7 +1,8 @@
 // cuBLAS products of gemm.h against a double-precision CPU product of the same bf16 operands, on
 // odd and model-like sizes, with row strides wider than the matrices; bf16 and fp32 outputs, and
 // fp32 accumulation onto a random residual; NaN-poisoned outputs (an unwritten element fails,
-// padding read by an accumulation too). Prints timings of Qwen2.5-7B's four products at 1024 and
+// padding read by an accumulation too); gemm_swiglu (our gate/up product with the SwiGLU fused)
+// against its double-precision reference. Prints timings of Qwen2.5-7B's four products at 1024 and
 // 4096 rows with a survey of cuBLASLt's candidate algorithms for each (informational). A plain
 // main: exit 0 when all pass.
 #include <cublasLt.h>
@@ -377,6 +378,52 @@ void check_gemv_rmsnorm(std::mt19937& rng, int64_t rows, int64_t out, int64_t in
   cudaFree(dy);
 }
 
+// gemm_swiglu against ref::gemm_swiglu (double sums) on strided rows: bf16 output within one
+// rounding (and fp32 summation order), padding columns stay NaN. Rows that are not a multiple of
+// the tile (or of the cluster's two tiles) check the TMA's zero fill and store clipping.
+void check_gemm_swiglu(std::mt19937& rng, int64_t rows, int64_t inter, int64_t in, int64_t x_pad,
+                       int64_t a_pad) {
+  const int64_t xs = in + x_pad, as = inter + a_pad;
+  const auto x = random_bf16(rng, static_cast<size_t>(rows * xs), 1.0f);
+  const auto w = random_bf16(rng, static_cast<size_t>(2 * inter * in), 2.0f / std::sqrt(float(in)));
+  std::vector<Bf16> a0(static_cast<size_t>(rows * as), float_to_bf16(NAN));
+  std::vector<Bf16> want = a0;
+  keep::kernels::ref::gemm_swiglu(want.data(), as, x.data(), xs, w.data(), rows, inter, in);
+  auto* dx = upload(x);
+  auto* dw = upload(w);
+  auto* da = upload(a0);
+  CUDA_OK(keep::kernels::gemm_swiglu(
+      reinterpret_cast<__nv_bfloat16*>(da), as, reinterpret_cast<const __nv_bfloat16*>(dx), xs,
+      reinterpret_cast<const __nv_bfloat16*>(dw), rows, inter, in, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  std::vector<Bf16> got(a0.size());
+  CUDA_OK(cudaMemcpy(got.data(), da, got.size() * 2, cudaMemcpyDeviceToHost));
+  int bad = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const float g = bf16_to_float(got[i]), r = bf16_to_float(want[i]);
+    if (std::isnan(r)) {  // padding
+      if (!std::isnan(g)) ++bad;
+      continue;
+    }
+    if (!(std::fabs(g - r) <= 8e-3 * std::fabs(r) + 2e-3)) {
+      if (bad < 3) {
+        std::fprintf(stderr, "FAIL gemm_swiglu (%lld,%lld,%lld) at %zu: got %.7g want %.7g\n",
+                     (long long)rows, (long long)inter, (long long)in, i, g, r);
+      }
+      ++bad;
+    }
+  }
+  ++g_checks;
+  if (bad > 0) {
+    ++g_failures;
+    std::fprintf(stderr, "FAIL gemm_swiglu (%lld,%lld,%lld): %d bad\n", (long long)rows,
+                 (long long)inter, (long long)in, bad);
+  }
+  cudaFree(dx);
+  cudaFree(dw);
+  cudaFree(da);
+}
+
 // Random operands of one timed product: x (rows, in), W (out, in) bf16, y zeroed with room for
 // fp32 (rows, out); and the product as the CUDA backend issues it through cuBLAS.
 struct TimedOperands {
@@ -448,6 +495,29 @@ void time_gemv(keep::kernels::BlasHandle& blas, int64_t rows, int64_t out, int64
   std::printf("rows %lld (%lld x %lld)%s: cuBLAS %.1f us (%.2f TB/s), gemv %.1f us (%.2f TB/s)\n",
               (long long)rows, (long long)out, (long long)in, acc ? " acc" : "", t_blas * 1e3,
               gb / (t_blas * 1e-3) / 1e3, t_gemv * 1e3, gb / (t_gemv * 1e-3) / 1e3);
+}
+
+// gemm_swiglu against what it replaces, cuBLAS's gate/up product and swiglu_rows, at the same
+// rows (informational; the end-to-end figures come from benchmarks/prefill).
+void time_gemm_swiglu(keep::kernels::BlasHandle& blas, int64_t rows, int64_t inter, int64_t in) {
+  const TimedOperands t(rows, 2 * inter, in);
+  __nv_bfloat16* act = nullptr;
+  CUDA_OK(cudaMalloc(&act, rows * inter * 2));
+  const float t_two = median_ms([&] {
+    t.blas(blas, false);
+    CUDA_OK(keep::kernels::swiglu_rows(act, static_cast<const __nv_bfloat16*>(t.y), rows, inter,
+                                       nullptr));
+  });
+  const float t_fused = median_ms([&] {
+    CUDA_OK(keep::kernels::gemm_swiglu(act, inter, t.x, in, t.w, rows, inter, in, nullptr));
+  });
+  const double flop = 2.0 * rows * 2 * inter * in;
+  std::printf(
+      "gate/up + SwiGLU (%lld x %lld x %lld): cuBLAS + swiglu_rows %.3f ms, gemm_swiglu "
+      "%.3f ms (%.0f TFLOP/s)\n",
+      (long long)rows, (long long)(2 * inter), (long long)in, t_two, t_fused,
+      flop / (t_fused * 1e-3) / 1e12);
+  cudaFree(act);
 }
 
 // Times one product as the CUDA backend issues it (bf16 out, or fp32 accumulate), then surveys
@@ -561,6 +631,42 @@ int main() {
     }
     cudaFree(p);
   }
+  if (keep::kernels::wgmma_available()) {
+    for (int64_t rows : {1, 3, 7, 19, 128, 255, 256, 733}) {
+      check_gemm_swiglu(rng, rows, 128, 64, 0, 0);
+      check_gemm_swiglu(rng, rows, 384, 576, 8, 24);  // strided x and act
+    }
+    check_gemm_swiglu(rng, 600, 3072, 128, 0, 8);  // more cluster tiles (72) than clusters
+    ++g_checks;  // refused: inter not a multiple of 128, in not of 64, odd stride, misaligned
+    __nv_bfloat16* p = nullptr;
+    CUDA_OK(cudaMalloc(&p, 1 << 20));
+    const bool refused = keep::kernels::gemm_swiglu(p, 192, p, 64, p, 4, 192, 64, nullptr) ==
+                             cudaErrorInvalidValue &&
+                         keep::kernels::gemm_swiglu(p, 128, p, 96, p, 4, 128, 96, nullptr) ==
+                             cudaErrorInvalidValue &&
+                         keep::kernels::gemm_swiglu(p, 130, p, 64, p, 4, 128, 64, nullptr) ==
+                             cudaErrorInvalidValue &&
+                         keep::kernels::gemm_swiglu(p + 1, 128, p, 64, p, 4, 128, 64, nullptr) ==
+                             cudaErrorInvalidValue;
+    if (!refused) {
+      ++g_failures;
+      std::fprintf(stderr, "FAIL gemm_swiglu: bad sizes accepted\n");
+    }
+    cudaFree(p);
+  } else {
+    ++g_checks;  // where it cannot run it says so
+    if (keep::kernels::gemm_swiglu(nullptr, 128, nullptr, 64, nullptr, 0, 128, 64, nullptr) !=
+            cudaSuccess ||
+        keep::kernels::gemm_swiglu(
+            reinterpret_cast<__nv_bfloat16*>(ws), 128, reinterpret_cast<__nv_bfloat16*>(ws), 64,
+            reinterpret_cast<__nv_bfloat16*>(ws), 1, 128, 64, nullptr) != cudaErrorNotSupported) {
+      ++g_failures;
+      std::fprintf(stderr, "FAIL gemm_swiglu: no wgmma here, yet not cudaErrorNotSupported\n");
+    }
+    std::printf(
+        "gemm_swiglu: no wgmma on this device (sm_90a build, compute 9.0); checked the "
+        "refusal only\n");
+  }
   // Invalid sizes are refused without touching memory.
   if (keep::kernels::gemm_nt(blas.get(), static_cast<__nv_bfloat16*>(nullptr), 4, nullptr, 4,
                              nullptr, 2, 8, 4) != CUBLAS_STATUS_INVALID_VALUE) {
@@ -576,6 +682,10 @@ int main() {
       time_gemv(blas, rows, 3584, 3584, true);
       time_gemv(blas, rows, 18944 * 2, 3584, false);
       time_gemv(blas, rows, 3584, 18944, true);
+    }
+    if (keep::kernels::wgmma_available()) {
+      for (int64_t rows : {128, 256, 512, 1024, 4096}) time_gemm_swiglu(blas, rows, 18944, 3584);
+      time_gemm_swiglu(blas, 2048, 13824, 5120);  // Qwen2.5-14B
     }
     // Qwen2.5-7B's four products (QKV, o_proj, gate|up, down) at 1024 and 4096 rows.
     for (int64_t rows : {1024, 4096}) {

@@ -432,6 +432,41 @@ TEST_CASE("swiglu_rows reference equals silu(gate) * up per [gate | up] row, in 
   }
 }
 
+TEST_CASE("gemm_swiglu reference equals silu(x Wg^T) * (x Wu^T) in double, strided rows") {
+  std::mt19937 rng(15);
+  for (int64_t rows : {int64_t{1}, int64_t{3}, int64_t{19}}) {
+    for (int64_t inter : {int64_t{1}, int64_t{7}, int64_t{128}}) {
+      for (int64_t in : {int64_t{1}, int64_t{64}, int64_t{733}}) {
+        const int64_t xs = in + 3, as = inter + 5;  // strides past the used columns
+        const auto x = to_bf16(random_floats(rng, static_cast<size_t>(rows * xs), -2, 2));
+        const auto w = to_bf16(random_floats(rng, static_cast<size_t>(2 * inter * in), -1, 1));
+        const Bf16 pad = float_to_bf16(-7.0f);
+        std::vector<Bf16> act(static_cast<size_t>(rows * as), pad);
+        ref::gemm_swiglu(act.data(), as, x.data(), xs, w.data(), rows, inter, in);
+        std::vector<double> want(static_cast<size_t>(rows * inter));
+        std::vector<float> got(want.size());
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t j = 0; j < inter; ++j) {
+            double g = 0.0, u = 0.0;
+            for (int64_t i = 0; i < in; ++i) {
+              const double xi = bf16_to_float(x[static_cast<size_t>(r * xs + i)]);
+              g += xi * bf16_to_float(w[static_cast<size_t>(j * in + i)]);
+              u += xi * bf16_to_float(w[static_cast<size_t>((inter + j) * in + i)]);
+            }
+            want[static_cast<size_t>(r * inter + j)] = g / (1.0 + std::exp(-g)) * u;
+            got[static_cast<size_t>(r * inter + j)] =
+                bf16_to_float(act[static_cast<size_t>(r * as + j)]);
+          }
+          for (int64_t j = inter; j < as; ++j) {
+            REQUIRE(act[static_cast<size_t>(r * as + j)].bits == pad.bits);  // padding untouched
+          }
+        }
+        expect_close(got, want, 1e-3, 8e-3);
+      }
+    }
+  }
+}
+
 namespace {
 
 // ref::qkv_finish<KV> against a naive double computation and ref::rope / the engine's RopeTable.

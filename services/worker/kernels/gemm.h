@@ -1,4 +1,4 @@
-// Matrix products of the CUDA backend through cuBLAS: y = x W^T with bf16 operands and fp32
+// Matrix products of the CUDA backend: cuBLAS's y = x W^T with bf16 operands and fp32
 // accumulation, W in Hugging Face nn.Linear orientation (out, in) row-major.
 //
 // cuBLAS is column-major; a row-major (rows, out) y is the column-major (out, rows) matrix y^T =
@@ -58,5 +58,23 @@ cublasStatus_t gemm_nt_accumulate(cublasHandle_t h, float* y, int64_t y_stride,
 // (no TF32), for the logits when they are kept in full precision.
 cublasStatus_t gemm_nt_f32(cublasHandle_t h, float* y, int64_t y_stride, const float* x,
                            int64_t x_stride, const float* w, int64_t rows, int64_t out, int64_t in);
+
+// ---- our own product (gemm_swiglu.cu) ----
+
+// The shapes gemm_swiglu takes: inter % 128 == 0 and in % 64 == 0 (Qwen2.5 0.5B-72B, SmolLM2).
+bool gemm_swiglu_fits(int64_t inter, int64_t in);
+
+// The MLP's gate/up product and SwiGLU in one kernel (wgmma + TMA, Hopper only):
+//   act[r, j] = bf16(silu(g) * u),  g = Σ_i x[r, i] W[j, i],  u = Σ_i x[r, i] W[inter + j, i]
+// with W (2 * inter, in) bf16 = [W_gate; W_up] (the fused gate/up weight, gate rows first), fp32
+// sums and silu(g) = g / (1 + exp(-g)) (hardware exp2 and reciprocal, relative error ~1e-6); the
+// product never goes through memory and g, u are not rounded to bf16 (the cuBLAS path +
+// swiglu_rows rounds them). act (rows, act_stride), x (rows,
+// x_stride): strides multiples of 8 elements, all pointers 16-byte aligned. cudaErrorInvalidValue
+// for other shapes (gemm_swiglu_fits), strides or alignments; cudaErrorNotSupported where
+// wgmma_available() is false. Asynchronous on `stream`, capturable in a CUDA graph.
+cudaError_t gemm_swiglu(__nv_bfloat16* act, int64_t act_stride, const __nv_bfloat16* x,
+                        int64_t x_stride, const __nv_bfloat16* w_gate_up, int64_t rows,
+                        int64_t inter, int64_t in, cudaStream_t stream);
 
 }  // namespace keep::kernels

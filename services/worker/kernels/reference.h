@@ -57,6 +57,11 @@ void qkv_finish(Bf16* qkv, float* k_pre, float* v_out, KV* kv_k, KV* kv_v, const
                 const float* bk, const float* bv, const int32_t* positions, const int32_t* slots,
                 const float* inv_freq, int64_t rows, int64_t heads, int64_t kv_heads,
                 int64_t head_dim);
+// gemm.h gemm_swiglu: act[r, j] = Bf16(silu(g) * u) with g = Σ_i x[r, i] w[j, i] and u = Σ_i
+// x[r, i] w[inter + j, i] summed in double and rounded to fp32 (no bf16 rounding between), silu(g)
+// = g / (1 + exp(-g)) in fp32. x (rows, x_stride), w (2 * inter, in), act (rows, act_stride).
+void gemm_swiglu(Bf16* act, int64_t act_stride, const Bf16* x, int64_t x_stride, const Bf16* w,
+                 int64_t rows, int64_t inter, int64_t in);
 // kernels.h gemv / gemv_accumulate: y[r, o] (+)= Σ_i x[r, i] w[o, i], in double; stored as Bf16
 // (accumulate = false) or added to the float y (accumulate = true).
 void gemv(Bf16* y, int64_t y_stride, const Bf16* x, int64_t x_stride, const Bf16* w, int64_t rows,

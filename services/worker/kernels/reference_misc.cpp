@@ -176,6 +176,17 @@ double dot_bf16(const Bf16* a, const Bf16* b, int64_t n) {
 }
 }  // namespace
 
+void gemm_swiglu(Bf16* act, int64_t act_stride, const Bf16* x, int64_t x_stride, const Bf16* w,
+                 int64_t rows, int64_t inter, int64_t in) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < inter; ++j) {
+      const float g = static_cast<float>(dot_bf16(x + r * x_stride, w + j * in, in));
+      const float u = static_cast<float>(dot_bf16(x + r * x_stride, w + (inter + j) * in, in));
+      act[r * act_stride + j] = float_to_bf16(g / (1.0f + std::exp(-g)) * u);
+    }
+  }
+}
+
 void gemv(Bf16* y, int64_t y_stride, const Bf16* x, int64_t x_stride, const Bf16* w, int64_t rows,
           int64_t out, int64_t in) {
   for (int64_t r = 0; r < rows; ++r) {
