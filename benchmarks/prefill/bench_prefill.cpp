@@ -4,6 +4,7 @@
 //   build/bin/bench_prefill --shape qwen2.5-7b --tokens 1024,2048,4096 [--reps 10] [--warmup 3]
 //       [--decode 64] [--decode-context 1024] [--json out.jsonl] [--graphs on|off|both]
 //       [--profile] [--logits f32rows|f32|bf16] [--attention auto|mma|wgmma] [--gap-ms G]
+//       [--fused-swiglu-rows R]
 //
 // TTFT = wall time of Engine::prefill (embedding, every layer, final norm + lm_head of the last
 // row, logits copied to the host), the prompt in one chunk; median of --reps after --warmup runs.
@@ -13,8 +14,9 @@
 // prompt's one-token generation, per token. --graphs both also times everything with each layer
 // loop captured into a CUDA graph (CudaBackendOptions::graphs); --profile prints the GPU time of
 // each stage of the layers (CudaBackend::profile); --attention picks the prefill attention's
-// tensor-core instructions (CudaBackendOptions::prefill_attention). benchmarks/prefill/run.sh runs
-// this and HF transformers (hf_prefill.py) in one go and prints the ratios.
+// tensor-core instructions (CudaBackendOptions::prefill_attention); --fused-swiglu-rows sets
+// CudaBackendOptions::fused_swiglu_rows (0: cuBLAS + swiglu_rows always). benchmarks/prefill/run.sh
+// runs this and HF transformers (hf_prefill.py) in one go and prints the ratios.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -44,6 +46,7 @@ int usage(const char* msg) {
       "usage: bench_prefill --shape NAME --tokens N[,N...] [--reps R] [--warmup W] "
       "[--decode T] [--decode-context N] [--json FILE] [--graphs on|off|both] [--profile]\n"
       "  [--logits f32rows|f32|bf16] [--attention auto|mma|wgmma] [--gap-ms G]\n"
+      "  [--fused-swiglu-rows R]\n"
       "  shapes:");
   for (const auto& n : keep::bench::model_shape_names()) std::fprintf(stderr, " %s", n.c_str());
   std::fprintf(stderr, "\n");
@@ -85,6 +88,7 @@ int main(int argc, char** argv) {
   bool profile = false;
   std::vector<int64_t> lens = {1024, 2048, 4096};
   int reps = 10, warmup = 3, decode = 64, gap_ms = 0;
+  int fused_swiglu_rows = CudaBackendOptions{}.fused_swiglu_rows;
   int64_t decode_context = 1024;
   for (int i = 1; i < argc; ++i) {
     auto next = [&]() -> const char* { return i + 1 < argc ? argv[++i] : nullptr; };
@@ -114,16 +118,19 @@ int main(int argc, char** argv) {
       attention = v;
     else if (!std::strcmp(a, "--gap-ms") && (v = next()))
       gap_ms = std::atoi(v);
+    else if (!std::strcmp(a, "--fused-swiglu-rows") && (v = next()))
+      fused_swiglu_rows = std::atoi(v);
     else
       return usage((std::string("bad argument: ") + a).c_str());
   }
   const auto cfg = keep::bench::model_shape(shape);
   if (!cfg) return usage(("unknown shape " + shape).c_str());
-  if (lens.empty() || reps < 1 || warmup < 0 || decode < 0 || gap_ms < 0) {
+  if (lens.empty() || reps < 1 || warmup < 0 || decode < 0 || gap_ms < 0 || fused_swiglu_rows < 0) {
     return usage("bad sizes");
   }
   if (graphs != "on" && graphs != "off" && graphs != "both") return usage("--graphs on|off|both");
   CudaBackendOptions options;
+  options.fused_swiglu_rows = fused_swiglu_rows;
   if (logits == "f32rows") {
     options.logits = CudaBackendOptions::Logits::kF32Rows;
   } else if (logits == "f32") {

@@ -93,20 +93,26 @@ TEST_CASE("SmolLM2-135M-Instruct on CUDA: same top-1 as the CPU backend, small K
   using Logits = CudaBackendOptions::Logits;
   using keep::kernels::PrefillKernel;
   // Every logits mode with the default attention; and, where the default is wgmma, the default
-  // logits with the mma.sync attention, so both forms of the prefill kernel run end to end.
+  // logits with the mma.sync attention, so both forms of the prefill kernel run end to end, and
+  // with gemm_swiglu for every prefill (the prompts are shorter than its default threshold).
   struct Config {
     Logits logits;
     PrefillKernel attention;
+    int32_t fused_swiglu_rows = CudaBackendOptions{}.fused_swiglu_rows;
   };
   std::vector<Config> configs = {{Logits::kF32Rows, PrefillKernel::kAuto},
                                  {Logits::kF32, PrefillKernel::kAuto},
                                  {Logits::kBF16, PrefillKernel::kAuto}};
-  if (keep::kernels::wgmma_available()) configs.push_back({Logits::kF32Rows, PrefillKernel::kMma});
+  if (keep::kernels::wgmma_available()) {
+    configs.push_back({Logits::kF32Rows, PrefillKernel::kMma});
+    configs.push_back({Logits::kF32Rows, PrefillKernel::kAuto, 1});
+  }
   for (const Config& config : configs) {
     CudaBackendOptions opt;
     const bool is_default = config.logits == opt.logits;
     opt.logits = config.logits;
     opt.prefill_attention = config.attention;
+    opt.fused_swiglu_rows = config.fused_swiglu_rows;
     auto e = cuda_engine(loaded->weights, 256, opt);
     MESSAGE("backend: " << e->backend().name());
 

@@ -112,7 +112,11 @@ std::string CudaBackend::name() const {
       (options_.prefill_attention == kernels::PrefillKernel::kAuto && kernels::wgmma_available());
   return "cuda bf16 (" + device_name_ + ", cuBLAS, " + std::to_string(weight_bytes_ >> 20) +
          " MiB of weights, logits " + logits_name(options_.logits) + ", prefill attention " +
-         (wgmma ? "wgmma" : "mma.sync") + ")";
+         (wgmma ? "wgmma" : "mma.sync") +
+         (fused_swiglu_ ? ", gate/up+SwiGLU fused from " +
+                              std::to_string(options_.fused_swiglu_rows) + " rows"
+                        : "") +
+         ")";
 }
 
 // What the kernels support (prefill attention: head_dim 64 or 128).
@@ -228,6 +232,8 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::prepare(const ModelConfig& con
                   "without 90a) or this device (not compute 9.0) cannot run it");
   }
   KEEP_RETURN_IF_ERROR(check_supported(config));
+  b->fused_swiglu_ = options.fused_swiglu_rows > 0 && kernels::wgmma_available() &&
+                     kernels::gemm_swiglu_fits(config.intermediate_size, config.hidden_size);
   KEEP_RETURN_IF_ERROR(b->allocate_weights());
   return b;
 }
@@ -632,15 +638,19 @@ void CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_in,
         kernels::add_rmsnorm(xn, res_kept, proj, w.b_o, w.ffn_norm, keep, C, eps, stream_));
   }
   mark(kMlpNorm);
-  // MLP half: gate/up (the norm fused in for a decode step), SwiGLU, residual += down.
+  // MLP half: gate/up (the norm fused in for a decode step), SwiGLU (fused into the product for
+  // many rows), residual += down.
+  const bool swiglu_fused = fused_swiglu_ && !mlp_fused && keep >= options_.fused_swiglu_rows;
   if (mlp_fused) {
     KEEP_CUDA_CHECK(kernels::gemv_rmsnorm(gu, 2 * I, res_kept, C, w.ffn_norm, eps, w.w_gate_up,
                                           keep, 2 * I, C, stream_));
+  } else if (swiglu_fused) {
+    KEEP_CUDA_CHECK(kernels::gemm_swiglu(act, I, xn, C, w.w_gate_up, keep, I, C, stream_));
   } else {
     product(gu, 2 * I, xn, C, w.w_gate_up, keep, 2 * I, C);
   }
   mark(kGateUp);
-  KEEP_CUDA_CHECK(kernels::swiglu_rows(act, gu, keep, I, stream_));
+  if (!swiglu_fused) KEEP_CUDA_CHECK(kernels::swiglu_rows(act, gu, keep, I, stream_));
   mark(kSwiglu);
   accumulate(res_kept, C, act, I, w.w_down, keep, C, I);
   mark(kDown);

@@ -66,11 +66,18 @@ struct CudaBackendOptions {
   // build), mma.sync elsewhere; kMma or kWgmma to compare them (kWgmma where it cannot run: the
   // backend's creation fails with kUnavailable).
   kernels::PrefillKernel prefill_attention = kernels::PrefillKernel::kAuto;
+  // Steps of at least this many rows run the MLP's gate/up product with the SwiGLU fused into it
+  // (kernels::gemm_swiglu: our wgmma kernel, where wgmma_available() and the model's intermediate
+  // size is a multiple of 128 and hidden of 64); fewer rows, and other devices, take cuBLAS and
+  // swiglu_rows. 0 = never. H200, Qwen2.5-7B gate/up (test_gemm): about even at 256 rows, faster
+  // from 512.
+  int32_t fused_swiglu_rows = 256;
 };
 
 // Where a layer's GPU time goes: one entry per stage of layer_forward (CudaBackend::profile).
 // With gemv_rmsnorm (decode steps) the norms run inside the next product: "norm" and "mlp_norm"
-// are then ~0 and "qkv" / "gate_up" include them.
+// are then ~0 and "qkv" / "gate_up" include them; with gemm_swiglu "swiglu" is ~0 and "gate_up"
+// includes it.
 struct StageTime {
   const char* stage;  // "norm", "qkv", "qkv_finish", "attention", "pool", "o_proj", ...
   double ms = 0.0;    // summed over calls
@@ -175,6 +182,7 @@ class CudaBackend final : public Backend {
 
   // CUDA graphs: instantiated layer loops, keyed by their node count (a decode step and a prefill
   // chunk differ; steps of one kind update the same executable in place).
+  bool fused_swiglu_ = false;  // gemm_swiglu runs here for this model (fused_swiglu_rows > 0)
   bool capturing_ = false;
   std::vector<std::pair<size_t, cudaGraphExec_t>> graph_execs_;
 
