@@ -169,6 +169,9 @@ TEST_CASE("prefill schedule matches a brute force over every (row tile, key tile
     for (int i = 0; i < 4; ++i) {
       check_schedule(random_spans(rng, 150, 400, 8, i % 2 == 0), ts[0], ts[1]);
       check_schedule(random_spans(rng, 40, 9, 3, true), ts[0], ts[1]);
+      // Few spans over many keys: the key tiles between a row tile's events far outnumber them
+      // (the sorted sweep; the cases above take the dense one).
+      check_schedule(random_spans(rng, 12, 60000, 2, i % 2 == 0), ts[0], ts[1]);
     }
   }
   // A tile that every row covers with two adjacent spans is full.

@@ -1,6 +1,7 @@
 #include "services/worker/kernels/attention_schedule.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 
@@ -21,7 +22,9 @@ struct Event {
 // maximal run of contiguous keys of a row (adjacent spans merged) two more (the key tiles it
 // covers whole). Sorting the tile's events and sweeping them gives, per run of key tiles, how many
 // rows touch them and how many cover them: touched iff > 0, full iff every row of the tile covers
-// them. Cost O(S log S + output) for S spans, with no term in num_keys or the number of key tiles.
+// them. Cost O(S log S + output) for S spans, with no term in num_keys or the number of key tiles;
+// a row tile whose events lie within a few times their count of key tiles is swept densely
+// instead, O(S + output).
 PrefillScheduleHost build_prefill_schedule(const AttentionRows& rows, int32_t row_tile,
                                            int32_t key_tile) {
   if (row_tile <= 0 || key_tile <= 0 || rows.rows < 0) {
@@ -34,22 +37,60 @@ PrefillScheduleHost build_prefill_schedule(const AttentionRows& rows, int32_t ro
   out.tile_offsets.reserve(static_cast<size_t>(row_tiles) + 1);
   out.tile_offsets.push_back(0);
   std::vector<Event> events;
-  // The key tiles wholly inside the run of keys [begin, end) (none when end < 0): a tile ending
-  // past the run, in particular a partial last tile (the run ends by num_keys), is not covered.
-  const auto add_run = [&events, key_tile](int32_t begin, int32_t end) {
-    if (end < 0) return;
-    const int32_t fb = (begin + key_tile - 1) / key_tile;
-    const int32_t fe = end / key_tile;
-    if (fb < fe) {
-      events.push_back({fb, 0, 1});
-      events.push_back({fe, 0, -1});
-    }
+  std::vector<int32_t> delta_touch, delta_full;  // per key tile of the dense sweep
+  // Key index -> key tile (indices are >= 0): a shift for the usual power-of-two tile, since an
+  // integer division per event was most of the cost.
+  const bool pow2 = (key_tile & (key_tile - 1)) == 0;
+  const int shift = pow2 ? __builtin_ctz(static_cast<unsigned>(key_tile)) : 0;
+  const auto tile_of = [pow2, shift, key_tile](int32_t key) {
+    return pow2 ? key >> shift : key / key_tile;
   };
   for (int32_t rt = 0; rt < row_tiles; ++rt) {
     const int32_t r_begin = rt * row_tile;
     const int32_t r_end = std::min(rows.rows, r_begin + row_tile);
     const int32_t tile_rows = r_end - r_begin;
-    events.clear();
+    // The key tiles the events fall in: [lo, hi] (every run's whole tiles lie inside).
+    int32_t lo = INT32_MAX, hi = INT32_MIN;
+    int64_t spans = 0;
+    for (int32_t s = rows.row_offsets[r_begin]; s < rows.row_offsets[r_end]; ++s) {
+      const KeyRange span = rows.spans[s];
+      if (span.end <= span.begin) continue;  // empty spans are invalid; ignore them
+      lo = std::min(lo, tile_of(span.begin));
+      hi = std::max(hi, tile_of(span.end - 1) + 1);
+      ++spans;
+    }
+    if (spans == 0) {
+      out.tile_offsets.push_back(static_cast<int32_t>(out.tiles.size()));
+      continue;
+    }
+    // Few key tiles between the first and the last event (a causal or banded tile): the events
+    // are summed per key tile and the range swept, O(S + range); else they are sorted.
+    const bool dense = static_cast<int64_t>(hi) - lo < 16 * spans + 64;
+    if (dense) {
+      delta_touch.assign(static_cast<size_t>(hi - lo) + 1, 0);
+      delta_full.assign(static_cast<size_t>(hi - lo) + 1, 0);
+    } else {
+      events.clear();
+    }
+    const auto event = [&](int32_t pos, int32_t touch, int32_t full) {
+      if (dense) {
+        delta_touch[static_cast<size_t>(pos - lo)] += touch;
+        delta_full[static_cast<size_t>(pos - lo)] += full;
+      } else {
+        events.push_back({pos, touch, full});
+      }
+    };
+    // The key tiles wholly inside the run of keys [begin, end) (none when end < 0): a tile ending
+    // past the run, in particular a partial last tile (the run ends by num_keys), is not covered.
+    const auto add_run = [&](int32_t begin, int32_t end) {
+      if (end < 0) return;
+      const int32_t fb = tile_of(begin + key_tile - 1);
+      const int32_t fe = tile_of(end);
+      if (fb < fe) {
+        event(fb, 0, 1);
+        event(fe, 0, -1);
+      }
+    };
     for (int32_t r = r_begin; r < r_end; ++r) {
       const int32_t s_begin = rows.row_offsets[r];
       const int32_t s_end = rows.row_offsets[r + 1];
@@ -57,9 +98,9 @@ PrefillScheduleHost build_prefill_schedule(const AttentionRows& rows, int32_t ro
       int32_t run_end = -1;  // no open run
       for (int32_t s = s_begin; s < s_end; ++s) {
         const KeyRange span = rows.spans[s];
-        if (span.end <= span.begin) continue;  // empty spans are invalid; ignore them
-        events.push_back({span.begin / key_tile, 1, 0});
-        events.push_back({(span.end - 1) / key_tile + 1, -1, 0});
+        if (span.end <= span.begin) continue;
+        event(tile_of(span.begin), 1, 0);
+        event(tile_of(span.end - 1) + 1, -1, 0);
         if (span.begin == run_end) {
           run_end = span.end;  // adjacent: extend the run
           continue;
@@ -70,19 +111,27 @@ PrefillScheduleHost build_prefill_schedule(const AttentionRows& rows, int32_t ro
       }
       add_run(run_begin, run_end);
     }
-    std::sort(events.begin(), events.end(),
-              [](const Event& a, const Event& b) { return a.pos < b.pos; });
     int32_t touch = 0;
     int32_t full = 0;
-    for (size_t i = 0; i < events.size();) {
-      const int32_t pos = events[i].pos;
-      for (; i < events.size() && events[i].pos == pos; ++i) {
-        touch += events[i].touch;
-        full += events[i].full;
+    if (dense) {
+      for (int32_t kt = lo; kt < hi; ++kt) {  // the last event closes every run
+        touch += delta_touch[static_cast<size_t>(kt - lo)];
+        full += delta_full[static_cast<size_t>(kt - lo)];
+        if (touch > 0) out.tiles.push_back(kt * 2 + (full == tile_rows ? 1 : 0));
       }
-      if (touch > 0 && i < events.size()) {  // tiles [pos, next event) are touched
-        const int32_t flag = full == tile_rows ? 1 : 0;
-        for (int32_t kt = pos; kt < events[i].pos; ++kt) out.tiles.push_back(kt * 2 + flag);
+    } else {
+      std::sort(events.begin(), events.end(),
+                [](const Event& a, const Event& b) { return a.pos < b.pos; });
+      for (size_t i = 0; i < events.size();) {
+        const int32_t pos = events[i].pos;
+        for (; i < events.size() && events[i].pos == pos; ++i) {
+          touch += events[i].touch;
+          full += events[i].full;
+        }
+        if (touch > 0 && i < events.size()) {  // tiles [pos, next event) are touched
+          const int32_t flag = full == tile_rows ? 1 : 0;
+          for (int32_t kt = pos; kt < events[i].pos; ++kt) out.tiles.push_back(kt * 2 + flag);
+        }
       }
     }
     out.tile_offsets.push_back(static_cast<int32_t>(out.tiles.size()));
