@@ -214,6 +214,26 @@ bool encode(CUtensorMap* map, const bf16* p, int64_t rows, int64_t cols, int64_t
                    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
+// The kernel's launch configuration: `grid` CTAs in clusters of kCluster along x.
+struct Launch {
+  cudaLaunchAttribute attr{};
+  cudaLaunchConfig_t cfg{};
+  Launch(unsigned grid, cudaStream_t stream) {
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = kCluster;
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    cfg.gridDim = dim3(grid);
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = kSmemBytes;
+    cfg.stream = stream;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+  }
+  Launch(const Launch&) = delete;  // cfg points at attr
+  Launch& operator=(const Launch&) = delete;
+};
+
 // Per device: the kernel's shared-memory limit raised, and how many clusters fit at once.
 int max_clusters(int device) {
   static std::mutex mu;
@@ -225,21 +245,13 @@ int max_clusters(int device) {
                            kSmemBytes) != cudaSuccess) {
     return 0;
   }
-  cudaLaunchConfig_t cfg{};
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = kCluster;
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = 1;
   int sms = 0;
   if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 0;
-  cfg.gridDim = dim3(static_cast<unsigned>(sms - sms % kCluster));
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = kSmemBytes;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
+  const Launch launch(static_cast<unsigned>(sms - sms % kCluster), nullptr);
   int clusters = 0;
-  if (cudaOccupancyMaxActiveClusters(&clusters, gemm_swiglu_kernel, &cfg) != cudaSuccess) return 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, gemm_swiglu_kernel, &launch.cfg) != cudaSuccess) {
+    return 0;
+  }
   known[device] = clusters;
   return clusters;
 }
@@ -277,19 +289,8 @@ cudaError_t gemm_swiglu(__nv_bfloat16* act, int64_t act_stride, const __nv_bfloa
     return cudaErrorInvalidValue;
   }
   const int64_t tiles = (rows + kBM * kCluster - 1) / (kBM * kCluster) * (inter / kBN);
-  cudaLaunchConfig_t cfg{};
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = kCluster;
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = 1;
-  cfg.gridDim = dim3(static_cast<unsigned>(std::min<int64_t>(tiles, clusters) * kCluster));
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = kSmemBytes;
-  cfg.stream = stream;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, gemm_swiglu_kernel, maps, static_cast<int>(rows),
+  const Launch launch(static_cast<unsigned>(std::min<int64_t>(tiles, clusters) * kCluster), stream);
+  return cudaLaunchKernelEx(&launch.cfg, gemm_swiglu_kernel, maps, static_cast<int>(rows),
                             static_cast<int>(inter), static_cast<int>(in));
 }
 
