@@ -41,7 +41,7 @@ int fail(const keep::Status& st) {
 
 std::shared_ptr<ModelWeights> random_smollm2() {
   auto w = std::make_shared<ModelWeights>();
-  w->config = *keep::bench::model_shape("smollm2-135m");
+  w->config = keep::bench::model_shape("smollm2-135m").value();
   const ModelConfig& c = w->config;
   std::mt19937 rng(1);
   std::uniform_real_distribution<float> u(-0.05f, 0.05f);

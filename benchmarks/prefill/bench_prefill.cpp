@@ -124,7 +124,7 @@ int main(int argc, char** argv) {
       return usage((std::string("bad argument: ") + a).c_str());
   }
   const auto cfg = keep::bench::model_shape(shape);
-  if (!cfg) return usage(("unknown shape " + shape).c_str());
+  if (!cfg.is_ok()) return usage(cfg.status().to_string().c_str());
   if (lens.empty() || reps < 1 || warmup < 0 || decode < 0 || gap_ms < 0 || fused_swiglu_rows < 0) {
     return usage("bad sizes");
   }

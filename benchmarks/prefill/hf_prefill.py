@@ -4,6 +4,9 @@ the same GPU, attention through PyTorch SDPA, timed the same way.
 
   python3 benchmarks/prefill/hf_prefill.py --shape qwen2.5-7b --tokens 1024,2048,4096 \
       [--reps 10] [--warmup 3] [--decode 64] [--decode-context 1024] [--json out.jsonl] [--gap-ms G]
+  python3 benchmarks/prefill/hf_prefill.py --check-shapes
+
+The shapes come from benchmarks/model_shapes.json, as bench_prefill's do.
 
 TTFT: wall time of model(input_ids, use_cache=True, logits_to_keep=1) -- what generate() runs for
 the prompt -- plus the logits copy to the host (torch.cuda.synchronize() via .cpu()); median of
@@ -13,33 +16,32 @@ generate() overhead), per token, after a --decode-context prompt.
 """
 import argparse
 import json
+import pathlib
 import statistics
+import sys
 import time
 
-import torch
-import transformers
-from transformers import Qwen2Config, Qwen2ForCausalLM
+# The shapes bench_prefill times too: each model's config.json from the Hugging Face hub.
+SHAPES = json.loads((pathlib.Path(__file__).resolve().parent.parent / "model_shapes.json")
+                    .read_text())
+QWEN2_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "intermediate_size", "rms_norm_eps", "rope_theta",
+              "max_position_embeddings", "tie_word_embeddings")
 
-SHAPES = {
-    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24,
-                         num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864,
-                         tie_word_embeddings=True),
-    "qwen2.5-7b": dict(vocab_size=152064, hidden_size=3584, num_hidden_layers=28,
-                       num_attention_heads=28, num_key_value_heads=4, intermediate_size=18944),
-    "qwen2.5-14b": dict(vocab_size=152064, hidden_size=5120, num_hidden_layers=48,
-                        num_attention_heads=40, num_key_value_heads=8, intermediate_size=13824,
-                        rms_norm_eps=1e-5),
-    "qwen2.5-32b": dict(vocab_size=152064, hidden_size=5120, num_hidden_layers=64,
-                        num_attention_heads=40, num_key_value_heads=8, intermediate_size=27648,
-                        rms_norm_eps=1e-5),
-}
+
+def qwen2_shapes():
+    return sorted(n for n, s in SHAPES.items() if s.get("architectures") == ["Qwen2ForCausalLM"])
+
+
+def qwen2_kwargs(shape):
+    """Qwen2Config's arguments for `shape` (KeyError names a missing field)."""
+    return {k: SHAPES[shape][k] for k in QWEN2_KEYS}
 
 
 def build(shape):
-    kw = dict(SHAPES[shape])
-    kw.setdefault("rms_norm_eps", 1e-6)
-    cfg = Qwen2Config(rope_theta=1000000.0, max_position_embeddings=32768, use_sliding_window=False,
-                      **kw)
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    cfg = Qwen2Config(use_sliding_window=False, **qwen2_kwargs(shape))
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -69,9 +71,30 @@ def flops(cfg, n):
     return linear + attention + 2.0 * C * cfg.vocab_size
 
 
+def check_shapes():
+    """--check-shapes: every Qwen2 shape of model_shapes.json gives Qwen2Config a full set of
+    arguments (needs neither torch nor a GPU; a CI test)."""
+    shapes = qwen2_shapes()
+    if not shapes:
+        sys.exit("hf_prefill: no Qwen2ForCausalLM shape in model_shapes.json")
+    for name in shapes:
+        try:
+            kw = qwen2_kwargs(name)
+        except KeyError as e:
+            sys.exit(f"hf_prefill: shape {name} lacks {e}")
+        if kw["hidden_size"] % kw["num_attention_heads"] != 0:
+            sys.exit(f"hf_prefill: shape {name}: hidden_size not a multiple of the heads")
+        print(f"{name}: {json.dumps(kw)}")
+
+
 def main():
+    if "--check-shapes" in sys.argv[1:]:
+        check_shapes()
+        return
+    import torch
+    import transformers
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="qwen2.5-7b", choices=sorted(SHAPES))
+    ap.add_argument("--shape", default="qwen2.5-7b", choices=qwen2_shapes())
     ap.add_argument("--tokens", default="1024,2048,4096")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
