@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -35,53 +36,43 @@ TEST_CASE("every benchmark model shape parses into a valid config") {
 }
 
 TEST_CASE("the shapes carry their models' figures") {
-  const ModelConfig q7 = shape("qwen2.5-7b");
-  CHECK(q7.arch == Arch::kQwen2);
-  CHECK(q7.attention_bias);
-  CHECK(q7.vocab_size == 152064);
-  CHECK(q7.hidden_size == 3584);
-  CHECK(q7.num_layers == 28);
-  CHECK(q7.num_heads == 28);
-  CHECK(q7.num_kv_heads == 4);
-  CHECK(q7.head_dim == 128);
-  CHECK(q7.intermediate_size == 18944);
-  CHECK(q7.rms_norm_eps == doctest::Approx(1e-6));
-  CHECK(q7.rope_theta == doctest::Approx(1e6));
-  CHECK(q7.max_position_embeddings == 32768);
-  CHECK_FALSE(q7.tie_word_embeddings);
-
-  const ModelConfig q14 = shape("qwen2.5-14b");
-  CHECK(q14.hidden_size == 5120);
-  CHECK(q14.num_layers == 48);
-  CHECK(q14.num_heads == 40);
-  CHECK(q14.num_kv_heads == 8);
-  CHECK(q14.head_dim == 128);
-  CHECK(q14.intermediate_size == 13824);
-  CHECK(q14.rms_norm_eps == doctest::Approx(1e-5));
-
-  const ModelConfig q32 = shape("qwen2.5-32b");
-  CHECK(q32.num_layers == 64);
-  CHECK(q32.intermediate_size == 27648);
-
-  const ModelConfig q05 = shape("qwen2.5-0.5b");
-  CHECK(q05.vocab_size == 151936);
-  CHECK(q05.head_dim == 64);
-  CHECK(q05.tie_word_embeddings);
-
-  const ModelConfig s = shape("smollm2-135m");
-  CHECK(s.arch == Arch::kLlama);
-  CHECK_FALSE(s.attention_bias);
-  CHECK(s.vocab_size == 49152);
-  CHECK(s.hidden_size == 576);
-  CHECK(s.num_layers == 30);
-  CHECK(s.num_heads == 9);
-  CHECK(s.num_kv_heads == 3);
-  CHECK(s.head_dim == 64);
-  CHECK(s.intermediate_size == 1536);
-  CHECK(s.rope_theta == doctest::Approx(1e5));
-  CHECK(s.rms_norm_eps == doctest::Approx(1e-5));
-  CHECK(s.max_position_embeddings == 8192);
-  CHECK(s.tie_word_embeddings);
+  struct Want {
+    const char* name;
+    Arch arch;
+    bool attention_bias;
+    int64_t vocab, hidden, layers, heads, kv_heads, head_dim, inter;
+    double eps, theta;
+    int64_t max_positions;
+    bool tied;
+  };
+  const Want wants[] = {
+      {"qwen2.5-0.5b", Arch::kQwen2, true, 151936, 896, 24, 14, 2, 64, 4864, 1e-6, 1e6, 32768,
+       true},
+      {"qwen2.5-7b", Arch::kQwen2, true, 152064, 3584, 28, 28, 4, 128, 18944, 1e-6, 1e6, 32768,
+       false},
+      {"qwen2.5-14b", Arch::kQwen2, true, 152064, 5120, 48, 40, 8, 128, 13824, 1e-5, 1e6, 32768,
+       false},
+      {"qwen2.5-32b", Arch::kQwen2, true, 152064, 5120, 64, 40, 8, 128, 27648, 1e-5, 1e6, 32768,
+       false},
+      {"smollm2-135m", Arch::kLlama, false, 49152, 576, 30, 9, 3, 64, 1536, 1e-5, 1e5, 8192, true},
+  };
+  for (const Want& w : wants) {
+    CAPTURE(w.name);
+    const ModelConfig c = shape(w.name);
+    CHECK(c.arch == w.arch);
+    CHECK(c.attention_bias == w.attention_bias);
+    CHECK(c.vocab_size == w.vocab);
+    CHECK(c.hidden_size == w.hidden);
+    CHECK(c.num_layers == w.layers);
+    CHECK(c.num_heads == w.heads);
+    CHECK(c.num_kv_heads == w.kv_heads);
+    CHECK(c.head_dim == w.head_dim);
+    CHECK(c.intermediate_size == w.inter);
+    CHECK(c.rms_norm_eps == doctest::Approx(w.eps));
+    CHECK(c.rope_theta == doctest::Approx(w.theta));
+    CHECK(c.max_position_embeddings == w.max_positions);
+    CHECK(c.tie_word_embeddings == w.tied);
+  }
 }
 
 TEST_CASE("an unknown shape is kNotFound") {
