@@ -246,14 +246,21 @@ int main(int argc, char** argv) {
   }
   cuda.set_graphs(false);
 
-  // --profile: GPU time per stage of the layers (events between launches, graphs off), one prefill
-  // per length and (with --decode) 16 decode steps.
+  // --profile: GPU time per stage of the layers and around them (events between launches, graphs
+  // off), one prefill per length and (with --decode) 16 decode steps.
   if (profile) {
+    // The layers' stages come first, then embed, logits and copy_out; what no stage holds is host
+    // time the GPU waited through (the plan, launches, the final synchronisation).
     auto show = [&](const std::string& what, const std::vector<StageTime>& st, double wall_ms) {
-      double sum = 0.0;
-      for (const auto& t : st) sum += t.ms;
-      std::printf("profile %s: layers' stages %.2f ms of %.2f ms wall\n", what.c_str(), sum,
-                  wall_ms);
+      double sum = 0.0, layers = 0.0;
+      for (const auto& t : st) {
+        sum += t.ms;
+        if (std::strcmp(t.stage, "embed") == 0) layers = sum - t.ms;
+      }
+      std::printf(
+          "profile %s: layers' stages %.2f ms, embed + logits + copy %.2f ms, no stage %.2f ms, "
+          "of %.2f ms wall\n",
+          what.c_str(), layers, sum - layers, wall_ms - sum, wall_ms);
       for (const auto& t : st) {
         if (t.calls == 0) continue;
         std::printf("  %-11s %9.3f ms %5.1f%%  %6lld calls  %8.1f us/call\n", t.stage, t.ms,

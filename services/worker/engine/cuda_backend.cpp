@@ -358,8 +358,35 @@ Result<DeviceBuffer> CudaBackend::allocate(size_t floats) {
 void CudaBackend::copy_to_device(float* dst, const float* src_host, size_t floats) {
   KEEP_CUDA_CHECK(cudaMemcpyAsync(dst, src_host, floats * 4, cudaMemcpyDefault, stream_));
 }
+
+// The stages CudaBackend::profile reports (mark() records one after each).
+namespace {
+enum Stage : int {
+  kNorm,
+  kQkv,
+  kQkvFinish,
+  kAttention,
+  kPool,
+  kOProj,
+  kMlpNorm,
+  kGateUp,
+  kSwiglu,
+  kDown,
+  kLayerStages,  // the stages above are layer_forward's; those below run around the layers
+  kEmbed = kLayerStages,
+  kLogits,   // final_logits: gather, final norm, lm_head
+  kCopyOut,  // copy_to_host (the logits of a prefill)
+  kStages
+};
+constexpr const char* kStageNames[kStages] = {
+    "norm",    "qkv",    "qkv_finish", "attention", "pool",   "o_proj",  "mlp_norm",
+    "gate_up", "swiglu", "down",       "embed",     "logits", "copy_out"};
+}  // namespace
+
 void CudaBackend::copy_to_host(float* dst_host, const float* src, size_t floats) {
+  mark(-1);
   KEEP_CUDA_CHECK(cudaMemcpyAsync(dst_host, src, floats * 4, cudaMemcpyDefault, stream_));
+  mark(kCopyOut);
   KEEP_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 void CudaBackend::copy_on_device(float* dst, const float* src, size_t floats) {
@@ -489,30 +516,13 @@ Result<std::unique_ptr<AttentionPlan>> CudaBackend::plan(const AttentionLayout& 
 // ---- launchers ----
 
 void CudaBackend::embed(float* hidden, const int32_t* tokens, int32_t n) {
+  mark(-1);
   int32_t* ids = upload_ints(tokens, static_cast<size_t>(n));
   KEEP_CUDA_CHECK(kernels::embedding(hidden, static_cast<const bf16*>(embed_), ids, n,
                                      config_.hidden_size, config_.vocab_size, stream_));
   release_ints(ids);
+  mark(kEmbed);
 }
-
-namespace {
-enum Stage : int {
-  kNorm,
-  kQkv,
-  kQkvFinish,
-  kAttention,
-  kPool,
-  kOProj,
-  kMlpNorm,
-  kGateUp,
-  kSwiglu,
-  kDown,
-  kStages
-};
-constexpr const char* kStageNames[kStages] = {"norm",   "qkv",    "qkv_finish", "attention",
-                                              "pool",   "o_proj", "mlp_norm",   "gate_up",
-                                              "swiglu", "down"};
-}  // namespace
 
 void CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_in, int32_t layer,
                                 const KvView& kv, const AttentionPlan& plan_base) {
@@ -762,6 +772,7 @@ void CudaBackend::load_kv(const KvView& kv, int32_t first_slot, const float* k_p
 
 void CudaBackend::final_logits(float* logits, const float* hidden, const int32_t* rows, int32_t n) {
   KEEP_CHECK(n <= reserved_rows_);
+  mark(-1);
   const int64_t C = config_.hidden_size, V = config_.vocab_size;
   int32_t* idx = upload_ints(rows, static_cast<size_t>(n));
   auto* xn = static_cast<bf16*>(xn_);
@@ -791,6 +802,7 @@ void CudaBackend::final_logits(float* logits, const float* hidden, const int32_t
                                      static_cast<const bf16*>(lm_head_), n, V, C));
   }
   release_ints(idx);
+  mark(kLogits);
 }
 
 void CudaBackend::argmax(int32_t* out_host, const float* logits, int32_t rows) {

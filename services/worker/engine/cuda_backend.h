@@ -75,7 +75,8 @@ struct CudaBackendOptions {
   int32_t fused_swiglu_rows = 512;
 };
 
-// Where a layer's GPU time goes: one entry per stage of layer_forward (CudaBackend::profile).
+// Where the GPU time goes (CudaBackend::profile): one entry per stage of layer_forward, then
+// "embed", "logits" (final_logits) and "copy_out" (copy_to_host), which run around the layers.
 // With gemv_rmsnorm (decode steps) the norms run inside the next product: "norm" and "mlp_norm"
 // are then ~0 and "qkv" / "gate_up" include them; with gemm_swiglu "swiglu" is ~0 and "gate_up"
 // includes it.
