@@ -744,8 +744,6 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 ? 3 : 2)
   }
 }
 
-bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
-
 // Raises the dynamic shared-memory limit of a kernel instantiation once per device (devices 0..63;
 // others every launch).
 template <int HD, typename KV, bool kWgmma>
@@ -822,9 +820,10 @@ cudaError_t launch(bf16* out, int64_t out_stride, float* lse, const bf16* q, int
   p.group = heads / kv_heads;
   p.kv_heads = kv_heads;
   p.scale_log2 = scale * kLog2e;
-  p.q_vec = aligned16(q) && q_stride % 8 == 0;
-  p.out_vec = aligned16(out) && out_stride % 8 == 0;
-  p.kv_vec = aligned16(k) && aligned16(v);  // rows are head_dim (a multiple of 8) apart
+  p.q_vec = detail::aligned16(q) && q_stride % 8 == 0;
+  p.out_vec = detail::aligned16(out) && out_stride % 8 == 0;
+  p.kv_vec =
+      detail::aligned16(k) && detail::aligned16(v);  // rows are head_dim (a multiple of 8) apart
   // The one place head_dim becomes a compile-time constant.
   const bool wgmma = kernel == PrefillKernel::kWgmma;
   switch (head_dim) {

@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <mutex>
 
+#include "services/worker/kernels/common.cuh"
 #include "services/worker/kernels/gemm.h"
 #include "services/worker/kernels/kernels.h"
 #include "services/worker/kernels/tma.cuh"
@@ -256,8 +257,6 @@ int max_clusters(int device) {
   return clusters;
 }
 
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
-
 }  // namespace
 
 bool gemm_swiglu_fits(int64_t inter, int64_t in) {
@@ -273,8 +272,8 @@ cudaError_t gemm_swiglu(__nv_bfloat16* act, int64_t act_stride, const __nv_bfloa
     return cudaErrorInvalidValue;
   }
   if (rows == 0) return cudaSuccess;
-  if (act == nullptr || x == nullptr || w_gate_up == nullptr || !aligned16(act) || !aligned16(x) ||
-      !aligned16(w_gate_up)) {
+  if (act == nullptr || x == nullptr || w_gate_up == nullptr || !detail::aligned16(act) ||
+      !detail::aligned16(x) || !detail::aligned16(w_gate_up)) {
     return cudaErrorInvalidValue;
   }
   if (!wgmma_available() || encoder() == nullptr) return cudaErrorNotSupported;

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "services/worker/kernels/common.cuh"
 #include "services/worker/kernels/kernels.h"
 
 namespace keep::kernels {
@@ -134,9 +135,8 @@ cudaError_t launch(Y* y, int64_t y_stride, const X* x, int64_t x_stride, const _
     return cudaErrorInvalidValue;
   }
   if (rows == 0 || out == 0) return cudaSuccess;
-  const auto a16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  if (y == nullptr || x == nullptr || w == nullptr || in % 8 != 0 || x_stride % 8 != 0 || !a16(x) ||
-      !a16(w)) {
+  if (y == nullptr || x == nullptr || w == nullptr || in % 8 != 0 || x_stride % 8 != 0 ||
+      !detail::aligned16(x) || !detail::aligned16(w)) {
     return cudaErrorInvalidValue;
   }
   const unsigned blocks = static_cast<unsigned>((out + kWarps - 1) / kWarps);
@@ -289,11 +289,10 @@ cudaError_t gemv_rmsnorm(__nv_bfloat16* y, int64_t y_stride, const float* residu
     return cudaErrorInvalidValue;
   }
   if (rows == 0 || out == 0) return cudaSuccess;
-  const auto a16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   const size_t smem = static_cast<size_t>(rows) * static_cast<size_t>(in) * 2;
   if (y == nullptr || residual == nullptr || norm_weight == nullptr || w == nullptr ||
-      in % 8 != 0 || residual_stride % 4 != 0 || !a16(residual) || !a16(norm_weight) || !a16(w) ||
-      smem > kGemvNormMaxSmem) {
+      in % 8 != 0 || residual_stride % 4 != 0 || !detail::aligned16(residual) ||
+      !detail::aligned16(norm_weight) || !detail::aligned16(w) || smem > kGemvNormMaxSmem) {
     return cudaErrorInvalidValue;
   }
   const int64_t want = (out + kWarps - 1) / kWarps;

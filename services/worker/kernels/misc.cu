@@ -18,7 +18,7 @@ namespace {
 
 constexpr int kMaxGrid = 65536;  // blocks per launch; the kernels stride over the rest
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+using detail::aligned16;
 
 unsigned int row_blocks(int64_t rows) {
   return static_cast<unsigned int>(rows < kMaxGrid ? rows : kMaxGrid);
