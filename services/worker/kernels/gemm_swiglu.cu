@@ -79,6 +79,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int first = static_cast<int>(blockIdx.x) / kCluster;
   const int step = static_cast<int>(gridDim.x) / kCluster;
   const int k_steps = in / kBK;
+  // Cluster tile `tile`'s first row for this CTA and first output column (producer and consumers
+  // must agree).
+  const auto row0 = [&](int tile) {
+    return ((tile % tiles_m) * kCluster + static_cast<int>(rank)) * kBM;
+  };
+  const auto col0 = [&](int tile) { return (tile / tiles_m) * kBN; };
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       d::mbar_init(&full[s], 1);
@@ -93,8 +99,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (tid == 0) {
       int it = 0;  // k steps over all of this CTA's tiles; stage it % kStages
       for (int tile = first; tile < tiles; tile += step) {
-        const int m0 = ((tile % tiles_m) * kCluster + static_cast<int>(rank)) * kBM;
-        const int n0 = (tile / tiles_m) * kBN;
+        const int m0 = row0(tile), n0 = col0(tile);
         // This CTA's weight box: the gate rows (rank 0) or the up rows (rank 1).
         const int w_row = (rank == 0 ? 0 : inter) + n0;
         for (int k = 0; k < k_steps; ++k, ++it) {
@@ -114,10 +119,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int c = wg - 1;  // this warpgroup's 64 rows of the tile
     const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
     const bool issuer = c == 0 && tid == 0;  // issues the epilogue's stores
+    // This warpgroup is done with stage s: one arrival on its barrier in every CTA of the
+    // cluster (the producers of both fill it).
+    const auto release = [&](int s) {
+      if (tid != 0) return;
+#pragma unroll
+      for (int r = 0; r < kCluster; ++r) {
+        d::mbar_arrive_cluster(&empty[s], static_cast<uint32_t>(r));
+      }
+    };
     int it = 0;
     for (int tile = first; tile < tiles; tile += step) {
-      const int m0 = ((tile % tiles_m) * kCluster + static_cast<int>(rank)) * kBM;
-      const int n0 = (tile / tiles_m) * kBN;
+      const int m0 = row0(tile), n0 = col0(tile);
       float acc[32][4];
 #pragma unroll
       for (int n = 0; n < 32; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
@@ -137,21 +150,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         d::wgmma_commit();
         d::wgmma_wait<1>();  // the previous step's products are done: free its stage
-        if (k > 0 && tid == 0) {
-#pragma unroll
-          for (int r = 0; r < kCluster; ++r) {
-            d::mbar_arrive_cluster(&empty[(it - 1) % kStages], static_cast<uint32_t>(r));
-          }
-        }
+        if (k > 0) release((it - 1) % kStages);
       }
       d::wgmma_wait<0>();
       d::wgmma_fence_operands(acc);
-      if (tid == 0) {
-#pragma unroll
-        for (int r = 0; r < kCluster; ++r) {
-          d::mbar_arrive_cluster(&empty[(it - 1) % kStages], static_cast<uint32_t>(r));
-        }
-      }
+      release((it - 1) % kStages);  // the tile's last stage
 
       // acc[n][e + 2h]: row 16 warp + g + 8h of this warpgroup's 64, product column
       // 8n + 2t + e; blocks n < 16 are the gate's, n + 16 the up's of the same output column.
