@@ -322,6 +322,32 @@ void check_gemv_f32x(std::mt19937& rng, int64_t rows, int64_t out, int64_t in, i
   cudaFree(dy);
 }
 
+// One check of a bf16 output against its reference: NaN where the reference is NaN (padding the
+// kernel must not write), else within one bf16 rounding plus fp32 summation order (8e-3 relative
+// + 2e-3). `what` and (rows, out, in) name the case in failure messages.
+void expect_bf16_near(const char* what, int64_t rows, int64_t out, int64_t in,
+                      const std::vector<Bf16>& got, const std::vector<Bf16>& want) {
+  int bad = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const float g = bf16_to_float(got[i]), r = bf16_to_float(want[i]);
+    if (std::isnan(r)) {
+      if (!std::isnan(g)) ++bad;
+    } else if (!(std::fabs(g - r) <= 8e-3 * std::fabs(r) + 2e-3)) {
+      if (bad < 3) {
+        std::fprintf(stderr, "FAIL %s (%lld,%lld,%lld) at %zu: got %.7g want %.7g\n", what,
+                     (long long)rows, (long long)out, (long long)in, i, g, r);
+      }
+      ++bad;
+    }
+  }
+  ++g_checks;
+  if (bad > 0) {
+    ++g_failures;
+    std::fprintf(stderr, "FAIL %s (%lld,%lld,%lld): %d bad\n", what, (long long)rows,
+                 (long long)out, (long long)in, bad);
+  }
+}
+
 // gemv_rmsnorm against ref::add_rmsnorm (norm only) then ref::gemv, strided residual rows.
 void check_gemv_rmsnorm(std::mt19937& rng, int64_t rows, int64_t out, int64_t in, int64_t res_pad,
                         int64_t y_pad) {
@@ -353,25 +379,7 @@ void check_gemv_rmsnorm(std::mt19937& rng, int64_t rows, int64_t out, int64_t in
   CUDA_OK(cudaDeviceSynchronize());
   std::vector<Bf16> y(y0.size());
   CUDA_OK(cudaMemcpy(y.data(), dy, y.size() * 2, cudaMemcpyDeviceToHost));
-  int bad = 0;
-  for (size_t k = 0; k < y.size(); ++k) {
-    const float got = bf16_to_float(y[k]), ref = bf16_to_float(want[k]);
-    if (std::isnan(ref)) {
-      if (!std::isnan(got)) ++bad;
-    } else if (!(std::fabs(got - ref) <= 8e-3 * std::fabs(ref) + 2e-3)) {
-      if (bad < 3) {
-        std::fprintf(stderr, "FAIL gemv_rmsnorm (%lld,%lld,%lld) at %zu: got %.6g want %.6g\n",
-                     (long long)rows, (long long)out, (long long)in, k, got, ref);
-      }
-      ++bad;
-    }
-  }
-  ++g_checks;
-  if (bad > 0) {
-    ++g_failures;
-    std::fprintf(stderr, "FAIL gemv_rmsnorm (%lld,%lld,%lld): %d bad\n", (long long)rows,
-                 (long long)out, (long long)in, bad);
-  }
+  expect_bf16_near("gemv_rmsnorm", rows, out, in, y, want);
   cudaFree(dres);
   cudaFree(dnw);
   cudaFree(dw_);
@@ -398,27 +406,7 @@ void check_gemm_swiglu(std::mt19937& rng, int64_t rows, int64_t inter, int64_t i
   CUDA_OK(cudaDeviceSynchronize());
   std::vector<Bf16> got(a0.size());
   CUDA_OK(cudaMemcpy(got.data(), da, got.size() * 2, cudaMemcpyDeviceToHost));
-  int bad = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    const float g = bf16_to_float(got[i]), r = bf16_to_float(want[i]);
-    if (std::isnan(r)) {  // padding
-      if (!std::isnan(g)) ++bad;
-      continue;
-    }
-    if (!(std::fabs(g - r) <= 8e-3 * std::fabs(r) + 2e-3)) {
-      if (bad < 3) {
-        std::fprintf(stderr, "FAIL gemm_swiglu (%lld,%lld,%lld) at %zu: got %.7g want %.7g\n",
-                     (long long)rows, (long long)inter, (long long)in, i, g, r);
-      }
-      ++bad;
-    }
-  }
-  ++g_checks;
-  if (bad > 0) {
-    ++g_failures;
-    std::fprintf(stderr, "FAIL gemm_swiglu (%lld,%lld,%lld): %d bad\n", (long long)rows,
-                 (long long)inter, (long long)in, bad);
-  }
+  expect_bf16_near("gemm_swiglu", rows, inter, in, got, want);
   cudaFree(dx);
   cudaFree(dw);
   cudaFree(da);
