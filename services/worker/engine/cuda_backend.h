@@ -153,6 +153,7 @@ class CudaBackend final : public Backend {
   std::string device_name_;
   cudaStream_t stream_ = nullptr;
   kernels::BlasHandle blas_;
+  bool fused_swiglu_ = false;  // gemm_swiglu runs here for this model (fused_swiglu_rows > 0)
 
   // Weights: one allocation; pointers into it.
   void* weight_arena_ = nullptr;
@@ -184,7 +185,6 @@ class CudaBackend final : public Backend {
 
   // CUDA graphs: instantiated layer loops, keyed by their node count (a decode step and a prefill
   // chunk differ; steps of one kind update the same executable in place).
-  bool fused_swiglu_ = false;  // gemm_swiglu runs here for this model (fused_swiglu_rows > 0)
   bool capturing_ = false;
   std::vector<std::pair<size_t, cudaGraphExec_t>> graph_execs_;
 

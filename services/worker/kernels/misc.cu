@@ -167,7 +167,7 @@ constexpr int kNormMaxThreads = 256;  // a multiple of 32
 constexpr int kNormMaxWarps = kNormMaxThreads / 32;
 // Blocks per SM the register budget must allow: with up to two chunks held a thread fits in 32
 // registers, so 1024 rows of a 7B model (1024 blocks of 224 threads) run in one wave of 9 blocks
-// per SM instead of 1.55 waves of 5 (54 registers): ~9 -> ~5 us per norm on the H200.
+// per SM instead of 1.55 waves of 5 (54 registers): 8.6-9.6 -> 7.7 us per norm on the H200 (ncu).
 template <int kHeld, bool kAdd>
 constexpr int kNormMinBlocks = !kAdd && kHeld >= 1 && kHeld <= 2 ? 8 : 1;
 
