@@ -249,13 +249,13 @@ int main(int argc, char** argv) {
   // --profile: GPU time per stage of the layers and around them (events between launches, graphs
   // off), one prefill per length and (with --decode) 16 decode steps.
   if (profile) {
-    // The layers' stages come first, then embed, logits and copy_out; what no stage holds is host
-    // time the GPU waited through (the plan, launches, the final synchronisation).
+    // The layers' stages, then embed, logits and copy_out; what no stage holds is host time the
+    // GPU waited through (the plan, launches, the final synchronisation).
     auto show = [&](const std::string& what, const std::vector<StageTime>& st, double wall_ms) {
       double sum = 0.0, layers = 0.0;
       for (const auto& t : st) {
         sum += t.ms;
-        if (std::strcmp(t.stage, "embed") == 0) layers = sum - t.ms;
+        if (t.layer) layers += t.ms;
       }
       std::printf(
           "profile %s: layers' stages %.2f ms, embed + logits + copy %.2f ms, no stage %.2f ms, "

@@ -733,7 +733,9 @@ void CudaBackend::set_profiling(bool on) {
 std::vector<StageTime> CudaBackend::profile() {
   synchronize();
   if (stage_times_.empty()) {
-    for (const char* name : kStageNames) stage_times_.push_back(StageTime{name, 0.0, 0});
+    for (int i = 0; i < kStages; ++i) {
+      stage_times_.push_back(StageTime{kStageNames[i], 0.0, 0, i < kLayerStages});
+    }
   }
   for (size_t i = 1; i < marks_.size(); ++i) {
     if (marks_[i] < 0) continue;

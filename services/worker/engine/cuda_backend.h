@@ -84,6 +84,7 @@ struct StageTime {
   const char* stage;  // "norm", "qkv", "qkv_finish", "attention", "pool", "o_proj", ...
   double ms = 0.0;    // summed over calls
   int64_t calls = 0;
+  bool layer = true;  // a stage of layer_forward (false: embed, logits, copy_out)
 };
 
 class CudaBackend final : public Backend {
