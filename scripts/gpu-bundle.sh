@@ -18,6 +18,7 @@ rm -rf "$out"
 mkdir -p "$out/bin" "$out/lib"
 cp "$(find "$build" -type f -name test_cuda_engine -perm -u+x | head -1)" "$out/bin/"
 cp "$build/bin/bench_prefill" "$out/bin/"
+strip "$out"/bin/*  # the carry to a GPU machine is size-limited
 # Shared libraries outside glibc, libstdc++ and CUDA (which the GPU machine has).
 for b in "$out"/bin/*; do
   ldd "$b" | awk '/=> \//{print $3}' | while read -r lib; do
