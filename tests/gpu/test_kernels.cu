@@ -542,8 +542,10 @@ void run_misc(std::mt19937& rng) {
     test_add_rmsnorm(rng, 7, c, true, true, true, 0, true);  // out = x
   }
   test_add_rmsnorm(rng, 7, 3584, false, false, true, 1);
-  test_add_rmsnorm(rng, 19, 8200, true, true, true);  // wider than the registers hold
-  test_add_rmsnorm(rng, 19, 1031, true, true, true);  // the same, scalar
+  test_add_rmsnorm(rng, 19, 8200, true, true, true);      // wider than the registers hold
+  test_add_rmsnorm(rng, 19, 1031, true, true, true);      // four chunks a thread, scalar
+  test_add_rmsnorm(rng, 19, 2053, true, true, true);      // wider than the registers hold, scalar
+  test_add_rmsnorm(rng, 1024, 5120, false, false, true);  // 14B norm: two chunks, 320 threads
   test_add_rmsnorm(rng, 3, 18944, true, false, true);
   test_add_rmsnorm(rng, 4096, 3584, true, true, true);  // model-like
   test_add_rmsnorm(rng, 1024, 5120, true, false, true);

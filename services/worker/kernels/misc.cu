@@ -163,13 +163,15 @@ __global__ void gather_rows_kernel(float* __restrict__ out,           // (n, col
 
 // ---- add_rmsnorm: fp32 residual += bf16 x [+ bias]; bf16 out = rmsnorm(residual) * weight ----
 
-constexpr int kNormMaxThreads = 256;  // a multiple of 32
+constexpr int kNormMaxThreads = 512;  // a multiple of 32
 constexpr int kNormMaxWarps = kNormMaxThreads / 32;
-// Blocks per SM the register budget must allow: with up to two chunks held a thread fits in 32
-// registers, so 1024 rows of a 7B model (1024 blocks of 224 threads) run in one wave of 9 blocks
-// per SM instead of 1.55 waves of 5 (54 registers): 8.6-9.6 -> 7.7 us per norm on the H200 (ncu).
+// Blocks per SM the register budget must allow: 4 x 512 threads caps a thread at 32 registers,
+// which the norm-only form holding up to two chunks fits. So 1024 rows of a 7B model (1024 blocks
+// of 224 threads) run in one wave of 9 blocks per SM instead of 1.55 waves of 5 (54 registers):
+// 8.6-9.6 -> 7.7 us per norm on the H200 (ncu); and a 14B row (640 chunks) takes 320 threads of
+// two chunks at 32 registers rather than 160 threads of four at 67 (ncu 12.1 us).
 template <int kHeld, bool kAdd>
-constexpr int kNormMinBlocks = !kAdd && kHeld >= 1 && kHeld <= 2 ? 8 : 1;
+constexpr int kNormMinBlocks = !kAdd && kHeld >= 1 && kHeld <= 2 ? 4 : 1;
 
 // One block per row (grid-strided over rows). Thread tid owns the W-chunks tid + j * blockDim.x
 // of the row. kHeld > 0: the launcher sized the block so that every chunk is owned with
@@ -571,17 +573,18 @@ void launch_add_rmsnorm_wa(__nv_bfloat16* out, float* residual, const __nv_bfloa
                            const float* bias, const float* weight, int64_t rows, int64_t cols,
                            float eps, cudaStream_t stream) {
   const int64_t chunks = cols / W;
-  const int64_t per_thread = (chunks + kNormMaxThreads - 1) / kNormMaxThreads;
   const unsigned int blocks = row_blocks(rows);
-  // Registers for up to 4 chunks a thread; the block as narrow as covers the row that way.
-  if (per_thread <= 1) {
-    add_rmsnorm_kernel<W, 1, kAdd><<<blocks, threads_for(chunks, kNormMaxThreads), 0, stream>>>(
+  // Registers for up to 4 chunks a thread, the block as narrow as covers the row that way: one
+  // chunk a thread up to 256 threads, then two (the widest block the fewest registers allow),
+  // then four.
+  if (chunks <= 256) {
+    add_rmsnorm_kernel<W, 1, kAdd><<<blocks, threads_for(chunks, 256), 0, stream>>>(
         out, residual, x, bias, weight, rows, cols, eps);
-  } else if (per_thread <= 2) {
+  } else if (chunks <= 2 * kNormMaxThreads) {
     add_rmsnorm_kernel<W, 2, kAdd>
         <<<blocks, threads_for((chunks + 1) / 2, kNormMaxThreads), 0, stream>>>(
             out, residual, x, bias, weight, rows, cols, eps);
-  } else if (per_thread <= 4) {
+  } else if (chunks <= 4 * kNormMaxThreads) {
     add_rmsnorm_kernel<W, 4, kAdd>
         <<<blocks, threads_for((chunks + 3) / 4, kNormMaxThreads), 0, stream>>>(
             out, residual, x, bias, weight, rows, cols, eps);
