@@ -21,9 +21,6 @@
 // 4e-3; 0 where exp(-g) overflows, as the exact form): with expf and an IEEE division, as
 // swiglu.cu, the epilogue took ~5100 of a tile's ~63000 cycles (7B shape, one k step ~1040), with
 // these ~2 multi-function-unit operations per output the kernel runs 5-6 % faster.
-#include <cuda.h>
-#include <cudaTypedefs.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <mutex>
@@ -32,6 +29,7 @@
 #include "services/worker/kernels/gemm.h"
 #include "services/worker/kernels/kernels.h"
 #include "services/worker/kernels/tma.cuh"
+#include "services/worker/kernels/tma_map.h"
 #include "services/worker/kernels/wgmma.cuh"
 
 namespace keep::kernels {
@@ -191,31 +189,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   d::cluster_sync();  // no CTA leaves while its peer may still arrive on its barriers
 }
 
-// cuTensorMapEncodeTiled from the driver, through the runtime (no link against libcuda).
-PFN_cuTensorMapEncodeTiled_v12000 encoder() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault,
-                                         &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess) {
-      return static_cast<PFN_cuTensorMapEncodeTiled_v12000>(nullptr);
-    }
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
-  }();
-  return fn;
-}
-
 // A (rows, cols) bf16 matrix with row stride `ld` elements, read or written in 64 x 128 boxes.
 bool encode(CUtensorMap* map, const bf16* p, int64_t rows, int64_t cols, int64_t ld) {
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * 2};
-  const cuuint32_t box[2] = {kBK, 128};
-  const cuuint32_t elem_strides[2] = {1, 1};
-  return encoder()(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<bf16*>(p), dims, strides,
-                   box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                   CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  return detail::encode_bf16_map(map, p, rows, cols, ld, 128);
 }
 
 // The kernel's launch configuration: `grid` CTAs in clusters of kCluster along x.
@@ -279,7 +255,9 @@ cudaError_t gemm_swiglu(__nv_bfloat16* act, int64_t act_stride, const __nv_bfloa
       !detail::aligned16(x) || !detail::aligned16(w_gate_up)) {
     return cudaErrorInvalidValue;
   }
-  if (!wgmma_available() || encoder() == nullptr) return cudaErrorNotSupported;
+  if (!wgmma_available() || detail::tensor_map_encoder() == nullptr) {
+    return cudaErrorNotSupported;
+  }
   int device = 0;
   cudaError_t e = cudaGetDevice(&device);
   if (e != cudaSuccess) return e;

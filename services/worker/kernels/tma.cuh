@@ -29,6 +29,9 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t by
                "r"(bytes)
                : "memory");
 }
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
 // Arrives on the barrier at `bar`'s offset in CTA `cta` of this cluster (this CTA included).
 __device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t cta) {
   asm volatile(
@@ -120,6 +123,7 @@ __device__ __forceinline__ void setmaxnreg_inc() {
 __device__ __forceinline__ void mbar_init(uint64_t*, uint32_t) { __trap(); }
 __device__ __forceinline__ void mbar_init_fence() { __trap(); }
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t*, uint32_t) { __trap(); }
+__device__ __forceinline__ void mbar_arrive(uint64_t*) { __trap(); }
 __device__ __forceinline__ void mbar_arrive_cluster(uint64_t*, uint32_t) { __trap(); }
 __device__ __forceinline__ void mbar_wait(uint64_t*, uint32_t) { __trap(); }
 __device__ __forceinline__ void tma_load_2d(void*, const void*, uint64_t*, int32_t, int32_t) {
