@@ -3,7 +3,7 @@
 //
 //   build/bin/bench_prefill --shape qwen2.5-7b --tokens 1024,2048,4096 [--reps 10] [--warmup 3]
 //       [--decode 64] [--decode-context 1024] [--json out.jsonl] [--graphs on|off|both]
-//       [--profile] [--logits f32rows|f32|bf16] [--attention auto|mma|wgmma] [--gap-ms G]
+//       [--profile] [--logits f32rows|f32|bf16] [--attention auto|mma|wgmma|wide] [--gap-ms G]
 //       [--fused-swiglu-rows R]
 //
 // TTFT = wall time of Engine::prefill (embedding, every layer, final norm + lm_head of the last
@@ -45,7 +45,7 @@ int usage(const char* msg) {
       stderr,
       "usage: bench_prefill --shape NAME --tokens N[,N...] [--reps R] [--warmup W] "
       "[--decode T] [--decode-context N] [--json FILE] [--graphs on|off|both] [--profile]\n"
-      "  [--logits f32rows|f32|bf16] [--attention auto|mma|wgmma] [--gap-ms G]\n"
+      "  [--logits f32rows|f32|bf16] [--attention auto|mma|wgmma|wide] [--gap-ms G]\n"
       "  [--fused-swiglu-rows R]\n"
       "  shapes:");
   for (const auto& n : keep::bench::model_shape_names()) std::fprintf(stderr, " %s", n.c_str());
@@ -144,8 +144,10 @@ int main(int argc, char** argv) {
     options.prefill_attention = keep::kernels::PrefillKernel::kMma;
   } else if (attention == "wgmma") {
     options.prefill_attention = keep::kernels::PrefillKernel::kWgmma;
+  } else if (attention == "wide") {
+    options.prefill_attention = keep::kernels::PrefillKernel::kWgmmaWide;
   } else if (attention != "auto") {
-    return usage("--attention auto|mma|wgmma");
+    return usage("--attention auto|mma|wgmma|wide");
   }
   for (int64_t n : lens) {
     if (n < 1 || n > 32768) return usage("--tokens must be in [1, 32768]");

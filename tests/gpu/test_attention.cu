@@ -68,11 +68,24 @@ struct Options {
 // The kernels to check: mma.sync always, wgmma where this build and device run it.
 std::vector<kk::PrefillKernel> kernels_here() {
   std::vector<kk::PrefillKernel> v{kk::PrefillKernel::kMma};
-  if (kk::wgmma_available()) v.push_back(kk::PrefillKernel::kWgmma);
+  if (kk::wgmma_available()) {
+    v.push_back(kk::PrefillKernel::kWgmma);
+    v.push_back(kk::PrefillKernel::kWgmmaWide);
+  }
   return v;
 }
 const char* kernel_name(kk::PrefillKernel k) {
-  return k == kk::PrefillKernel::kWgmma ? "wgmma" : k == kk::PrefillKernel::kMma ? "mma" : "auto";
+  switch (k) {
+    case kk::PrefillKernel::kMma:
+      return "mma";
+    case kk::PrefillKernel::kWgmma:
+      return "wgmma";
+    case kk::PrefillKernel::kWgmmaWide:
+      return "wide";
+    case kk::PrefillKernel::kAuto:
+      break;
+  }
+  return "auto";
 }
 
 // Runs ref::attention over rows split across threads (each slice of rows is an AttentionRows of
@@ -390,7 +403,9 @@ void run_all(std::mt19937& rng, kk::PrefillKernel kernel) {
   }
   if (!keep::gputest::quick()) {  // KEEP_GPU_TEST_QUICK: set under compute-sanitizer
     bench<KV>(rng, causal(4096, 0), kQwen7, kernel);
+    bench<KV>(rng, causal(2048, 0), kQwen7, kernel);
     bench<KV>(rng, causal(1024, 0), kQwen7, kernel);
+    bench<KV>(rng, causal(512, 3584), kQwen7, kernel);  // a recompute's few rows, long view
     bench<KV>(rng, causal(4096, 0), kSmol, kernel);
     // Few rows over a long view (decode steps, short recomputes): against the split-key kernel's
     // timings in test_attention_decode, these set CudaBackendOptions::decode_rows.
@@ -432,10 +447,12 @@ void test_invalid_arguments() {
   }
   if (!kk::wgmma_available()) {  // asking for wgmma where it cannot run is refused, not ignored
     ++g_checks;
-    if (kk::attention_prefill(fake, 512, nullptr, fake, 512, fake, fake, rows, sched, 4, 2, 128,
-                              0.1f, nullptr, kk::PrefillKernel::kWgmma) != cudaErrorNotSupported) {
-      ++g_failures;
-      std::fprintf(stderr, "FAIL kWgmma without wgmma not refused\n");
+    for (const auto k : {kk::PrefillKernel::kWgmma, kk::PrefillKernel::kWgmmaWide}) {
+      if (kk::attention_prefill(fake, 512, nullptr, fake, 512, fake, fake, rows, sched, 4, 2, 128,
+                                0.1f, nullptr, k) != cudaErrorNotSupported) {
+        ++g_failures;
+        std::fprintf(stderr, "FAIL %s without wgmma not refused\n", kernel_name(k));
+      }
     }
   }
 }

@@ -93,8 +93,9 @@ TEST_CASE("SmolLM2-135M-Instruct on CUDA: same top-1 as the CPU backend, small K
   using Logits = CudaBackendOptions::Logits;
   using keep::kernels::PrefillKernel;
   // Every logits mode with the default attention; and, where the default is wgmma, the default
-  // logits with the mma.sync attention, so both forms of the prefill kernel run end to end, and
-  // with gemm_swiglu for every prefill (the prompts are shorter than its default threshold).
+  // logits with the mma.sync attention and with the two-warpgroup kernel (which the default picks
+  // only for views of 4096 keys or more), so every form of the prefill kernel runs end to end,
+  // and with gemm_swiglu for every prefill (the prompts are shorter than its default threshold).
   struct Config {
     Logits logits;
     PrefillKernel attention;
@@ -105,6 +106,7 @@ TEST_CASE("SmolLM2-135M-Instruct on CUDA: same top-1 as the CPU backend, small K
                                  {Logits::kBF16, PrefillKernel::kAuto}};
   if (keep::kernels::wgmma_available()) {
     configs.push_back({Logits::kF32Rows, PrefillKernel::kMma});
+    configs.push_back({Logits::kF32Rows, PrefillKernel::kWgmmaWide});
     configs.push_back({Logits::kF32Rows, PrefillKernel::kAuto, 1});
   }
   for (const Config& config : configs) {

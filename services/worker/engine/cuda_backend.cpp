@@ -107,12 +107,26 @@ static const char* logits_name(CudaBackendOptions::Logits l) {
 }
 
 std::string CudaBackend::name() const {
-  const bool wgmma =
-      options_.prefill_attention == kernels::PrefillKernel::kWgmma ||
-      (options_.prefill_attention == kernels::PrefillKernel::kAuto && kernels::wgmma_available());
+  std::string attention = "mma.sync";
+  switch (options_.prefill_attention) {
+    case kernels::PrefillKernel::kAuto:
+      if (kernels::wgmma_available()) {
+        attention =
+            "wgmma, two-warpgroup from " + std::to_string(kernels::kPrefillWideMinKeys) + " keys";
+      }
+      break;
+    case kernels::PrefillKernel::kMma:
+      break;
+    case kernels::PrefillKernel::kWgmma:
+      attention = "wgmma";
+      break;
+    case kernels::PrefillKernel::kWgmmaWide:
+      attention = "wgmma two-warpgroup";
+      break;
+  }
   return "cuda bf16 (" + device_name_ + ", cuBLAS, " + std::to_string(weight_bytes_ >> 20) +
          " MiB of weights, logits " + logits_name(options_.logits) + ", prefill attention " +
-         (wgmma ? "wgmma" : "mma.sync") +
+         attention +
          (fused_swiglu_ ? ", gate/up+SwiGLU fused from " +
                               std::to_string(options_.fused_swiglu_rows) + " rows"
                         : "") +
@@ -226,7 +240,9 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::prepare(const ModelConfig& con
   KEEP_RETURN_IF_ERROR(config.validate().with_context("cuda backend: config"));
   std::unique_ptr<CudaBackend> b(new CudaBackend(config, options));
   KEEP_RETURN_IF_ERROR(b->init_device());  // kUnavailable first: no GPU is not a model problem
-  if (options.prefill_attention == kernels::PrefillKernel::kWgmma && !kernels::wgmma_available()) {
+  if ((options.prefill_attention == kernels::PrefillKernel::kWgmma ||
+       options.prefill_attention == kernels::PrefillKernel::kWgmmaWide) &&
+      !kernels::wgmma_available()) {
     return Status(Code::kUnavailable,
                   "cuda backend: wgmma attention asked for, but this build (CUDA architectures "
                   "without 90a) or this device (not compute 9.0) cannot run it");

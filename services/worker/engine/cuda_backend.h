@@ -62,9 +62,9 @@ struct CudaBackendOptions {
   // of 1024 tokens 23.50 ms with vs 22.85 ms without, decode 5.85 vs 5.48 ms/token
   // (benchmarks/RESULTS.md). Graphs pay once a step can be replayed without capturing again.
   bool graphs = false;
-  // The tiled prefill attention's tensor-core instructions: kAuto = wgmma on Hopper (an sm_90a
-  // build), mma.sync elsewhere; kMma or kWgmma to compare them (kWgmma where it cannot run: the
-  // backend's creation fails with kUnavailable).
+  // The tiled prefill attention kernel (kernels.h PrefillKernel): kAuto = the two-warpgroup wgmma
+  // kernel on Hopper (an sm_90a build), mma.sync elsewhere; kMma, kWgmma or kWgmmaWide to compare
+  // them (a wgmma kernel where it cannot run: the backend's creation fails with kUnavailable).
   kernels::PrefillKernel prefill_attention = kernels::PrefillKernel::kAuto;
   // Steps of at least this many rows run the MLP's gate/up product with the SwiGLU fused into it
   // (kernels::gemm_swiglu: our wgmma kernel, where wgmma_available() and the model's intermediate

@@ -38,6 +38,8 @@
 
 #include "services/worker/kernels/common.cuh"
 #include "services/worker/kernels/kernels.h"
+#include "services/worker/kernels/tma.cuh"
+#include "services/worker/kernels/tma_map.h"
 #include "services/worker/kernels/wgmma.cuh"
 
 namespace keep::kernels {
@@ -376,21 +378,22 @@ __device__ __forceinline__ void scores_mma(float (&s)[kKeys / 8][4],
 
 // Scales and masks S (exp2 domain), moves the running max and l, and turns S into P; O is to be
 // multiplied by alpha (rescale_o), which the wgmma pipeline defers until the product in flight
-// on O is done.
-template <bool kFull>
-__device__ __forceinline__ void softmax_scores(float (&s)[kKeys / 8][4], float (&m)[2],
-                                               float (&l)[2], float (&alpha)[2], int lane,
-                                               float scale_log2, const uint64_t (&mask)[2]) {
+// on O is done. kBlocks / 8 key tiles of 64 keys side by side (one, or the wide kernel's two);
+// mask[t][i]: which keys of tile t row i of the thread sees.
+template <bool kFull, int kBlocks>
+__device__ __forceinline__ void softmax_scores(float (&s)[kBlocks][4], float (&m)[2], float (&l)[2],
+                                               float (&alpha)[2], int lane, float scale_log2,
+                                               const uint64_t (&mask)[kBlocks / 8][2]) {
   // m is kept in the exp2 domain (scaled); the scale is folded into the exponent's FMA.
   const int tig = lane & 3;
   float row_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-  for (int n = 0; n < kKeys / 8; ++n) {
+  for (int n = 0; n < kBlocks; ++n) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       if constexpr (!kFull) {
-        const int col = n * 8 + tig * 2 + (e & 1);
-        if (((mask[e >> 1] >> col) & 1ull) == 0) s[n][e] = -INFINITY;
+        const int col = (n % 8) * 8 + tig * 2 + (e & 1);
+        if (((mask[n / 8][e >> 1] >> col) & 1ull) == 0) s[n][e] = -INFINITY;
       }
       row_max[e >> 1] = fmaxf(row_max[e >> 1], s[n][e]);
     }
@@ -409,7 +412,7 @@ __device__ __forceinline__ void softmax_scores(float (&s)[kKeys / 8][4], float (
     l[i] *= alpha[i];
   }
 #pragma unroll
-  for (int n = 0; n < kKeys / 8; ++n) {
+  for (int n = 0; n < kBlocks; ++n) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const float pe = fast_exp2(fmaf(s[n][e], scale_log2, -m_use[e >> 1]));
@@ -430,10 +433,12 @@ __device__ __forceinline__ void rescale_o(float (&o)[HD / 8][4], const float (&a
   }
 }
 
-// softmax_scores, branching on whether the tile needs its mask.
-__device__ __forceinline__ void softmax_tile(bool full, float (&s)[kKeys / 8][4], float (&m)[2],
+// softmax_scores, branching on whether the tiles need their masks.
+template <int kBlocks>
+__device__ __forceinline__ void softmax_tile(bool full, float (&s)[kBlocks][4], float (&m)[2],
                                              float (&l)[2], float (&alpha)[2], int lane,
-                                             float scale_log2, const uint64_t (&mask)[2]) {
+                                             float scale_log2,
+                                             const uint64_t (&mask)[kBlocks / 8][2]) {
   if (full) {
     softmax_scores<true>(s, m, l, alpha, lane, scale_log2, mask);
   } else {
@@ -443,8 +448,8 @@ __device__ __forceinline__ void softmax_tile(bool full, float (&s)[kKeys / 8][4]
 
 // The A fragment of P for keys [16kk, 16kk + 16): the C fragments of key blocks 2kk and 2kk + 1,
 // rounded to bf16.
-__device__ __forceinline__ void p_fragment(uint32_t (&a)[4], const float (&s)[kKeys / 8][4],
-                                           int kk) {
+template <int kBlocks>
+__device__ __forceinline__ void p_fragment(uint32_t (&a)[4], const float (&s)[kBlocks][4], int kk) {
   a[0] = pack_bf16x2(s[2 * kk][0], s[2 * kk][1]);
   a[1] = pack_bf16x2(s[2 * kk][2], s[2 * kk][3]);
   a[2] = pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
@@ -506,6 +511,63 @@ __device__ __forceinline__ void issue_pv_wgmma(float (&o)[HD / 8][4],
       detail::wgmma_m64n128k16_rs(o, a[kk], b);
     } else {
       detail::wgmma_m64n64k16_rs(o, a[kk], b);
+    }
+  }
+}
+
+// Normalises the warp's 16 rows of O (O / l; 0 where l = 0), writes their lse (ln domain; -inf
+// where l = 0), stages them as bf16 in `so` (the warpgroup's 64 rows, of which the warp writes and
+// reads only its own) and stores them with 16-byte writes. Staging rows: padded (HD + 8), or
+// (kSwizzled) HD apart with 16-byte chunk c of row r at c ^ (r % 8), either way free of bank
+// conflicts.
+template <int HD, bool kSwizzled = false, typename KV>
+__device__ __forceinline__ void store_o(bf16* so, const float (&o)[HD / 8][4], const float (&m)[2],
+                                        const float (&l)[2], const Params<KV>& p, int h,
+                                        int32_t row_base, int local_row, int warp, int lane) {
+  constexpr int kChunksPerRow = HD / 8;
+  constexpr int kOStride = kSwizzled ? HD : HD + 8;
+  const auto chunk = [](int r, int c) { return kSwizzled ? c ^ (r & 7) : c; };
+  const int tig = lane & 3;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    float sum = l[i];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    const int lr = local_row + 8 * i;
+#pragma unroll
+    for (int d = 0; d < HD / 8; ++d) {
+      *reinterpret_cast<uint32_t*>(so + lr * kOStride + chunk(lr, d) * 8 + tig * 2) =
+          pack_bf16x2(o[d][2 * i] * inv, o[d][2 * i + 1] * inv);
+    }
+    const int32_t r = row_base + lr;
+    if (p.lse != nullptr && tig == 0 && r < p.rows) {
+      p.lse[static_cast<int64_t>(r) * p.heads + h] =
+          sum > 0.0f ? (m[i] + log2f(sum)) * kLn2 : -INFINITY;
+    }
+  }
+  __syncwarp();
+  bf16* const out_h = p.out + static_cast<int64_t>(h) * HD;
+#pragma unroll
+  for (int i = 0; i < 16 * kChunksPerRow / 32; ++i) {
+    const int c = lane + 32 * i;
+    const int lr = warp * 16 + c / kChunksPerRow;
+    const int col = (c % kChunksPerRow) * 8;
+    const int32_t r = row_base + lr;
+    if (r >= p.rows) continue;
+    const uint4 val =
+        *reinterpret_cast<const uint4*>(so + lr * kOStride + chunk(lr, c % kChunksPerRow) * 8);
+    bf16* const dst = out_h + static_cast<int64_t>(r) * p.out_stride + col;
+    if (p.out_vec) {
+      *reinterpret_cast<uint4*>(dst) = val;
+    } else {
+      auto* d = reinterpret_cast<unsigned short*>(dst);
+      const uint32_t w[4] = {val.x, val.y, val.z, val.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        d[2 * e] = static_cast<unsigned short>(w[e] & 0xffffu);
+        d[2 * e + 1] = static_cast<unsigned short>(w[e] >> 16);
+      }
     }
   }
 }
@@ -586,12 +648,12 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 ? 3 : 2)
   float m[2] = {-INFINITY, -INFINITY};
   float l[2] = {0.0f, 0.0f};
 
-  auto tile_mask = [&](int32_t e, uint64_t(&mask)[2]) {
-    mask[0] = mask[1] = ~0ull;
+  auto tile_mask = [&](int32_t e, uint64_t(&mask)[1][2]) {
+    mask[0][0] = mask[0][1] = ~0ull;
     if ((e & 1) == 0) {
       const int32_t first = (e >> 1) * kKeys;
-      mask[0] = span_mask(p.spans, cursor[0], span_end[0], first);
-      mask[1] = span_mask(p.spans, cursor[1], span_end[1], first);
+      mask[0][0] = span_mask(p.spans, cursor[0], span_end[0], first);
+      mask[0][1] = span_mask(p.spans, cursor[1], span_end[1], first);
     }
   };
   int32_t entry = n_tiles > 0 ? __ldg(p.tiles + sched_begin) : 0;
@@ -611,7 +673,7 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 ? 3 : 2)
     }
     float s[kKeys / 8][4];
     float alpha[2];
-    uint64_t mask[2];
+    uint64_t mask[1][2];
     if (n_tiles > 0) {
       tile_mask(entry, mask);
       __syncwarp();  // wgmma is issued by converged warps
@@ -683,7 +745,7 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 ? 3 : 2)
       cp_async_commit();
       float s[kKeys / 8][4];
       float alpha[2];
-      uint64_t mask[2];
+      uint64_t mask[1][2];
       tile_mask(entry, mask);
       scores_mma<HD>(s, qa, sk + (j & 1) * G::kTileElems, lane);
       softmax_tile((entry & 1) != 0, s, m, l, alpha, lane, p.scale_log2, mask);
@@ -699,67 +761,353 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 ? 3 : 2)
   // start of shared memory, after a barrier: every product of the block is then complete.
   if constexpr (kWgmma) __syncthreads();
   bf16* const so = kWgmma ? sk : sk + (n_tiles & 1) * G::kTileElems;
-  constexpr int kOStride = HD + 8;
-  const int tig = lane & 3;
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    float sum = l[i];
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-    const int lr = local_row + 8 * i;
-#pragma unroll
-    for (int d = 0; d < HD / 8; ++d) {
-      *reinterpret_cast<uint32_t*>(so + lr * kOStride + d * 8 + tig * 2) =
-          pack_bf16x2(o[d][2 * i] * inv, o[d][2 * i + 1] * inv);
+  store_o<HD>(so, o, m, l, p, h, row_base, local_row, warp, lane);
+}
+
+// ---- the two-warpgroup kernel (PrefillKernel::kWgmmaWide) ----
+// A block covers two row tiles (128 rows; consumer warpgroup c owns the rows of tile 2i + c) of
+// one head and steps over the keys 128 at a time (two schedule entries), so that a step has twice
+// the tensor work of the one-warpgroup kernel per wait, rescale of O and load round trip (ncu,
+// Qwen2.5-7B shape, 1024 causal rows: that kernel keeps the tensor pipe 22 % busy, latency bound
+// at two warpgroups per SM). Both consumers walk the union of their tiles' schedules (merged on
+// the fly; an entry is full only where both tiles have it full) and share every K/V tile; a key
+// tile only one of them sees is masked to nothing for the other.
+// Warp-specialized, like gemm_swiglu: warpgroup 0's first warp loads Q, K and V by TMA (two K and
+// two V buffers, mbarriers full / empty); its second warp sanitises V (non-finite values of a tile
+// not marked full to 0, and zeros for the missing half of a step of one tile) before the
+// consumers may read it; warpgroups 1 and 2 run the products and the softmax, each at its own
+// pace. Measured on the way (4096 causal rows, 7B heads): sharing cp.async loads and
+// __syncthreads instead ran the consumers in lockstep at 0.360 ms (one-warpgroup kernel: 0.327);
+// this form runs 0.295-0.298; making the consumers take turns to issue their products (named
+// barriers, FA3's "ping-pong") changed nothing (0.298) and was dropped. Shared memory: K and V of a
+// step as 64-dim panels of 128 key rows (tile 2j's keys in rows 0..63, tile 2j + 1's in 64..127:
+// one K-major B of N = 128 for S = Q K^T, one transposed B of K = 128 for O += P V); Q per consumer
+// as in the other kernel (and its O staging at the end). bf16 K/V and 16-byte aligned Q, K, V
+// only (launch() falls back to kWgmma otherwise). The pipeline, masks, softmax and epilogue are
+// the other kernel's wgmma path.
+constexpr int kWideThreads = 384;
+// kAuto's choice (kPrefillWideMinKeys), from test_attention's timings on the H200 (Qwen2.5-7B
+// heads, bf16 K/V): this kernel from 4096 keys on (4096 causal rows 0.327 -> 0.298 ms, 512 rows
+// after 3584 keys 0.092 -> 0.079 ms), the one-warpgroup kernel below that (2048 causal rows: 0.100
+// vs 0.106 ms, 1024: 0.038 vs 0.044 ms; one block per SM leaves each block's start and end
+// unhidden, and a short walk is mostly that) and at head_dim 64 (4096 rows of SmolLM2's: 0.080 vs
+// 0.086 ms).
+constexpr int kWideKeys = 2 * kKeys;
+constexpr uint32_t kWidePanelBytes = kWideKeys * 128;  // 128 key rows of one 64-dim panel
+constexpr uint32_t kBoxBytes = kKeys * 128;            // one TMA box: 64 rows x 64 elements
+constexpr int kWideProducerRegs = 24;
+constexpr int kWideConsumerRegs = 240;
+static_assert(kWideProducerRegs * 128 + kWideConsumerRegs * 256 <= 65536, "registers");
+
+template <int HD>
+struct WideGeometry {
+  static_assert(HD % 64 == 0, "swizzled panels are 64 elements wide");
+  static constexpr int kPanels = HD / 64;
+  static constexpr int kPairElems = kPanels * static_cast<int>(kWidePanelBytes) / 2;
+  static constexpr int kQElems = kPanels * static_cast<int>(kPanelBytes) / 2;
+  static constexpr int kBarriers = 11;  // q_full, k_full[2], k_empty[2], v_full[2], v_empty[2],
+                                        // v_ready[2]
+  // K[2], V[2], Q[2], the barriers, and the slack that aligns the panels to 1024 bytes.
+  static constexpr size_t kSmemBytes =
+      (4 * kPairElems + 2 * kQElems) * sizeof(bf16) + kBarriers * 8 + 1024;
+  static_assert(kQElems >= kRows * HD, "a consumer's O staging fits in its Q buffer");
+};
+
+struct WideArgs {
+  Params<bf16> p;
+  CUtensorMap q;  // (rows, heads * HD), q_stride apart, 64 x 64 boxes
+  CUtensorMap k;  // (num_keys, kv_heads * HD), 64 x 64 boxes
+  CUtensorMap v;
+};
+
+// The union of two row tiles' schedules, in ascending key-tile order: entries key_tile * 2 +
+// full, full where both tiles have the key tile full.
+struct EntryMerge {
+  const int32_t* tiles;
+  int32_t a, a_end, b, b_end;
+  __device__ __forceinline__ int32_t next() {  // -1 when done
+    const int32_t ea = a < a_end ? __ldg(tiles + a) : INT32_MAX;
+    const int32_t eb = b < b_end ? __ldg(tiles + b) : INT32_MAX;
+    if (ea == INT32_MAX && eb == INT32_MAX) return -1;
+    const int32_t ta = ea >> 1, tb = eb >> 1;
+    if (ta == tb) {
+      ++a, ++b;
+      return (ta << 1) | (ea & eb & 1);
     }
-    const int32_t r = row_base + lr;
-    if (p.lse != nullptr && tig == 0 && r < p.rows) {
-      p.lse[static_cast<int64_t>(r) * p.heads + h] =
-          sum > 0.0f ? (m[i] + log2f(sum)) * kLn2 : -INFINITY;
+    if (ta < tb) {
+      ++a;
+      return ta << 1;
     }
+    ++b;
+    return tb << 1;
   }
-  __syncwarp();
-  bf16* const out_h = p.out + static_cast<int64_t>(h) * HD;
-#pragma unroll
-  for (int i = 0; i < 16 * G::kChunksPerRow / 32; ++i) {
-    const int c = lane + 32 * i;
-    const int lr = warp * 16 + c / G::kChunksPerRow;
-    const int col = (c % G::kChunksPerRow) * 8;
-    const int32_t r = row_base + lr;
-    if (r >= p.rows) continue;
-    const uint4 val = *reinterpret_cast<const uint4*>(so + lr * kOStride + col);
-    bf16* const dst = out_h + static_cast<int64_t>(r) * p.out_stride + col;
-    if (p.out_vec) {
-      *reinterpret_cast<uint4*>(dst) = val;
-    } else {
-      auto* d = reinterpret_cast<unsigned short*>(dst);
-      const uint32_t w[4] = {val.x, val.y, val.z, val.w};
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        d[2 * e] = static_cast<unsigned short>(w[e] & 0xffffu);
-        d[2 * e + 1] = static_cast<unsigned short>(w[e] >> 16);
-      }
+};
+
+// One step's entries: e[1] = -1 for a last step of one tile; e[0] = -1: no step.
+struct StepTiles {
+  int32_t e[2];
+  __device__ __forceinline__ bool valid() const { return e[0] >= 0; }
+  __device__ __forceinline__ bool full() const { return e[1] >= 0 && (e[0] & e[1] & 1) != 0; }
+};
+
+// Every non-finite value of `elems` bf16 (a multiple of 256) in shared memory to 0 (or all to 0),
+// by one warp.
+__device__ __forceinline__ void sanitize_smem(bf16* p, int elems, bool zero, int lane) {
+  for (int i = lane; i < elems / 8; i += 32) {
+    uint4* q = reinterpret_cast<uint4*>(p) + i;
+    uint4 u = make_uint4(0, 0, 0, 0);
+    if (!zero) {
+      u = *q;
+      u.x = finite_bf16x2(u.x);
+      u.y = finite_bf16x2(u.y);
+      u.z = finite_bf16x2(u.z);
+      u.w = finite_bf16x2(u.w);
     }
+    *q = u;
   }
 }
 
-// Raises the dynamic shared-memory limit of a kernel instantiation once per device (devices 0..63;
-// others every launch).
-template <int HD, typename KV, bool kWgmma>
-cudaError_t configure_once() {
+template <int HD>
+__global__ void __launch_bounds__(kWideThreads, 1)
+    attention_prefill_wide_kernel(const __grid_constant__ WideArgs args) {
+  using W = WideGeometry<HD>;
+  const Params<bf16>& p = args.p;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  unsigned char* const smem = smem_raw + ((1024 - (detail::smem_u32(smem_raw) & 1023)) & 1023);
+  bf16* const sk = reinterpret_cast<bf16*>(smem);  // K of a step [2]
+  bf16* const sv = sk + 2 * W::kPairElems;         // V of a step [2]
+  bf16* const sq = sv + 2 * W::kPairElems;         // Q [consumer]
+  uint64_t* const q_full = reinterpret_cast<uint64_t*>(sq + 2 * W::kQElems);
+  uint64_t* const k_full = q_full + 1;   // [2]: loaded
+  uint64_t* const k_empty = q_full + 3;  // [2]: both consumers' S done with it
+  uint64_t* const v_full = q_full + 5;   // [2]: loaded
+  uint64_t* const v_empty = q_full + 7;  // [2]: both consumers' O += P V done with it
+  uint64_t* const v_ready = q_full + 9;  // [2]: sanitised
+  const int tid = threadIdx.x;
+  const int wg = tid / 128;
+  const int warp = (tid % 128) / 32;
+  const int lane = tid % 32;
+
+  // Heaviest row tiles first, all heads of a row tile next to each other (as the other kernel).
+  const int64_t block = static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x;
+  const int h = static_cast<int>(block % p.heads);
+  const int32_t pairs = (p.row_tiles + 1) / 2;
+  const int32_t tile_a = 2 * (pairs - 1 - static_cast<int32_t>(block / p.heads));
+  const bool has_b = tile_a + 1 < p.row_tiles;
+  // Every role walks the same steps, each with its own merge.
+  EntryMerge merge{p.tiles, __ldg(p.tile_offsets + tile_a), __ldg(p.tile_offsets + tile_a + 1),
+                   has_b ? __ldg(p.tile_offsets + tile_a + 1) : 0,
+                   has_b ? __ldg(p.tile_offsets + tile_a + 2) : 0};
+  auto next_step = [&] {
+    StepTiles st;
+    st.e[0] = merge.next();
+    st.e[1] = st.e[0] >= 0 ? merge.next() : -1;
+    return st;
+  };
+  if (tid == 0) {
+    detail::mbar_init(q_full, 1);
+    for (int b = 0; b < 2; ++b) {
+      detail::mbar_init(&k_full[b], 1);
+      detail::mbar_init(&k_empty[b], 2);
+      detail::mbar_init(&v_full[b], 1);
+      detail::mbar_init(&v_empty[b], 2);
+      detail::mbar_init(&v_ready[b], 1);
+    }
+    detail::mbar_init_fence();
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    detail::setmaxnreg_dec<kWideProducerRegs>();
+    if (warp == 0 && lane == 0) {  // the loads
+      const int kv_col = (h / p.group) * HD;
+      detail::mbar_arrive_expect_tx(q_full, 2 * W::kPanels * kBoxBytes);
+      for (int c = 0; c < 2; ++c) {
+        for (int pn = 0; pn < W::kPanels; ++pn) {
+          detail::tma_load_2d(sq + c * W::kQElems + pn * (kPanelBytes / 2), &args.q, q_full,
+                              h * HD + 64 * pn, (tile_a + c) * kRows);
+        }
+      }
+      for (int s = 0;; ++s) {
+        const StepTiles st = next_step();
+        if (!st.valid()) break;
+        const int b = s & 1;
+        const uint32_t bytes = (st.e[1] >= 0 ? 2 : 1) * W::kPanels * kBoxBytes;
+        for (int kind = 0; kind < 2; ++kind) {  // K, then V
+          uint64_t* const full = kind == 0 ? &k_full[b] : &v_full[b];
+          if (s >= 2) detail::mbar_wait(kind == 0 ? &k_empty[b] : &v_empty[b], ((s >> 1) - 1) & 1);
+          detail::mbar_arrive_expect_tx(full, bytes);
+          bf16* const buf = (kind == 0 ? sk : sv) + b * W::kPairElems;
+          for (int t = 0; t < 2; ++t) {
+            if (st.e[t] < 0) continue;
+            for (int pn = 0; pn < W::kPanels; ++pn) {
+              detail::tma_load_2d(buf + pn * (kWidePanelBytes / 2) + t * kKeys * 64,
+                                  kind == 0 ? &args.k : &args.v, full, kv_col + 64 * pn,
+                                  (st.e[t] >> 1) * kKeys);
+            }
+          }
+        }
+      }
+    } else if (warp == 1) {  // V sanitised before the consumers read it
+      for (int s = 0;; ++s) {
+        const StepTiles st = next_step();
+        if (!st.valid()) break;
+        const int b = s & 1;
+        detail::mbar_wait(&v_full[b], (s >> 1) & 1);
+        bool wrote = false;
+        for (int t = 0; t < 2; ++t) {
+          if (st.e[t] >= 0 && (st.e[t] & 1) != 0) continue;  // a full tile is read as it is
+          for (int pn = 0; pn < W::kPanels; ++pn) {
+            sanitize_smem(sv + b * W::kPairElems + pn * (kWidePanelBytes / 2) + t * kKeys * 64,
+                          kKeys * 64, st.e[t] < 0, lane);
+          }
+          wrote = true;
+        }
+        if (wrote) detail::fence_proxy_async_shared();  // for the consumers' wgmma
+        __syncwarp();
+        if (lane == 0) detail::mbar_arrive(&v_ready[b]);
+      }
+    }
+    return;
+  }
+  detail::setmaxnreg_inc<kWideConsumerRegs>();
+  const int c = wg - 1;  // this consumer's row tile: tile_a + c
+  const int32_t row_base = (tile_a + c) * kRows;
+  const int wtid = tid % 128;
+  // This consumer is done with a buffer: one arrival (of the two its empty barrier counts).
+  auto release = [&](uint64_t* bar) {
+    if (wtid == 0) detail::mbar_arrive(bar);
+  };
+  const uint64_t q_desc = detail::wgmma_desc_sw128(sq + c * W::kQElems, 16, 1024);
+  // The thread's two rows and their span lists.
+  const int local_row = warp * 16 + lane / 4;  // and local_row + 8
+  int32_t cursor[2];
+  int32_t span_end[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int32_t r = row_base + local_row + 8 * i;
+    cursor[i] = r < p.rows ? __ldg(p.row_offsets + r) : 0;
+    span_end[i] = r < p.rows ? __ldg(p.row_offsets + r + 1) : 0;
+  }
+  auto step_mask = [&](const StepTiles& st, uint64_t(&mask)[2][2]) {
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const int32_t e = st.e[t];
+      mask[t][0] = mask[t][1] = e < 0 ? 0ull : ~0ull;
+      if (e >= 0 && (e & 1) == 0) {
+        const int32_t first = (e >> 1) * kKeys;
+        mask[t][0] = span_mask(p.spans, cursor[0], span_end[0], first);
+        mask[t][1] = span_mask(p.spans, cursor[1], span_end[1], first);
+      }
+    }
+  };
+  // S of the consumer's 64 rows against the step's 128 keys, issued.
+  auto issue_scores = [&](float(&s)[kWideKeys / 8][4], const bf16* k) {
+    const uint64_t k_desc = detail::wgmma_desc_sw128(k, 16, 1024);
+#pragma unroll
+    for (int ks = 0; ks < HD / 16; ++ks) {
+      const uint32_t col = (ks & 3) * 32;
+      detail::wgmma_m64n128k16_ss(s, detail::wgmma_desc_add(q_desc, (ks >> 2) * kPanelBytes + col),
+                                  detail::wgmma_desc_add(k_desc, (ks >> 2) * kWidePanelBytes + col),
+                                  ks > 0);
+    }
+  };
+  // O += P V over the step's 128 keys (the missing half of a step of one tile is zeros), issued.
+  auto issue_pv = [&](float(&o)[HD / 8][4], const uint32_t(&a)[kWideKeys / 16][4], const bf16* v) {
+    const uint64_t v_desc = detail::wgmma_desc_sw128(v, kWidePanelBytes, 1024);
+#pragma unroll
+    for (int kk = 0; kk < kWideKeys / 16; ++kk) {
+      const uint64_t b = detail::wgmma_desc_add(v_desc, kk * 2048);
+      if constexpr (HD == 128) {
+        detail::wgmma_m64n128k16_rs(o, a[kk], b);
+      } else {
+        detail::wgmma_m64n64k16_rs(o, a[kk], b);
+      }
+    }
+  };
+
+  float o[HD / 8][4];
+#pragma unroll
+  for (int d = 0; d < HD / 8; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.0f;
+  float m[2] = {-INFINITY, -INFINITY};
+  float l[2] = {0.0f, 0.0f};
+  float s[kWideKeys / 8][4];
+  float alpha[2];
+  uint64_t mask[2][2];
+  StepTiles cur = next_step();
+  StepTiles nxt = next_step();
+  detail::mbar_wait(q_full, 0);
+  if (cur.valid()) {
+    step_mask(cur, mask);
+    detail::mbar_wait(&k_full[0], 0);
+    __syncwarp();
+    detail::wgmma_fence();
+    issue_scores(s, sk);
+    detail::wgmma_commit();
+    detail::wgmma_wait<0>();
+    detail::wgmma_fence_operands(s);
+    release(&k_empty[0]);
+    softmax_tile(cur.full(), s, m, l, alpha, lane, p.scale_log2, mask);  // O is 0 yet
+  }
+  // The other kernel's pipeline: with step j's P in registers, S of step j + 1 and O += P_j V_j
+  // are issued together; the softmax of step j + 1 runs while the second product is in flight.
+  uint32_t a[kWideKeys / 16][4];
+  int j = 0;
+  for (; nxt.valid(); ++j) {
+    const StepTiles after = next_step();
+    const int b1 = (j + 1) & 1, b0 = j & 1;
+    detail::mbar_wait(&k_full[b1], ((j + 1) >> 1) & 1);
+    detail::mbar_wait(&v_ready[b0], (j >> 1) & 1);
+#pragma unroll
+    for (int kk = 0; kk < kWideKeys / 16; ++kk) p_fragment(a[kk], s, kk);
+    __syncwarp();
+    detail::wgmma_fence();
+    issue_scores(s, sk + b1 * W::kPairElems);
+    detail::wgmma_commit();
+    issue_pv(o, a, sv + b0 * W::kPairElems);
+    detail::wgmma_commit();
+    step_mask(nxt, mask);
+    detail::wgmma_wait<1>();
+    detail::wgmma_fence_operands(s);
+    release(&k_empty[b1]);
+    softmax_tile(nxt.full(), s, m, l, alpha, lane, p.scale_log2, mask);
+    detail::wgmma_wait<0>();
+    detail::wgmma_fence_operands(o);
+    release(&v_empty[b0]);
+    rescale_o<HD>(o, alpha);
+    cur = nxt;
+    nxt = after;
+  }
+  if (cur.valid()) {
+    detail::mbar_wait(&v_ready[j & 1], (j >> 1) & 1);
+#pragma unroll
+    for (int kk = 0; kk < kWideKeys / 16; ++kk) p_fragment(a[kk], s, kk);
+    __syncwarp();
+    detail::wgmma_fence();
+    issue_pv(o, a, sv + (j & 1) * W::kPairElems);
+    detail::wgmma_commit();
+    detail::wgmma_wait<0>();
+    detail::wgmma_fence_operands(o);
+  }
+  // This consumer's products are done: its Q buffer takes the O staging.
+  detail::named_barrier(1 + c, 128);
+  store_o<HD, true>(sq + c * W::kQElems, o, m, l, p, h, row_base, local_row, warp, lane);
+}
+
+// Raises the dynamic shared-memory limit of a kernel once per device (devices 0..63; others every
+// launch).
+template <auto kKernel>
+cudaError_t configure_once(size_t smem_bytes) {
   static std::atomic<uint64_t> configured{0};
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
   const uint64_t bit = device < 64 ? (1ull << device) : 0;
   if (bit != 0 && (configured.load(std::memory_order_acquire) & bit) != 0) return cudaSuccess;
-  err = cudaFuncSetAttribute(attention_prefill_kernel<HD, KV, kWgmma>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(Geometry<HD, kWgmma>::kSmemBytes));
+  err = cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(smem_bytes));
   if (err != cudaSuccess) return err;
-  err = cudaFuncSetAttribute(attention_prefill_kernel<HD, KV, kWgmma>,
-                             cudaFuncAttributePreferredSharedMemoryCarveout,
+  err = cudaFuncSetAttribute(kKernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                              cudaSharedmemCarveoutMaxShared);
   if (err != cudaSuccess) return err;
   configured.fetch_or(bit, std::memory_order_release);
@@ -768,11 +1116,31 @@ cudaError_t configure_once() {
 
 template <int HD, typename KV, bool kWgmma>
 cudaError_t launch_hd(const Params<KV>& p, cudaStream_t stream) {
-  const cudaError_t err = configure_once<HD, KV, kWgmma>();
+  constexpr size_t kBytes = Geometry<HD, kWgmma>::kSmemBytes;
+  const cudaError_t err = configure_once<attention_prefill_kernel<HD, KV, kWgmma>>(kBytes);
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned int>(p.row_tiles), static_cast<unsigned int>(p.heads));
-  attention_prefill_kernel<HD, KV, kWgmma>
-      <<<grid, kThreads, Geometry<HD, kWgmma>::kSmemBytes, stream>>>(p);
+  attention_prefill_kernel<HD, KV, kWgmma><<<grid, kThreads, kBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <int HD>
+cudaError_t launch_wide(const Params<bf16>& p, cudaStream_t stream) {
+  constexpr size_t kBytes = WideGeometry<HD>::kSmemBytes;
+  WideArgs args;
+  args.p = p;
+  const int64_t kv_width = static_cast<int64_t>(p.kv_heads) * HD;
+  if (!detail::encode_bf16_map(&args.q, p.q, p.rows, static_cast<int64_t>(p.heads) * HD, p.q_stride,
+                               kKeys) ||
+      !detail::encode_bf16_map(&args.k, p.k, p.num_keys, kv_width, kv_width, kKeys) ||
+      !detail::encode_bf16_map(&args.v, p.v, p.num_keys, kv_width, kv_width, kKeys)) {
+    return cudaErrorInvalidValue;
+  }
+  const cudaError_t err = configure_once<attention_prefill_wide_kernel<HD>>(kBytes);
+  if (err != cudaSuccess) return err;
+  const dim3 grid(static_cast<unsigned int>((p.row_tiles + 1) / 2),
+                  static_cast<unsigned int>(p.heads));
+  attention_prefill_wide_kernel<HD><<<grid, kWideThreads, kBytes, stream>>>(args);
   return cudaGetLastError();
 }
 
@@ -782,8 +1150,10 @@ cudaError_t launch(bf16* out, int64_t out_stride, float* lse, const bf16* q, int
                    const PrefillSchedule& schedule, int heads, int kv_heads, int head_dim,
                    float scale, PrefillKernel kernel, cudaStream_t stream) {
   if (kernel == PrefillKernel::kAuto) {
-    kernel = wgmma_available() ? PrefillKernel::kWgmma : PrefillKernel::kMma;
-  } else if (kernel == PrefillKernel::kWgmma && !wgmma_available()) {
+    kernel = !wgmma_available()                                        ? PrefillKernel::kMma
+             : head_dim == 128 && rows.num_keys >= kPrefillWideMinKeys ? PrefillKernel::kWgmmaWide
+                                                                       : PrefillKernel::kWgmma;
+  } else if (kernel != PrefillKernel::kMma && !wgmma_available()) {
     return cudaErrorNotSupported;
   }
   if (rows.rows < 0 || rows.num_keys < 0 || heads <= 0 || kv_heads <= 0 || heads > 65535 ||
@@ -825,7 +1195,13 @@ cudaError_t launch(bf16* out, int64_t out_stride, float* lse, const bf16* q, int
   p.kv_vec =
       detail::aligned16(k) && detail::aligned16(v);  // rows are head_dim (a multiple of 8) apart
   // The one place head_dim becomes a compile-time constant.
-  const bool wgmma = kernel == PrefillKernel::kWgmma;
+  if constexpr (std::is_same_v<KV, bf16>) {
+    if (kernel == PrefillKernel::kWgmmaWide && p.q_vec && p.kv_vec && p.num_keys > 0 &&
+        detail::tensor_map_encoder() != nullptr) {
+      return head_dim == 64 ? launch_wide<64>(p, stream) : launch_wide<128>(p, stream);
+    }
+  }
+  const bool wgmma = kernel != PrefillKernel::kMma;
   switch (head_dim) {
     case 64:
       return wgmma ? launch_hd<64, KV, true>(p, stream) : launch_hd<64, KV, false>(p, stream);

@@ -143,10 +143,15 @@ cudaError_t convert(float* out, const __nv_bfloat16* in, int64_t n, cudaStream_t
 // (KEEP_KERNELS_SM90A, CMAKE_CUDA_ARCHITECTURES naming 90a) and the device is compute 9.0.
 bool wgmma_available();
 
-// Which tensor-core instructions the prefill kernel uses. kAuto: wgmma where available, else
-// mma.sync. kWgmma where it is not available: cudaErrorNotSupported. Same results either way up
-// to fp32 summation order.
-enum class PrefillKernel { kAuto, kMma, kWgmma };
+// Which prefill kernel runs. kMma: one warpgroup per 64 rows on mma.sync; kWgmma: the same on
+// wgmma; kWgmmaWide: two warpgroups per 128 rows, 128 keys a step, warp-specialized with TMA
+// loads, where K/V are bf16 and Q, K, V 16-byte aligned (kWgmma's kernel otherwise). kAuto: on
+// Hopper kWgmmaWide for head_dim 128 from kPrefillWideMinKeys keys on (where it measured
+// faster), kWgmma below;
+// elsewhere kMma. A wgmma kernel where wgmma is not available: cudaErrorNotSupported. Same results
+// up to fp32 summation order.
+enum class PrefillKernel { kAuto, kMma, kWgmma, kWgmmaWide };
+constexpr int32_t kPrefillWideMinKeys = 4096;  // kAuto's kWgmmaWide threshold (head_dim 128)
 
 // Tiled flash-style kernel (tensor cores), for any number of rows; schedule from
 // build_prefill_schedule over the same rows. head_dim 64 or 128 (else cudaErrorInvalidValue).

@@ -127,6 +127,17 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[8][4], const uint3
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
 
+// d (64 x 128) (+)= A (64 x 16) B^T (B: 128 x 16), both K-major in shared memory.
+__device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[16][4], uint64_t a, uint64_t b,
+                                                    int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" KEEP_WGMMA_R0 ", " KEEP_WGMMA_R32
+      "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : KEEP_WGMMA_D32(0), KEEP_WGMMA_D32(8)
+      : "l"(a), "l"(b), "r"(accumulate));
+}
+
 // d (64 x 128) += A (64 x 16, registers: the mma.sync A fragment of each warp's 16 rows) B
 // (16 x 128, shared memory, N-major: the transposed form).
 __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[16][4], const uint32_t (&a)[4],
@@ -165,6 +176,9 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&)[8][4], const uint32
 }
 __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&)[16][4], const uint32_t (&)[4],
                                                     uint64_t) {
+  __trap();
+}
+__device__ __forceinline__ void wgmma_m64n128k16_ss(float (&)[16][4], uint64_t, uint64_t, int) {
   __trap();
 }
 __device__ __forceinline__ void wgmma_m64n256k16_ss(float (&)[32][4], uint64_t, uint64_t, int) {
