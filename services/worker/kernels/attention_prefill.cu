@@ -497,15 +497,17 @@ __device__ __forceinline__ void issue_scores_wgmma(float (&s)[kKeys / 8][4], uin
 
 // O += P V on wgmma, issued: P from registers (`a`, which must stay untouched until the product
 // is waited for), V's tile as the transposed B.
-template <int HD>
+// kSlices * 16 keys; panel_bytes: the tile's 64-dim panels apart (kPanelBytes for 64 keys).
+template <int HD, int kSlices>
 __device__ __forceinline__ void issue_pv_wgmma(float (&o)[HD / 8][4],
-                                               const uint32_t (&a)[kKeys / 16][4], const bf16* sv) {
+                                               const uint32_t (&a)[kSlices][4], const bf16* sv,
+                                               uint32_t panel_bytes = kPanelBytes) {
   // N-major (transposed), swizzled: the 64 dims of a panel along a 128-byte row, panels (the next
-  // 64 dims) kPanelBytes apart, 8-key groups 1024 bytes apart; step kk reads keys
+  // 64 dims) panel_bytes apart, 8-key groups 1024 bytes apart; step kk reads keys
   // [16kk, 16kk + 16).
-  const uint64_t v_desc = detail::wgmma_desc_sw128(sv, kPanelBytes, 1024);
+  const uint64_t v_desc = detail::wgmma_desc_sw128(sv, panel_bytes, 1024);
 #pragma unroll
-  for (int kk = 0; kk < kKeys / 16; ++kk) {
+  for (int kk = 0; kk < kSlices; ++kk) {
     const uint64_t b = detail::wgmma_desc_add(v_desc, kk * 2048);
     if constexpr (HD == 128) {
       detail::wgmma_m64n128k16_rs(o, a[kk], b);
@@ -1014,16 +1016,7 @@ __global__ void __launch_bounds__(kWideThreads, 1)
   };
   // O += P V over the step's 128 keys (the missing half of a step of one tile is zeros), issued.
   auto issue_pv = [&](float(&o)[HD / 8][4], const uint32_t(&a)[kWideKeys / 16][4], const bf16* v) {
-    const uint64_t v_desc = detail::wgmma_desc_sw128(v, kWidePanelBytes, 1024);
-#pragma unroll
-    for (int kk = 0; kk < kWideKeys / 16; ++kk) {
-      const uint64_t b = detail::wgmma_desc_add(v_desc, kk * 2048);
-      if constexpr (HD == 128) {
-        detail::wgmma_m64n128k16_rs(o, a[kk], b);
-      } else {
-        detail::wgmma_m64n64k16_rs(o, a[kk], b);
-      }
-    }
+    issue_pv_wgmma<HD>(o, a, v, kWidePanelBytes);
   };
 
   float o[HD / 8][4];
