@@ -4,7 +4,7 @@
 //   build/bin/bench_prefill --shape qwen2.5-7b --tokens 1024,2048,4096 [--reps 10] [--warmup 3]
 //       [--decode 64] [--decode-context 1024] [--json out.jsonl] [--graphs on|off|both]
 //       [--profile] [--logits f32rows|f32|bf16] [--attention auto|mma|wgmma|wide] [--gap-ms G]
-//       [--fused-swiglu-rows R]
+//       [--fused-swiglu-rows R] [--gemm-autotune-rows R]
 //
 // TTFT = wall time of Engine::prefill (embedding, every layer, final norm + lm_head of the last
 // row, logits copied to the host), the prompt in one chunk; median of --reps after --warmup runs.
@@ -15,8 +15,10 @@
 // loop captured into a CUDA graph (CudaBackendOptions::graphs); --profile prints the GPU time of
 // each stage of the layers (CudaBackend::profile); --attention picks the prefill attention's
 // tensor-core instructions (CudaBackendOptions::prefill_attention); --fused-swiglu-rows sets
-// CudaBackendOptions::fused_swiglu_rows (0: cuBLAS + swiglu_rows always). benchmarks/prefill/run.sh
-// runs this and HF transformers (hf_prefill.py) in one go and prints the ratios.
+// CudaBackendOptions::fused_swiglu_rows (0: cuBLAS + swiglu_rows always); --gemm-autotune-rows
+// sets CudaBackendOptions::gemm_autotune_rows (0: cuBLAS's default algorithms only).
+// benchmarks/prefill/run.sh runs this and HF transformers (hf_prefill.py) in one go and prints the
+// ratios.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -46,7 +48,7 @@ int usage(const char* msg) {
       "usage: bench_prefill --shape NAME --tokens N[,N...] [--reps R] [--warmup W] "
       "[--decode T] [--decode-context N] [--json FILE] [--graphs on|off|both] [--profile]\n"
       "  [--logits f32rows|f32|bf16] [--attention auto|mma|wgmma|wide] [--gap-ms G]\n"
-      "  [--fused-swiglu-rows R]\n"
+      "  [--fused-swiglu-rows R] [--gemm-autotune-rows R]\n"
       "  shapes:");
   for (const auto& n : keep::bench::model_shape_names()) std::fprintf(stderr, " %s", n.c_str());
   std::fprintf(stderr, "\n");
@@ -89,6 +91,7 @@ int main(int argc, char** argv) {
   std::vector<int64_t> lens = {1024, 2048, 4096};
   int reps = 10, warmup = 3, decode = 64, gap_ms = 0;
   int fused_swiglu_rows = CudaBackendOptions{}.fused_swiglu_rows;
+  int gemm_autotune_rows = CudaBackendOptions{}.gemm_autotune_rows;
   int64_t decode_context = 1024;
   for (int i = 1; i < argc; ++i) {
     auto next = [&]() -> const char* { return i + 1 < argc ? argv[++i] : nullptr; };
@@ -120,17 +123,21 @@ int main(int argc, char** argv) {
       gap_ms = std::atoi(v);
     else if (!std::strcmp(a, "--fused-swiglu-rows") && (v = next()))
       fused_swiglu_rows = std::atoi(v);
+    else if (!std::strcmp(a, "--gemm-autotune-rows") && (v = next()))
+      gemm_autotune_rows = std::atoi(v);
     else
       return usage((std::string("bad argument: ") + a).c_str());
   }
   const auto cfg = keep::bench::model_shape(shape);
   if (!cfg.is_ok()) return usage(cfg.status().to_string().c_str());
-  if (lens.empty() || reps < 1 || warmup < 0 || decode < 0 || gap_ms < 0 || fused_swiglu_rows < 0) {
+  if (lens.empty() || reps < 1 || warmup < 0 || decode < 0 || gap_ms < 0 || fused_swiglu_rows < 0 ||
+      gemm_autotune_rows < 0) {
     return usage("bad sizes");
   }
   if (graphs != "on" && graphs != "off" && graphs != "both") return usage("--graphs on|off|both");
   CudaBackendOptions options;
   options.fused_swiglu_rows = fused_swiglu_rows;
+  options.gemm_autotune_rows = gemm_autotune_rows;
   if (logits == "f32rows") {
     options.logits = CudaBackendOptions::Logits::kF32Rows;
   } else if (logits == "f32") {

@@ -95,11 +95,15 @@ TEST_CASE("SmolLM2-135M-Instruct on CUDA: same top-1 as the CPU backend, small K
   // Every logits mode with the default attention; and, where the default is wgmma, the default
   // logits with the mma.sync attention and with the two-warpgroup kernel (which the default picks
   // only for views of 4096 keys or more), so every form of the prefill kernel runs end to end,
-  // and with gemm_swiglu for every prefill (the prompts are shorter than its default threshold).
+  // and with gemm_swiglu for every prefill (the prompts are shorter than its default threshold);
+  // and one where every cuBLAS product of 16 rows or more takes a tuned cuBLASLt algorithm (margin
+  // -1: kept even where cuBLAS's default pick is faster), so GemmTuner's path runs end to end.
   struct Config {
     Logits logits;
     PrefillKernel attention;
     int32_t fused_swiglu_rows = CudaBackendOptions{}.fused_swiglu_rows;
+    int32_t gemm_autotune_rows = CudaBackendOptions{}.gemm_autotune_rows;
+    double gemm_autotune_margin = CudaBackendOptions{}.gemm_autotune_margin;
   };
   std::vector<Config> configs = {{Logits::kF32Rows, PrefillKernel::kAuto},
                                  {Logits::kF32, PrefillKernel::kAuto},
@@ -109,12 +113,16 @@ TEST_CASE("SmolLM2-135M-Instruct on CUDA: same top-1 as the CPU backend, small K
     configs.push_back({Logits::kF32Rows, PrefillKernel::kWgmmaWide});
     configs.push_back({Logits::kF32Rows, PrefillKernel::kAuto, 1});
   }
+  configs.push_back(
+      {Logits::kF32Rows, PrefillKernel::kAuto, CudaBackendOptions{}.fused_swiglu_rows, 16, -1.0});
   for (const Config& config : configs) {
     CudaBackendOptions opt;
     const bool is_default = config.logits == opt.logits;
     opt.logits = config.logits;
     opt.prefill_attention = config.attention;
     opt.fused_swiglu_rows = config.fused_swiglu_rows;
+    opt.gemm_autotune_rows = config.gemm_autotune_rows;
+    opt.gemm_autotune_margin = config.gemm_autotune_margin;
     auto e = cuda_engine(loaded->weights, 256, opt);
     MESSAGE("backend: " << e->backend().name());
 

@@ -60,9 +60,11 @@ std::vector<Bf16> random_bf16(std::mt19937& rng, size_t n, float a) {
 }
 
 // kAcc: gemm_nt_accumulate (fp32 y += x W^T) onto random y; else gemm_nt onto NaN.
+// tuner: run the product through GemmTuner::run (bf16 out or fp32 accumulate), which must take it.
 template <bool kF32Out, bool kAcc = false>
 void check_one(keep::kernels::BlasHandle& blas, std::mt19937& rng, int64_t rows, int64_t out,
-               int64_t in, int64_t x_pad, int64_t y_pad) {
+               int64_t in, int64_t x_pad, int64_t y_pad,
+               const keep::kernels::GemmTuner* tuner = nullptr) {
   static_assert(kF32Out || !kAcc, "accumulation is into fp32");
   const int64_t xs = in + x_pad, ys = out + y_pad;
   const auto x = random_bf16(rng, static_cast<size_t>(rows * xs), 1.0f);
@@ -86,7 +88,12 @@ void check_one(keep::kernels::BlasHandle& blas, std::mt19937& rng, int64_t rows,
   auto* dx = upload(x);
   auto* dw = upload(w);
   auto* dy = upload(y0);
-  if constexpr (kAcc) {
+  if (tuner != nullptr) {  // the tuner's products: bf16 out or fp32 accumulate
+    if (kF32Out != kAcc) std::exit(2);
+    BLAS_OK(tuner->run({out, in, xs, ys, kAcc}, rows, dy,
+                       reinterpret_cast<const __nv_bfloat16*>(dx),
+                       reinterpret_cast<const __nv_bfloat16*>(dw)));
+  } else if constexpr (kAcc) {
     BLAS_OK(keep::kernels::gemm_nt_accumulate(
         blas.get(), dy, ys, reinterpret_cast<const __nv_bfloat16*>(dx), xs,
         reinterpret_cast<const __nv_bfloat16*>(dw), rows, out, in));
@@ -414,6 +421,73 @@ void check_gemm_swiglu(std::mt19937& rng, int64_t rows, int64_t inter, int64_t i
 
 // Random operands of one timed product: x (rows, in), W (out, in) bf16, y zeroed with room for
 // fp32 (rows, out); and the product as the CUDA backend issues it through cuBLAS.
+// GemmTuner: tuned with a negative margin (the fastest cuBLASLt candidate is kept even where
+// cuBLAS's default is faster), run() must compute the product at the tuned rows and at rows that
+// reuse the choice (more than half of them), and refuse fewer rows and other shapes.
+void check_tuner(keep::kernels::BlasHandle& blas, void* ws, size_t ws_bytes, std::mt19937& rng) {
+  namespace kk = keep::kernels;
+  kk::GemmTuner tuner;
+  BLAS_OK(tuner.init(nullptr, ws, ws_bytes));
+  const int64_t rows = 64, out = 384, in = 320, xs = in + 16, ys = out + 24;
+  const auto x = random_bf16(rng, static_cast<size_t>(rows * xs), 1.0f);
+  const auto w = random_bf16(rng, static_cast<size_t>(out * in), 0.05f);
+  auto* dx = reinterpret_cast<const __nv_bfloat16*>(upload(x));
+  auto* dw = reinterpret_cast<const __nv_bfloat16*>(upload(w));
+  void* dy = nullptr;
+  CUDA_OK(cudaMalloc(&dy, static_cast<size_t>(rows * ys) * 4));
+  CUDA_OK(cudaMemset(dy, 0, static_cast<size_t>(rows * ys) * 4));
+  int kept = 0;
+  for (bool acc : {false, true}) {
+    kk::GemmTuner::TuneResult res;
+    BLAS_OK(tuner.tune(blas.get(), {out, in, xs, ys, acc}, rows, dy, dx, dw, -1.0, &res));
+    kept += res.chosen >= 0 ? 1 : 0;
+    ++g_checks;
+    if (res.chosen < 0 || !(res.default_ms > 0.0f) || !(res.best_ms > 0.0f)) {
+      ++g_failures;
+      std::fprintf(stderr, "FAIL GemmTuner::tune (acc %d): chosen %d, %.4f / %.4f ms\n", acc,
+                   res.chosen, res.default_ms, res.best_ms);
+    }
+  }
+  ++g_checks;
+  if (tuner.tuned() != static_cast<size_t>(kept) || kept != 2) {
+    ++g_failures;
+    std::fprintf(stderr, "FAIL GemmTuner: %zu entries for %d kept\n", tuner.tuned(), kept);
+  }
+  if (kept == 2) {
+    for (int64_t r : {rows, int64_t{33}}) {
+      for (bool acc : {false, true}) {
+        // cuBLASLt may refuse the choice for other rows (run() then says NOT_SUPPORTED, and the
+        // backend takes cuBLAS's default); the tuned rows themselves must run.
+        if (tuner.run({out, in, xs, ys, acc}, r, dy, dx, dw) == CUBLAS_STATUS_NOT_SUPPORTED &&
+            r != rows) {
+          std::printf("GemmTuner: cuBLASLt refused the %lld-row choice at %lld rows\n",
+                      (long long)rows, (long long)r);
+          continue;
+        }
+        if (acc) {
+          check_one<true, true>(blas, rng, r, out, in, 16, 24, &tuner);
+        } else {
+          check_one<false>(blas, rng, r, out, in, 16, 24, &tuner);
+        }
+      }
+    }
+  }
+  ++g_checks;
+  const bool refused =
+      tuner.run({out, in, xs, ys, false}, 32, dy, dx, dw) == CUBLAS_STATUS_NOT_SUPPORTED &&
+      tuner.run({out, in, xs, ys, false}, 65, dy, dx, dw) == CUBLAS_STATUS_NOT_SUPPORTED &&
+      tuner.run({out, in, in, ys, false}, rows, dy, dx, dw) == CUBLAS_STATUS_NOT_SUPPORTED;
+  if (!refused) {
+    ++g_failures;
+    std::fprintf(stderr, "FAIL GemmTuner::run took rows or a shape it was not tuned for\n");
+  }
+  CUDA_OK(cudaFree(dy));
+  CUDA_OK(cudaFree(const_cast<__nv_bfloat16*>(dx)));
+  CUDA_OK(cudaFree(const_cast<__nv_bfloat16*>(dw)));
+  std::printf("GemmTuner: %d shapes tuned at %lld rows (forced), checked at 64 and 33 rows\n", kept,
+              (long long)rows);
+}
+
 struct TimedOperands {
   __nv_bfloat16* x = nullptr;
   __nv_bfloat16* w = nullptr;
@@ -594,6 +668,7 @@ int main() {
   for (int64_t rows : {1, 3, 19}) {
     if (all) check_f32(blas, rng, rows, 733, 576);
   }
+  if (all) check_tuner(blas, ws, ws_bytes, rng);
   for (int64_t rows = 1; all && rows <= keep::kernels::kGemvMaxRows; ++rows) {
     for (auto [out, in] :
          {std::pair<int64_t, int64_t>{1, 8}, {7, 24}, {733, 576}, {64, 1800}, {19, 3584}}) {

@@ -3,12 +3,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 
 #include "services/worker/kernels/attention_schedule.h"
 #include "services/worker/kernels/bf16.h"
 #include "services/worker/kernels/kernels.h"
+#include "shared/common/log.h"
 
 namespace keep::engine {
 
@@ -130,6 +132,10 @@ std::string CudaBackend::name() const {
          (fused_swiglu_ ? ", gate/up+SwiGLU fused from " +
                               std::to_string(options_.fused_swiglu_rows) + " rows"
                         : "") +
+         (options_.gemm_autotune_rows > 0
+              ? ", cuBLASLt algorithms tuned from " + std::to_string(options_.gemm_autotune_rows) +
+                    " rows"
+              : "") +
          ")";
 }
 
@@ -467,13 +473,72 @@ Status CudaBackend::reserve(int32_t max_rows, int32_t max_keys) {
   blas_ws_ = base + o_blas;
   scalars_ = reinterpret_cast<int32_t*>(base + o_sc);
   scalars_f_ = reinterpret_cast<float*>(base + o_scf);
-  const cublasStatus_t st = blas_.init(stream_, blas_ws_, kBlasWorkspace);
+  cublasStatus_t st = blas_.init(stream_, blas_ws_, kBlasWorkspace);
+  if (st == CUBLAS_STATUS_SUCCESS) st = tuner_.init(stream_, blas_ws_, kBlasWorkspace);
   if (st != CUBLAS_STATUS_SUCCESS) {
     return Status(Code::kUnavailable,
                   std::string("cuda backend: cublas: ") + kernels::blas_status_name(st));
   }
+  KEEP_RETURN_IF_ERROR(tune_products(rows));
   reserved_rows_ = rows;
   reserved_keys_ = keys;
+  return Status::ok();
+}
+
+Status CudaBackend::tune_products(int32_t rows) {
+  const int64_t first = options_.gemm_autotune_rows;
+  if (first <= 0 || rows < first || layers_.empty()) return Status::ok();
+  const ModelConfig& c = config_;
+  const int64_t C = c.hidden_size, q = c.q_dim(), kv = c.kv_dim(), I = c.intermediate_size;
+  const int64_t qkv_w = q + 2 * kv;
+  auto* xn = static_cast<bf16*>(xn_);
+  auto* att = static_cast<bf16*>(att_);
+  auto* act = static_cast<bf16*>(act_);
+  // Representative operands (the workspace is fresh: zeros would time differently from data).
+  KEEP_CUDA_CHECK(kernels::fill_uniform(xn, rows * C, 11, -1.0f, 1.0f, stream_));
+  KEEP_CUDA_CHECK(kernels::fill_uniform(att, rows * q, 12, -1.0f, 1.0f, stream_));
+  KEEP_CUDA_CHECK(kernels::fill_uniform(act, rows * I, 13, -1.0f, 1.0f, stream_));
+  KEEP_CUDA_CHECK(kernels::fill_uniform(rows_f32_, rows * C, 14, -1.0f, 1.0f, stream_));
+  const Layer& w = layers_[0];
+  struct Job {
+    kernels::GemmShape shape;
+    void* y;
+    const bf16* x;
+    const bf16* w;
+    const char* name;
+  };
+  // As layer_forward issues them (shapes, strides, the fp32 residual for accumulated products).
+  const Job jobs[] = {
+      {{qkv_w, C, C, qkv_w, false}, qkv_, xn, w.w_qkv, "qkv"},
+      w.b_o == nullptr ? Job{{C, q, q, C, true}, rows_f32_, att, w.w_o, "o_proj"}
+                       : Job{{C, q, q, C, false}, proj_, att, w.w_o, "o_proj"},
+      {{2 * I, C, C, 2 * I, false}, gate_up_, xn, w.w_gate_up, "gate_up"},
+      {{C, I, I, C, true}, rows_f32_, act, w.w_down, "down"},
+  };
+  std::string kept;
+  int tried = 0;
+  for (int64_t r = first;; r = std::min<int64_t>(2 * r, rows)) {
+    for (const Job& j : jobs) {
+      if (j.w == w.w_gate_up && fused_swiglu_ && r >= options_.fused_swiglu_rows) continue;
+      kernels::GemmTuner::TuneResult res;
+      const cublasStatus_t st =
+          tuner_.tune(blas_.get(), j.shape, r, j.y, j.x, j.w, options_.gemm_autotune_margin, &res);
+      if (st != CUBLAS_STATUS_SUCCESS) {
+        return Status(Code::kUnavailable, std::string("cuda backend: gemm autotune (") + j.name +
+                                              "): " + kernels::blas_status_name(st));
+      }
+      ++tried;
+      if (res.chosen >= 0) {
+        char line[96];
+        std::snprintf(line, sizeof(line), " %s@%lld %.3f->%.3f ms", j.name,
+                      static_cast<long long>(r), res.default_ms, res.best_ms);
+        kept += line;
+      }
+    }
+    if (r == rows) break;
+  }
+  KEEP_LOG_INFO("engine", "gemm autotune: %zu of %d products take a cuBLASLt algorithm%s",
+                tuner_.tuned(), tried, kept.c_str());
   return Status::ok();
 }
 
@@ -567,11 +632,20 @@ void CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_in,
   // y (m, ys) = x W^T, or y += x W^T into fp32: our few-row kernel or cuBLAS.
   const bool gemv_dims = C % 8 == 0 && q % 8 == 0 && I % 8 == 0;
   auto few_rows = [&](int64_t m) { return gemv_dims && m <= options_.gemv_rows; };
+  // A tuned cuBLASLt algorithm where reserve() kept one for this shape and about these rows.
+  auto tuned = [&](void* y, int64_t ys, const bf16* x, int64_t xs, const bf16* wt, int64_t m,
+                   int64_t n, int64_t k, bool acc) {
+    if (tuner_.tuned() == 0) return false;
+    const cublasStatus_t st = tuner_.run({n, k, xs, ys, acc}, m, y, x, wt);
+    if (st == CUBLAS_STATUS_NOT_SUPPORTED) return false;
+    KEEP_BLAS_CHECK(st);
+    return true;
+  };
   auto product = [&](bf16* y, int64_t ys, const bf16* x, int64_t xs, const bf16* wt, int64_t m,
                      int64_t n, int64_t k) {
     if (few_rows(m)) {
       KEEP_CUDA_CHECK(kernels::gemv(y, ys, x, xs, wt, m, n, k, stream_));
-    } else {
+    } else if (!tuned(y, ys, x, xs, wt, m, n, k, false)) {
       KEEP_BLAS_CHECK(kernels::gemm_nt(h, y, ys, x, xs, wt, m, n, k));
     }
   };
@@ -579,7 +653,7 @@ void CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_in,
                         int64_t n, int64_t k) {
     if (few_rows(m)) {
       KEEP_CUDA_CHECK(kernels::gemv_accumulate(y, ys, x, xs, wt, m, n, k, stream_));
-    } else {
+    } else if (!tuned(y, ys, x, xs, wt, m, n, k, true)) {
       KEEP_BLAS_CHECK(kernels::gemm_nt_accumulate(h, y, ys, x, xs, wt, m, n, k));
     }
   };

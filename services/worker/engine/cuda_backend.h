@@ -62,9 +62,10 @@ struct CudaBackendOptions {
   // of 1024 tokens 23.50 ms with vs 22.85 ms without, decode 5.85 vs 5.48 ms/token
   // (benchmarks/RESULTS.md). Graphs pay once a step can be replayed without capturing again.
   bool graphs = false;
-  // The tiled prefill attention kernel (kernels.h PrefillKernel): kAuto = the two-warpgroup wgmma
-  // kernel on Hopper (an sm_90a build), mma.sync elsewhere; kMma, kWgmma or kWgmmaWide to compare
-  // them (a wgmma kernel where it cannot run: the backend's creation fails with kUnavailable).
+  // The tiled prefill attention kernel (kernels.h PrefillKernel): kAuto = wgmma on Hopper (an
+  // sm_90a build; the two-warpgroup kernel from kPrefillWideMinKeys keys on), mma.sync elsewhere;
+  // kMma, kWgmma or kWgmmaWide to compare them (a wgmma kernel where it cannot run: the backend's
+  // creation fails with kUnavailable).
   kernels::PrefillKernel prefill_attention = kernels::PrefillKernel::kAuto;
   // Steps of at least this many rows run the MLP's gate/up product with the SwiGLU fused into it
   // (kernels::gemm_swiglu: our wgmma kernel, where wgmma_available() and the model's intermediate
@@ -73,6 +74,16 @@ struct CudaBackendOptions {
   // 0.127 vs 0.118 ms at 256 rows (a cluster's 256-row tile half empty below that), 0.197 vs
   // 0.207 at 512, 0.346 vs 0.382 at 1024, 1.378 vs 1.508 at 4096.
   int32_t fused_swiglu_rows = 512;
+  // cuBLAS products (QKV, o_proj, down; gate/up where gemm_swiglu does not run) of about this many
+  // rows or more take cuBLASLt algorithms chosen by timing at reserve() (kernels::GemmTuner), at
+  // this many rows, twice, four times ... up to the reserved rows; an algorithm is kept where it
+  // beats cuBLAS's default pick by gemm_autotune_margin. 0 = never. On the H200 (test_gemm's
+  // survey) cuBLASLt has 5-17 % faster algorithms for Qwen2.5-7B's QKV, o_proj and down at 4096
+  // rows and few at 1024. Tuning runs each of up to 9 algorithms 6 times per product and row count
+  // (~0.1 s for 7B up to 4096 rows), on every reserve() that grows the rows: reserve the largest
+  // step at start-up.
+  int32_t gemm_autotune_rows = 1024;
+  double gemm_autotune_margin = kernels::GemmTuner::kTuneMargin;
 };
 
 // Where the GPU time goes (CudaBackend::profile): one entry per stage of layer_forward, then
@@ -144,6 +155,8 @@ class CudaBackend final : public Backend {
   static Result<std::unique_ptr<CudaBackend>> prepare(const ModelConfig& config,
                                                       const CudaBackendOptions& options);
   Status init_device();
+  // GemmTuner choices for the reserved rows (gemm_autotune_rows), on layer 0's weights.
+  Status tune_products(int32_t rows);
   Status allocate_weights();
   // Device copy of `n` host ints in stream-ordered memory, freed after the stream's current work.
   int32_t* upload_ints(const int32_t* host, size_t n);
@@ -154,6 +167,7 @@ class CudaBackend final : public Backend {
   std::string device_name_;
   cudaStream_t stream_ = nullptr;
   kernels::BlasHandle blas_;
+  kernels::GemmTuner tuner_;   // on blas_'s workspace; tuned by reserve()
   bool fused_swiglu_ = false;  // gemm_swiglu runs here for this model (fused_swiglu_rows > 0)
 
   // Weights: one allocation; pointers into it.

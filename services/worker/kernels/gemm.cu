@@ -1,7 +1,9 @@
 // cuBLAS products y = x W^T (gemm.h).
 #include "services/worker/kernels/gemm.h"
 
+#include <algorithm>
 #include <climits>
+#include <vector>
 
 namespace keep::kernels {
 
@@ -77,6 +79,213 @@ cublasStatus_t gemm_nt_f32(cublasHandle_t h, float* y, int64_t y_stride, const f
                            int64_t in) {
   // The handle's math mode is CUBLAS_DEFAULT_MATH: COMPUTE_32F with fp32 operands is true fp32.
   return gemm(h, y, CUDA_R_32F, y_stride, x, x_stride, w, CUDA_R_32F, rows, out, in);
+}
+
+// ---- GemmTuner ----
+
+namespace {
+
+// The cuBLASLt form of gemm(): column-major D (out, rows) = W^T x^T, W stored (in, out) with
+// leading dimension in, x (in, rows) with x_stride, D with y_stride (C = D).
+struct LtLayouts {
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasStatus_t status = CUBLAS_STATUS_SUCCESS;
+  LtLayouts(const GemmShape& s, int64_t rows) {
+    status = cublasLtMatrixLayoutCreate(&a, CUDA_R_16BF, s.in, s.out, s.in);
+    if (status == CUBLAS_STATUS_SUCCESS) {
+      status = cublasLtMatrixLayoutCreate(&b, CUDA_R_16BF, s.in, rows, s.x_stride);
+    }
+    if (status == CUBLAS_STATUS_SUCCESS) {
+      status = cublasLtMatrixLayoutCreate(&c, s.accumulate ? CUDA_R_32F : CUDA_R_16BF, s.out, rows,
+                                          s.y_stride);
+    }
+  }
+  ~LtLayouts() {
+    if (a != nullptr) cublasLtMatrixLayoutDestroy(a);
+    if (b != nullptr) cublasLtMatrixLayoutDestroy(b);
+    if (c != nullptr) cublasLtMatrixLayoutDestroy(c);
+  }
+  LtLayouts(const LtLayouts&) = delete;
+  LtLayouts& operator=(const LtLayouts&) = delete;
+};
+
+bool shape_ok(const GemmShape& s, int64_t rows) {
+  return rows > 0 && fits_int(rows) && s.out > 0 && fits_int(s.out) && s.in > 0 && fits_int(s.in) &&
+         fits_int(s.x_stride) && fits_int(s.y_stride) && s.x_stride >= s.in && s.y_stride >= s.out;
+}
+
+// Median of `reps` timed runs of f on `stream` (after one untimed), in ms; negative if f fails.
+template <typename F>
+float time_ms(cudaStream_t stream, cudaEvent_t start, cudaEvent_t stop, int reps, F&& f) {
+  if (f() != CUBLAS_STATUS_SUCCESS) return -1.0f;
+  std::vector<float> ms;
+  for (int i = 0; i < reps; ++i) {
+    if (cudaEventRecord(start, stream) != cudaSuccess) return -1.0f;
+    if (f() != CUBLAS_STATUS_SUCCESS) return -1.0f;
+    if (cudaEventRecord(stop, stream) != cudaSuccess || cudaEventSynchronize(stop) != cudaSuccess) {
+      return -1.0f;
+    }
+    float t = 0.0f;
+    if (cudaEventElapsedTime(&t, start, stop) != cudaSuccess) return -1.0f;
+    ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+}  // namespace
+
+GemmTuner::~GemmTuner() { release(); }
+
+void GemmTuner::release() {
+  if (op_ != nullptr) cublasLtMatmulDescDestroy(op_);
+  if (lt_ != nullptr) cublasLtDestroy(lt_);
+  op_ = nullptr;
+  lt_ = nullptr;
+  n_entries_ = 0;
+}
+
+GemmTuner::GemmTuner(GemmTuner&& o) noexcept { *this = std::move(o); }
+
+GemmTuner& GemmTuner::operator=(GemmTuner&& o) noexcept {
+  if (this != &o) {
+    release();
+    lt_ = o.lt_;
+    op_ = o.op_;
+    stream_ = o.stream_;
+    workspace_ = o.workspace_;
+    workspace_bytes_ = o.workspace_bytes_;
+    std::copy(o.entries_, o.entries_ + o.n_entries_, entries_);
+    n_entries_ = o.n_entries_;
+    o.lt_ = nullptr;
+    o.op_ = nullptr;
+    o.n_entries_ = 0;
+  }
+  return *this;
+}
+
+cublasStatus_t GemmTuner::init(cudaStream_t stream, void* workspace, size_t bytes) {
+  release();
+  stream_ = stream;
+  workspace_ = workspace;
+  workspace_bytes_ = bytes;
+  cublasStatus_t s = cublasLtCreate(&lt_);
+  if (s != CUBLAS_STATUS_SUCCESS) return s;
+  if ((s = cublasLtMatmulDescCreate(&op_, CUBLAS_COMPUTE_32F, CUDA_R_32F)) !=
+      CUBLAS_STATUS_SUCCESS) {
+    return s;
+  }
+  const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+  if ((s = cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta))) !=
+      CUBLAS_STATUS_SUCCESS) {
+    return s;
+  }
+  return cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb));
+}
+
+cublasStatus_t GemmTuner::tune(cublasHandle_t blas, const GemmShape& shape, int64_t rows, void* y,
+                               const __nv_bfloat16* x, const __nv_bfloat16* w, double margin,
+                               TuneResult* result) {
+  TuneResult unused;
+  TuneResult& r = result != nullptr ? *result : unused;
+  r = TuneResult{};
+  if (lt_ == nullptr || blas == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
+  if (!shape_ok(shape, rows) || y == nullptr || x == nullptr || w == nullptr) {
+    return CUBLAS_STATUS_INVALID_VALUE;
+  }
+  const LtLayouts l(shape, rows);
+  if (l.status != CUBLAS_STATUS_SUCCESS) return l.status;
+  cublasLtMatmulPreference_t pref = nullptr;
+  cublasStatus_t s = cublasLtMatmulPreferenceCreate(&pref);
+  if (s != CUBLAS_STATUS_SUCCESS) return s;
+  s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                           &workspace_bytes_, sizeof(workspace_bytes_));
+  cublasLtMatmulHeuristicResult_t cand[kMaxCandidates];
+  int found = 0;
+  if (s == CUBLAS_STATUS_SUCCESS) {
+    s = cublasLtMatmulAlgoGetHeuristic(lt_, op_, l.a, l.b, l.c, l.c, pref, kMaxCandidates, cand,
+                                       &found);
+  }
+  cublasLtMatmulPreferenceDestroy(pref);
+  if (s != CUBLAS_STATUS_SUCCESS) return s;
+
+  cudaEvent_t start = nullptr, stop = nullptr;
+  if (cudaEventCreate(&start) != cudaSuccess || cudaEventCreate(&stop) != cudaSuccess) {
+    if (start != nullptr) cudaEventDestroy(start);
+    return CUBLAS_STATUS_EXECUTION_FAILED;
+  }
+  constexpr int kReps = 5;
+  const float base = time_ms(stream_, start, stop, kReps, [&] {
+    return shape.accumulate ? gemm_nt_accumulate(blas, static_cast<float*>(y), shape.y_stride, x,
+                                                 shape.x_stride, w, rows, shape.out, shape.in)
+                            : gemm_nt(blas, static_cast<__nv_bfloat16*>(y), shape.y_stride, x,
+                                      shape.x_stride, w, rows, shape.out, shape.in);
+  });
+  const float alpha = 1.0f, beta = shape.accumulate ? 1.0f : 0.0f;
+  float best = -1.0f;
+  int best_i = -1;
+  for (int i = 0; i < found; ++i) {
+    if (cand[i].state != CUBLAS_STATUS_SUCCESS) continue;
+    const float t = time_ms(stream_, start, stop, kReps, [&] {
+      return cublasLtMatmul(lt_, op_, &alpha, w, l.a, x, l.b, &beta, y, l.c, y, l.c, &cand[i].algo,
+                            workspace_, workspace_bytes_, stream_);
+    });
+    if (t > 0.0f && (best < 0.0f || t < best)) {
+      best = t;
+      best_i = i;
+    }
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  r.default_ms = base;
+  r.best_ms = best;
+  if (base <= 0.0f) return CUBLAS_STATUS_EXECUTION_FAILED;
+  // Replace an earlier choice for the same shape and rows, or add one.
+  size_t at = n_entries_;
+  for (size_t i = 0; i < n_entries_; ++i) {
+    if (entries_[i].shape == shape && entries_[i].rows == rows) at = i;
+  }
+  const bool keep = best_i >= 0 && best < base * (1.0 - margin);
+  if (!keep) {
+    if (at < n_entries_) entries_[at] = entries_[--n_entries_];  // forget a stale choice
+    return CUBLAS_STATUS_SUCCESS;
+  }
+  if (at == n_entries_) {
+    if (n_entries_ == kMaxEntries) return CUBLAS_STATUS_SUCCESS;  // full: the default stays
+    ++n_entries_;
+  }
+  entries_[at] = Entry{shape, rows, cand[best_i].algo};
+  r.chosen = best_i;
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t GemmTuner::run(const GemmShape& shape, int64_t rows, void* y, const __nv_bfloat16* x,
+                              const __nv_bfloat16* w) const {
+  const Entry* e = nullptr;
+  for (size_t i = 0; i < n_entries_; ++i) {
+    const Entry& c = entries_[i];
+    if (c.shape == shape && c.rows >= rows && 2 * rows > c.rows &&
+        (e == nullptr || c.rows < e->rows)) {
+      e = &c;
+    }
+  }
+  if (e == nullptr || lt_ == nullptr || !shape_ok(shape, rows)) return CUBLAS_STATUS_NOT_SUPPORTED;
+  if (y == nullptr || x == nullptr || w == nullptr) return CUBLAS_STATUS_INVALID_VALUE;
+  const LtLayouts l(shape, rows);
+  if (l.status != CUBLAS_STATUS_SUCCESS) return l.status;
+  if (rows != e->rows && rows != e->checked_rows) {
+    // The algorithm was chosen for other rows: ask whether it takes these (once per row count).
+    cublasLtMatmulHeuristicResult_t check{};
+    if (cublasLtMatmulAlgoCheck(lt_, op_, l.a, l.b, l.c, l.c, &e->algo, &check) !=
+            CUBLAS_STATUS_SUCCESS ||
+        check.workspaceSize > workspace_bytes_) {
+      return CUBLAS_STATUS_NOT_SUPPORTED;
+    }
+    e->checked_rows = rows;
+  }
+  const float alpha = 1.0f, beta = shape.accumulate ? 1.0f : 0.0f;
+  return cublasLtMatmul(lt_, op_, &alpha, w, l.a, x, l.b, &beta, y, l.c, y, l.c, &e->algo,
+                        workspace_, workspace_bytes_, stream_);
 }
 
 }  // namespace keep::kernels

@@ -6,6 +6,7 @@
 // with A = W (lda = in), B = x (ldb = x_stride), C = y (ldc = y_stride).
 #pragma once
 
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -58,6 +59,76 @@ cublasStatus_t gemm_nt_accumulate(cublasHandle_t h, float* y, int64_t y_stride,
 // (no TF32), for the logits when they are kept in full precision.
 cublasStatus_t gemm_nt_f32(cublasHandle_t h, float* y, int64_t y_stride, const float* x,
                            int64_t x_stride, const float* w, int64_t rows, int64_t out, int64_t in);
+
+// ---- per-shape algorithms (cuBLASLt, timed) ----
+
+// Which bf16 product a tuned algorithm is for: y (rows, y_stride) bf16 = x W^T, or fp32 y += x W^T.
+struct GemmShape {
+  int64_t out = 0, in = 0, x_stride = 0, y_stride = 0;
+  bool accumulate = false;
+  bool operator==(const GemmShape& o) const {
+    return out == o.out && in == o.in && x_stride == o.x_stride && y_stride == o.y_stride &&
+           accumulate == o.accumulate;
+  }
+};
+
+// cuBLAS's default pick (cublasGemmEx's heuristic) is not always its fastest algorithm for our
+// shapes: on the H200 at 4096 rows cuBLASLt has algorithms 5-17 % faster for Qwen2.5-7B's QKV,
+// o_proj and down products (test_gemm's survey), none at 1024. tune() times cuBLASLt's heuristic
+// candidates against gemm_nt's default on real operands and keeps the fastest where it wins by
+// kTuneMargin; run() then uses it for products of about that many rows. Not thread-safe (one per
+// stream, like the backend that owns it). Move-only.
+class GemmTuner {
+ public:
+  static constexpr double kTuneMargin = 0.03;  // an algorithm must be 3 % faster to be kept
+  static constexpr int kMaxCandidates = 8;
+
+  GemmTuner() = default;
+  ~GemmTuner();
+  GemmTuner(GemmTuner&& o) noexcept;
+  GemmTuner& operator=(GemmTuner&& o) noexcept;
+  GemmTuner(const GemmTuner&) = delete;
+  GemmTuner& operator=(const GemmTuner&) = delete;
+
+  // A cuBLASLt handle on `stream` with `workspace` (bytes; device memory that outlives this).
+  cublasStatus_t init(cudaStream_t stream, void* workspace, size_t bytes);
+  // Times the candidates for `rows` rows of `shape` on these operands (y is overwritten; x and w
+  // should hold representative, non-zero values) and remembers the winner if it beats `blas`'s
+  // default (gemm_nt / gemm_nt_accumulate) by `margin` (a negative margin keeps the fastest
+  // candidate even when slower: tests use it to exercise run()). Synchronizes the stream. Times in
+  // ms and the kept candidate's index (-1: the default stays) to `result` if not null.
+  struct TuneResult {
+    int chosen = -1;
+    float default_ms = 0.0f, best_ms = 0.0f;
+  };
+  cublasStatus_t tune(cublasHandle_t blas, const GemmShape& shape, int64_t rows, void* y,
+                      const __nv_bfloat16* x, const __nv_bfloat16* w, double margin = kTuneMargin,
+                      TuneResult* result = nullptr);
+  // The product with the algorithm tuned for `shape` at the smallest tuned row count >= rows,
+  // provided rows is more than half of it. CUBLAS_STATUS_NOT_SUPPORTED when there is none (or
+  // cuBLASLt refuses it for these rows): the caller runs gemm_nt / gemm_nt_accumulate instead.
+  cublasStatus_t run(const GemmShape& shape, int64_t rows, void* y, const __nv_bfloat16* x,
+                     const __nv_bfloat16* w) const;
+  size_t tuned() const { return n_entries_; }  // shapes x row counts with a kept algorithm
+  void clear() { n_entries_ = 0; }
+
+ private:
+  struct Entry {
+    GemmShape shape;
+    int64_t rows = 0;
+    cublasLtMatmulAlgo_t algo{};
+    mutable int64_t checked_rows = -1;  // other rows cuBLASLt last accepted the algorithm for
+  };
+  static constexpr int kMaxEntries = 64;
+  cublasLtHandle_t lt_ = nullptr;
+  cublasLtMatmulDesc_t op_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  void* workspace_ = nullptr;
+  size_t workspace_bytes_ = 0;
+  Entry entries_[kMaxEntries];
+  size_t n_entries_ = 0;
+  void release();
+};
 
 // ---- our own product (gemm_swiglu.cu) ----
 
