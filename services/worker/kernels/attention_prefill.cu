@@ -348,6 +348,28 @@ __device__ __forceinline__ uint64_t span_mask(const KeyRange* __restrict__ spans
   return mask;
 }
 
+// The span lists of a thread's two rows (row_base + local_row and + 8; none past p.rows), walked
+// forward by the masks of the schedule's entries in their ascending order.
+struct RowSpans {
+  int32_t cursor[2];
+  int32_t end[2];
+  template <typename KV>
+  __device__ __forceinline__ RowSpans(const Params<KV>& p, int32_t row_base, int local_row) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int32_t r = row_base + local_row + 8 * i;
+      cursor[i] = r < p.rows ? __ldg(p.row_offsets + r) : 0;
+      end[i] = r < p.rows ? __ldg(p.row_offsets + r + 1) : 0;
+    }
+  }
+  // Which keys of the key tile [first, first + 64) each row sees (span_mask of both rows).
+  __device__ __forceinline__ void mask(const KeyRange* __restrict__ spans, int32_t first,
+                                       uint64_t (&m)[2]) {
+    m[0] = span_mask(spans, cursor[0], end[0], first);
+    m[1] = span_mask(spans, cursor[1], end[1], first);
+  }
+};
+
 // ---- one key tile: S = Q K^T, masking, online softmax update, O += P V ----
 // Thread (lane) holds rows g = lane / 4 and g + 8 of its warp's 16 and, of every 8-column block,
 // columns 2 * (lane % 4) and + 1 (the mma C layout, which wgmma's accumulators share).
@@ -481,17 +503,26 @@ __device__ __forceinline__ void accumulate_pv_mma(float (&o)[HD / 8][4],
 }
 
 // S of the block's 64 rows on wgmma, issued (the caller commits and waits).
-template <int HD>
-__device__ __forceinline__ void issue_scores_wgmma(float (&s)[kKeys / 8][4], uint64_t q_desc,
-                                                   const bf16* sk) {
+// kBlocks * 8 keys (64, or the wide kernel's 128); k_panel_bytes: the K tile's 64-dim panels
+// apart (kPanelBytes for 64 keys, as Q's).
+template <int HD, int kBlocks>
+__device__ __forceinline__ void issue_scores_wgmma(float (&s)[kBlocks][4], uint64_t q_desc,
+                                                   const bf16* sk,
+                                                   uint32_t k_panel_bytes = kPanelBytes) {
+  static_assert(kBlocks == 8 || kBlocks == 16, "64 or 128 keys");
   // K-major, swizzled: 8-row groups 1024 bytes apart; step ks reads dims [16ks, 16ks + 16): 32
   // bytes into the line of panel ks / 4 (the hardware applies the swizzle to that address).
   const uint64_t k_desc = detail::wgmma_desc_sw128(sk, 16, 1024);
 #pragma unroll
   for (int ks = 0; ks < HD / 16; ++ks) {
-    const uint32_t at = (ks >> 2) * kPanelBytes + (ks & 3) * 32;
-    detail::wgmma_m64n64k16_ss(s, detail::wgmma_desc_add(q_desc, at),
-                               detail::wgmma_desc_add(k_desc, at), ks > 0);
+    const uint32_t col = (ks & 3) * 32;
+    const uint64_t a = detail::wgmma_desc_add(q_desc, (ks >> 2) * kPanelBytes + col);
+    const uint64_t b = detail::wgmma_desc_add(k_desc, (ks >> 2) * k_panel_bytes + col);
+    if constexpr (kBlocks == 8) {
+      detail::wgmma_m64n64k16_ss(s, a, b, ks > 0);
+    } else {
+      detail::wgmma_m64n128k16_ss(s, a, b, ks > 0);
+    }
   }
 }
 
@@ -635,14 +666,7 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 ? 3 : 2)
 
   // The thread's two rows and their span lists.
   const int local_row = warp * 16 + lane / 4;  // and local_row + 8
-  int32_t cursor[2];
-  int32_t span_end[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int32_t r = row_base + local_row + 8 * i;
-    cursor[i] = r < p.rows ? __ldg(p.row_offsets + r) : 0;
-    span_end[i] = r < p.rows ? __ldg(p.row_offsets + r + 1) : 0;
-  }
+  RowSpans spans(p, row_base, local_row);
 
   float o[HD / 8][4];
 #pragma unroll
@@ -652,11 +676,7 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 ? 3 : 2)
 
   auto tile_mask = [&](int32_t e, uint64_t(&mask)[1][2]) {
     mask[0][0] = mask[0][1] = ~0ull;
-    if ((e & 1) == 0) {
-      const int32_t first = (e >> 1) * kKeys;
-      mask[0][0] = span_mask(p.spans, cursor[0], span_end[0], first);
-      mask[0][1] = span_mask(p.spans, cursor[1], span_end[1], first);
-    }
+    if ((e & 1) == 0) spans.mask(p.spans, (e >> 1) * kKeys, mask[0]);
   };
   int32_t entry = n_tiles > 0 ? __ldg(p.tiles + sched_begin) : 0;
   if constexpr (kWgmma) {
@@ -983,36 +1003,18 @@ __global__ void __launch_bounds__(kWideThreads, 1)
   const uint64_t q_desc = detail::wgmma_desc_sw128(sq + c * W::kQElems, 16, 1024);
   // The thread's two rows and their span lists.
   const int local_row = warp * 16 + lane / 4;  // and local_row + 8
-  int32_t cursor[2];
-  int32_t span_end[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int32_t r = row_base + local_row + 8 * i;
-    cursor[i] = r < p.rows ? __ldg(p.row_offsets + r) : 0;
-    span_end[i] = r < p.rows ? __ldg(p.row_offsets + r + 1) : 0;
-  }
+  RowSpans spans(p, row_base, local_row);
   auto step_mask = [&](const StepTiles& st, uint64_t(&mask)[2][2]) {
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
       const int32_t e = st.e[t];
-      mask[t][0] = mask[t][1] = e < 0 ? 0ull : ~0ull;
-      if (e >= 0 && (e & 1) == 0) {
-        const int32_t first = (e >> 1) * kKeys;
-        mask[t][0] = span_mask(p.spans, cursor[0], span_end[0], first);
-        mask[t][1] = span_mask(p.spans, cursor[1], span_end[1], first);
-      }
+      mask[t][0] = mask[t][1] = e < 0 ? 0ull : ~0ull;  // no tile: nothing seen
+      if (e >= 0 && (e & 1) == 0) spans.mask(p.spans, (e >> 1) * kKeys, mask[t]);
     }
   };
   // S of the consumer's 64 rows against the step's 128 keys, issued.
   auto issue_scores = [&](float(&s)[kWideKeys / 8][4], const bf16* k) {
-    const uint64_t k_desc = detail::wgmma_desc_sw128(k, 16, 1024);
-#pragma unroll
-    for (int ks = 0; ks < HD / 16; ++ks) {
-      const uint32_t col = (ks & 3) * 32;
-      detail::wgmma_m64n128k16_ss(s, detail::wgmma_desc_add(q_desc, (ks >> 2) * kPanelBytes + col),
-                                  detail::wgmma_desc_add(k_desc, (ks >> 2) * kWidePanelBytes + col),
-                                  ks > 0);
-    }
+    issue_scores_wgmma<HD>(s, q_desc, k, kWidePanelBytes);
   };
   // O += P V over the step's 128 keys (the missing half of a step of one tile is zeros), issued.
   auto issue_pv = [&](float(&o)[HD / 8][4], const uint32_t(&a)[kWideKeys / 16][4], const bf16* v) {
