@@ -419,11 +419,10 @@ void check_gemm_swiglu(std::mt19937& rng, int64_t rows, int64_t inter, int64_t i
   cudaFree(da);
 }
 
-// Random operands of one timed product: x (rows, in), W (out, in) bf16, y zeroed with room for
-// fp32 (rows, out); and the product as the CUDA backend issues it through cuBLAS.
 // GemmTuner: tuned with a negative margin (the fastest cuBLASLt candidate is kept even where
 // cuBLAS's default is faster), run() must compute the product at the tuned rows and at rows that
-// reuse the choice (more than half of them), and refuse fewer rows and other shapes.
+// reuse the choice (more than half of them), and refuse half the rows or fewer, more rows than
+// tuned, and another stride.
 void check_tuner(keep::kernels::BlasHandle& blas, void* ws, size_t ws_bytes, std::mt19937& rng) {
   namespace kk = keep::kernels;
   kk::GemmTuner tuner;
@@ -488,6 +487,8 @@ void check_tuner(keep::kernels::BlasHandle& blas, void* ws, size_t ws_bytes, std
               (long long)rows);
 }
 
+// Random operands of one timed product: x (rows, in), W (out, in) bf16, y zeroed with room for
+// fp32 (rows, out); and the product as the CUDA backend issues it through cuBLAS.
 struct TimedOperands {
   __nv_bfloat16* x = nullptr;
   __nv_bfloat16* w = nullptr;
