@@ -59,12 +59,29 @@ std::vector<Bf16> random_bf16(std::mt19937& rng, size_t n, float a) {
   return v;
 }
 
+// Our products (gemm_wgmma, gemm_wgmma_accumulate) in check_one: with this scratch and schedule.
+struct Ours {
+  keep::kernels::GemmScratch scratch;
+  keep::kernels::GemmSchedule schedule = keep::kernels::GemmSchedule::kAuto;
+};
+
+// Whether the scratch's flags are all zero again, as every launch must leave them. The scratch
+// (of gemm_wgmma_scratch_bytes() bytes) holds `clusters` x 2 partial tiles, then as many flags.
+bool flags_clear(const keep::kernels::GemmScratch& s) {
+  const size_t flags = s.bytes / keep::kernels::gemm_wgmma_scratch_bytes(1) * 2;
+  std::vector<unsigned> h(flags, 1);
+  CUDA_OK(cudaMemcpy(h.data(), static_cast<unsigned char*>(s.ptr) + s.bytes - flags * 4, flags * 4,
+                     cudaMemcpyDeviceToHost));
+  return std::all_of(h.begin(), h.end(), [](unsigned v) { return v == 0; });
+}
+
 // kAcc: gemm_nt_accumulate (fp32 y += x W^T) onto random y; else gemm_nt onto NaN.
 // tuner: run the product through GemmTuner::run (bf16 out or fp32 accumulate), which must take it.
+// ours: gemm_wgmma / gemm_wgmma_accumulate instead (bf16 out or fp32 accumulate).
 template <bool kF32Out, bool kAcc = false>
 void check_one(keep::kernels::BlasHandle& blas, std::mt19937& rng, int64_t rows, int64_t out,
                int64_t in, int64_t x_pad, int64_t y_pad,
-               const keep::kernels::GemmTuner* tuner = nullptr) {
+               const keep::kernels::GemmTuner* tuner = nullptr, const Ours* ours = nullptr) {
   static_assert(kF32Out || !kAcc, "accumulation is into fp32");
   const int64_t xs = in + x_pad, ys = out + y_pad;
   const auto x = random_bf16(rng, static_cast<size_t>(rows * xs), 1.0f);
@@ -88,7 +105,20 @@ void check_one(keep::kernels::BlasHandle& blas, std::mt19937& rng, int64_t rows,
   auto* dx = upload(x);
   auto* dw = upload(w);
   auto* dy = upload(y0);
-  if (tuner != nullptr) {  // the tuner's products: bf16 out or fp32 accumulate
+  if (ours != nullptr) {
+    if (kF32Out != kAcc) std::exit(2);
+    if constexpr (kAcc) {
+      CUDA_OK(
+          keep::kernels::gemm_wgmma_accumulate(dy, ys, reinterpret_cast<const __nv_bfloat16*>(dx),
+                                               xs, reinterpret_cast<const __nv_bfloat16*>(dw), rows,
+                                               out, in, ours->scratch, nullptr, ours->schedule));
+    } else if constexpr (!kF32Out) {
+      CUDA_OK(keep::kernels::gemm_wgmma(reinterpret_cast<DY*>(dy), ys,
+                                        reinterpret_cast<const __nv_bfloat16*>(dx), xs,
+                                        reinterpret_cast<const __nv_bfloat16*>(dw), rows, out, in,
+                                        ours->scratch, nullptr, ours->schedule));
+    }
+  } else if (tuner != nullptr) {  // the tuner's products: bf16 out or fp32 accumulate
     if (kF32Out != kAcc) std::exit(2);
     BLAS_OK(tuner->run({out, in, xs, ys, kAcc}, rows, dy,
                        reinterpret_cast<const __nv_bfloat16*>(dx),
@@ -103,6 +133,11 @@ void check_one(keep::kernels::BlasHandle& blas, std::mt19937& rng, int64_t rows,
                                    reinterpret_cast<const __nv_bfloat16*>(dw), rows, out, in));
   }
   CUDA_OK(cudaDeviceSynchronize());
+  if (ours != nullptr && ours->scratch.ptr != nullptr && !flags_clear(ours->scratch)) {
+    ++g_failures;
+    std::fprintf(stderr, "FAIL gemm_wgmma (%lld,%lld,%lld): stream-K flags left set\n",
+                 (long long)rows, (long long)out, (long long)in);
+  }
   std::vector<Y> y(y0.size());
   CUDA_OK(cudaMemcpy(y.data(), dy, y.size() * sizeof(Y), cudaMemcpyDeviceToHost));
   double num = 0.0, den = 0.0;
@@ -147,7 +182,8 @@ void check_one(keep::kernels::BlasHandle& blas, std::mt19937& rng, int64_t rows,
   const double rel = den > 0 ? std::sqrt(num / den) : 0.0;
   if (bad > 0 || rel > (kF32Out ? 1e-5 : 5e-3)) {
     ++g_failures;
-    std::fprintf(stderr, "FAIL gemm %s (%lld,%lld,%lld): %d bad, rel %.3g\n",
+    std::fprintf(stderr, "FAIL gemm%s %s (%lld,%lld,%lld): %d bad, rel %.3g\n",
+                 ours != nullptr ? "_wgmma" : "",
                  kAcc      ? "accumulate"
                  : kF32Out ? "f32"
                            : "bf16",
@@ -397,7 +433,7 @@ void check_gemv_rmsnorm(std::mt19937& rng, int64_t rows, int64_t out, int64_t in
 // rounding (and fp32 summation order), padding columns stay NaN. Rows that are not a multiple of
 // the tile (or of the cluster's two tiles) check the TMA's zero fill and store clipping.
 void check_gemm_swiglu(std::mt19937& rng, int64_t rows, int64_t inter, int64_t in, int64_t x_pad,
-                       int64_t a_pad) {
+                       int64_t a_pad, const Ours& ours = {}) {
   const int64_t xs = in + x_pad, as = inter + a_pad;
   const auto x = random_bf16(rng, static_cast<size_t>(rows * xs), 1.0f);
   const auto w = random_bf16(rng, static_cast<size_t>(2 * inter * in), 2.0f / std::sqrt(float(in)));
@@ -407,10 +443,15 @@ void check_gemm_swiglu(std::mt19937& rng, int64_t rows, int64_t inter, int64_t i
   auto* dx = upload(x);
   auto* dw = upload(w);
   auto* da = upload(a0);
-  CUDA_OK(keep::kernels::gemm_swiglu(
-      reinterpret_cast<__nv_bfloat16*>(da), as, reinterpret_cast<const __nv_bfloat16*>(dx), xs,
-      reinterpret_cast<const __nv_bfloat16*>(dw), rows, inter, in, nullptr));
+  CUDA_OK(keep::kernels::gemm_swiglu(reinterpret_cast<__nv_bfloat16*>(da), as,
+                                     reinterpret_cast<const __nv_bfloat16*>(dx), xs,
+                                     reinterpret_cast<const __nv_bfloat16*>(dw), rows, inter, in,
+                                     nullptr, ours.scratch, ours.schedule));
   CUDA_OK(cudaDeviceSynchronize());
+  if (ours.scratch.ptr != nullptr && !flags_clear(ours.scratch)) {
+    ++g_failures;
+    std::fprintf(stderr, "FAIL gemm_swiglu: stream-K flags left set\n");
+  }
   std::vector<Bf16> got(a0.size());
   CUDA_OK(cudaMemcpy(got.data(), da, got.size() * 2, cudaMemcpyDeviceToHost));
   expect_bf16_near("gemm_swiglu", rows, inter, in, got, want);
@@ -423,11 +464,15 @@ void check_gemm_swiglu(std::mt19937& rng, int64_t rows, int64_t inter, int64_t i
 // cuBLAS's default is faster), run() must compute the product at the tuned rows and at rows that
 // reuse the choice (more than half of them), and refuse half the rows or fewer, more rows than
 // tuned, and another stride.
-void check_tuner(keep::kernels::BlasHandle& blas, void* ws, size_t ws_bytes, std::mt19937& rng) {
+// ours: the tuner times only our product (use_own_products(scratch, only)), which it must keep and
+// run.
+void check_tuner(keep::kernels::BlasHandle& blas, void* ws, size_t ws_bytes, std::mt19937& rng,
+                 const keep::kernels::GemmScratch* ours = nullptr) {
   namespace kk = keep::kernels;
   kk::GemmTuner tuner;
   BLAS_OK(tuner.init(nullptr, ws, ws_bytes));
-  const int64_t rows = 64, out = 384, in = 320, xs = in + 16, ys = out + 24;
+  if (ours != nullptr) tuner.use_own_products(*ours, true);
+  const int64_t rows = 64, out = ours != nullptr ? 512 : 384, in = 320, xs = in + 16, ys = out + 24;
   const auto x = random_bf16(rng, static_cast<size_t>(rows * xs), 1.0f);
   const auto w = random_bf16(rng, static_cast<size_t>(out * in), 0.05f);
   auto* dx = reinterpret_cast<const __nv_bfloat16*>(upload(x));
@@ -441,7 +486,8 @@ void check_tuner(keep::kernels::BlasHandle& blas, void* ws, size_t ws_bytes, std
     BLAS_OK(tuner.tune(blas.get(), {out, in, xs, ys, acc}, rows, dy, dx, dw, -1.0, &res));
     kept += res.chosen >= 0 ? 1 : 0;
     ++g_checks;
-    if (res.chosen < 0 || !(res.default_ms > 0.0f) || !(res.best_ms > 0.0f)) {
+    if (res.chosen < 0 || !(res.default_ms > 0.0f) || !(res.best_ms > 0.0f) ||
+        (ours != nullptr && res.chosen != kk::GemmTuner::kOurs)) {
       ++g_failures;
       std::fprintf(stderr, "FAIL GemmTuner::tune (acc %d): chosen %d, %.4f / %.4f ms\n", acc,
                    res.chosen, res.default_ms, res.best_ms);
@@ -483,8 +529,8 @@ void check_tuner(keep::kernels::BlasHandle& blas, void* ws, size_t ws_bytes, std
   CUDA_OK(cudaFree(dy));
   CUDA_OK(cudaFree(const_cast<__nv_bfloat16*>(dx)));
   CUDA_OK(cudaFree(const_cast<__nv_bfloat16*>(dw)));
-  std::printf("GemmTuner: %d shapes tuned at %lld rows (forced), checked at 64 and 33 rows\n", kept,
-              (long long)rows);
+  std::printf("GemmTuner%s: %d shapes tuned at %lld rows (forced), checked at 64 and 33 rows\n",
+              ours != nullptr ? " (ours)" : "", kept, (long long)rows);
 }
 
 // Random operands of one timed product: x (rows, in), W (out, in) bf16, y zeroed with room for
@@ -581,6 +627,63 @@ void time_gemm_swiglu(keep::kernels::BlasHandle& blas, int64_t rows, int64_t int
       (long long)rows, (long long)(2 * inter), (long long)in, t_two, t_fused,
       flop / (t_fused * 1e-3) / 1e12);
   cudaFree(act);
+}
+
+// Our products against cuBLAS's default on the same operands (informational): whole tiles round
+// robin and (kStreamK) in lanes with the stream-K share. Each sample times 10 launches in a row
+// (the host's per-launch work stays hidden, as in a prefill); the variants take turns so that
+// they see the same clocks; medians of 20 samples.
+void time_ours(keep::kernels::BlasHandle& blas, const keep::kernels::GemmScratch& scratch,
+               int64_t rows, int64_t out, int64_t in, bool acc, bool swiglu = false) {
+  namespace kk = keep::kernels;
+  const TimedOperands t(rows, out, in);
+  auto ours = [&](kk::GemmSchedule sched) {
+    if (swiglu) {
+      CUDA_OK(kk::gemm_swiglu(static_cast<__nv_bfloat16*>(t.y), out / 2, t.x, in, t.w, rows,
+                              out / 2, in, nullptr, scratch, sched));
+    } else if (acc) {
+      CUDA_OK(kk::gemm_wgmma_accumulate(static_cast<float*>(t.y), out, t.x, in, t.w, rows, out, in,
+                                        scratch, nullptr, sched));
+    } else {
+      CUDA_OK(kk::gemm_wgmma(static_cast<__nv_bfloat16*>(t.y), out, t.x, in, t.w, rows, out, in,
+                             scratch, nullptr, sched));
+    }
+  };
+  std::vector<std::function<void()>> runs = {[&] { t.blas(blas, acc); },
+                                             [&] { ours(kk::GemmSchedule::kDataParallel); },
+                                             [&] { ours(kk::GemmSchedule::kStreamK); }};
+  if (swiglu) runs[0] = [&] { ours(kk::GemmSchedule::kDataParallel); };  // no cuBLAS form
+  std::vector<std::vector<float>> ms(runs.size());
+  cudaEvent_t a, b;
+  CUDA_OK(cudaEventCreate(&a));
+  CUDA_OK(cudaEventCreate(&b));
+  for (int it = 0; it < 23; ++it) {
+    for (size_t v = 0; v < runs.size(); ++v) {
+      CUDA_OK(cudaEventRecord(a));
+      for (int rep = 0; rep < 10; ++rep) runs[v]();
+      CUDA_OK(cudaEventRecord(b));
+      CUDA_OK(cudaEventSynchronize(b));
+      float x = 0;
+      CUDA_OK(cudaEventElapsedTime(&x, a, b));
+      if (it >= 3) ms[v].push_back(x / 10);
+    }
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  float med[3];
+  for (size_t v = 0; v < runs.size(); ++v) {
+    std::sort(ms[v].begin(), ms[v].end());
+    med[v] = ms[v][ms[v].size() / 2];
+  }
+  const double tf = 2.0 * rows * out * in / 1e12;
+  std::printf(
+      "ours %s (%lld x %lld x %lld): %s %.3f ms (%.0f TFLOP/s), round robin %.3f ms (%.0f), "
+      "lanes + stream-K %.3f ms (%.0f)\n",
+      swiglu ? "swiglu"
+      : acc  ? "acc f32"
+             : "bf16",
+      (long long)rows, (long long)out, (long long)in, swiglu ? "round robin" : "cuBLAS", med[0],
+      tf / (med[0] * 1e-3), med[1], tf / (med[1] * 1e-3), med[2], tf / (med[2] * 1e-3));
 }
 
 // Times one product as the CUDA backend issues it (bf16 out, or fp32 accumulate), then surveys
@@ -702,12 +805,54 @@ int main() {
     }
     cudaFree(p);
   }
+  namespace kk = keep::kernels;
+  kk::GemmScratch scratch;  // the stream-K share's, zeroed once
+  if (kk::wgmma_available() && (scratch.bytes = kk::gemm_wgmma_scratch_bytes()) > 0) {
+    CUDA_OK(cudaMalloc(&scratch.ptr, scratch.bytes));
+    CUDA_OK(cudaMemset(scratch.ptr, 0, scratch.bytes));
+  }
   if (keep::kernels::wgmma_available()) {
     for (int64_t rows : {1, 3, 7, 19, 128, 255, 256, 733}) {
       check_gemm_swiglu(rng, rows, 128, 64, 0, 0);
       check_gemm_swiglu(rng, rows, 384, 576, 8, 24);  // strided x and act
     }
     check_gemm_swiglu(rng, 600, 3072, 128, 0, 8);  // more cluster tiles (72) than clusters
+    // Our plain products: round robin on odd rows and strided operands; in lanes with the
+    // stream-K share (on the H200's 66 clusters): 3 row tiles x 2 columns of 48 k steps in 22
+    // lanes (each column cut among ~11 lanes), 5 x 27 columns of 4 k steps in 13 lanes (14 cut,
+    // 13 whole); without scratch (round robin).
+    const Ours dp{scratch, kk::GemmSchedule::kDataParallel};
+    const Ours sk{scratch, kk::GemmSchedule::kStreamK};
+    const Ours no_scratch{};
+    for (int64_t rows : {1, 3, 19, 255, 256, 733}) {
+      check_one<false>(blas, rng, rows, 512, 576, 8, 24, nullptr, &dp);
+      check_one<true, true>(blas, rng, rows, 512, 576, 8, 40, nullptr, &dp);
+    }
+    check_one<false>(blas, rng, 733, 512, 3072, 0, 0, nullptr, &sk);
+    check_one<true, true>(blas, rng, 733, 512, 3072, 0, 8, nullptr, &sk);
+    check_one<false>(blas, rng, 1100, 6912, 256, 0, 0, nullptr, &sk);
+    check_one<true, true>(blas, rng, 1100, 6912, 256, 8, 2, nullptr, &sk);
+    check_one<true, true>(blas, rng, 733, 512, 3072, 0, 0, nullptr, &no_scratch);
+    check_gemm_swiglu(rng, 600, 3072, 576, 0, 8, sk);  // 3 x 24 columns of 9 k steps, all cut
+    if (all) check_tuner(blas, ws, ws_bytes, rng, &scratch);
+    ++g_checks;  // refused: out not a multiple of 256, in not of 64, odd fp32 stride, misaligned
+    __nv_bfloat16* q = nullptr;
+    CUDA_OK(cudaMalloc(&q, 1 << 20));
+    float* qf = reinterpret_cast<float*>(q);
+    const bool refused_plain =
+        kk::gemm_wgmma(q, 384, q, 64, q, 4, 384, 64, scratch, nullptr) == cudaErrorInvalidValue &&
+        kk::gemm_wgmma(q, 256, q, 96, q, 4, 256, 96, scratch, nullptr) == cudaErrorInvalidValue &&
+        kk::gemm_wgmma(q + 8, 256, q + 1, 64, q, 4, 256, 64, scratch, nullptr) ==
+            cudaErrorInvalidValue &&
+        kk::gemm_wgmma_accumulate(qf, 257, q, 64, q, 4, 256, 64, scratch, nullptr) ==
+            cudaErrorInvalidValue &&
+        kk::gemm_wgmma_accumulate(qf + 1, 256, q, 64, q, 4, 256, 64, scratch, nullptr) ==
+            cudaErrorInvalidValue;
+    if (!refused_plain) {
+      ++g_failures;
+      std::fprintf(stderr, "FAIL gemm_wgmma: bad sizes accepted\n");
+    }
+    cudaFree(q);
     ++g_checks;  // refused: inter not a multiple of 128, in not of 64, odd stride, misaligned
     __nv_bfloat16* p = nullptr;
     CUDA_OK(cudaMalloc(&p, 1 << 20));
@@ -757,6 +902,17 @@ int main() {
     if (keep::kernels::wgmma_available()) {
       for (int64_t rows : {128, 256, 512, 1024, 4096}) time_gemm_swiglu(blas, rows, 18944, 3584);
       time_gemm_swiglu(blas, 2048, 13824, 5120);  // Qwen2.5-14B
+      // Qwen2.5-7B's and 14B's products on ours against cuBLAS (QKV, o_proj, down; gate/up).
+      for (int64_t rows : {1024, 2048, 4096}) {
+        time_ours(blas, scratch, rows, 3584 + 2 * 512, 3584, false);
+        time_ours(blas, scratch, rows, 3584, 3584, true);
+        time_ours(blas, scratch, rows, 3584, 18944, true);
+        time_ours(blas, scratch, rows, 5120 + 2 * 1024, 5120, false);
+        time_ours(blas, scratch, rows, 5120, 5120, true);
+        time_ours(blas, scratch, rows, 5120, 13824, true);
+        time_ours(blas, scratch, rows, 2 * 13824, 5120, false, true);
+        time_ours(blas, scratch, rows, 2 * 18944, 3584, false, true);
+      }
     }
     // Qwen2.5-7B's four products (QKV, o_proj, gate|up, down) at 1024 and 4096 rows.
     for (int64_t rows : {1024, 4096}) {
@@ -767,6 +923,7 @@ int main() {
     }
   }
   std::printf("test_gemm: %d checks, %d failures\n", g_checks, g_failures);
+  cudaFree(scratch.ptr);
   cudaFree(ws);
   return g_failures == 0 ? 0 : 1;
 }

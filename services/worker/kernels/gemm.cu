@@ -5,6 +5,8 @@
 #include <climits>
 #include <vector>
 
+#include "services/worker/kernels/kernels.h"
+
 namespace keep::kernels {
 
 BlasHandle::~BlasHandle() {
@@ -157,6 +159,8 @@ GemmTuner& GemmTuner::operator=(GemmTuner&& o) noexcept {
     workspace_bytes_ = o.workspace_bytes_;
     std::copy(o.entries_, o.entries_ + o.n_entries_, entries_);
     n_entries_ = o.n_entries_;
+    scratch_ = o.scratch_;
+    only_ours_ = o.only_ours_;
     o.lt_ = nullptr;
     o.op_ = nullptr;
     o.n_entries_ = 0;
@@ -224,7 +228,14 @@ cublasStatus_t GemmTuner::tune(cublasHandle_t blas, const GemmShape& shape, int6
   const float alpha = 1.0f, beta = shape.accumulate ? 1.0f : 0.0f;
   float best = -1.0f;
   int best_i = -1;
-  for (int i = 0; i < found; ++i) {
+  if (scratch_.ptr != nullptr && gemm_wgmma_fits(shape.out, shape.in) && wgmma_available()) {
+    best = time_ms(stream_, start, stop, kReps, [&] {
+      return run_ours(shape, rows, y, x, w) == cudaSuccess ? CUBLAS_STATUS_SUCCESS
+                                                           : CUBLAS_STATUS_EXECUTION_FAILED;
+    });
+    if (best > 0.0f) best_i = kOurs;
+  }
+  for (int i = 0; i < found && !only_ours_; ++i) {
     if (cand[i].state != CUBLAS_STATUS_SUCCESS) continue;
     const float t = time_ms(stream_, start, stop, kReps, [&] {
       return cublasLtMatmul(lt_, op_, &alpha, w, l.a, x, l.b, &beta, y, l.c, y, l.c, &cand[i].algo,
@@ -254,7 +265,8 @@ cublasStatus_t GemmTuner::tune(cublasHandle_t blas, const GemmShape& shape, int6
     if (n_entries_ == kMaxEntries) return CUBLAS_STATUS_SUCCESS;  // full: the default stays
     ++n_entries_;
   }
-  entries_[at] = Entry{shape, rows, cand[best_i].algo};
+  entries_[at] =
+      best_i == kOurs ? Entry{shape, rows, {}, true} : Entry{shape, rows, cand[best_i].algo};
   r.chosen = best_i;
   return CUBLAS_STATUS_SUCCESS;
 }
@@ -271,6 +283,13 @@ cublasStatus_t GemmTuner::run(const GemmShape& shape, int64_t rows, void* y, con
   }
   if (e == nullptr || lt_ == nullptr || !shape_ok(shape, rows)) return CUBLAS_STATUS_NOT_SUPPORTED;
   if (y == nullptr || x == nullptr || w == nullptr) return CUBLAS_STATUS_INVALID_VALUE;
+  if (e->ours) {
+    const cudaError_t err = run_ours(shape, rows, y, x, w);
+    return err == cudaSuccess             ? CUBLAS_STATUS_SUCCESS
+           : err == cudaErrorInvalidValue ? CUBLAS_STATUS_INVALID_VALUE
+           : err == cudaErrorNotSupported ? CUBLAS_STATUS_NOT_SUPPORTED
+                                          : CUBLAS_STATUS_EXECUTION_FAILED;
+  }
   const LtLayouts l(shape, rows);
   if (l.status != CUBLAS_STATUS_SUCCESS) return l.status;
   if (rows != e->rows && rows != e->checked_rows) {
@@ -286,6 +305,15 @@ cublasStatus_t GemmTuner::run(const GemmShape& shape, int64_t rows, void* y, con
   const float alpha = 1.0f, beta = shape.accumulate ? 1.0f : 0.0f;
   return cublasLtMatmul(lt_, op_, &alpha, w, l.a, x, l.b, &beta, y, l.c, y, l.c, &e->algo,
                         workspace_, workspace_bytes_, stream_);
+}
+
+cudaError_t GemmTuner::run_ours(const GemmShape& shape, int64_t rows, void* y,
+                                const __nv_bfloat16* x, const __nv_bfloat16* w) const {
+  return shape.accumulate
+             ? gemm_wgmma_accumulate(static_cast<float*>(y), shape.y_stride, x, shape.x_stride, w,
+                                     rows, shape.out, shape.in, scratch_, stream_)
+             : gemm_wgmma(static_cast<__nv_bfloat16*>(y), shape.y_stride, x, shape.x_stride, w,
+                          rows, shape.out, shape.in, scratch_, stream_);
 }
 
 }  // namespace keep::kernels

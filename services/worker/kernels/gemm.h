@@ -60,6 +60,18 @@ cublasStatus_t gemm_nt_accumulate(cublasHandle_t h, float* y, int64_t y_stride,
 cublasStatus_t gemm_nt_f32(cublasHandle_t h, float* y, int64_t y_stride, const float* x,
                            int64_t x_stride, const float* w, int64_t rows, int64_t out, int64_t in);
 
+// Scratch for the stream-K share of our own products (gemm_wgmma, gemm_wgmma_accumulate,
+// gemm_swiglu, below): device memory of gemm_wgmma_scratch_bytes() bytes, 16-byte aligned and
+// zeroed once (cudaMemset) before its first use; every launch leaves it zeroed again. One stream at
+// a time may use it. {} = none.
+struct GemmScratch {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+};
+// How much scratch the current device's products need (0 where they cannot run).
+size_t gemm_wgmma_scratch_bytes();
+size_t gemm_wgmma_scratch_bytes(int clusters);
+
 // ---- per-shape algorithms (cuBLASLt, timed) ----
 
 // Which bf16 product a tuned algorithm is for: y (rows, y_stride) bf16 = x W^T, or fp32 y += x W^T.
@@ -74,10 +86,12 @@ struct GemmShape {
 
 // cuBLAS's default pick (cublasGemmEx's heuristic) is not always its fastest algorithm for our
 // shapes: on the H200 at 4096 rows cuBLASLt has algorithms 5-17 % faster for Qwen2.5-7B's QKV,
-// o_proj and down products (test_gemm's survey), none at 1024. tune() times cuBLASLt's heuristic
-// candidates against gemm_nt's default on real operands and keeps the fastest where it wins by
-// kTuneMargin; run() then uses it for products of about that many rows. Not thread-safe (one per
-// stream, like the backend that owns it). Move-only.
+// o_proj and down products (test_gemm's survey), none at 1024; nor is cuBLAS always faster than
+// our own product (gemm_wgmma), nor slower. tune() times cuBLASLt's heuristic candidates and, once
+// use_own_products() gave it scratch, gemm_wgmma (where the shape fits) against gemm_nt's default
+// on real operands and keeps the fastest where it wins by kTuneMargin; run() then uses it for
+// products of about that many rows. Not thread-safe (one per stream, like the backend that owns
+// it). Move-only.
 class GemmTuner {
  public:
   static constexpr double kTuneMargin = 0.03;  // an algorithm must be 3 % faster to be kept
@@ -98,9 +112,17 @@ class GemmTuner {
   // candidate even when slower: tests use it to exercise run()). Synchronizes the stream. Times in
   // ms and the kept candidate's index (-1: the default stays) to `result` if not null.
   struct TuneResult {
-    int chosen = -1;
+    int chosen = -1;  // the cuBLASLt candidate kept, or kOurs
     float default_ms = 0.0f, best_ms = 0.0f;
   };
+  static constexpr int kOurs = kMaxCandidates;  // TuneResult::chosen: gemm_wgmma was kept
+  // Lets tune() time gemm_wgmma / gemm_wgmma_accumulate as one more candidate, with this stream-K
+  // scratch (which must outlive the tuner; see GemmScratch); `only`: no cuBLASLt candidates
+  // (tests).
+  void use_own_products(const GemmScratch& scratch, bool only = false) {
+    scratch_ = scratch;
+    only_ours_ = only;
+  }
   cublasStatus_t tune(cublasHandle_t blas, const GemmShape& shape, int64_t rows, void* y,
                       const __nv_bfloat16* x, const __nv_bfloat16* w, double margin = kTuneMargin,
                       TuneResult* result = nullptr);
@@ -117,6 +139,7 @@ class GemmTuner {
     GemmShape shape;
     int64_t rows = 0;
     cublasLtMatmulAlgo_t algo{};
+    bool ours = false;                  // gemm_wgmma instead of algo
     mutable int64_t checked_rows = -1;  // other rows cuBLASLt last accepted the algorithm for
   };
   static constexpr int kMaxEntries = 64;
@@ -127,25 +150,63 @@ class GemmTuner {
   size_t workspace_bytes_ = 0;
   Entry entries_[kMaxEntries];
   size_t n_entries_ = 0;
+  GemmScratch scratch_;
+  bool only_ours_ = false;
+  cudaError_t run_ours(const GemmShape& shape, int64_t rows, void* y, const __nv_bfloat16* x,
+                       const __nv_bfloat16* w) const;
   void release();
 };
 
-// ---- our own product (gemm_swiglu.cu) ----
+// ---- our own products (gemm_wgmma.cu): warp-specialized wgmma + TMA, Hopper only ----
+//
+// 256-row x 256-column cluster tiles of 128 x 256 per CTA, either dealt whole round robin, or in
+// lanes (one cluster per row tile, the lane's clusters on the same columns at once) with the
+// columns that do not fill a wave cut into equal k ranges (stream-K): see gemm_wgmma.cu. The
+// stream-K share needs scratch memory (partial tiles and flags); without it (or too little) the
+// products run round robin.
+
+// kAuto: lanes with the stream-K share where round robin would leave more than 5 % of the
+// clusters' time idle and lanes keep more busy (and scratch is given); kDataParallel: round robin;
+// kStreamK: lanes wherever there is scratch and a lane (tests, benchmarks).
+enum class GemmSchedule { kAuto, kDataParallel, kStreamK };
+
+// The shapes gemm_wgmma and gemm_wgmma_accumulate take: out % 256 == 0 and in % 64 == 0 (Qwen2.5
+// 1.5B-72B's QKV, o_proj and down products; not SmolLM2's 576).
+bool gemm_wgmma_fits(int64_t out, int64_t in);
+
+// y (rows, y_stride) bf16 = x (rows, x_stride) bf16 · W^T, W (out, in) bf16, fp32 sums rounded
+// once: gemm_nt's product. y_stride and x_stride multiples of 8 elements, y, x, W 16-byte aligned.
+// cudaErrorInvalidValue for other shapes (gemm_wgmma_fits), strides or alignments;
+// cudaErrorNotSupported where wgmma_available() is false. Asynchronous on `stream`, capturable in a
+// CUDA graph (scratch included).
+cudaError_t gemm_wgmma(__nv_bfloat16* y, int64_t y_stride, const __nv_bfloat16* x, int64_t x_stride,
+                       const __nv_bfloat16* w, int64_t rows, int64_t out, int64_t in,
+                       const GemmScratch& scratch, cudaStream_t stream,
+                       GemmSchedule schedule = GemmSchedule::kAuto);
+// y (rows, y_stride) fp32 += x · W^T in fp32 (gemm_nt_accumulate's product): y 8-byte aligned,
+// y_stride even; the rest as gemm_wgmma. Each y element is read and written once, by one thread:
+// the same inputs give the same bits whatever the schedule's timing.
+cudaError_t gemm_wgmma_accumulate(float* y, int64_t y_stride, const __nv_bfloat16* x,
+                                  int64_t x_stride, const __nv_bfloat16* w, int64_t rows,
+                                  int64_t out, int64_t in, const GemmScratch& scratch,
+                                  cudaStream_t stream, GemmSchedule schedule = GemmSchedule::kAuto);
 
 // The shapes gemm_swiglu takes: inter % 128 == 0 and in % 64 == 0 (Qwen2.5 0.5B-72B, SmolLM2).
 bool gemm_swiglu_fits(int64_t inter, int64_t in);
 
-// The MLP's gate/up product and SwiGLU in one kernel (wgmma + TMA, Hopper only):
+// The MLP's gate/up product and SwiGLU in one kernel:
 //   act[r, j] = bf16(silu(g) * u),  g = Σ_i x[r, i] W[j, i],  u = Σ_i x[r, i] W[inter + j, i]
 // with W (2 * inter, in) bf16 = [W_gate; W_up] (the fused gate/up weight, gate rows first), fp32
 // sums and silu(g) = g / (1 + exp(-g)) (hardware exp2 and reciprocal, relative error ~1e-6); the
 // product never goes through memory and g, u are not rounded to bf16 (the cuBLAS path +
-// swiglu_rows rounds them). act (rows, act_stride), x (rows,
-// x_stride): strides multiples of 8 elements, all pointers 16-byte aligned. cudaErrorInvalidValue
-// for other shapes (gemm_swiglu_fits), strides or alignments; cudaErrorNotSupported where
-// wgmma_available() is false. Asynchronous on `stream`, capturable in a CUDA graph.
+// swiglu_rows rounds them). act (rows, act_stride), x (rows, x_stride): strides multiples of 8
+// elements, all pointers 16-byte aligned. cudaErrorInvalidValue for other shapes
+// (gemm_swiglu_fits), strides or alignments; cudaErrorNotSupported where wgmma_available() is
+// false. Asynchronous on `stream`, capturable in a CUDA graph.
 cudaError_t gemm_swiglu(__nv_bfloat16* act, int64_t act_stride, const __nv_bfloat16* x,
                         int64_t x_stride, const __nv_bfloat16* w_gate_up, int64_t rows,
-                        int64_t inter, int64_t in, cudaStream_t stream);
+                        int64_t inter, int64_t in, cudaStream_t stream,
+                        const GemmScratch& scratch = {},
+                        GemmSchedule schedule = GemmSchedule::kAuto);
 
 }  // namespace keep::kernels

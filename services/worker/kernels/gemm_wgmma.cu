@@ -1,0 +1,603 @@
+// Our own bf16 matrix products for Hopper (gemm.h gemm_wgmma, gemm_wgmma_accumulate,
+// gemm_swiglu): one warp-specialized, persistent wgmma kernel fed by TMA, with three epilogues:
+//   kStore       y = bf16(x W^T)                        (QKV)
+//   kAccumulate  y (fp32) += x W^T                      (o_proj, down: into the residual stream)
+//   kSwiglu      act = bf16(silu(x Wg^T) * (x Wu^T))    (gate/up: the product never goes to memory)
+//
+// The main loop:
+//  - Tile: 128 token rows x 256 product columns, k steps of 64. A stage holds x's 128 x 64 box and
+//    two 128 x 64 weight boxes: 48 KiB, 4 stages, all 128-byte swizzled (wgmma.cuh's layout). The
+//    weight boxes are W rows n0.. and n0 + 128.. (kStore, kAccumulate: 256 consecutive outputs) or
+//    the gate rows n0.. and the up rows inter + n0.. (kSwiglu: 128 outputs).
+//  - Clusters of 2 CTAs along the rows: both need the same weight tile, so each loads one of its
+//    two boxes and multicasts it to both (half the weight traffic from L2).
+//  - Warpgroup 0 is the producer (one thread issues the loads); warpgroups 1 and 2 each run
+//    m64n256k16 over 64 rows of the tile, releasing a stage (in both CTAs) once its products are
+//    done. A stage is refilled only when both CTAs' consumers released it.
+//
+// The schedule. Cluster tiles are 256 rows x 256 product columns (tiles_m x tiles_n of them). At
+// 1024 token rows there are few: Qwen2.5-7B's QKV 4 x 18, o_proj and down 4 x 14, 14B's gate/up
+// 4 x 108, on the H200's 66 clusters; dealt whole, round robin (rows fastest), the last wave leaves
+// up to 45 % of the clusters idle. So where that idles more than 5 % (GemmSchedule::kAuto) the
+// clusters work in lanes: cluster c stays on row tile c % tiles_m, lane c / tiles_m, and the
+// lanes split the columns; a lane's clusters walk the same columns and k steps together, so each
+// weight tile comes from memory about once and then from L2 (cutting single tiles instead put the
+// row tiles of one column at different k steps: 7B's down product, 136 MB of weights, ran 20 %
+// slower than whole tiles). The columns that would not fill a wave of lanes (tiles_n % lanes +
+// lanes of them, or all when there are fewer than lanes) are cut by k steps into one equal,
+// contiguous range per lane (stream-K, Osama et al. 2023); the rest are dealt whole round robin
+// after that. A lane's range ends with the head (first k steps) of a column and may start inside
+// another. The cluster that holds a tile's head finishes it: the others (at most one piece per
+// cluster: the tile its range starts in) write their fp32 partial sums to scratch memory and raise
+// a flag; the head's cluster waits for the flags, adds the partials in lane order (the result does
+// not depend on timing) and runs the epilogue. A contributor raises its flag before it waits for
+// anything, and every cluster of the grid is resident at once (the grid is at most the occupancy
+// query's clusters), so the waits end. The flags are zero before a launch and zero after it (the
+// finishing cluster clears them): scratch is zeroed once when allocated.
+//
+// fp32 accumulation, one rounding at the end (kStore, kSwiglu); kAccumulate adds the fp32 sums to
+// y without rounding. silu(g) = g / (1 + exp(-g)) with the hardware's approximate exp2 and
+// reciprocal (__expf, __fdividef: relative errors ~1e-6, far below bf16's 4e-3; 0 where exp(-g)
+// overflows, as the exact form): with expf and an IEEE division the epilogue took ~5100 of a
+// tile's ~63000 cycles (7B gate/up, one k step ~1040); with these the kernel runs 5-6 % faster.
+#include <algorithm>
+#include <cstdint>
+#include <mutex>
+
+#include "services/worker/kernels/common.cuh"
+#include "services/worker/kernels/gemm.h"
+#include "services/worker/kernels/kernels.h"
+#include "services/worker/kernels/tma.cuh"
+#include "services/worker/kernels/tma_map.h"
+#include "services/worker/kernels/wgmma.cuh"
+
+namespace keep::kernels {
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+enum class Epilogue { kStore, kAccumulate, kSwiglu };
+
+constexpr int kBM = 128;  // token rows per CTA tile
+constexpr int kBN = 256;  // product columns per tile (kSwiglu: 128 gate + 128 up)
+constexpr int kBK = 64;   // k per stage: one 128-byte swizzled row of bf16
+constexpr int kStages = 4;
+constexpr int kCluster = 2;
+constexpr int kConsumers = 2;
+constexpr int kThreads = 128 * (1 + kConsumers);
+constexpr int kBoxBytes = 128 * kBK * 2;  // one 128-row box: x's or one of the weight's two
+constexpr int kStageBytes = 3 * kBoxBytes;
+constexpr int kOutBytes = kBM * 128 * 2;  // 128 staged bf16 output columns
+constexpr int kPanelBytes = kBM * 128;    // 64 output columns of the staging
+constexpr int kSmemBytes = kStages * kStageBytes + kOutBytes + 2 * kStages * 8 + 1024;
+// A CTA's partial tile in scratch: per consumer warpgroup, 32 accumulator blocks of float4 per
+// thread.
+constexpr size_t kPartialBytes = size_t{kConsumers} * 32 * 128 * 16;
+// Registers: the consumers' 128 accumulators per thread need the producer's share.
+constexpr int kProducerRegs = 40;
+constexpr int kConsumerRegs = 232;
+static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= 65536, "registers");
+
+struct Maps {
+  CUtensorMap x;  // (rows, in), box 64 x 128
+  CUtensorMap w;  // (out or 2 * inter, in), box 64 x 128
+  CUtensorMap y;  // kStore, kSwiglu: (rows, out or inter) bf16, box 64 x 128
+};
+
+struct Args {
+  float* y32;          // kAccumulate: (rows, y_stride) fp32
+  int64_t y_stride;    // kAccumulate
+  float4* partials;    // stream-K: (clusters, kCluster) partial tiles, or null
+  unsigned* flags;     // stream-K: (clusters, kCluster), zero between launches
+  int rows, outs, in;  // outs: product outputs (kSwiglu: inter)
+  // lanes == 0: whole tiles dealt round robin to the clusters (rows fastest). lanes > 0: cluster c
+  // works on row tile c % tiles_m in lane c / tiles_m; the first sk_cols column tiles' k steps are
+  // cut into one range per lane, the other columns dealt round robin to the lanes.
+  int lanes, sk_cols;
+};
+
+template <Epilogue E>
+__device__ __forceinline__ int tiles_n(const Args& a) {
+  return a.outs / (E == Epilogue::kSwiglu ? kBN / 2 : kBN);
+}
+
+// The work of one cluster, in order (producer and consumers walk the same pieces). Round robin
+// (lanes == 0): tiles cluster, cluster + clusters, ... with the rows fastest. In lanes: the lane's
+// range of the stream-K share (the first sk_cols columns' k steps cut into one equal range per
+// lane), then whole columns round robin; always on the cluster's own row tile. The clusters of a
+// lane (one per row tile) walk the same columns and k steps at the same time, so a weight tile is
+// read from memory about once and then from L2 (a stream-K schedule over single tiles put the row
+// tiles of a column at different k steps: Qwen2.5-7B's down product, 136 MB of weights, ran 20 %
+// slower than whole tiles). One loop over next(): a loop body inlined at two call sites made ptxas
+// serialize the consumers' wgmma.
+struct Pieces {
+  int64_t i = 0, end = 0;  // the stream-K iterations left: [i, end)
+  int k_steps, next_tile, tiles, step, tiles_m, m = 0;
+  __device__ Pieces(const Args& a, int tiles_m_, int tiles_n, int cluster, int clusters)
+      : k_steps(a.in / kBK), tiles_m(tiles_m_) {
+    if (a.lanes == 0) {
+      next_tile = cluster;
+      tiles = tiles_m * tiles_n;
+      step = clusters;
+      return;
+    }
+    // In a lane: "tiles" are the columns of row tile m.
+    m = cluster % tiles_m;
+    const int lane = cluster / tiles_m;
+    const int64_t iters = int64_t{a.sk_cols} * k_steps;
+    i = iters * lane / a.lanes;
+    end = iters * (lane + 1) / a.lanes;
+    next_tile = a.sk_cols + lane;
+    tiles = tiles_n;
+    step = a.lanes;
+  }
+  // The next piece: row tile tm, column tile tn, k steps [kb, ke). False when there is none.
+  __device__ bool next(const Args& a, int& tm, int& tn, int& kb, int& ke) {
+    if (i < end) {
+      tm = m;
+      tn = static_cast<int>(i / k_steps);
+      kb = static_cast<int>(i % k_steps);
+      const int64_t left = end - i;
+      ke = left < k_steps - kb ? kb + static_cast<int>(left) : k_steps;
+      i += ke - kb;
+      return true;
+    }
+    if (next_tile >= tiles) return false;
+    if (a.lanes == 0) {
+      tm = next_tile % tiles_m;
+      tn = next_tile / tiles_m;
+    } else {
+      tm = m;
+      tn = next_tile;
+    }
+    kb = 0;
+    ke = k_steps;
+    next_tile += step;
+    return true;
+  }
+};
+
+__device__ __forceinline__ void flag_release(unsigned* flag) {
+#ifdef KEEP_WGMMA_ASM
+  __threadfence();
+  asm volatile("st.release.gpu.global.u32 [%0], %1;\n" ::"l"(flag), "r"(1u) : "memory");
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ void flag_acquire(const unsigned* flag) {
+#ifdef KEEP_WGMMA_ASM
+  unsigned v = 0;
+  do {
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(flag) : "memory");
+  } while (v == 0);
+#else
+  __trap();
+#endif
+}
+
+template <Epilogue E>
+__global__ void __launch_bounds__(kThreads, 1)
+    gemm_wgmma_kernel(const __grid_constant__ Maps maps, const Args args) {
+  namespace d = detail;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  // Swizzled boxes need 1024-byte alignment.
+  unsigned char* smem = smem_raw + ((1024 - (d::smem_u32(smem_raw) & 1023)) & 1023);
+  unsigned char* out_tile = smem + kStages * kStageBytes;
+  auto* full = reinterpret_cast<uint64_t*>(out_tile + kOutBytes);  // stage loaded
+  uint64_t* empty = full + kStages;                                // stage free in both CTAs
+  const int wg = static_cast<int>(threadIdx.x) / 128;
+  const int tid = static_cast<int>(threadIdx.x) % 128;
+  const uint32_t rank = d::cluster_rank();
+  const int tiles_m = (args.rows + kBM * kCluster - 1) / (kBM * kCluster);
+  const int cluster = static_cast<int>(blockIdx.x) / kCluster;
+  const int clusters = static_cast<int>(gridDim.x) / kCluster;
+  const int k_steps = args.in / kBK;
+  // Row tile tm's first row for this CTA, column tile tn's first output column.
+  const auto row0 = [&](int tm) { return (tm * kCluster + static_cast<int>(rank)) * kBM; };
+  const auto col0 = [&](int tn) { return tn * (E == Epilogue::kSwiglu ? kBN / 2 : kBN); };
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      d::mbar_init(&full[s], 1);
+      d::mbar_init(&empty[s], kConsumers * kCluster);
+    }
+    d::mbar_init_fence();
+  }
+  d::cluster_sync();  // the peer's barriers are ready before anything is multicast to them
+
+  if (wg == 0) {
+    d::setmaxnreg_dec<kProducerRegs>();
+    if (tid == 0) {
+      int it = 0;  // k steps over all of this CTA's pieces; stage it % kStages
+      Pieces pieces(args, tiles_m, tiles_n<E>(args), cluster, clusters);
+      for (int tm, tn, kb, ke; pieces.next(args, tm, tn, kb, ke);) {
+        const int m0 = row0(tm), n0 = col0(tn);
+        // This CTA's weight box: the tile's first or second 128 rows of W (the gate's or the
+        // up's rows for kSwiglu).
+        const int w_row = E == Epilogue::kSwiglu ? (rank == 0 ? 0 : args.outs) + n0
+                                                 : n0 + static_cast<int>(rank) * 128;
+        for (int k = kb; k < ke; ++k, ++it) {
+          const int s = it % kStages;
+          if (it >= kStages) d::mbar_wait(&empty[s], ((it / kStages) - 1) & 1);
+          unsigned char* stage = smem + s * kStageBytes;
+          d::mbar_arrive_expect_tx(&full[s], kStageBytes);
+          d::tma_load_2d(stage, &maps.x, &full[s], k * kBK, m0);
+          d::tma_load_2d_multicast(stage + (1 + rank) * kBoxBytes, &maps.w, &full[s], k * kBK,
+                                   w_row, static_cast<uint16_t>((1u << kCluster) - 1));
+        }
+      }
+    }
+    __syncwarp();
+  } else {
+    d::setmaxnreg_inc<kConsumerRegs>();
+    const int c = wg - 1;  // this warpgroup's 64 rows of the tile
+    const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+    const bool issuer = c == 0 && tid == 0;  // issues the epilogue's stores, raises flags
+    // This warpgroup is done with stage s: one arrival on its barrier in every CTA of the
+    // cluster (the producers of both fill it).
+    const auto release = [&](int s) {
+      if (tid != 0) return;
+#pragma unroll
+      for (int r = 0; r < kCluster; ++r) {
+        d::mbar_arrive_cluster(&empty[s], static_cast<uint32_t>(r));
+      }
+    };
+    // This CTA's partial-tile slot of cluster `cl`; this thread's float4 of block n: [n * 128].
+    const auto partial = [&](int cl) {
+      return args.partials +
+             ((static_cast<size_t>(cl) * kCluster + rank) * kConsumers + c) * 32 * 128 + tid;
+    };
+    // Where lane l's range of the stream-K iterations starts.
+    const int64_t sk_iters = int64_t{args.sk_cols} * k_steps;
+    const auto range_start = [&](int l) { return sk_iters * l / args.lanes; };
+    int it = 0;
+    Pieces pieces(args, tiles_m, tiles_n<E>(args), cluster, clusters);
+    for (int tm, tn, kb, ke; pieces.next(args, tm, tn, kb, ke);) {
+      const int m0 = row0(tm), n0 = col0(tn);
+      float acc[32][4];
+#pragma unroll
+      for (int n = 0; n < 32; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+      // A piece has at least one k step: with a loop that may run zero times the zeroed
+      // accumulators could reach the epilogue, and ptxas then serializes the wgmma.
+      for (int k = kb;;) {
+        const int s = it % kStages;
+        d::mbar_wait(&full[s], (it / kStages) & 1);
+        unsigned char* stage = smem + s * kStageBytes;
+        // A: this warpgroup's 64 rows of x's box; B: the two weight boxes, one 256-row K-major
+        // operand (8-row groups 1024 bytes apart throughout).
+        const uint64_t da = d::wgmma_desc_sw128(stage + c * (64 * 128), 16, 1024);
+        const uint64_t db = d::wgmma_desc_sw128(stage + kBoxBytes, 16, 1024);
+        d::wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBK / 16; ++kk) {
+          d::wgmma_m64n256k16_ss(acc, d::wgmma_desc_add(da, kk * 32),
+                                 d::wgmma_desc_add(db, kk * 32), 1);
+        }
+        d::wgmma_commit();
+        d::wgmma_wait<1>();  // the previous step's products are done: free its stage
+        if (k > kb) release((it - 1) % kStages);
+        ++it;
+        if (++k >= ke) break;
+      }
+      d::wgmma_wait<0>();
+      d::wgmma_fence_operands(acc);
+      release((it - 1) % kStages);  // the piece's last stage
+
+      if (kb > 0) {
+        // Not the tile's head: hand the partial sums to the cluster that finishes the tile.
+        float4* p = partial(cluster);
+#pragma unroll
+        for (int n = 0; n < 32; ++n) {
+          __stcg(p + n * 128, make_float4(acc[n][0], acc[n][1], acc[n][2], acc[n][3]));
+        }
+        d::named_barrier(2, 128 * kConsumers);  // every consumer thread's stores are issued
+        if (issuer) flag_release(&args.flags[cluster * kCluster + rank]);
+        continue;
+      }
+      if (ke < k_steps) {
+        // The head of a tile cut into ranges: the clusters after this one whose ranges start
+        // inside the tile hold the rest of its k steps; add theirs in cluster order.
+        const int64_t tile_end = int64_t{tn + 1} * k_steps;
+        for (int l = cluster / tiles_m + 1; l < args.lanes && range_start(l) < tile_end; ++l) {
+          const int cl = tm + l * tiles_m;  // the same row tile in lane l
+          if (issuer) flag_acquire(&args.flags[cl * kCluster + rank]);
+          d::named_barrier(2, 128 * kConsumers);
+          const float4* p = partial(cl);
+#pragma unroll
+          for (int n = 0; n < 32; ++n) {
+            const float4 v = __ldcg(p + n * 128);
+            acc[n][0] += v.x;
+            acc[n][1] += v.y;
+            acc[n][2] += v.z;
+            acc[n][3] += v.w;
+          }
+          // Cleared for the next launch once every consumer thread has read the slot (the
+          // barrier before the next slot's or the epilogue's, and the kernel's end, order it).
+          if (issuer) args.flags[cl * kCluster + rank] = 0;
+        }
+      }
+
+      // acc[n][e + 2h]: row 16 warp + g + 8h of this warpgroup's 64, product column 8n + 2t + e.
+      if constexpr (E == Epilogue::kAccumulate) {
+        // y += acc straight from registers: each (row, 8-column block) is one 32-byte sector.
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = m0 + 64 * c + 16 * warp + g + 8 * h;
+          if (r >= args.rows) continue;
+          float* yr = args.y32 + static_cast<int64_t>(r) * args.y_stride + n0 + 2 * t;
+#pragma unroll
+          for (int nb = 0; nb < 32; nb += 8) {
+            float2 v[8];
+#pragma unroll
+            for (int n = 0; n < 8; ++n) v[n] = *reinterpret_cast<const float2*>(yr + 8 * (nb + n));
+#pragma unroll
+            for (int n = 0; n < 8; ++n) {
+              v[n].x += acc[nb + n][2 * h];
+              v[n].y += acc[nb + n][2 * h + 1];
+              *reinterpret_cast<float2*>(yr + 8 * (nb + n)) = v[n];
+            }
+          }
+        }
+      } else {
+        // Staged in shared memory as bf16 (two 64-column swizzled panels of 128 columns), then
+        // written by TMA stores, which drop rows past the end. kSwiglu: column j of the gate half
+        // and column j of the up half sit in the same thread (blocks n and n + 16): one pass of
+        // act = silu(gate) * up. kStore: two passes of 128 columns each.
+        constexpr int kPasses = E == Epilogue::kSwiglu ? 1 : 2;
+#pragma unroll
+        for (int pass = 0; pass < kPasses; ++pass) {
+          if (issuer) d::bulk_wait_read<0>();  // earlier stores have read the staging
+          d::named_barrier(1, 128 * kConsumers);
+#pragma unroll
+          for (int n = 0; n < 16; ++n) {
+            const int col = 8 * n + 2 * t;  // staged column (and + 1)
+            const int panel = col / 64, chunk = (col % 64) / 8;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int r = 64 * c + 16 * warp + g + 8 * h;
+              float a[2];
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                if constexpr (E == Epilogue::kSwiglu) {
+                  const float gate = acc[n][2 * h + e], up = acc[n + 16][2 * h + e];
+                  a[e] = __fdividef(gate, 1.0f + __expf(-gate)) * up;
+                } else {
+                  a[e] = acc[n + 16 * pass][2 * h + e];
+                }
+              }
+              *reinterpret_cast<__nv_bfloat162*>(out_tile + panel * kPanelBytes + r * 128 +
+                                                 (chunk ^ (r % 8)) * 16 + (col % 8) * 2) =
+                  __floats2bfloat162_rn(a[0], a[1]);
+            }
+          }
+          d::fence_proxy_async_shared();  // the staging is read by the TMA (async proxy)
+          d::named_barrier(1, 128 * kConsumers);
+          if (issuer) {
+            const int x0 = n0 + 128 * pass;
+            d::tma_store_2d(&maps.y, out_tile, x0, m0);
+            d::tma_store_2d(&maps.y, out_tile + kPanelBytes, x0 + 64, m0);
+            d::bulk_commit();
+          }
+        }
+      }
+    }
+    if (issuer) d::bulk_wait<0>();
+  }
+  d::cluster_sync();  // no CTA leaves while its peer may still arrive on its barriers
+}
+
+// A (rows, cols) bf16 matrix with row stride `ld` elements, read or written in 64 x 128 boxes.
+bool encode(CUtensorMap* map, const bf16* p, int64_t rows, int64_t cols, int64_t ld) {
+  return detail::encode_bf16_map(map, p, rows, cols, ld, 128);
+}
+
+// The kernel's launch configuration: `grid` CTAs in clusters of kCluster along x.
+struct Launch {
+  cudaLaunchAttribute attr{};
+  cudaLaunchConfig_t cfg{};
+  Launch(unsigned grid, cudaStream_t stream) {
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = kCluster;
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    cfg.gridDim = dim3(grid);
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = kSmemBytes;
+    cfg.stream = stream;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+  }
+  Launch(const Launch&) = delete;  // cfg points at attr
+  Launch& operator=(const Launch&) = delete;
+};
+
+// Per device and epilogue: the kernel's shared-memory limit raised, and how many clusters fit at
+// once (0: the kernel cannot run there).
+template <Epilogue E>
+int max_clusters(int device) {
+  static std::mutex mu;
+  static int known[64] = {};
+  if (device < 0 || device >= 64) return 0;
+  std::lock_guard<std::mutex> lock(mu);
+  if (known[device] != 0) return known[device];
+  if (cudaFuncSetAttribute(gemm_wgmma_kernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           kSmemBytes) != cudaSuccess) {
+    return 0;
+  }
+  int sms = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 0;
+  const Launch launch(static_cast<unsigned>(sms - sms % kCluster), nullptr);
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, gemm_wgmma_kernel<E>, &launch.cfg) != cudaSuccess) {
+    return 0;
+  }
+  known[device] = clusters;
+  return clusters;
+}
+
+// Row tiles of the cluster tiles (256 rows).
+int64_t tiles_m(int64_t rows) { return (rows + kBM * kCluster - 1) / (kBM * kCluster); }
+
+// The schedule of a product of tiles_m x tiles_n cluster tiles of k_steps each on `clusters`
+// clusters: args.lanes, args.sk_cols, and the grid in clusters. kAuto takes lanes with a stream-K
+// share where they keep more of the clusters busy than whole tiles round robin (which leave the
+// last wave part idle) and the round robin would idle more than 5 %.
+int64_t plan(Args& args, int64_t tiles_m, int64_t tiles_n, int64_t k_steps, int clusters,
+             bool have_scratch, GemmSchedule schedule) {
+  args.lanes = 0;
+  args.sk_cols = 0;
+  const int64_t tiles = tiles_m * tiles_n;
+  const int64_t round_robin = std::min<int64_t>(tiles, clusters);
+  const int64_t lanes = clusters / tiles_m;
+  if (schedule == GemmSchedule::kDataParallel || !have_scratch || lanes == 0) return round_robin;
+  int64_t sk_cols = 0;
+  if (tiles_n % lanes != 0) sk_cols = tiles_n < lanes ? tiles_n : tiles_n % lanes + lanes;
+  if (sk_cols * k_steps < 4 * lanes) sk_cols = 0;  // ranges of a few k steps: not worth a fixup
+  // Busy share of the clusters' time: round robin, and lanes (whole columns, or balanced).
+  const double rr = double(tiles) / double((tiles + clusters - 1) / clusters * clusters);
+  const double in_lanes =
+      double(lanes * tiles_m) / clusters *
+      (sk_cols > 0 ? 1.0 : double(tiles_n) / double((tiles_n + lanes - 1) / lanes * lanes));
+  if (schedule == GemmSchedule::kAuto && (rr >= 0.95 || in_lanes <= rr)) return round_robin;
+  args.lanes = static_cast<int>(lanes);
+  args.sk_cols = static_cast<int>(sk_cols);
+  return lanes * tiles_m;
+}
+
+template <Epilogue E>
+cudaError_t launch(const Maps& maps, Args args, int64_t tiles_m, int64_t tiles_n,
+                   const GemmScratch& scratch, GemmSchedule schedule, cudaStream_t stream) {
+  if (!wgmma_available() || detail::tensor_map_encoder() == nullptr) {
+    return cudaErrorNotSupported;
+  }
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess) return e;
+  const int clusters = max_clusters<E>(device);
+  if (clusters <= 0) return cudaErrorNotSupported;
+  const bool have_scratch =
+      scratch.ptr != nullptr && scratch.bytes >= gemm_wgmma_scratch_bytes(clusters);
+  args.partials = have_scratch ? static_cast<float4*>(scratch.ptr) : nullptr;
+  args.flags =
+      have_scratch
+          ? reinterpret_cast<unsigned*>(static_cast<unsigned char*>(scratch.ptr) +
+                                        static_cast<size_t>(clusters) * kCluster * kPartialBytes)
+          : nullptr;
+  const int64_t grid =
+      plan(args, tiles_m, tiles_n, args.in / kBK, clusters, have_scratch, schedule);
+  const Launch launch(static_cast<unsigned>(grid * kCluster), stream);
+  return cudaLaunchKernelEx(&launch.cfg, gemm_wgmma_kernel<E>, maps, args);
+}
+
+// The checks every form shares; `out_multiple` is what `outs` must be a multiple of.
+bool plain_args_ok(int64_t y_stride, int64_t x_stride, int64_t rows, int64_t outs, int64_t in,
+                   int64_t out_multiple, int64_t w_rows) {
+  return rows >= 0 && rows <= INT32_MAX && outs > 0 && in > 0 && outs % out_multiple == 0 &&
+         in % kBK == 0 && w_rows <= INT32_MAX && in <= INT32_MAX && y_stride >= outs &&
+         x_stride >= in && x_stride % 8 == 0;
+}
+
+}  // namespace
+
+size_t gemm_wgmma_scratch_bytes(int clusters) {
+  return size_t(clusters) * kCluster * (kPartialBytes + sizeof(unsigned));
+}
+
+size_t gemm_wgmma_scratch_bytes() {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
+  // Every epilogue's kernel has the same resources: one occupancy answer serves all.
+  return gemm_wgmma_scratch_bytes(std::max(max_clusters<Epilogue::kStore>(device), 0));
+}
+
+bool gemm_wgmma_fits(int64_t out, int64_t in) {
+  return out > 0 && in > 0 && out % kBN == 0 && in % kBK == 0 && out <= INT32_MAX &&
+         in <= INT32_MAX;
+}
+
+bool gemm_swiglu_fits(int64_t inter, int64_t in) {
+  return inter > 0 && in > 0 && inter % (kBN / 2) == 0 && in % kBK == 0 && 2 * inter <= INT32_MAX &&
+         in <= INT32_MAX;
+}
+
+cudaError_t gemm_wgmma(__nv_bfloat16* y, int64_t y_stride, const __nv_bfloat16* x, int64_t x_stride,
+                       const __nv_bfloat16* w, int64_t rows, int64_t out, int64_t in,
+                       const GemmScratch& scratch, cudaStream_t stream, GemmSchedule schedule) {
+  if (!plain_args_ok(y_stride, x_stride, rows, out, in, kBN, out) || y_stride % 8 != 0) {
+    return cudaErrorInvalidValue;
+  }
+  if (rows == 0) return cudaSuccess;
+  if (y == nullptr || x == nullptr || w == nullptr || !detail::aligned16(y) ||
+      !detail::aligned16(x) || !detail::aligned16(w)) {
+    return cudaErrorInvalidValue;
+  }
+  if (detail::tensor_map_encoder() == nullptr) return cudaErrorNotSupported;
+  Maps maps;
+  if (!encode(&maps.x, x, rows, in, x_stride) || !encode(&maps.w, w, out, in, in) ||
+      !encode(&maps.y, y, rows, out, y_stride)) {
+    return cudaErrorInvalidValue;
+  }
+  Args args{};
+  args.rows = static_cast<int>(rows);
+  args.outs = static_cast<int>(out);
+  args.in = static_cast<int>(in);
+  return launch<Epilogue::kStore>(maps, args, tiles_m(rows), out / kBN, scratch, schedule, stream);
+}
+
+cudaError_t gemm_wgmma_accumulate(float* y, int64_t y_stride, const __nv_bfloat16* x,
+                                  int64_t x_stride, const __nv_bfloat16* w, int64_t rows,
+                                  int64_t out, int64_t in, const GemmScratch& scratch,
+                                  cudaStream_t stream, GemmSchedule schedule) {
+  if (!plain_args_ok(y_stride, x_stride, rows, out, in, kBN, out) || y_stride % 2 != 0) {
+    return cudaErrorInvalidValue;
+  }
+  if (rows == 0) return cudaSuccess;
+  if (y == nullptr || x == nullptr || w == nullptr || reinterpret_cast<uintptr_t>(y) % 8 != 0 ||
+      !detail::aligned16(x) || !detail::aligned16(w)) {
+    return cudaErrorInvalidValue;
+  }
+  if (detail::tensor_map_encoder() == nullptr) return cudaErrorNotSupported;
+  Maps maps;
+  if (!encode(&maps.x, x, rows, in, x_stride) || !encode(&maps.w, w, out, in, in)) {
+    return cudaErrorInvalidValue;
+  }
+  maps.y = maps.x;  // unused
+  Args args{};
+  args.y32 = y;
+  args.y_stride = y_stride;
+  args.rows = static_cast<int>(rows);
+  args.outs = static_cast<int>(out);
+  args.in = static_cast<int>(in);
+  return launch<Epilogue::kAccumulate>(maps, args, tiles_m(rows), out / kBN, scratch, schedule,
+                                       stream);
+}
+
+cudaError_t gemm_swiglu(__nv_bfloat16* act, int64_t act_stride, const __nv_bfloat16* x,
+                        int64_t x_stride, const __nv_bfloat16* w_gate_up, int64_t rows,
+                        int64_t inter, int64_t in, cudaStream_t stream, const GemmScratch& scratch,
+                        GemmSchedule schedule) {
+  if (!gemm_swiglu_fits(inter, in) ||
+      !plain_args_ok(act_stride, x_stride, rows, inter, in, kBN / 2, 2 * inter) ||
+      act_stride % 8 != 0) {
+    return cudaErrorInvalidValue;
+  }
+  if (rows == 0) return cudaSuccess;
+  if (act == nullptr || x == nullptr || w_gate_up == nullptr || !detail::aligned16(act) ||
+      !detail::aligned16(x) || !detail::aligned16(w_gate_up)) {
+    return cudaErrorInvalidValue;
+  }
+  if (detail::tensor_map_encoder() == nullptr) return cudaErrorNotSupported;
+  Maps maps;
+  if (!encode(&maps.x, x, rows, in, x_stride) || !encode(&maps.w, w_gate_up, 2 * inter, in, in) ||
+      !encode(&maps.y, act, rows, inter, act_stride)) {
+    return cudaErrorInvalidValue;
+  }
+  Args args{};
+  args.rows = static_cast<int>(rows);
+  args.outs = static_cast<int>(inter);
+  args.in = static_cast<int>(in);
+  return launch<Epilogue::kSwiglu>(maps, args, tiles_m(rows), inter / (kBN / 2), scratch, schedule,
+                                   stream);
+}
+
+}  // namespace keep::kernels
