@@ -4,7 +4,7 @@
 //   build/bin/bench_prefill --shape qwen2.5-7b --tokens 1024,2048,4096 [--reps 10] [--warmup 3]
 //       [--decode 64] [--decode-context 1024] [--json out.jsonl] [--graphs on|off|both]
 //       [--profile] [--logits f32rows|f32|bf16] [--attention auto|mma|wgmma|wide] [--gap-ms G]
-//       [--fused-swiglu-rows R] [--gemm-autotune-rows R]
+//       [--fused-swiglu-rows R] [--gemm-autotune-rows R] [--own-gemm on|off]
 //
 // TTFT = wall time of Engine::prefill (embedding, every layer, final norm + lm_head of the last
 // row, logits copied to the host), the prompt in one chunk; median of --reps after --warmup runs.
@@ -16,7 +16,8 @@
 // each stage of the layers (CudaBackend::profile); --attention picks the prefill attention's
 // tensor-core instructions (CudaBackendOptions::prefill_attention); --fused-swiglu-rows sets
 // CudaBackendOptions::fused_swiglu_rows (0: cuBLAS + swiglu_rows always); --gemm-autotune-rows
-// sets CudaBackendOptions::gemm_autotune_rows (0: cuBLAS's default algorithms only).
+// sets CudaBackendOptions::gemm_autotune_rows (0: cuBLAS's default algorithms only); --own-gemm off
+// keeps our own product out of that tuning (CudaBackendOptions::gemm_own_products).
 // benchmarks/prefill/run.sh runs this and HF transformers (hf_prefill.py) in one go and prints the
 // ratios.
 #include <algorithm>
@@ -48,7 +49,7 @@ int usage(const char* msg) {
       "usage: bench_prefill --shape NAME --tokens N[,N...] [--reps R] [--warmup W] "
       "[--decode T] [--decode-context N] [--json FILE] [--graphs on|off|both] [--profile]\n"
       "  [--logits f32rows|f32|bf16] [--attention auto|mma|wgmma|wide] [--gap-ms G]\n"
-      "  [--fused-swiglu-rows R] [--gemm-autotune-rows R]\n"
+      "  [--fused-swiglu-rows R] [--gemm-autotune-rows R] [--own-gemm on|off]\n"
       "  shapes:");
   for (const auto& n : keep::bench::model_shape_names()) std::fprintf(stderr, " %s", n.c_str());
   std::fprintf(stderr, "\n");
@@ -92,6 +93,7 @@ int main(int argc, char** argv) {
   int reps = 10, warmup = 3, decode = 64, gap_ms = 0;
   int fused_swiglu_rows = CudaBackendOptions{}.fused_swiglu_rows;
   int gemm_autotune_rows = CudaBackendOptions{}.gemm_autotune_rows;
+  std::string own_gemm = CudaBackendOptions{}.gemm_own_products ? "on" : "off";
   int64_t decode_context = 1024;
   for (int i = 1; i < argc; ++i) {
     auto next = [&]() -> const char* { return i + 1 < argc ? argv[++i] : nullptr; };
@@ -125,6 +127,8 @@ int main(int argc, char** argv) {
       fused_swiglu_rows = std::atoi(v);
     else if (!std::strcmp(a, "--gemm-autotune-rows") && (v = next()))
       gemm_autotune_rows = std::atoi(v);
+    else if (!std::strcmp(a, "--own-gemm") && (v = next()))
+      own_gemm = v;
     else
       return usage((std::string("bad argument: ") + a).c_str());
   }
@@ -135,9 +139,11 @@ int main(int argc, char** argv) {
     return usage("bad sizes");
   }
   if (graphs != "on" && graphs != "off" && graphs != "both") return usage("--graphs on|off|both");
+  if (own_gemm != "on" && own_gemm != "off") return usage("--own-gemm on|off");
   CudaBackendOptions options;
   options.fused_swiglu_rows = fused_swiglu_rows;
   options.gemm_autotune_rows = gemm_autotune_rows;
+  options.gemm_own_products = own_gemm == "on";
   if (logits == "f32rows") {
     options.logits = CudaBackendOptions::Logits::kF32Rows;
   } else if (logits == "f32") {

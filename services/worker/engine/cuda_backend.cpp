@@ -133,8 +133,10 @@ std::string CudaBackend::name() const {
                               std::to_string(options_.fused_swiglu_rows) + " rows"
                         : "") +
          (options_.gemm_autotune_rows > 0
-              ? ", cuBLASLt algorithms tuned from " + std::to_string(options_.gemm_autotune_rows) +
-                    " rows"
+              ? std::string(options_.gemm_own_products && kernels::wgmma_available()
+                                ? ", cuBLASLt algorithms or ours"
+                                : ", cuBLASLt algorithms") +
+                    " tuned from " + std::to_string(options_.gemm_autotune_rows) + " rows"
               : "") +
          ")";
 }
@@ -450,6 +452,9 @@ Status CudaBackend::reserve(int32_t max_rows, int32_t max_keys) {
                o_lse = take(R * H * 4), o_rows = take(R * C * 4), o_normed = take(R * C * 4),
                o_dec = take(dec * 4), o_blas = take(kBlasWorkspace), o_sc = take(R * 4),
                o_scf = take(R * 4);
+  // Our products' stream-K scratch (partial tiles and flags), where they run.
+  const size_t scratch_bytes = kernels::wgmma_available() ? kernels::gemm_wgmma_scratch_bytes() : 0;
+  const size_t o_gemm = take(scratch_bytes);
   synchronize();
   blas_ = kernels::BlasHandle();
   cudaFree(workspace_);
@@ -473,8 +478,13 @@ Status CudaBackend::reserve(int32_t max_rows, int32_t max_keys) {
   blas_ws_ = base + o_blas;
   scalars_ = reinterpret_cast<int32_t*>(base + o_sc);
   scalars_f_ = reinterpret_cast<float*>(base + o_scf);
+  gemm_scratch_ = kernels::GemmScratch{scratch_bytes > 0 ? base + o_gemm : nullptr, scratch_bytes};
+  if (scratch_bytes > 0) {
+    KEEP_CUDA_CHECK(cudaMemsetAsync(gemm_scratch_.ptr, 0, scratch_bytes, stream_));
+  }
   cublasStatus_t st = blas_.init(stream_, blas_ws_, kBlasWorkspace);
   if (st == CUBLAS_STATUS_SUCCESS) st = tuner_.init(stream_, blas_ws_, kBlasWorkspace);
+  if (options_.gemm_own_products) tuner_.use_own_products(gemm_scratch_);
   if (st != CUBLAS_STATUS_SUCCESS) {
     return Status(Code::kUnavailable,
                   std::string("cuda backend: cublas: ") + kernels::blas_status_name(st));
@@ -530,14 +540,15 @@ Status CudaBackend::tune_products(int32_t rows) {
       ++tried;
       if (res.chosen >= 0) {
         char line[96];
-        std::snprintf(line, sizeof(line), " %s@%lld %.3f->%.3f ms", j.name,
-                      static_cast<long long>(r), res.default_ms, res.best_ms);
+        std::snprintf(line, sizeof(line), " %s@%lld %.3f->%.3f ms%s", j.name,
+                      static_cast<long long>(r), res.default_ms, res.best_ms,
+                      res.chosen == kernels::GemmTuner::kOurs ? " (ours)" : "");
         kept += line;
       }
     }
     if (r == rows) break;
   }
-  KEEP_LOG_INFO("engine", "gemm autotune: %zu of %d products take a cuBLASLt algorithm%s",
+  KEEP_LOG_INFO("engine", "gemm autotune: %zu of %d products take a cuBLASLt algorithm or ours%s",
                 tuner_.tuned(), tried, kept.c_str());
   return Status::ok();
 }
@@ -745,7 +756,8 @@ void CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_in,
     KEEP_CUDA_CHECK(kernels::gemv_rmsnorm(gu, 2 * I, res_kept, C, w.ffn_norm, eps, w.w_gate_up,
                                           keep, 2 * I, C, stream_));
   } else if (swiglu_fused) {
-    KEEP_CUDA_CHECK(kernels::gemm_swiglu(act, I, xn, C, w.w_gate_up, keep, I, C, stream_));
+    KEEP_CUDA_CHECK(
+        kernels::gemm_swiglu(act, I, xn, C, w.w_gate_up, keep, I, C, stream_, gemm_scratch_));
   } else {
     product(gu, 2 * I, xn, C, w.w_gate_up, keep, 2 * I, C);
   }

@@ -84,6 +84,10 @@ struct CudaBackendOptions {
   // step at start-up.
   int32_t gemm_autotune_rows = 1024;
   double gemm_autotune_margin = kernels::GemmTuner::kTuneMargin;
+  // The tuning also times our own product (kernels::gemm_wgmma: wgmma + TMA, with a stream-K share
+  // where whole tiles leave part of the GPU idle) for QKV, o_proj and down where the shape fits
+  // (outputs a multiple of 256: Qwen2.5 1.5B and up) and keeps it where it wins the same way.
+  bool gemm_own_products = true;
 };
 
 // Where the GPU time goes (CudaBackend::profile): one entry per stage of layer_forward, then
@@ -195,8 +199,9 @@ class CudaBackend final : public Backend {
   float* decode_ws_ = nullptr;
   size_t decode_ws_floats_ = 0;
   void* blas_ws_ = nullptr;
-  int32_t* scalars_ = nullptr;  // (rows) device ints for argmax results
-  float* scalars_f_ = nullptr;  // (rows) device floats for log-probs
+  kernels::GemmScratch gemm_scratch_;  // in workspace_, zeroed when allocated
+  int32_t* scalars_ = nullptr;         // (rows) device ints for argmax results
+  float* scalars_f_ = nullptr;         // (rows) device floats for log-probs
 
   // CUDA graphs: instantiated layer loops, keyed by their node count (a decode step and a prefill
   // chunk differ; steps of one kind update the same executable in place).
