@@ -16,6 +16,22 @@ namespace keep::kernels::detail {
 constexpr unsigned kFull = 0xffffffffu;  // every lane of a warp
 constexpr float kLog2e = 1.4426950408889634f;
 
+// cp.async (sm_80+): 16 bytes global -> shared, asynchronously; src_bytes = 0 zero-fills the
+// destination. A thread's copies form groups (commit); wait<N> returns once at most its N newest
+// groups are pending (the data is then visible to this thread; a barrier shares it).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 // How load_vec reads memory: plain loads (any memory; shared memory in the decode kernel) or the
 // read-only data path (global memory that no thread writes during the kernel).
 struct PlainLoad {

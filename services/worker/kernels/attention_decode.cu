@@ -88,19 +88,9 @@ struct DecodeShape {
 
 // ---- small device helpers ----
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
+using detail::cp_async16;
+using detail::cp_async_commit;
+using detail::cp_async_wait;
 using detail::SpanCursor;
 
 // Starts the cp.async copies of one batch (the keys of ordinals ob + [0, kKB)) of K rows then V

@@ -36,6 +36,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "services/worker/kernels/attention_common.cuh"
 #include "services/worker/kernels/common.cuh"
 #include "services/worker/kernels/kernels.h"
 #include "services/worker/kernels/tma.cuh"
@@ -128,19 +129,9 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// 16 bytes global -> shared, asynchronously; src_bytes = 0 zero-fills the destination.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-}
-// Waits until at most the newest committed group is pending.
-__device__ __forceinline__ void cp_async_wait_but_last() {
-  asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-}
+using detail::cp_async16;
+using detail::cp_async_commit;
+using detail::cp_async_wait;
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const bf16* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
@@ -645,7 +636,7 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 ? 3 : 2)
   }
   if (n_tiles > 0) issue_kv_tile<HD, kWgmma>(sk, sv, p, kg, vg, __ldg(p.tiles + sched_begin), tid);
   cp_async_commit();
-  cp_async_wait_all();
+  cp_async_wait<0>();
   if constexpr (kWgmma) detail::fence_proxy_async_shared();
   __syncthreads();
 
@@ -709,7 +700,7 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 ? 3 : 2)
     uint32_t a[kKeys / 16][4];
     for (int32_t j = 0; j + 1 < n_tiles; ++j) {
       const int32_t next = tile(j + 1);
-      cp_async_wait_but_last();  // K of tile j + 1 and V of tile j in place
+      cp_async_wait<1>();  // K of tile j + 1 and V of tile j in place
       detail::fence_proxy_async_shared();
       __syncthreads();  // ... for every thread; and every thread is done with S of tile j
       if (j + 2 < n_tiles) {
@@ -738,7 +729,7 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 ? 3 : 2)
       cp_async_commit();
     }
     if (n_tiles > 0) {  // O += P V of the last tile
-      cp_async_wait_all();
+      cp_async_wait<0>();
       detail::fence_proxy_async_shared();
       __syncthreads();
 #pragma unroll
@@ -755,7 +746,7 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 ? 3 : 2)
       // Tile j is in buffer j & 1. The barrier publishes it and guarantees that every warp is
       // done with tile j - 1 (and, for j = 0, with the Q staging), whose buffer the next load
       // reuses.
-      cp_async_wait_all();
+      cp_async_wait<0>();
       __syncthreads();
       int32_t next = 0;
       if (j + 1 < n_tiles) {

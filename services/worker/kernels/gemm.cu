@@ -88,24 +88,21 @@ cublasStatus_t gemm_nt_f32(cublasHandle_t h, float* y, int64_t y_stride, const f
 namespace {
 
 // The cuBLASLt form of gemm(): column-major D (out, rows) = W^T x^T, W stored (in, out) with
-// leading dimension in, x (in, rows) with x_stride, D with y_stride (C = D).
+// leading dimension in, x (in, rows) with x_stride, D with y_stride (C = D). The layouts live in
+// this object (cublasLtMatrixLayoutInit), not on the heap: run() builds them for every product.
 struct LtLayouts {
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatrixLayoutOpaque_t a_store{}, b_store{}, c_store{};
+  cublasLtMatrixLayout_t a = &a_store, b = &b_store, c = &c_store;
   cublasStatus_t status = CUBLAS_STATUS_SUCCESS;
   LtLayouts(const GemmShape& s, int64_t rows) {
-    status = cublasLtMatrixLayoutCreate(&a, CUDA_R_16BF, s.in, s.out, s.in);
+    status = cublasLtMatrixLayoutInit(a, CUDA_R_16BF, s.in, s.out, s.in);
     if (status == CUBLAS_STATUS_SUCCESS) {
-      status = cublasLtMatrixLayoutCreate(&b, CUDA_R_16BF, s.in, rows, s.x_stride);
+      status = cublasLtMatrixLayoutInit(b, CUDA_R_16BF, s.in, rows, s.x_stride);
     }
     if (status == CUBLAS_STATUS_SUCCESS) {
-      status = cublasLtMatrixLayoutCreate(&c, s.accumulate ? CUDA_R_32F : CUDA_R_16BF, s.out, rows,
-                                          s.y_stride);
+      status = cublasLtMatrixLayoutInit(c, s.accumulate ? CUDA_R_32F : CUDA_R_16BF, s.out, rows,
+                                        s.y_stride);
     }
-  }
-  ~LtLayouts() {
-    if (a != nullptr) cublasLtMatrixLayoutDestroy(a);
-    if (b != nullptr) cublasLtMatrixLayoutDestroy(b);
-    if (c != nullptr) cublasLtMatrixLayoutDestroy(c);
   }
   LtLayouts(const LtLayouts&) = delete;
   LtLayouts& operator=(const LtLayouts&) = delete;
