@@ -492,12 +492,44 @@ cudaError_t launch(const Maps& maps, Args args, int64_t tiles_m, int64_t tiles_n
   return cudaLaunchKernelEx(&launch.cfg, gemm_wgmma_kernel<E>, maps, args);
 }
 
-// The checks every form shares; `out_multiple` is what `outs` must be a multiple of.
-bool plain_args_ok(int64_t y_stride, int64_t x_stride, int64_t rows, int64_t outs, int64_t in,
-                   int64_t out_multiple, int64_t w_rows) {
-  return rows >= 0 && rows <= INT32_MAX && outs > 0 && in > 0 && outs % out_multiple == 0 &&
-         in % kBK == 0 && w_rows <= INT32_MAX && in <= INT32_MAX && y_stride >= outs &&
-         x_stride >= in && x_stride % 8 == 0;
+// One product: checks (cudaErrorInvalidValue), then the maps and the launch. `outs` is the
+// product's outputs (kSwiglu: inter; W then has 2 * inter rows); y is bf16 (kStore, kSwiglu: TMA
+// stores, 16-byte aligned, stride a multiple of 8) or fp32 (kAccumulate: 8-byte pairs).
+template <Epilogue E>
+cudaError_t run(void* y, int64_t y_stride, const bf16* x, int64_t x_stride, const bf16* w,
+                int64_t rows, int64_t outs, int64_t in, const GemmScratch& scratch,
+                cudaStream_t stream, GemmSchedule schedule) {
+  constexpr bool kF32 = E == Epilogue::kAccumulate;
+  constexpr int64_t kCols = E == Epilogue::kSwiglu ? kBN / 2 : kBN;  // outputs per column tile
+  const int64_t w_rows = E == Epilogue::kSwiglu ? 2 * outs : outs;
+  if (rows < 0 || rows > INT32_MAX || outs <= 0 || in <= 0 || outs % kCols != 0 || in % kBK != 0 ||
+      w_rows > INT32_MAX || in > INT32_MAX || y_stride < outs || x_stride < in ||
+      x_stride % 8 != 0 || y_stride % (kF32 ? 2 : 8) != 0) {
+    return cudaErrorInvalidValue;
+  }
+  if (rows == 0) return cudaSuccess;
+  if (y == nullptr || x == nullptr || w == nullptr ||
+      reinterpret_cast<uintptr_t>(y) % (kF32 ? 8 : 16) != 0 || !detail::aligned16(x) ||
+      !detail::aligned16(w)) {
+    return cudaErrorInvalidValue;
+  }
+  if (detail::tensor_map_encoder() == nullptr) return cudaErrorNotSupported;
+  Maps maps;
+  if (!encode(&maps.x, x, rows, in, x_stride) || !encode(&maps.w, w, w_rows, in, in)) {
+    return cudaErrorInvalidValue;
+  }
+  Args args{};
+  if constexpr (kF32) {
+    maps.y = maps.x;  // unused: added from registers
+    args.y32 = static_cast<float*>(y);
+    args.y_stride = y_stride;
+  } else if (!encode(&maps.y, static_cast<const bf16*>(y), rows, outs, y_stride)) {
+    return cudaErrorInvalidValue;
+  }
+  args.rows = static_cast<int>(rows);
+  args.outs = static_cast<int>(outs);
+  args.in = static_cast<int>(in);
+  return launch<E>(maps, args, tiles_m(rows), outs / kCols, scratch, schedule, stream);
 }
 
 }  // namespace
@@ -526,81 +558,24 @@ bool gemm_swiglu_fits(int64_t inter, int64_t in) {
 cudaError_t gemm_wgmma(__nv_bfloat16* y, int64_t y_stride, const __nv_bfloat16* x, int64_t x_stride,
                        const __nv_bfloat16* w, int64_t rows, int64_t out, int64_t in,
                        const GemmScratch& scratch, cudaStream_t stream, GemmSchedule schedule) {
-  if (!plain_args_ok(y_stride, x_stride, rows, out, in, kBN, out) || y_stride % 8 != 0) {
-    return cudaErrorInvalidValue;
-  }
-  if (rows == 0) return cudaSuccess;
-  if (y == nullptr || x == nullptr || w == nullptr || !detail::aligned16(y) ||
-      !detail::aligned16(x) || !detail::aligned16(w)) {
-    return cudaErrorInvalidValue;
-  }
-  if (detail::tensor_map_encoder() == nullptr) return cudaErrorNotSupported;
-  Maps maps;
-  if (!encode(&maps.x, x, rows, in, x_stride) || !encode(&maps.w, w, out, in, in) ||
-      !encode(&maps.y, y, rows, out, y_stride)) {
-    return cudaErrorInvalidValue;
-  }
-  Args args{};
-  args.rows = static_cast<int>(rows);
-  args.outs = static_cast<int>(out);
-  args.in = static_cast<int>(in);
-  return launch<Epilogue::kStore>(maps, args, tiles_m(rows), out / kBN, scratch, schedule, stream);
+  return run<Epilogue::kStore>(y, y_stride, x, x_stride, w, rows, out, in, scratch, stream,
+                               schedule);
 }
 
 cudaError_t gemm_wgmma_accumulate(float* y, int64_t y_stride, const __nv_bfloat16* x,
                                   int64_t x_stride, const __nv_bfloat16* w, int64_t rows,
                                   int64_t out, int64_t in, const GemmScratch& scratch,
                                   cudaStream_t stream, GemmSchedule schedule) {
-  if (!plain_args_ok(y_stride, x_stride, rows, out, in, kBN, out) || y_stride % 2 != 0) {
-    return cudaErrorInvalidValue;
-  }
-  if (rows == 0) return cudaSuccess;
-  if (y == nullptr || x == nullptr || w == nullptr || reinterpret_cast<uintptr_t>(y) % 8 != 0 ||
-      !detail::aligned16(x) || !detail::aligned16(w)) {
-    return cudaErrorInvalidValue;
-  }
-  if (detail::tensor_map_encoder() == nullptr) return cudaErrorNotSupported;
-  Maps maps;
-  if (!encode(&maps.x, x, rows, in, x_stride) || !encode(&maps.w, w, out, in, in)) {
-    return cudaErrorInvalidValue;
-  }
-  maps.y = maps.x;  // unused: added from registers
-  Args args{};
-  args.y32 = y;
-  args.y_stride = y_stride;
-  args.rows = static_cast<int>(rows);
-  args.outs = static_cast<int>(out);
-  args.in = static_cast<int>(in);
-  return launch<Epilogue::kAccumulate>(maps, args, tiles_m(rows), out / kBN, scratch, schedule,
-                                       stream);
+  return run<Epilogue::kAccumulate>(y, y_stride, x, x_stride, w, rows, out, in, scratch, stream,
+                                    schedule);
 }
 
 cudaError_t gemm_swiglu(__nv_bfloat16* act, int64_t act_stride, const __nv_bfloat16* x,
                         int64_t x_stride, const __nv_bfloat16* w_gate_up, int64_t rows,
                         int64_t inter, int64_t in, cudaStream_t stream, const GemmScratch& scratch,
                         GemmSchedule schedule) {
-  if (!gemm_swiglu_fits(inter, in) ||
-      !plain_args_ok(act_stride, x_stride, rows, inter, in, kBN / 2, 2 * inter) ||
-      act_stride % 8 != 0) {
-    return cudaErrorInvalidValue;
-  }
-  if (rows == 0) return cudaSuccess;
-  if (act == nullptr || x == nullptr || w_gate_up == nullptr || !detail::aligned16(act) ||
-      !detail::aligned16(x) || !detail::aligned16(w_gate_up)) {
-    return cudaErrorInvalidValue;
-  }
-  if (detail::tensor_map_encoder() == nullptr) return cudaErrorNotSupported;
-  Maps maps;
-  if (!encode(&maps.x, x, rows, in, x_stride) || !encode(&maps.w, w_gate_up, 2 * inter, in, in) ||
-      !encode(&maps.y, act, rows, inter, act_stride)) {
-    return cudaErrorInvalidValue;
-  }
-  Args args{};
-  args.rows = static_cast<int>(rows);
-  args.outs = static_cast<int>(inter);
-  args.in = static_cast<int>(in);
-  return launch<Epilogue::kSwiglu>(maps, args, tiles_m(rows), inter / (kBN / 2), scratch, schedule,
-                                   stream);
+  return run<Epilogue::kSwiglu>(act, act_stride, x, x_stride, w_gate_up, rows, inter, in, scratch,
+                                stream, schedule);
 }
 
 }  // namespace keep::kernels
