@@ -35,11 +35,12 @@
 // query's clusters), so the waits end. The flags are zero before a launch and zero after it (the
 // finishing cluster clears them): scratch is zeroed once when allocated.
 //
-// fp32 accumulation, one rounding at the end (kStore, kSwiglu); kAccumulate adds the fp32 sums to
-// y without rounding. silu(g) = g / (1 + exp(-g)) with the hardware's approximate exp2 and
-// reciprocal (__expf, __fdividef: relative errors ~1e-6, far below bf16's 4e-3; 0 where exp(-g)
-// overflows, as the exact form): with expf and an IEEE division the epilogue took ~5100 of a
-// tile's ~63000 cycles (7B gate/up, one k step ~1040); with these the kernel runs 5-6 % faster.
+// fp32 accumulation (stream-K partials included), one rounding to bf16 at the end (kStore,
+// kSwiglu); kAccumulate adds the fp32 sums to y in fp32. silu(g) = g / (1 + exp(-g)) with the
+// hardware's approximate exp2 and reciprocal (__expf, __fdividef: relative errors ~1e-6, far below
+// bf16's 4e-3; 0 where exp(-g) overflows, as the exact form): with expf and an IEEE division the
+// epilogue took ~5100 of a tile's ~63000 cycles (7B gate/up, one k step ~1040); with these the
+// kernel runs 5-6 % faster.
 #include <algorithm>
 #include <cstdint>
 #include <mutex>
