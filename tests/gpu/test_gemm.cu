@@ -607,25 +607,30 @@ void time_gemv(keep::kernels::BlasHandle& blas, int64_t rows, int64_t out, int64
 }
 
 // gemm_swiglu against what it replaces, cuBLAS's gate/up product and swiglu_rows, at the same
-// rows (informational; the end-to-end figures come from benchmarks/prefill).
-void time_gemm_swiglu(keep::kernels::BlasHandle& blas, int64_t rows, int64_t inter, int64_t in) {
+// rows (informational; the end-to-end figures come from benchmarks/prefill): round robin, and as
+// the backend runs it (with scratch: kAuto takes lanes and the stream-K share where whole tiles
+// would leave clusters idle, e.g. below 512 rows).
+void time_gemm_swiglu(keep::kernels::BlasHandle& blas, const keep::kernels::GemmScratch& scratch,
+                      int64_t rows, int64_t inter, int64_t in) {
+  namespace kk = keep::kernels;
   const TimedOperands t(rows, 2 * inter, in);
   __nv_bfloat16* act = nullptr;
   CUDA_OK(cudaMalloc(&act, rows * inter * 2));
   const float t_two = median_ms([&] {
     t.blas(blas, false);
-    CUDA_OK(keep::kernels::swiglu_rows(act, static_cast<const __nv_bfloat16*>(t.y), rows, inter,
-                                       nullptr));
+    CUDA_OK(kk::swiglu_rows(act, static_cast<const __nv_bfloat16*>(t.y), rows, inter, nullptr));
   });
-  const float t_fused = median_ms([&] {
-    CUDA_OK(keep::kernels::gemm_swiglu(act, inter, t.x, in, t.w, rows, inter, in, nullptr));
+  const float t_fused = median_ms(
+      [&] { CUDA_OK(kk::gemm_swiglu(act, inter, t.x, in, t.w, rows, inter, in, nullptr)); });
+  const float t_auto = median_ms([&] {
+    CUDA_OK(kk::gemm_swiglu(act, inter, t.x, in, t.w, rows, inter, in, nullptr, scratch));
   });
   const double flop = 2.0 * rows * 2 * inter * in;
   std::printf(
-      "gate/up + SwiGLU (%lld x %lld x %lld): cuBLAS + swiglu_rows %.3f ms, gemm_swiglu "
-      "%.3f ms (%.0f TFLOP/s)\n",
+      "gate/up + SwiGLU (%lld x %lld x %lld): cuBLAS + swiglu_rows %.3f ms, gemm_swiglu round "
+      "robin %.3f ms (%.0f TFLOP/s), as the backend runs it %.3f ms\n",
       (long long)rows, (long long)(2 * inter), (long long)in, t_two, t_fused,
-      flop / (t_fused * 1e-3) / 1e12);
+      flop / (t_fused * 1e-3) / 1e12, t_auto);
   cudaFree(act);
 }
 
@@ -900,8 +905,10 @@ int main() {
       time_gemv(blas, rows, 3584, 18944, true);
     }
     if (keep::kernels::wgmma_available()) {
-      for (int64_t rows : {128, 256, 512, 1024, 4096}) time_gemm_swiglu(blas, rows, 18944, 3584);
-      time_gemm_swiglu(blas, 2048, 13824, 5120);  // Qwen2.5-14B
+      for (int64_t rows : {128, 256, 384, 512, 1024, 4096}) {
+        time_gemm_swiglu(blas, scratch, rows, 18944, 3584);
+      }
+      for (int64_t rows : {256, 512, 2048}) time_gemm_swiglu(blas, scratch, rows, 13824, 5120);
       // Qwen2.5-7B's and 14B's products on ours against cuBLAS (QKV, o_proj, down; gate/up).
       for (int64_t rows : {1024, 2048, 4096}) {
         time_ours(blas, scratch, rows, 3584 + 2 * 512, 3584, false);
