@@ -643,7 +643,8 @@ void CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_in,
   // y (m, ys) = x W^T, or y += x W^T into fp32: our few-row kernel or cuBLAS.
   const bool gemv_dims = C % 8 == 0 && q % 8 == 0 && I % 8 == 0;
   auto few_rows = [&](int64_t m) { return gemv_dims && m <= options_.gemv_rows; };
-  // A tuned cuBLASLt algorithm where reserve() kept one for this shape and about these rows.
+  // The product reserve() tuned for this shape and about these rows (a cuBLASLt algorithm or our
+  // gemm_wgmma), where it kept one.
   auto tuned = [&](void* y, int64_t ys, const bf16* x, int64_t xs, const bf16* wt, int64_t m,
                    int64_t n, int64_t k, bool acc) {
     if (tuner_.tuned() == 0) return false;

@@ -70,18 +70,19 @@ struct CudaBackendOptions {
   // Steps of at least this many rows run the MLP's gate/up product with the SwiGLU fused into it
   // (kernels::gemm_swiglu: our wgmma kernel, where wgmma_available() and the model's intermediate
   // size is a multiple of 128 and hidden of 64); fewer rows, and other devices, take cuBLAS and
-  // swiglu_rows. 0 = never. H200, Qwen2.5-7B gate/up (test_gemm, against cuBLAS + swiglu_rows):
-  // 0.127 vs 0.118 ms at 256 rows (a cluster's 256-row tile half empty below that), 0.197 vs
-  // 0.207 at 512, 0.346 vs 0.382 at 1024, 1.378 vs 1.508 at 4096.
+  // swiglu_rows. 0 = never. H200, Qwen2.5-7B gate/up (test_gemm, against cuBLAS + swiglu_rows,
+  // with the backend's stream-K scratch): 0.109 vs 0.093 ms at 128 rows, 0.111 vs 0.121 at 256,
+  // 0.188 vs 0.162 at 384 (the second 256-row tile half empty), 0.194 vs 0.215 at 512, 0.365 vs
+  // 0.401 at 1024 (benchmarks/RESULTS.md run 8).
   int32_t fused_swiglu_rows = 512;
   // cuBLAS products (QKV, o_proj, down; gate/up where gemm_swiglu does not run) of about this many
   // rows or more take cuBLASLt algorithms chosen by timing at reserve() (kernels::GemmTuner), at
   // this many rows, twice, four times ... up to the reserved rows; an algorithm is kept where it
   // beats cuBLAS's default pick by gemm_autotune_margin. 0 = never. On the H200 (test_gemm's
   // survey) cuBLASLt has 5-17 % faster algorithms for Qwen2.5-7B's QKV, o_proj and down at 4096
-  // rows and few at 1024. Tuning runs each of up to 9 algorithms 6 times per product and row count
-  // (~0.1 s for 7B up to 4096 rows), on every reserve() that grows the rows: reserve the largest
-  // step at start-up.
+  // rows and few at 1024. Tuning runs cuBLAS's default, up to 8 cuBLASLt candidates and (with
+  // gemm_own_products) ours 6 times each per product and row count (~0.1 s for 7B up to 4096
+  // rows), on every reserve() that grows the rows: reserve the largest step at start-up.
   int32_t gemm_autotune_rows = 1024;
   double gemm_autotune_margin = kernels::GemmTuner::kTuneMargin;
   // The tuning also times our own product (kernels::gemm_wgmma: wgmma + TMA, with a stream-K share

@@ -305,8 +305,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         continue;
       }
       if (ke < k_steps) {
-        // The head of a tile cut into ranges: the clusters after this one whose ranges start
-        // inside the tile hold the rest of its k steps; add theirs in cluster order.
+        // The head of a tile cut into ranges: the lanes after this one whose ranges start inside
+        // the tile hold the rest of its k steps; add their partials (this row tile's cluster in
+        // each) in lane order.
         const int64_t tile_end = int64_t{tn + 1} * k_steps;
         for (int l = cluster / tiles_m + 1; l < args.lanes && range_start(l) < tile_end; ++l) {
           const int cl = tm + l * tiles_m;  // the same row tile in lane l

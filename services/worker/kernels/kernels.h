@@ -146,10 +146,9 @@ bool wgmma_available();
 // Which prefill kernel runs. kMma: one warpgroup per 64 rows on mma.sync; kWgmma: the same on
 // wgmma; kWgmmaWide: two warpgroups per 128 rows, 128 keys a step, warp-specialized with TMA
 // loads, where K/V are bf16 and Q, K, V 16-byte aligned (kWgmma's kernel otherwise). kAuto: on
-// Hopper kWgmmaWide for head_dim 128 from kPrefillWideMinKeys keys on (where it measured
-// faster), kWgmma below;
-// elsewhere kMma. A wgmma kernel where wgmma is not available: cudaErrorNotSupported. Same results
-// up to fp32 summation order.
+// Hopper kWgmmaWide for head_dim 128 from kPrefillWideMinKeys keys on (where it measured faster),
+// kWgmma below; elsewhere kMma. A wgmma kernel where wgmma is not available:
+// cudaErrorNotSupported. Same results up to fp32 summation order.
 enum class PrefillKernel { kAuto, kMma, kWgmma, kWgmmaWide };
 constexpr int32_t kPrefillWideMinKeys = 4096;  // kAuto's kWgmmaWide threshold (head_dim 128)
 
