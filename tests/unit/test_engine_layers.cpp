@@ -401,6 +401,19 @@ TEST_CASE("bad input is refused with a status, never a crash") {
   CHECK(e->plan(AttentionLayout::causal(0)).status().code() == Code::kInvalidArgument);
   l = AttentionLayout::recompute({3, 1}, 5);  // rows see their own slot, but order is free
   CHECK(l.validate().is_ok());
+  // A repeated slot out of order: the row named is the first (in row order) that repeats one.
+  l = AttentionLayout::recompute({4, 1, 3, 1, 4}, 5);
+  keep::Status repeat = l.validate();
+  CHECK(repeat.code() == Code::kInvalidArgument);
+  CHECK(repeat.message().find("row 3: slot 1 repeated") != std::string::npos);
+  // An earlier row's own error is reported before a later repeat.
+  l = AttentionLayout::recompute({4, 1, 3, 1}, 5);
+  l.row_position[2] = -1;
+  CHECK(l.validate().message().find("row 2: negative position") != std::string::npos);
+  l = AttentionLayout::causal(4);
+  l.row_slot[3] = 2;  // ascending but repeated
+  l.spans[3] = {0, 3};
+  CHECK(l.validate().message().find("row 3: slot 2 repeated") != std::string::npos);
 
   auto cache = KvCache::create(e->backend(), 3);
   REQUIRE(cache.is_ok());
