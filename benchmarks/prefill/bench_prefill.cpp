@@ -4,7 +4,7 @@
 //   build/bin/bench_prefill --shape qwen2.5-7b --tokens 1024,2048,4096 [--reps 10] [--warmup 3]
 //       [--decode 64] [--decode-context 1024] [--json out.jsonl] [--graphs on|off|both]
 //       [--profile] [--logits f32rows|f32|bf16] [--attention auto|mma|wgmma|wide] [--gap-ms G]
-//       [--fused-swiglu-rows R] [--gemm-autotune-rows R] [--own-gemm on|off]
+//       [--fused-swiglu-rows R] [--gemm-autotune-rows R] [--own-gemm on|off] [--pdl on|off|ab]
 //
 // TTFT = wall time of Engine::prefill (embedding, every layer, final norm + lm_head of the last
 // row, logits copied to the host), the prompt in one chunk; median of --reps after --warmup runs.
@@ -17,7 +17,9 @@
 // tensor-core instructions (CudaBackendOptions::prefill_attention); --fused-swiglu-rows sets
 // CudaBackendOptions::fused_swiglu_rows (0: cuBLAS + swiglu_rows always); --gemm-autotune-rows
 // sets CudaBackendOptions::gemm_autotune_rows (0: cuBLAS's default algorithms only); --own-gemm off
-// keeps our own product out of that tuning (CudaBackendOptions::gemm_own_products).
+// keeps our own product out of that tuning (CudaBackendOptions::gemm_own_products); --pdl off
+// launches every kernel plainly (kernels::set_dependent_launch), --pdl ab times the prefills with
+// and without programmatic dependent launch in alternation ("keep" and "keep-nopdl").
 // benchmarks/prefill/run.sh runs this and HF transformers (hf_prefill.py) in one go and prints the
 // ratios.
 #include <algorithm>
@@ -49,7 +51,7 @@ int usage(const char* msg) {
       "usage: bench_prefill --shape NAME --tokens N[,N...] [--reps R] [--warmup W] "
       "[--decode T] [--decode-context N] [--json FILE] [--graphs on|off|both] [--profile]\n"
       "  [--logits f32rows|f32|bf16] [--attention auto|mma|wgmma|wide] [--gap-ms G]\n"
-      "  [--fused-swiglu-rows R] [--gemm-autotune-rows R] [--own-gemm on|off]\n"
+      "  [--fused-swiglu-rows R] [--gemm-autotune-rows R] [--own-gemm on|off] [--pdl on|off|ab]\n"
       "  shapes:");
   for (const auto& n : keep::bench::model_shape_names()) std::fprintf(stderr, " %s", n.c_str());
   std::fprintf(stderr, "\n");
@@ -94,6 +96,7 @@ int main(int argc, char** argv) {
   int fused_swiglu_rows = CudaBackendOptions{}.fused_swiglu_rows;
   int gemm_autotune_rows = CudaBackendOptions{}.gemm_autotune_rows;
   std::string own_gemm = CudaBackendOptions{}.gemm_own_products ? "on" : "off";
+  std::string pdl = "on";
   int64_t decode_context = 1024;
   for (int i = 1; i < argc; ++i) {
     auto next = [&]() -> const char* { return i + 1 < argc ? argv[++i] : nullptr; };
@@ -129,6 +132,8 @@ int main(int argc, char** argv) {
       gemm_autotune_rows = std::atoi(v);
     else if (!std::strcmp(a, "--own-gemm") && (v = next()))
       own_gemm = v;
+    else if (!std::strcmp(a, "--pdl") && (v = next()))
+      pdl = v;
     else
       return usage((std::string("bad argument: ") + a).c_str());
   }
@@ -140,6 +145,8 @@ int main(int argc, char** argv) {
   }
   if (graphs != "on" && graphs != "off" && graphs != "both") return usage("--graphs on|off|both");
   if (own_gemm != "on" && own_gemm != "off") return usage("--own-gemm on|off");
+  if (pdl != "on" && pdl != "off" && pdl != "ab") return usage("--pdl on|off|ab");
+  keep::kernels::set_dependent_launch(pdl != "off");
   CudaBackendOptions options;
   options.fused_swiglu_rows = fused_swiglu_rows;
   options.gemm_autotune_rows = gemm_autotune_rows;
@@ -188,18 +195,27 @@ int main(int argc, char** argv) {
   if (!json.empty()) out.open(json, std::ios::app);
   auto& cuda = static_cast<CudaBackend&>(e.backend());
 
-  // Median TTFT of a prefill of n tokens.
-  auto time_prefill = [&](int64_t n, std::vector<double>& ms) -> keep::Status {
+  // TTFTs of prefills of n tokens; with --pdl ab, each rep times both settings, in turn first
+  // (ms_off gets the runs without programmatic dependent launch).
+  const bool ab = pdl == "ab";
+  auto time_prefill = [&](int64_t n, std::vector<double>& ms,
+                          std::vector<double>* ms_off = nullptr) -> keep::Status {
     ms.clear();
+    if (ms_off != nullptr) ms_off->clear();
     for (int r = 0; r < warmup + reps; ++r) {
-      cache->set_size(0);
-      if (gap_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(gap_ms));
-      const auto t0 = Clock::now();
-      auto lg = e.prefill(*cache, std::span<const int32_t>(ids.data(), static_cast<size_t>(n)));
-      const double t = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-      if (!lg.is_ok()) return lg.status();
-      if (r >= warmup) ms.push_back(t);
+      for (int pass = 0; pass < (ms_off != nullptr ? 2 : 1); ++pass) {
+        const bool off = ms_off != nullptr && (pass + r) % 2 == 1;
+        if (ms_off != nullptr) keep::kernels::set_dependent_launch(!off);
+        cache->set_size(0);
+        if (gap_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(gap_ms));
+        const auto t0 = Clock::now();
+        auto lg = e.prefill(*cache, std::span<const int32_t>(ids.data(), static_cast<size_t>(n)));
+        const double t = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+        if (!lg.is_ok()) return lg.status();
+        if (r >= warmup) (off ? *ms_off : ms).push_back(t);
+      }
     }
+    if (ms_off != nullptr) keep::kernels::set_dependent_launch(true);
     return keep::Status::ok();
   };
   // Per-token decode time: generate(decode + 1) minus generate(1), medians of 3.
@@ -234,17 +250,21 @@ int main(int argc, char** argv) {
     std::printf("%-14s %-14s %7s %10s %10s %10s %9s\n", "shape", "engine", "tokens", "ttft_ms",
                 "min_ms", "tok/s", "TFLOP/s");
     for (int64_t n : lens) {
-      std::vector<double> ms;
-      if (auto st = time_prefill(n, ms); !st.is_ok()) return fail(st);
-      const double med = median(ms);
-      const double tflops = prefill_flops(*cfg, n) / (med * 1e-3) / 1e12;
-      std::printf("%-14s %-14s %7lld %10.2f %10.2f %10.0f %9.1f\n", shape.c_str(), tag.c_str(),
-                  (long long)n, med, *std::min_element(ms.begin(), ms.end()), n / (med * 1e-3),
-                  tflops);
-      if (out) {
-        out << "{\"engine\":\"" << tag << "\",\"shape\":\"" << shape << "\",\"tokens\":" << n
-            << ",\"ttft_ms\":" << med << ",\"tflops\":" << tflops << "}\n";
-      }
+      std::vector<double> ms, ms_off;
+      if (auto st = time_prefill(n, ms, ab ? &ms_off : nullptr); !st.is_ok()) return fail(st);
+      auto report = [&](const std::string& who, const std::vector<double>& t) {
+        const double med = median(t);
+        const double tflops = prefill_flops(*cfg, n) / (med * 1e-3) / 1e12;
+        std::printf("%-14s %-14s %7lld %10.2f %10.2f %10.0f %9.1f\n", shape.c_str(), who.c_str(),
+                    (long long)n, med, *std::min_element(t.begin(), t.end()), n / (med * 1e-3),
+                    tflops);
+        if (out) {
+          out << "{\"engine\":\"" << who << "\",\"shape\":\"" << shape << "\",\"tokens\":" << n
+              << ",\"ttft_ms\":" << med << ",\"tflops\":" << tflops << "}\n";
+        }
+      };
+      report(tag, ms);
+      if (ab) report(tag + "-nopdl", ms_off);
     }
     if (decode > 0) {
       double per_token = 0.0;

@@ -609,6 +609,8 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 ? 3 : 2)
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
+  detail::wait_previous_grid();  // Q, K and V come from the previous kernels
+  detail::allow_next_grid();
 
   // Heaviest row tiles first (the last rows see the most keys in the usual layouts), all heads of
   // a row tile next to each other (GQA heads share their K/V tiles in L2).
@@ -900,6 +902,8 @@ __global__ void __launch_bounds__(kWideThreads, 1)
   const int wg = tid / 128;
   const int warp = (tid % 128) / 32;
   const int lane = tid % 32;
+  detail::wait_previous_grid();  // as the other kernel
+  detail::allow_next_grid();
 
   // Heaviest row tiles first, all heads of a row tile next to each other (as the other kernel).
   const int64_t block = static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x;
@@ -1106,8 +1110,8 @@ cudaError_t launch_hd(const Params<KV>& p, cudaStream_t stream) {
   const cudaError_t err = configure_once<attention_prefill_kernel<HD, KV, kWgmma>>(kBytes);
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned int>(p.row_tiles), static_cast<unsigned int>(p.heads));
-  attention_prefill_kernel<HD, KV, kWgmma><<<grid, kThreads, kBytes, stream>>>(p);
-  return cudaGetLastError();
+  return detail::launch_dependent(attention_prefill_kernel<HD, KV, kWgmma>, grid, kThreads, kBytes,
+                                  stream, p);
 }
 
 template <int HD>
@@ -1126,8 +1130,8 @@ cudaError_t launch_wide(const Params<bf16>& p, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned int>((p.row_tiles + 1) / 2),
                   static_cast<unsigned int>(p.heads));
-  attention_prefill_wide_kernel<HD><<<grid, kWideThreads, kBytes, stream>>>(args);
-  return cudaGetLastError();
+  return detail::launch_dependent(attention_prefill_wide_kernel<HD>, grid, kWideThreads, kBytes,
+                                  stream, args);
 }
 
 template <typename KV>

@@ -2,8 +2,10 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_runtime.h>
 
 #include <cstdint>
+#include <utility>
 
 namespace keep::kernels::detail {
 
@@ -19,6 +21,48 @@ inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 1
 inline unsigned int elementwise_blocks(int64_t n, int threads) {
   const int64_t blocks = (n + threads - 1) / threads;
   return static_cast<unsigned int>(blocks < 65536 ? blocks : 65536);
+}
+
+// ---- programmatic dependent launch (sm_90) ----
+// launch_dependent() starts a kernel with programmatic stream serialization: it may begin while
+// the previous kernel of its stream is still running, once every block of that kernel has called
+// allow_next_grid() or exited. So a kernel launched this way calls wait_previous_grid() before it
+// touches global memory that an earlier kernel writes or reads (only read-only data such as
+// weights may come before), and that wait returns once the previous kernel has completed and its
+// writes are visible. Both are no-ops in a kernel launched plainly. What overlaps is the launch
+// and the block's set-up (shared memory, barriers) with the previous kernel's last blocks.
+__device__ __forceinline__ void wait_previous_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void allow_next_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// The attribute launch_dependent() adds, or none where kernels::dependent_launch() is off.
+inline unsigned int dependent_launch_attribute(cudaLaunchAttribute& attr, bool on) {
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  return on ? 1u : 0u;
+}
+
+bool dependent_launch_on();  // kernels::dependent_launch(), without including kernels.h
+
+template <typename... Params, typename... Args>
+cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                             cudaStream_t stream, Args&&... args) {
+  cudaLaunchAttribute attr{};
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = &attr;
+  cfg.numAttrs = dependent_launch_attribute(attr, dependent_launch_on());
+  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
 }  // namespace keep::kernels::detail

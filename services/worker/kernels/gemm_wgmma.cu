@@ -214,6 +214,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     d::mbar_init_fence();
   }
   d::cluster_sync();  // the peer's barriers are ready before anything is multicast to them
+  // x (and y, the scratch) belong to the previous kernels; the set-up above overlapped them.
+  d::wait_previous_grid();
+  d::allow_next_grid();
 
   if (wg == 0) {
     d::setmaxnreg_dec<kProducerRegs>();
@@ -397,20 +400,23 @@ bool encode(CUtensorMap* map, const bf16* p, int64_t rows, int64_t cols, int64_t
 }
 
 // The kernel's launch configuration: `grid` CTAs in clusters of kCluster along x.
+// With `dependent`, a programmatic dependent launch (common.cuh) where kernels::dependent_launch().
 struct Launch {
-  cudaLaunchAttribute attr{};
+  cudaLaunchAttribute attr[2] = {};
   cudaLaunchConfig_t cfg{};
-  Launch(unsigned grid, cudaStream_t stream) {
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = kCluster;
-    attr.val.clusterDim.y = 1;
-    attr.val.clusterDim.z = 1;
+  Launch(unsigned grid, cudaStream_t stream, bool dependent) {
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = kCluster;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
     cfg.gridDim = dim3(grid);
     cfg.blockDim = dim3(kThreads);
     cfg.dynamicSmemBytes = kSmemBytes;
     cfg.stream = stream;
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs =
+        1 + (dependent ? detail::dependent_launch_attribute(attr[1], detail::dependent_launch_on())
+                       : 0u);
   }
   Launch(const Launch&) = delete;  // cfg points at attr
   Launch& operator=(const Launch&) = delete;
@@ -431,7 +437,7 @@ int max_clusters(int device) {
   }
   int sms = 0;
   if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 0;
-  const Launch launch(static_cast<unsigned>(sms - sms % kCluster), nullptr);
+  const Launch launch(static_cast<unsigned>(sms - sms % kCluster), nullptr, false);
   int clusters = 0;
   if (cudaOccupancyMaxActiveClusters(&clusters, gemm_wgmma_kernel<E>, &launch.cfg) != cudaSuccess) {
     return 0;
@@ -490,7 +496,7 @@ cudaError_t launch(const Maps& maps, Args args, int64_t tiles_m, int64_t tiles_n
           : nullptr;
   const int64_t grid =
       plan(args, tiles_m, tiles_n, args.in / kBK, clusters, have_scratch, schedule);
-  const Launch launch(static_cast<unsigned>(grid * kCluster), stream);
+  const Launch launch(static_cast<unsigned>(grid * kCluster), stream, true);
   return cudaLaunchKernelEx(&launch.cfg, gemm_wgmma_kernel<E>, maps, args);
 }
 

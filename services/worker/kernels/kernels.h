@@ -16,6 +16,14 @@
 
 namespace keep::kernels {
 
+// Programmatic dependent launch (sm_90) for the layer kernels that take it: add_rmsnorm,
+// qkv_finish, attention_prefill and our wgmma products (gemm.h). Such a kernel may start while
+// the previous kernel of its stream finishes, and waits inside for that kernel's results, so its
+// launch and set-up overlap the other's last blocks. Process-wide; on by default. Off serves A/B
+// timing (bench_prefill --pdl off); results are the same either way.
+void set_dependent_launch(bool on);
+bool dependent_launch();
+
 // out (n, hidden) = table (vocab, hidden)[ids[t], :]; ids (n) outside [0, vocab) give zero rows.
 cudaError_t embedding(float* out, const float* table, const int32_t* ids, int64_t n, int64_t hidden,
                       int64_t vocab, cudaStream_t stream);
