@@ -682,6 +682,18 @@ void CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_in,
   auto norm_fused = [&](int64_t m) {
     return few_rows(m) && static_cast<size_t>(m * C * 2) <= kernels::kGemvNormMaxSmem;
   };
+  const bool pool = out.pooled != nullptr && plan.key_group != nullptr;
+  float* lse = out.lse != nullptr ? out.lse : (pool ? lse_ : nullptr);
+  // Attention for every row when lse/pooled are wanted; else for the kept rows only, which the
+  // split-key kernel serves as a suffix of the plan's rows when they are few.
+  const bool tail_only = skip > 0 && lse == nullptr && keep <= options_.decode_rows;
+  // Rows whose Q is needed: all where attention runs over every row, else the kept ones (none for
+  // K/V only). A prefill's last layer keeps one row: its QKV product then covers the K and V
+  // columns for every row and the Q columns for that row alone (7B at 1024 rows: 26 of the
+  // layer's 34 GFLOP of QKV skipped). The other rows' Q columns are left as they were; qkv_finish
+  // rotates them, nothing reads them.
+  const int64_t q_from = lse == nullptr && (keep == 0 || tail_only) ? skip : 0;
+
   // Attention half.
   if (norm_fused(rows)) {
     mark(kNorm);  // (empty: fused into the QKV product)
@@ -691,20 +703,21 @@ void CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_in,
     KEEP_CUDA_CHECK(
         kernels::add_rmsnorm(xn, res, nullptr, nullptr, w.attn_norm, rows, C, eps, stream_));
     mark(kNorm);
-    product(qkv, qkv_w, xn, C, w.w_qkv, rows, qkv_w, C);
+    if (q_from == 0) {
+      product(qkv, qkv_w, xn, C, w.w_qkv, rows, qkv_w, C);
+    } else {
+      product(qkv + q, qkv_w, xn, C, w.w_qkv + q * C, rows, 2 * kvd, C);  // K, V: every row
+      if (keep > 0) product(qkv + q_from * qkv_w, qkv_w, xn + q_from * C, C, w.w_qkv, keep, q, C);
+    }
   }
   mark(kQkv);
   KEEP_CUDA_CHECK(kernels::qkv_finish(qkv, out.k_pre, out.v, view_k, view_v, w.b_q, w.b_k, w.b_v,
                                       plan.positions, plan.slots, inv_freq_, rows, heads, kv_heads,
                                       hd, stream_));
   mark(kQkvFinish);
-  const bool pool = out.pooled != nullptr && plan.key_group != nullptr;
-  float* lse = out.lse != nullptr ? out.lse : (pool ? lse_ : nullptr);
   if (keep == 0 && lse == nullptr) return;  // K/V only
-  // Attention for every row when lse/pooled are wanted; else for the kept rows only, which the
-  // split-key kernel serves as a suffix of the plan's rows when they are few.
-  const bool tail_only = skip > 0 && lse == nullptr && keep <= options_.decode_rows;
-  const bf16* att_kept = att;  // the kept rows' attention output
+  // The kept rows' attention output.
+  const bf16* att_kept = att;
   if (tail_only) {
     kernels::AttentionRows tail = plan.rows;
     tail.row_offsets += skip;
