@@ -125,12 +125,15 @@ struct Pieces {
     // In a lane: "tiles" are the columns of row tile m.
     m = cluster % tiles_m;
     const int lane = cluster / tiles_m;
-    const int64_t iters = int64_t{a.sk_cols} * k_steps;
-    i = iters * lane / a.lanes;
-    end = iters * (lane + 1) / a.lanes;
+    i = range_start(a, k_steps, lane);
+    end = range_start(a, k_steps, lane + 1);
     next_tile = a.sk_cols + lane;
     tiles = tiles_n;
     step = a.lanes;
+  }
+  // Where lane l's range of the stream-K iterations starts (l == lanes: where the last ends).
+  __device__ static int64_t range_start(const Args& a, int k_steps, int l) {
+    return int64_t{a.sk_cols} * k_steps * l / a.lanes;
   }
   // The next piece: row tile tm, column tile tn, k steps [kb, ke). False when there is none.
   __device__ bool next(const Args& a, int& tm, int& tn, int& kb, int& ke) {
@@ -260,9 +263,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       return args.partials +
              ((static_cast<size_t>(cl) * kCluster + rank) * kConsumers + c) * 32 * 128 + tid;
     };
-    // Where lane l's range of the stream-K iterations starts.
-    const int64_t sk_iters = int64_t{args.sk_cols} * k_steps;
-    const auto range_start = [&](int l) { return sk_iters * l / args.lanes; };
     int it = 0;
     Pieces pieces(args, tiles_m, tiles_n<E>(args), cluster, clusters);
     for (int tm, tn, kb, ke; pieces.next(args, tm, tn, kb, ke);) {
@@ -312,7 +312,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         // the tile hold the rest of its k steps; add their partials (this row tile's cluster in
         // each) in lane order.
         const int64_t tile_end = int64_t{tn + 1} * k_steps;
-        for (int l = cluster / tiles_m + 1; l < args.lanes && range_start(l) < tile_end; ++l) {
+        for (int l = cluster / tiles_m + 1;
+             l < args.lanes && Pieces::range_start(args, k_steps, l) < tile_end; ++l) {
           const int cl = tm + l * tiles_m;  // the same row tile in lane l
           if (issuer) flag_acquire(&args.flags[cl * kCluster + rank]);
           d::named_barrier(2, 128 * kConsumers);
@@ -478,9 +479,6 @@ int64_t plan(Args& args, int64_t tiles_m, int64_t tiles_n, int64_t k_steps, int 
 template <Epilogue E>
 cudaError_t launch(const Maps& maps, Args args, int64_t tiles_m, int64_t tiles_n,
                    const GemmScratch& scratch, GemmSchedule schedule, cudaStream_t stream) {
-  if (!wgmma_available() || detail::tensor_map_encoder() == nullptr) {
-    return cudaErrorNotSupported;
-  }
   int device = 0;
   cudaError_t e = cudaGetDevice(&device);
   if (e != cudaSuccess) return e;
@@ -521,7 +519,7 @@ cudaError_t run(void* y, int64_t y_stride, const bf16* x, int64_t x_stride, cons
       !detail::aligned16(w)) {
     return cudaErrorInvalidValue;
   }
-  if (detail::tensor_map_encoder() == nullptr) return cudaErrorNotSupported;
+  if (!wgmma_available() || detail::tensor_map_encoder() == nullptr) return cudaErrorNotSupported;
   Maps maps;
   if (!encode(&maps.x, x, rows, in, x_stride) || !encode(&maps.w, w, w_rows, in, in)) {
     return cudaErrorInvalidValue;
