@@ -160,13 +160,7 @@ int main(int argc, char** argv) {
   } else {
     return usage("--logits f32rows|f32|bf16");
   }
-  if (attention == "mma") {
-    options.prefill_attention = keep::kernels::PrefillKernel::kMma;
-  } else if (attention == "wgmma") {
-    options.prefill_attention = keep::kernels::PrefillKernel::kWgmma;
-  } else if (attention == "wide") {
-    options.prefill_attention = keep::kernels::PrefillKernel::kWgmmaWide;
-  } else if (attention != "auto") {
+  if (!keep::kernels::parse_prefill_kernel(attention.c_str(), &options.prefill_attention)) {
     return usage("--attention auto|mma|wgmma|wide");
   }
   for (int64_t n : lens) {

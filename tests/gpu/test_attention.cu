@@ -74,19 +74,6 @@ std::vector<kk::PrefillKernel> kernels_here() {
   }
   return v;
 }
-const char* kernel_name(kk::PrefillKernel k) {
-  switch (k) {
-    case kk::PrefillKernel::kMma:
-      return "mma";
-    case kk::PrefillKernel::kWgmma:
-      return "wgmma";
-    case kk::PrefillKernel::kWgmmaWide:
-      return "wide";
-    case kk::PrefillKernel::kAuto:
-      break;
-  }
-  return "auto";
-}
 
 // Runs ref::attention over rows split across threads (each slice of rows is an AttentionRows of
 // its own: row_offsets shifted, spans shared).
@@ -168,10 +155,11 @@ void run_case(const std::string& name, std::mt19937& rng, const Layout& lay, con
   const auto got = d_out.host();
   const auto got_lse = d_lse.host();
 
-  const std::string what =
-      std::string(kernel_name(opt.kernel)) + " " + name + " rows=" + std::to_string(rows) +
-      " keys=" + std::to_string(lay.num_keys) + " " + std::to_string(sh.heads) + "/" +
-      std::to_string(sh.kv_heads) + " hd" + std::to_string(sh.head_dim) + " kv " + dtype_name<KV>();
+  const std::string what = std::string(kk::prefill_kernel_name(opt.kernel)) + " " + name +
+                           " rows=" + std::to_string(rows) +
+                           " keys=" + std::to_string(lay.num_keys) + " " +
+                           std::to_string(sh.heads) + "/" + std::to_string(sh.kv_heads) + " hd" +
+                           std::to_string(sh.head_dim) + " kv " + dtype_name<KV>();
   // out: every element of the heads' columns within tolerance; the padding columns untouched.
   Compare c;
   int64_t untouched_bad = 0;
@@ -294,8 +282,8 @@ void bench(std::mt19937& rng, const Layout& lay, const Shape& sh, kk::PrefillKer
   std::printf(
       "  timing %-5s: %d rows causal, %d/%d hd%d kv %s: %.3f ms median of 20 (min %.3f), "
       "%.1f TFLOP/s\n",
-      kernel_name(kernel), rows, sh.heads, sh.kv_heads, sh.head_dim, dtype_name<KV>(), median,
-      ms.front(), flops / (median * 1e-3) / 1e12);
+      kk::prefill_kernel_name(kernel), rows, sh.heads, sh.kv_heads, sh.head_dim, dtype_name<KV>(),
+      median, ms.front(), flops / (median * 1e-3) / 1e12);
 
   // A sample of rows against the reference: a sub-layout of those rows with their Q.
   const auto got = d_out.host();
@@ -332,14 +320,14 @@ void bench(std::mt19937& rng, const Layout& lay, const Shape& sh, kk::PrefillKer
   if (bad > 0) {
     ++g_failures;
     std::fprintf(stderr, "FAIL timing case %s %d rows %d/%d hd%d kv %s: %lld sampled values off\n",
-                 kernel_name(kernel), rows, sh.heads, sh.kv_heads, sh.head_dim, dtype_name<KV>(),
-                 static_cast<long long>(bad));
+                 kk::prefill_kernel_name(kernel), rows, sh.heads, sh.kv_heads, sh.head_dim,
+                 dtype_name<KV>(), static_cast<long long>(bad));
   }
 }
 
 template <typename KV>
 void run_all(std::mt19937& rng, kk::PrefillKernel kernel) {
-  std::printf("KV %s, %s kernel\n", dtype_name<KV>(), kernel_name(kernel));
+  std::printf("KV %s, %s kernel\n", dtype_name<KV>(), kk::prefill_kernel_name(kernel));
   Options base;
   base.kernel = kernel;
   const Shape shapes[] = {kSmol, kQwen7, kWide};
@@ -451,7 +439,7 @@ void test_invalid_arguments() {
       if (kk::attention_prefill(fake, 512, nullptr, fake, 512, fake, fake, rows, sched, 4, 2, 128,
                                 0.1f, nullptr, k) != cudaErrorNotSupported) {
         ++g_failures;
-        std::fprintf(stderr, "FAIL %s without wgmma not refused\n", kernel_name(k));
+        std::fprintf(stderr, "FAIL %s without wgmma not refused\n", kk::prefill_kernel_name(k));
       }
     }
   }

@@ -11,6 +11,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 #include "services/worker/kernels/layout.h"
 
@@ -158,6 +159,31 @@ bool wgmma_available();
 // kWgmma below; elsewhere kMma. A wgmma kernel where wgmma is not available:
 // cudaErrorNotSupported. Same results up to fp32 summation order.
 enum class PrefillKernel { kAuto, kMma, kWgmma, kWgmmaWide };
+// Short names for flags and logs: "auto", "mma", "wgmma", "wide"; parse_prefill_kernel takes them
+// back (false for anything else).
+inline const char* prefill_kernel_name(PrefillKernel k) {
+  switch (k) {
+    case PrefillKernel::kMma:
+      return "mma";
+    case PrefillKernel::kWgmma:
+      return "wgmma";
+    case PrefillKernel::kWgmmaWide:
+      return "wide";
+    case PrefillKernel::kAuto:
+      break;
+  }
+  return "auto";
+}
+inline bool parse_prefill_kernel(const char* name, PrefillKernel* out) {
+  for (PrefillKernel k : {PrefillKernel::kAuto, PrefillKernel::kMma, PrefillKernel::kWgmma,
+                          PrefillKernel::kWgmmaWide}) {
+    if (std::strcmp(name, prefill_kernel_name(k)) == 0) {
+      *out = k;
+      return true;
+    }
+  }
+  return false;
+}
 constexpr int32_t kPrefillWideMinKeys = 4096;  // kAuto's kWgmmaWide threshold (head_dim 128)
 
 // Tiled flash-style kernel (tensor cores), for any number of rows; schedule from
