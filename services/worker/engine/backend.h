@@ -153,6 +153,11 @@ class Backend {
   // logits (n, vocab) = lm_head(final_norm(hidden[rows[i]])); hidden (device) has >= max(rows)+1
   // rows of C; rows (host).
   virtual void final_logits(float* logits, const float* hidden, const int32_t* rows, int32_t n) = 0;
+  // logits_host (n, vocab) = the same logits on the host, `logits` (device, (n, vocab)) holding
+  // them too. Waits. The default runs final_logits, then copy_to_host; the CUDA backend copies
+  // each slice of the vocabulary while it computes the next.
+  virtual void final_logits_to_host(float* logits_host, float* logits, const float* hidden,
+                                    const int32_t* rows, int32_t n);
   // out_host (rows) = argmax of each row of logits (device, (rows, vocab)), lowest index on ties,
   // NaN never wins (engine::argmax's rule). Waits for the result. The default copies the rows to
   // the host; a GPU backend reduces on the device and copies back `rows` ints.

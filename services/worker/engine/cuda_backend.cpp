@@ -93,6 +93,11 @@ CudaBackend::~CudaBackend() {
   blas_ = kernels::BlasHandle();
   cudaFree(workspace_);
   cudaFree(weight_arena_);
+  for (cudaEvent_t e : slice_done_) {
+    if (e != nullptr) cudaEventDestroy(e);
+  }
+  if (copies_done_ != nullptr) cudaEventDestroy(copies_done_);
+  if (copy_stream_ != nullptr) cudaStreamDestroy(copy_stream_);
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
 }
 
@@ -175,6 +180,14 @@ Status CudaBackend::init_device() {
       cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold), "mempool"));
   // A blocking stream: work on the legacy default stream (the DeviceBuffer frees) orders with it.
   KEEP_RETURN_IF_ERROR(cuda_status(cudaStreamCreate(&stream_), "stream"));
+  KEEP_RETURN_IF_ERROR(
+      cuda_status(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking), "stream"));
+  for (cudaEvent_t& e : slice_done_) {
+    KEEP_RETURN_IF_ERROR(
+        cuda_status(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "event"));
+  }
+  KEEP_RETURN_IF_ERROR(
+      cuda_status(cudaEventCreateWithFlags(&copies_done_, cudaEventDisableTiming), "event"));
   return Status::ok();
 }
 
@@ -888,14 +901,12 @@ void CudaBackend::load_kv(const KvView& kv, int32_t first_slot, const float* k_p
   KEEP_CUDA_CHECK(cudaFreeAsync(tmp, stream_));
 }
 
-void CudaBackend::final_logits(float* logits, const float* hidden, const int32_t* rows, int32_t n) {
-  KEEP_CHECK(n <= reserved_rows_);
-  mark(-1);
-  const int64_t C = config_.hidden_size, V = config_.vocab_size;
+bool CudaBackend::norm_logit_rows(const float* hidden, const int32_t* rows, int32_t n) {
+  const int64_t C = config_.hidden_size;
   int32_t* idx = upload_ints(rows, static_cast<size_t>(n));
-  auto* xn = static_cast<bf16*>(xn_);
   const float eps = static_cast<float>(config_.rms_norm_eps);
   KEEP_CUDA_CHECK(kernels::gather_rows(rows_f32_, hidden, idx, n, C, stream_));
+  release_ints(idx);
   using Logits = CudaBackendOptions::Logits;
   const bool rows_f32 =
       (options_.logits == Logits::kF32Rows && C % 8 == 0) || options_.logits == Logits::kF32;
@@ -903,10 +914,18 @@ void CudaBackend::final_logits(float* logits, const float* hidden, const int32_t
     KEEP_CUDA_CHECK(kernels::rmsnorm_residual(normed_f32_, rows_f32_, nullptr, final_norm_, n, C,
                                               eps, stream_));
   } else {
-    KEEP_CUDA_CHECK(
-        kernels::add_rmsnorm(xn, rows_f32_, nullptr, nullptr, final_norm_, n, C, eps, stream_));
+    KEEP_CUDA_CHECK(kernels::add_rmsnorm(static_cast<bf16*>(xn_), rows_f32_, nullptr, nullptr,
+                                         final_norm_, n, C, eps, stream_));
   }
-  if (options_.logits == Logits::kF32) {
+  return rows_f32;
+}
+
+void CudaBackend::final_logits(float* logits, const float* hidden, const int32_t* rows, int32_t n) {
+  KEEP_CHECK(n <= reserved_rows_);
+  mark(-1);
+  const int64_t C = config_.hidden_size, V = config_.vocab_size;
+  const bool rows_f32 = norm_logit_rows(hidden, rows, n);
+  if (options_.logits == CudaBackendOptions::Logits::kF32) {
     KEEP_BLAS_CHECK(
         kernels::gemm_nt_f32(blas_.get(), logits, V, normed_f32_, C, lm_head_f32_, n, V, C));
   } else if (rows_f32) {  // kF32Rows: the few-row kernel, kGemvMaxRows rows per pass over lm_head
@@ -916,11 +935,46 @@ void CudaBackend::final_logits(float* logits, const float* hidden, const int32_t
                                     static_cast<const bf16*>(lm_head_), m, V, C, stream_));
     }
   } else {  // kBF16, or kF32Rows on a hidden size the gemv cannot take
-    KEEP_BLAS_CHECK(kernels::gemm_nt(blas_.get(), logits, V, xn, C,
+    KEEP_BLAS_CHECK(kernels::gemm_nt(blas_.get(), logits, V, static_cast<bf16*>(xn_), C,
                                      static_cast<const bf16*>(lm_head_), n, V, C));
   }
-  release_ints(idx);
   mark(kLogits);
+}
+
+void CudaBackend::final_logits_to_host(float* logits_host, float* logits, const float* hidden,
+                                       const int32_t* rows, int32_t n) {
+  const int64_t C = config_.hidden_size, V = config_.vocab_size;
+  if (options_.logits != CudaBackendOptions::Logits::kF32Rows || C % 8 != 0 ||
+      n > kernels::kGemvMaxRows || V < kLogitSlices) {
+    Backend::final_logits_to_host(logits_host, logits, hidden, rows, n);
+    return;
+  }
+  KEEP_CHECK(n <= reserved_rows_);
+  mark(-1);
+  norm_logit_rows(hidden, rows, n);
+  // Slice s: vocabulary rows [V s / k, V (s + 1) / k) of lm_head, then its event.
+  const auto slice = [V](int s) { return V * s / kLogitSlices; };
+  for (int s = 0; s < kLogitSlices; ++s) {
+    const int64_t v0 = slice(s), width = slice(s + 1) - v0;
+    KEEP_CUDA_CHECK(kernels::gemv(logits + v0, V, normed_f32_, C,
+                                  static_cast<const bf16*>(lm_head_) + v0 * C, n, width, C,
+                                  stream_));
+    KEEP_CUDA_CHECK(cudaEventRecord(slice_done_[s], stream_));
+  }
+  mark(kLogits);
+  // Each slice's copy waits for its product only; into pageable memory cudaMemcpy2DAsync returns
+  // once the copy is done, while the stream goes on with the next slices.
+  for (int s = 0; s < kLogitSlices; ++s) {
+    const int64_t v0 = slice(s), width = slice(s + 1) - v0;
+    KEEP_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, slice_done_[s], 0));
+    KEEP_CUDA_CHECK(cudaMemcpy2DAsync(logits_host + v0, V * sizeof(float), logits + v0,
+                                      V * sizeof(float), width * sizeof(float), n,
+                                      cudaMemcpyDeviceToHost, copy_stream_));
+  }
+  KEEP_CUDA_CHECK(cudaEventRecord(copies_done_, copy_stream_));
+  KEEP_CUDA_CHECK(cudaStreamWaitEvent(stream_, copies_done_, 0));  // later work, and the mark
+  mark(kCopyOut);
+  KEEP_CUDA_CHECK(cudaStreamSynchronize(copy_stream_));
 }
 
 void CudaBackend::argmax(int32_t* out_host, const float* logits, int32_t rows) {

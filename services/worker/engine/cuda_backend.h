@@ -135,6 +135,12 @@ class CudaBackend final : public Backend {
   void load_kv(const KvView& kv, int32_t first_slot, const float* k_pre, const float* v,
                const int32_t* positions, int32_t n) override;
   void final_logits(float* logits, const float* hidden, const int32_t* rows, int32_t n) override;
+  // kF32Rows with at most kGemvMaxRows rows (a prefill's last token): lm_head in kLogitSlices
+  // slices of the vocabulary, each copied to the host on a second stream while the next is
+  // computed, so only the last slice's copy follows the product. Otherwise final_logits, then
+  // copy_to_host.
+  void final_logits_to_host(float* logits_host, float* logits, const float* hidden,
+                            const int32_t* rows, int32_t n) override;
   void argmax(int32_t* out_host, const float* logits, int32_t rows) override;
   void token_logprob(float* out_host, const float* logits, const int32_t* tokens_host,
                      int32_t rows) override;
@@ -163,6 +169,9 @@ class CudaBackend final : public Backend {
   // GemmTuner choices for the reserved rows (gemm_autotune_rows), on layer 0's weights.
   Status tune_products(int32_t rows);
   Status allocate_weights();
+  // final_logits' first half: rows_f32_ = hidden[rows], then their final norm into normed_f32_
+  // (returns true: fp32 rows for the gemv or kF32) or into xn_ (bf16). rows: host.
+  bool norm_logit_rows(const float* hidden, const int32_t* rows, int32_t n);
   // Device copy of `n` host ints in stream-ordered memory, freed after the stream's current work.
   int32_t* upload_ints(const int32_t* host, size_t n);
   void release_ints(int32_t* dev);
@@ -171,6 +180,11 @@ class CudaBackend final : public Backend {
   CudaBackendOptions options_;
   std::string device_name_;
   cudaStream_t stream_ = nullptr;
+  // final_logits_to_host: the copies' stream and an event per slice of the vocabulary.
+  static constexpr int kLogitSlices = 8;
+  cudaStream_t copy_stream_ = nullptr;
+  cudaEvent_t slice_done_[kLogitSlices] = {};
+  cudaEvent_t copies_done_ = nullptr;
   kernels::BlasHandle blas_;
   kernels::GemmTuner tuner_;   // on blas_'s workspace; tuned by reserve()
   bool fused_swiglu_ = false;  // gemm_swiglu runs here for this model (fused_swiglu_rows > 0)

@@ -41,6 +41,13 @@ void Backend::argmax(int32_t* out_host, const float* logits, int32_t rows) {
   }
 }
 
+void Backend::final_logits_to_host(float* logits_host, float* logits, const float* hidden,
+                                   const int32_t* rows, int32_t n) {
+  final_logits(logits, hidden, rows, n);
+  copy_to_host(logits_host, logits,
+               static_cast<size_t>(n) * static_cast<size_t>(config().vocab_size));
+}
+
 void Backend::token_logprob(float* out_host, const float* logits, const int32_t* tokens_host,
                             int32_t rows) {
   const auto vocab = static_cast<size_t>(config().vocab_size);
@@ -206,8 +213,8 @@ Result<std::vector<float>> Engine::logits(const DeviceBuffer& hidden,
   std::vector<float> out(rows.size() * static_cast<size_t>(vocab));
   for (size_t a = 0; a < rows.size(); a += kLogitRows) {
     const auto m = static_cast<int32_t>(std::min<size_t>(kLogitRows, rows.size() - a));
-    backend_->final_logits(logits_.data(), hidden.data(), rows.data() + a, m);
-    backend_->copy_to_host(out.data() + a * vocab, logits_.data(), static_cast<size_t>(m) * vocab);
+    backend_->final_logits_to_host(out.data() + a * vocab, logits_.data(), hidden.data(),
+                                   rows.data() + a, m);
   }
   return out;
 }
