@@ -14,7 +14,9 @@
 // of one layer call, the decode-attention scratch, the cuBLAS workspace) is allocated by reserve()
 // and only grows there. A request's plan uploads its index arrays (slots, positions, spans, the
 // prefill tile schedule) once into stream-ordered pool memory; the layer loop then only launches.
-// One stream; every launcher is asynchronous except copy_to_host and synchronize.
+// One stream for all work, and a second one only for final_logits_to_host's copies. Every launcher
+// is asynchronous except copy_to_host, final_logits_to_host, argmax, token_logprob and
+// synchronize.
 #pragma once
 
 #include <cuda_runtime.h>
