@@ -97,9 +97,17 @@ struct Args {
   int lanes, sk_cols;
 };
 
+// Product outputs per column tile (kSwiglu: 128 gate and 128 up columns make 128 outputs), and
+// the 256-row cluster tiles of `rows` token rows: the kernel and the host's planning share these.
+template <Epilogue E>
+constexpr int kTileOuts = E == Epilogue::kSwiglu ? kBN / 2 : kBN;
+__host__ __device__ constexpr int64_t row_tiles(int64_t rows) {
+  return (rows + kBM * kCluster - 1) / (kBM * kCluster);
+}
+
 template <Epilogue E>
 __device__ __forceinline__ int tiles_n(const Args& a) {
-  return a.outs / (E == Epilogue::kSwiglu ? kBN / 2 : kBN);
+  return a.outs / kTileOuts<E>;
 }
 
 // The work of one cluster, in order (producer and consumers walk the same pieces). Round robin
@@ -202,13 +210,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int wg = static_cast<int>(threadIdx.x) / 128;
   const int tid = static_cast<int>(threadIdx.x) % 128;
   const uint32_t rank = d::cluster_rank();
-  const int tiles_m = (args.rows + kBM * kCluster - 1) / (kBM * kCluster);
+  const int tiles_m = static_cast<int>(row_tiles(args.rows));
   const int cluster = static_cast<int>(blockIdx.x) / kCluster;
   const int clusters = static_cast<int>(gridDim.x) / kCluster;
   const int k_steps = args.in / kBK;
   // Row tile tm's first row for this CTA, column tile tn's first output column.
   const auto row0 = [&](int tm) { return (tm * kCluster + static_cast<int>(rank)) * kBM; };
-  const auto col0 = [&](int tn) { return tn * (E == Epilogue::kSwiglu ? kBN / 2 : kBN); };
+  const auto col0 = [&](int tn) { return tn * kTileOuts<E>; };
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       d::mbar_init(&full[s], 1);
@@ -447,9 +455,6 @@ int max_clusters(int device) {
   return clusters;
 }
 
-// Row tiles of the cluster tiles (256 rows).
-int64_t tiles_m(int64_t rows) { return (rows + kBM * kCluster - 1) / (kBM * kCluster); }
-
 // The schedule of a product of tiles_m x tiles_n cluster tiles of k_steps each on `clusters`
 // clusters: args.lanes, args.sk_cols, and the grid in clusters. kAuto takes lanes with a stream-K
 // share where they keep more of the clusters busy than whole tiles round robin (which leave the
@@ -506,7 +511,7 @@ cudaError_t run(void* y, int64_t y_stride, const bf16* x, int64_t x_stride, cons
                 int64_t rows, int64_t outs, int64_t in, const GemmScratch& scratch,
                 cudaStream_t stream, GemmSchedule schedule) {
   constexpr bool kF32 = E == Epilogue::kAccumulate;
-  constexpr int64_t kCols = E == Epilogue::kSwiglu ? kBN / 2 : kBN;  // outputs per column tile
+  constexpr int64_t kCols = kTileOuts<E>;
   const int64_t w_rows = E == Epilogue::kSwiglu ? 2 * outs : outs;
   if (rows < 0 || rows > INT32_MAX || outs <= 0 || in <= 0 || outs % kCols != 0 || in % kBK != 0 ||
       w_rows > INT32_MAX || in > INT32_MAX || y_stride < outs || x_stride < in ||
@@ -535,7 +540,7 @@ cudaError_t run(void* y, int64_t y_stride, const bf16* x, int64_t x_stride, cons
   args.rows = static_cast<int>(rows);
   args.outs = static_cast<int>(outs);
   args.in = static_cast<int>(in);
-  return launch<E>(maps, args, tiles_m(rows), outs / kCols, scratch, schedule, stream);
+  return launch<E>(maps, args, row_tiles(rows), outs / kCols, scratch, schedule, stream);
 }
 
 }  // namespace
@@ -552,13 +557,13 @@ size_t gemm_wgmma_scratch_bytes() {
 }
 
 bool gemm_wgmma_fits(int64_t out, int64_t in) {
-  return out > 0 && in > 0 && out % kBN == 0 && in % kBK == 0 && out <= INT32_MAX &&
-         in <= INT32_MAX;
+  return out > 0 && in > 0 && out % kTileOuts<Epilogue::kStore> == 0 && in % kBK == 0 &&
+         out <= INT32_MAX && in <= INT32_MAX;
 }
 
 bool gemm_swiglu_fits(int64_t inter, int64_t in) {
-  return inter > 0 && in > 0 && inter % (kBN / 2) == 0 && in % kBK == 0 && 2 * inter <= INT32_MAX &&
-         in <= INT32_MAX;
+  return inter > 0 && in > 0 && inter % kTileOuts<Epilogue::kSwiglu> == 0 && in % kBK == 0 &&
+         2 * inter <= INT32_MAX && in <= INT32_MAX;
 }
 
 cudaError_t gemm_wgmma(__nv_bfloat16* y, int64_t y_stride, const __nv_bfloat16* x, int64_t x_stride,
