@@ -226,10 +226,7 @@ cublasStatus_t GemmTuner::tune(cublasHandle_t blas, const GemmShape& shape, int6
   float best = -1.0f;
   int best_i = -1;
   if (scratch_.ptr != nullptr && gemm_wgmma_fits(shape.out, shape.in) && wgmma_available()) {
-    best = time_ms(stream_, start, stop, kReps, [&] {
-      return run_ours(shape, rows, y, x, w) == cudaSuccess ? CUBLAS_STATUS_SUCCESS
-                                                           : CUBLAS_STATUS_EXECUTION_FAILED;
-    });
+    best = time_ms(stream_, start, stop, kReps, [&] { return run_ours(shape, rows, y, x, w); });
     if (best > 0.0f) best_i = kOurs;
   }
   for (int i = 0; i < found && !only_ours_; ++i) {
@@ -280,13 +277,7 @@ cublasStatus_t GemmTuner::run(const GemmShape& shape, int64_t rows, void* y, con
   }
   if (e == nullptr || lt_ == nullptr || !shape_ok(shape, rows)) return CUBLAS_STATUS_NOT_SUPPORTED;
   if (y == nullptr || x == nullptr || w == nullptr) return CUBLAS_STATUS_INVALID_VALUE;
-  if (e->ours) {
-    const cudaError_t err = run_ours(shape, rows, y, x, w);
-    return err == cudaSuccess             ? CUBLAS_STATUS_SUCCESS
-           : err == cudaErrorInvalidValue ? CUBLAS_STATUS_INVALID_VALUE
-           : err == cudaErrorNotSupported ? CUBLAS_STATUS_NOT_SUPPORTED
-                                          : CUBLAS_STATUS_EXECUTION_FAILED;
-  }
+  if (e->ours) return run_ours(shape, rows, y, x, w);
   const LtLayouts l(shape, rows);
   if (l.status != CUBLAS_STATUS_SUCCESS) return l.status;
   if (rows != e->rows && rows != e->checked_rows) {
@@ -304,13 +295,18 @@ cublasStatus_t GemmTuner::run(const GemmShape& shape, int64_t rows, void* y, con
                         workspace_, workspace_bytes_, stream_);
 }
 
-cudaError_t GemmTuner::run_ours(const GemmShape& shape, int64_t rows, void* y,
-                                const __nv_bfloat16* x, const __nv_bfloat16* w) const {
-  return shape.accumulate
-             ? gemm_wgmma_accumulate(static_cast<float*>(y), shape.y_stride, x, shape.x_stride, w,
-                                     rows, shape.out, shape.in, scratch_, stream_)
-             : gemm_wgmma(static_cast<__nv_bfloat16*>(y), shape.y_stride, x, shape.x_stride, w,
-                          rows, shape.out, shape.in, scratch_, stream_);
+cublasStatus_t GemmTuner::run_ours(const GemmShape& shape, int64_t rows, void* y,
+                                   const __nv_bfloat16* x, const __nv_bfloat16* w) const {
+  const cudaError_t err =
+      shape.accumulate
+          ? gemm_wgmma_accumulate(static_cast<float*>(y), shape.y_stride, x, shape.x_stride, w,
+                                  rows, shape.out, shape.in, scratch_, stream_)
+          : gemm_wgmma(static_cast<__nv_bfloat16*>(y), shape.y_stride, x, shape.x_stride, w, rows,
+                       shape.out, shape.in, scratch_, stream_);
+  return err == cudaSuccess             ? CUBLAS_STATUS_SUCCESS
+         : err == cudaErrorInvalidValue ? CUBLAS_STATUS_INVALID_VALUE
+         : err == cudaErrorNotSupported ? CUBLAS_STATUS_NOT_SUPPORTED
+                                        : CUBLAS_STATUS_EXECUTION_FAILED;
 }
 
 }  // namespace keep::kernels

@@ -152,8 +152,9 @@ class GemmTuner {
   size_t n_entries_ = 0;
   GemmScratch scratch_;
   bool only_ours_ = false;
-  cudaError_t run_ours(const GemmShape& shape, int64_t rows, void* y, const __nv_bfloat16* x,
-                       const __nv_bfloat16* w) const;
+  // Our product for `shape`, its cudaError_t as run()'s status.
+  cublasStatus_t run_ours(const GemmShape& shape, int64_t rows, void* y, const __nv_bfloat16* x,
+                          const __nv_bfloat16* w) const;
   void release();
 };
 
