@@ -901,15 +901,17 @@ void CudaBackend::load_kv(const KvView& kv, int32_t first_slot, const float* k_p
   KEEP_CUDA_CHECK(cudaFreeAsync(tmp, stream_));
 }
 
+bool CudaBackend::logit_gemv() const {
+  return options_.logits == CudaBackendOptions::Logits::kF32Rows && config_.hidden_size % 8 == 0;
+}
+
 bool CudaBackend::norm_logit_rows(const float* hidden, const int32_t* rows, int32_t n) {
   const int64_t C = config_.hidden_size;
   int32_t* idx = upload_ints(rows, static_cast<size_t>(n));
   const float eps = static_cast<float>(config_.rms_norm_eps);
   KEEP_CUDA_CHECK(kernels::gather_rows(rows_f32_, hidden, idx, n, C, stream_));
   release_ints(idx);
-  using Logits = CudaBackendOptions::Logits;
-  const bool rows_f32 =
-      (options_.logits == Logits::kF32Rows && C % 8 == 0) || options_.logits == Logits::kF32;
+  const bool rows_f32 = logit_gemv() || options_.logits == CudaBackendOptions::Logits::kF32;
   if (rows_f32) {
     KEEP_CUDA_CHECK(kernels::rmsnorm_residual(normed_f32_, rows_f32_, nullptr, final_norm_, n, C,
                                               eps, stream_));
@@ -944,8 +946,7 @@ void CudaBackend::final_logits(float* logits, const float* hidden, const int32_t
 void CudaBackend::final_logits_to_host(float* logits_host, float* logits, const float* hidden,
                                        const int32_t* rows, int32_t n) {
   const int64_t C = config_.hidden_size, V = config_.vocab_size;
-  if (options_.logits != CudaBackendOptions::Logits::kF32Rows || C % 8 != 0 ||
-      n > kernels::kGemvMaxRows || V < kLogitSlices) {
+  if (!logit_gemv() || n > kernels::kGemvMaxRows || V < kLogitSlices) {
     Backend::final_logits_to_host(logits_host, logits, hidden, rows, n);
     return;
   }

@@ -174,6 +174,8 @@ class CudaBackend final : public Backend {
   // final_logits' first half: rows_f32_ = hidden[rows], then their final norm into normed_f32_
   // (returns true: fp32 rows for the gemv or kF32) or into xn_ (bf16). rows: host.
   bool norm_logit_rows(const float* hidden, const int32_t* rows, int32_t n);
+  // kF32Rows where the hidden size suits our gemv: fp32 normed rows times the bf16 lm_head there.
+  bool logit_gemv() const;
   // Device copy of `n` host ints in stream-ordered memory, freed after the stream's current work.
   int32_t* upload_ints(const int32_t* host, size_t n);
   void release_ints(int32_t* dev);
