@@ -5,7 +5,6 @@
 //       [--decode 64] [--decode-context 1024] [--json out.jsonl] [--graphs on|off|both]
 //       [--profile] [--logits f32rows|f32|bf16] [--attention auto|mma|wgmma|wide] [--gap-ms G]
 //       [--fused-swiglu-rows R] [--gemm-autotune-rows R] [--own-gemm on|off] [--pdl on|off|ab]
-//       [--fused-qkv-rows R|ab]
 //
 // TTFT = wall time of Engine::prefill (embedding, every layer, final norm + lm_head of the last
 // row, logits copied to the host), the prompt in one chunk; median of --reps after --warmup runs.
@@ -20,9 +19,7 @@
 // sets CudaBackendOptions::gemm_autotune_rows (0: cuBLAS's default algorithms only); --own-gemm off
 // keeps our own product out of that tuning (CudaBackendOptions::gemm_own_products); --pdl off
 // launches every kernel plainly (kernels::set_dependent_launch), --pdl ab times the prefills with
-// and without programmatic dependent launch in alternation ("keep" and "keep-nopdl");
-// --fused-qkv-rows sets CudaBackendOptions::fused_qkv_rows (0: cuBLAS + qkv_finish always), ab
-// times the prefills with the default and with 0 in alternation ("keep" and "keep-unfused").
+// and without programmatic dependent launch in alternation ("keep" and "keep-nopdl").
 // benchmarks/prefill/run.sh runs this and HF transformers (hf_prefill.py) in one go and prints the
 // ratios.
 #include <algorithm>
@@ -55,7 +52,6 @@ int usage(const char* msg) {
       "[--decode T] [--decode-context N] [--json FILE] [--graphs on|off|both] [--profile]\n"
       "  [--logits f32rows|f32|bf16] [--attention auto|mma|wgmma|wide] [--gap-ms G]\n"
       "  [--fused-swiglu-rows R] [--gemm-autotune-rows R] [--own-gemm on|off] [--pdl on|off|ab]\n"
-      "  [--fused-qkv-rows R|ab]\n"
       "  shapes:");
   for (const auto& n : keep::bench::model_shape_names()) std::fprintf(stderr, " %s", n.c_str());
   std::fprintf(stderr, "\n");
@@ -101,7 +97,6 @@ int main(int argc, char** argv) {
   int gemm_autotune_rows = CudaBackendOptions{}.gemm_autotune_rows;
   std::string own_gemm = CudaBackendOptions{}.gemm_own_products ? "on" : "off";
   std::string pdl = "on";
-  std::string fused_qkv = std::to_string(CudaBackendOptions{}.fused_qkv_rows);
   int64_t decode_context = 1024;
   for (int i = 1; i < argc; ++i) {
     auto next = [&]() -> const char* { return i + 1 < argc ? argv[++i] : nullptr; };
@@ -139,8 +134,6 @@ int main(int argc, char** argv) {
       own_gemm = v;
     else if (!std::strcmp(a, "--pdl") && (v = next()))
       pdl = v;
-    else if (!std::strcmp(a, "--fused-qkv-rows") && (v = next()))
-      fused_qkv = v;
     else
       return usage((std::string("bad argument: ") + a).c_str());
   }
@@ -154,16 +147,8 @@ int main(int argc, char** argv) {
   if (own_gemm != "on" && own_gemm != "off") return usage("--own-gemm on|off");
   if (pdl != "on" && pdl != "off" && pdl != "ab") return usage("--pdl on|off|ab");
   keep::kernels::set_dependent_launch(pdl != "off");
-  const bool qkv_ab = fused_qkv == "ab";
-  const int fused_qkv_rows =
-      qkv_ab ? CudaBackendOptions{}.fused_qkv_rows : std::atoi(fused_qkv.c_str());
-  if (fused_qkv_rows < 0 || (!qkv_ab && fused_qkv != std::to_string(fused_qkv_rows))) {
-    return usage("--fused-qkv-rows R|ab");
-  }
-  if (qkv_ab && pdl == "ab") return usage("one of --pdl ab and --fused-qkv-rows ab at a time");
   CudaBackendOptions options;
   options.fused_swiglu_rows = fused_swiglu_rows;
-  options.fused_qkv_rows = fused_qkv_rows;
   options.gemm_autotune_rows = gemm_autotune_rows;
   options.gemm_own_products = own_gemm == "on";
   if (logits == "f32rows") {
@@ -204,17 +189,9 @@ int main(int argc, char** argv) {
   if (!json.empty()) out.open(json, std::ios::app);
   auto& cuda = static_cast<CudaBackend&>(e.backend());
 
-  // TTFTs of prefills of n tokens; with --pdl ab or --fused-qkv-rows ab, each rep times both
-  // settings, in turn first (ms_off gets the runs without programmatic dependent launch, or
-  // without the fused QKV epilogue).
-  const bool ab = pdl == "ab" || qkv_ab;
-  const auto set_ab = [&](bool on) {
-    if (qkv_ab) {
-      cuda.set_fused_qkv_rows(on ? fused_qkv_rows : 0);
-    } else {
-      keep::kernels::set_dependent_launch(on);
-    }
-  };
+  // TTFTs of prefills of n tokens; with --pdl ab, each rep times both settings, in turn first
+  // (ms_off gets the runs without programmatic dependent launch).
+  const bool ab = pdl == "ab";
   auto time_prefill = [&](int64_t n, std::vector<double>& ms,
                           std::vector<double>* ms_off = nullptr) -> keep::Status {
     ms.clear();
@@ -222,7 +199,7 @@ int main(int argc, char** argv) {
     for (int r = 0; r < warmup + reps; ++r) {
       for (int pass = 0; pass < (ms_off != nullptr ? 2 : 1); ++pass) {
         const bool off = ms_off != nullptr && (pass + r) % 2 == 1;
-        if (ms_off != nullptr) set_ab(!off);
+        if (ms_off != nullptr) keep::kernels::set_dependent_launch(!off);
         cache->set_size(0);
         if (gap_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(gap_ms));
         const auto t0 = Clock::now();
@@ -232,7 +209,7 @@ int main(int argc, char** argv) {
         if (r >= warmup) (off ? *ms_off : ms).push_back(t);
       }
     }
-    if (ms_off != nullptr) set_ab(true);
+    if (ms_off != nullptr) keep::kernels::set_dependent_launch(true);
     return keep::Status::ok();
   };
   // Per-token decode time: generate(decode + 1) minus generate(1), medians of 3.
@@ -281,7 +258,7 @@ int main(int argc, char** argv) {
         }
       };
       report(tag, ms);
-      if (ab) report(tag + (qkv_ab ? "-unfused" : "-nopdl"), ms_off);
+      if (ab) report(tag + "-nopdl", ms_off);
     }
     if (decode > 0) {
       double per_token = 0.0;

@@ -14,7 +14,6 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <numeric>
-#include <string>
 #include <vector>
 
 #include <cuda_runtime.h>
@@ -310,72 +309,6 @@ TEST_CASE("CUDA layer API: recomputing a subset against loaded KV equals the ful
       CHECK(rel_diff(part.view_k[last], full.view_k[last]) < 1e-2);
     }
   }
-}
-
-TEST_CASE("CUDA gemm_qkv in the layers: K/V, lse and output equal the qkv_finish path") {
-  const TinyShape& s = kShapes[1];  // 128-wide heads: the fused epilogue's shapes
-  auto w = make_tiny_model(s, 16);
-  CudaBackendOptions fused_opt, plain_opt;
-  fused_opt.fused_qkv_rows = 1;
-  plain_opt.fused_qkv_rows = 0;
-  auto ef = cuda_engine(*w, 256, fused_opt);
-  auto ep = cuda_engine(*w, 256, plain_opt);
-  if (!keep::kernels::wgmma_available()) {
-    MESSAGE("no wgmma here: gemm_qkv does not run, nothing to compare");
-    return;
-  }
-  CHECK(ef->backend().name().find("QKV+RoPE fused") != std::string::npos);
-  CHECK(ep->backend().name().find("QKV+RoPE fused") == std::string::npos);
-  const ModelConfig& c = ef->config();
-  const int32_t n = 90;
-  const int64_t kvd = c.kv_dim();
-  const auto tokens = random_tokens(n, s.vocab, 6);
-  auto compare = [&](const Full& a, const Full& b) {
-    for (int32_t l = 0; l < c.num_layers; ++l) {
-      CAPTURE(l);
-      CHECK(rel_diff(a.k_pre[l], b.k_pre[l]) < 1e-2);
-      CHECK(rel_diff(a.v[l], b.v[l]) < 1e-2);
-      CHECK(rel_diff(a.view_k[l], b.view_k[l]) < 1e-2);
-      CHECK(rel_diff(a.lse[l], b.lse[l]) < 1e-2);
-    }
-    CHECK(rel_diff(a.hidden, b.hidden) < 2e-2);
-  };
-  auto cf = KvCache::create(ef->backend(), n);
-  auto cp = KvCache::create(ep->backend(), n);
-  const Full full_f =
-      run_layers(*ef, *cf, tokens, AttentionLayout::causal(n), [](int32_t, const KvView&) {});
-  const Full full_p =
-      run_layers(*ep, *cp, tokens, AttentionLayout::causal(n), [](int32_t, const KvView&) {});
-  compare(full_f, full_p);
-  // A recompute: rows at scattered slots and positions, the other slots loaded (from the same
-  // plain run in both engines).
-  std::vector<int32_t> slots, sub;
-  for (int32_t t = 0; t < n; ++t) {
-    if (t % 3 == 0 || t > 80) slots.push_back(t);
-  }
-  for (int32_t t : slots) sub.push_back(tokens[t]);
-  auto recompute = [&](Engine& e) {
-    auto cache = KvCache::create(e.backend(), n);
-    return run_layers(
-        e, *cache, sub, AttentionLayout::recompute(slots, n), [&](int32_t l, const KvView& view) {
-          for (int32_t t = 0; t < n; ++t) {
-            if (std::binary_search(slots.begin(), slots.end(), t)) continue;
-            REQUIRE(e.load_kv(view, t, std::span<const int32_t>(&t, 1),
-                              full_p.k_pre[l].data() + t * kvd, full_p.v[l].data() + t * kvd)
-                        .is_ok());
-          }
-        });
-  };
-  compare(recompute(*ef), recompute(*ep));
-  // Whole prefills (the last layer keeps one row: its QKV takes the unfused path).
-  auto c1 = KvCache::create(ef->backend(), n);
-  auto c2 = KvCache::create(ep->backend(), n);
-  auto lf = ef->prefill(*c1, tokens);
-  auto lp = ep->prefill(*c2, tokens);
-  REQUIRE(lf.is_ok());
-  REQUIRE(lp.is_ok());
-  CHECK(rel_diff(*lf, *lp) < 2e-2);
-  CHECK(argmax(*lf) == argmax(*lp));
 }
 
 TEST_CASE("CUDA layer API: independent blocks equal each block alone; pooled mass sums to heads") {

@@ -366,31 +366,6 @@ struct QkvCase {
 
 // variant: 0 all biases and both fp32 outputs; 1 no bias, no k_pre, no v_out; 2 bias on K only,
 // v_out only. misalign_kpre: k_pre one float off 16-byte alignment (the scalar path).
-// rope_table against ref::rope_table (the GPU's sincosf and the reference's double cos/sin rounded
-// to fp32 differ by an ulp or two), positions up to 40000 and one past a million.
-void test_rope_table(std::mt19937& rng, int64_t n, int64_t head_dim) {
-  const int64_t half = head_dim / 2;
-  std::vector<float> inv_freq(static_cast<size_t>(half));
-  for (int64_t i = 0; i < half; ++i) {
-    inv_freq[i] =
-        static_cast<float>(1.0 / std::pow(1000000.0, 2.0 * i / static_cast<double>(head_dim)));
-  }
-  std::uniform_int_distribution<int32_t> pos(0, 40000);
-  std::vector<int32_t> positions(static_cast<size_t>(n));
-  for (auto& p : positions) p = pos(rng);
-  positions[0] = 0;
-  if (n > 2) positions[1] = 1000003;  // large angles: sincosf's slow reduction
-  std::vector<float> want(static_cast<size_t>(n * head_dim));
-  ref::rope_table(want.data(), positions.data(), inv_freq.data(), n, head_dim);
-  Buf<float> d_out(nan_vec<float>(want.size()));
-  Buf<int32_t> d_pos(positions);
-  Buf<float> d_inv(inv_freq);
-  CUDA_OK(keep::kernels::rope_table(d_out.dev(), d_pos.template dev<int32_t>(), d_inv.dev(), n,
-                                    head_dim, nullptr));
-  CUDA_OK(cudaDeviceSynchronize());
-  check("rope_table " + shape({n, head_dim}), d_out.host(), want);
-}
-
 template <typename KV>
 void test_qkv_finish(std::mt19937& rng, int64_t rows, const QkvCase& c, int variant,
                      bool misalign_kpre = false) {
@@ -614,10 +589,6 @@ void run_misc(std::mt19937& rng) {
   test_qkv_finish<Bf16>(rng, 4096, cases[1], 0);  // model-like prefill
   test_qkv_finish<float>(rng, 2048, cases[0], 0);
   test_qkv_finish<Bf16>(rng, 70000, cases[3], 1);  // more rows than the grid
-  for (int64_t n : {1, 3, 19, 733, 4096}) {
-    test_rope_table(rng, n, 128);
-    test_rope_table(rng, n, 14);
-  }
 
   for (int64_t n : odd) {
     test_fill_uniform<float>(n, 42, -1.0f, 1.0f);

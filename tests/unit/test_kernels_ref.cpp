@@ -229,41 +229,6 @@ TEST_CASE("rope reference rotates half-split pairs and equals the CPU engine's R
   }
 }
 
-TEST_CASE("rope_table reference holds rope's cos and sin: rotating with it gives ref::rope") {
-  std::mt19937 rng(13);
-  for (int64_t n : kSizes) {
-    for (int64_t head_dim : {int64_t{2}, int64_t{14}, int64_t{128}}) {
-      const int64_t half = head_dim / 2;
-      std::vector<float> inv_freq(static_cast<size_t>(half));
-      for (int64_t i = 0; i < half; ++i) {
-        inv_freq[i] =
-            static_cast<float>(std::pow(1000000.0, -2.0 * i / static_cast<double>(head_dim)));
-      }
-      std::vector<int32_t> pos(static_cast<size_t>(n));
-      std::uniform_int_distribution<int32_t> d(0, 40000);
-      for (auto& p : pos) p = d(rng);
-      pos[0] = 0;
-      std::vector<float> table(static_cast<size_t>(n * head_dim), NAN);
-      ref::rope_table(table.data(), pos.data(), inv_freq.data(), n, head_dim);
-      const auto x = random_floats(rng, static_cast<size_t>(n * head_dim), -2, 2);
-      auto want = x;
-      ref::rope(want.data(), pos.data(), inv_freq.data(), n, 1, head_dim, head_dim);
-      std::vector<float> got(x.size());
-      for (int64_t r = 0; r < n; ++r) {
-        for (int64_t i = 0; i < half; ++i) {
-          const float c = table[r * head_dim + i], s = table[r * head_dim + half + i];
-          const float x1 = x[r * head_dim + i], x2 = x[r * head_dim + half + i];
-          got[r * head_dim + i] = x1 * c - x2 * s;
-          got[r * head_dim + half + i] = x2 * c + x1 * s;
-        }
-      }
-      CHECK(got == want);       // the same fp32 angles, cos/sin and products: the same bits
-      CHECK(table[0] == 1.0f);  // position 0: cos 1 (sin 0 at half)
-      CHECK(table[static_cast<size_t>(half)] == 0.0f);
-    }
-  }
-}
-
 TEST_CASE("swiglu reference equals silu(gate) * up in double, saturating without NaN") {
   std::mt19937 rng(4);
   for (int64_t n : kSizes) {

@@ -54,7 +54,6 @@ class CudaPlan final : public AttentionPlan {
       : layout_(std::move(layout)), stream_(stream) {}
   ~CudaPlan() override {
     if (block_ != nullptr) cudaFreeAsync(block_, stream_);
-    if (rope != nullptr) cudaFreeAsync(rope, stream_);
   }
   const AttentionLayout& layout() const override { return layout_; }
 
@@ -67,9 +66,6 @@ class CudaPlan final : public AttentionPlan {
   kernels::AttentionRows rows;
   kernels::PrefillSchedule schedule;
   bool tiled = false;  // prefill kernel (else the decode kernel)
-  // Tiled plans where gemm_qkv can run: the rows' RoPE cos/sin (rows, head_dim), made once for
-  // every layer's QKV epilogue (kernels::rope_table).
-  float* rope = nullptr;
 };
 
 }  // namespace
@@ -141,9 +137,6 @@ std::string CudaBackend::name() const {
          (fused_swiglu_ ? ", gate/up+SwiGLU fused from " +
                               std::to_string(options_.fused_swiglu_rows) + " rows"
                         : "") +
-         (fused_qkv_ && options_.fused_qkv_rows > 0
-              ? ", QKV+RoPE fused from " + std::to_string(options_.fused_qkv_rows) + " rows"
-              : "") +
          (options_.gemm_autotune_rows > 0
               ? std::string(options_.gemm_own_products && kernels::wgmma_available()
                                 ? ", cuBLASLt algorithms or ours"
@@ -278,9 +271,6 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::prepare(const ModelConfig& con
   KEEP_RETURN_IF_ERROR(check_supported(config));
   b->fused_swiglu_ = options.fused_swiglu_rows > 0 && kernels::wgmma_available() &&
                      kernels::gemm_swiglu_fits(config.intermediate_size, config.hidden_size);
-  b->fused_qkv_ =
-      kernels::wgmma_available() &&
-      kernels::gemm_qkv_fits(config.q_dim(), config.kv_dim(), config.head_dim, config.hidden_size);
   KEEP_RETURN_IF_ERROR(b->allocate_weights());
   return b;
 }
@@ -624,17 +614,6 @@ Result<std::unique_ptr<AttentionPlan>> CudaBackend::plan(const AttentionLayout& 
   p->rows.num_keys = l.num_keys;
   p->schedule.tile_offsets = d + a_toffs;
   p->schedule.tiles = d + a_tiles;
-  if (p->tiled && fused_qkv_) {
-    void* rope = nullptr;
-    KEEP_RETURN_IF_ERROR(cuda_status(
-        cudaMallocAsync(&rope, static_cast<size_t>(rows) * config_.head_dim * sizeof(float),
-                        stream_),
-        "plan rope table"));
-    p->rope = static_cast<float*>(rope);
-    KEEP_RETURN_IF_ERROR(cuda_status(
-        kernels::rope_table(p->rope, p->positions, inv_freq_, rows, config_.head_dim, stream_),
-        "plan rope table"));
-  }
   // The host vector is pageable: cudaMemcpyAsync has staged it before returning.
   return std::unique_ptr<AttentionPlan>(std::move(p));
 }
@@ -728,10 +707,7 @@ void CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_in,
   // rotates them, nothing reads them.
   const int64_t q_from = lse == nullptr && (keep == 0 || tail_only) ? skip : 0;
 
-  // Attention half. qkv_finish's work runs in the QKV product's epilogue (gemm_qkv) for many rows
-  // that all need Q: no bf16 round trip of the product, one launch and ~15 MB of traffic less.
-  const bool qkv_fused = plan.rope != nullptr && options_.fused_qkv_rows > 0 &&
-                         rows >= options_.fused_qkv_rows && q_from == 0 && !norm_fused(rows);
+  // Attention half.
   if (norm_fused(rows)) {
     mark(kNorm);  // (empty: fused into the QKV product)
     KEEP_CUDA_CHECK(kernels::gemv_rmsnorm(qkv, qkv_w, res, C, w.attn_norm, eps, w.w_qkv, rows,
@@ -740,22 +716,7 @@ void CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_in,
     KEEP_CUDA_CHECK(
         kernels::add_rmsnorm(xn, res, nullptr, nullptr, w.attn_norm, rows, C, eps, stream_));
     mark(kNorm);
-    if (qkv_fused) {
-      kernels::QkvEpilogue e;
-      e.bq = w.b_q;
-      e.bk = w.b_k;
-      e.bv = w.b_v;
-      e.cos_sin = plan.rope;
-      e.slots = plan.slots;
-      e.k_pre = out.k_pre;
-      e.v_out = out.v;
-      e.view_k = view_k;
-      e.view_v = view_v;
-      e.q_dim = q;
-      e.kv_dim = kvd;
-      KEEP_CUDA_CHECK(
-          kernels::gemm_qkv(qkv, qkv_w, xn, C, w.w_qkv, rows, C, e, gemm_scratch_, stream_));
-    } else if (q_from == 0) {
+    if (q_from == 0) {
       product(qkv, qkv_w, xn, C, w.w_qkv, rows, qkv_w, C);
     } else {
       product(qkv + q, qkv_w, xn, C, w.w_qkv + q * C, rows, 2 * kvd, C);  // K, V: every row
@@ -763,11 +724,9 @@ void CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_in,
     }
   }
   mark(kQkv);
-  if (!qkv_fused) {
-    KEEP_CUDA_CHECK(kernels::qkv_finish(qkv, out.k_pre, out.v, view_k, view_v, w.b_q, w.b_k, w.b_v,
-                                        plan.positions, plan.slots, inv_freq_, rows, heads,
-                                        kv_heads, hd, stream_));
-  }
+  KEEP_CUDA_CHECK(kernels::qkv_finish(qkv, out.k_pre, out.v, view_k, view_v, w.b_q, w.b_k, w.b_v,
+                                      plan.positions, plan.slots, inv_freq_, rows, heads, kv_heads,
+                                      hd, stream_));
   mark(kQkvFinish);
   if (keep == 0 && lse == nullptr) return;  // K/V only
   // The kept rows' attention output.

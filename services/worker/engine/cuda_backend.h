@@ -77,12 +77,6 @@ struct CudaBackendOptions {
   // 0.188 vs 0.162 at 384 (the second 256-row tile half empty), 0.194 vs 0.215 at 512, 0.365 vs
   // 0.401 at 1024 (benchmarks/RESULTS.md run 8).
   int32_t fused_swiglu_rows = 512;
-  // Steps of at least this many rows whose Q is needed for every row run the QKV product with
-  // qkv_finish's bias, RoPE and K/V stores in its epilogue (kernels::gemm_qkv: our wgmma kernel,
-  // where wgmma_available() and the heads are 128 wide with Q and K/V widths multiples of 128);
-  // fewer rows, a last layer that keeps few rows, and other devices take the tuned product and
-  // qkv_finish. 0 = never.
-  int32_t fused_qkv_rows = 512;
   // cuBLAS products (QKV, o_proj, down; gate/up where gemm_swiglu does not run) of about this many
   // rows or more take cuBLASLt algorithms chosen by timing at reserve() (kernels::GemmTuner), at
   // this many rows, twice, four times ... up to the reserved rows; an algorithm is kept where it
@@ -162,8 +156,6 @@ class CudaBackend final : public Backend {
   void set_profiling(bool on);
   std::vector<StageTime> profile();
   void set_graphs(bool on) { options_.graphs = on; }
-  // CudaBackendOptions::fused_qkv_rows from now on (A/B timing); 0 = never.
-  void set_fused_qkv_rows(int32_t rows) { options_.fused_qkv_rows = rows; }
 
   cudaStream_t stream() const { return stream_; }
   size_t weight_bytes() const { return weight_bytes_; }
@@ -200,7 +192,6 @@ class CudaBackend final : public Backend {
   kernels::BlasHandle blas_;
   kernels::GemmTuner tuner_;   // on blas_'s workspace; tuned by reserve()
   bool fused_swiglu_ = false;  // gemm_swiglu runs here for this model (fused_swiglu_rows > 0)
-  bool fused_qkv_ = false;     // gemm_qkv can run here for this model
 
   // Weights: one allocation; pointers into it.
   void* weight_arena_ = nullptr;

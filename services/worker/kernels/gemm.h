@@ -192,39 +192,6 @@ cudaError_t gemm_wgmma_accumulate(float* y, int64_t y_stride, const __nv_bfloat1
                                   int64_t out, int64_t in, const GemmScratch& scratch,
                                   cudaStream_t stream, GemmSchedule schedule = GemmSchedule::kAuto);
 
-// The attention half's QKV product with qkv_finish's work (kernels.h) in its epilogue, for
-// head_dim 128: the product's columns [0, q_dim) are Q, then kv_dim of K, then kv_dim of V, each
-// head 128 columns (one half of a 256-column tile). From the fp32 sums (no bf16 rounding first):
-//   Q: + bq, rotated (RoPE, half-split, with the rows' cos/sin from rope_table: kernels.h), stored
-//      as bf16 into qkv's Q columns;
-//   K: + bk, to k_pre (fp32, before the rotation) when set, rotated, to view_k's row slots[r]
-//   (bf16); V: + bv, to v_out (fp32) when set and to view_v's row slots[r] (bf16).
-// qkv's K and V columns are not written (qkv_finish leaves them unrotated; nothing reads them
-// after it). Biases may be null.
-struct QkvEpilogue {
-  const float* bq = nullptr;        // (q_dim) or null
-  const float* bk = nullptr;        // (kv_dim) or null
-  const float* bv = nullptr;        // (kv_dim) or null
-  const float* cos_sin = nullptr;   // (rows, 128): rope_table of the rows' positions
-  const int32_t* slots = nullptr;   // (rows): view rows
-  float* k_pre = nullptr;           // (rows, kv_dim) or null; 8-byte aligned
-  float* v_out = nullptr;           // (rows, kv_dim) or null; 8-byte aligned
-  __nv_bfloat16* view_k = nullptr;  // (capacity, kv_dim); 4-byte aligned
-  __nv_bfloat16* view_v = nullptr;  // (capacity, kv_dim)
-  int64_t q_dim = 0, kv_dim = 0;
-};
-// The shapes gemm_qkv takes: head_dim 128, q_dim and kv_dim multiples of 128, q_dim + 2 kv_dim of
-// 256, in of 64 (Qwen2.5 1.5B-72B; not 0.5B or SmolLM2, whose heads are 64 wide).
-bool gemm_qkv_fits(int64_t q_dim, int64_t kv_dim, int64_t head_dim, int64_t in);
-// qkv (rows, qkv_stride) bf16: x (rows, x_stride) · W_qkv^T, W_qkv (q_dim + 2 kv_dim, in), with
-// the epilogue above. Strides and alignment as gemm_wgmma; cudaErrorInvalidValue for other shapes
-// (gemm_qkv_fits), strides, alignments or missing pointers; cudaErrorNotSupported where
-// wgmma_available() is false. Asynchronous on `stream`, capturable in a CUDA graph.
-cudaError_t gemm_qkv(__nv_bfloat16* qkv, int64_t qkv_stride, const __nv_bfloat16* x,
-                     int64_t x_stride, const __nv_bfloat16* w_qkv, int64_t rows, int64_t in,
-                     const QkvEpilogue& epilogue, const GemmScratch& scratch, cudaStream_t stream,
-                     GemmSchedule schedule = GemmSchedule::kAuto);
-
 // The shapes gemm_swiglu takes: inter % 128 == 0 and in % 64 == 0 (Qwen2.5 0.5B-72B, SmolLM2).
 bool gemm_swiglu_fits(int64_t inter, int64_t in);
 

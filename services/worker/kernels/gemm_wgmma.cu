@@ -1,10 +1,8 @@
 // Our own bf16 matrix products for Hopper (gemm.h gemm_wgmma, gemm_wgmma_accumulate,
-// gemm_swiglu, gemm_qkv): one warp-specialized, persistent wgmma kernel fed by TMA, with four
-// epilogues:
+// gemm_swiglu): one warp-specialized, persistent wgmma kernel fed by TMA, with three epilogues:
 //   kStore       y = bf16(x W^T)                        (QKV)
 //   kAccumulate  y (fp32) += x W^T                      (o_proj, down: into the residual stream)
 //   kSwiglu      act = bf16(silu(x Wg^T) * (x Wu^T))    (gate/up: the product never goes to memory)
-//   kQkv         QKV with qkv_finish's bias, RoPE and K/V scatter done on the fp32 sums (below)
 //
 // The main loop:
 //  - Tile: 128 token rows x 256 product columns, k steps of 64. A stage holds x's 128 x 64 box and
@@ -59,7 +57,7 @@ namespace {
 
 using bf16 = __nv_bfloat16;
 
-enum class Epilogue { kStore, kAccumulate, kSwiglu, kQkv };
+enum class Epilogue { kStore, kAccumulate, kSwiglu };
 
 constexpr int kBM = 128;  // token rows per CTA tile
 constexpr int kBN = 256;  // product columns per tile (kSwiglu: 128 gate + 128 up)
@@ -97,7 +95,6 @@ struct Args {
   // works on row tile c % tiles_m in lane c / tiles_m; the first sk_cols column tiles' k steps are
   // cut into one range per lane, the other columns dealt round robin to the lanes.
   int lanes, sk_cols;
-  QkvEpilogue qkv;  // kQkv
 };
 
 // Product outputs per column tile (kSwiglu: 128 gate and 128 up columns make 128 outputs), and
@@ -198,85 +195,6 @@ __device__ __forceinline__ void red_add2(float* p, float a, float b) {
 #else
   __trap();
 #endif
-}
-
-// kQkv: pass `pass` of a tile (its 128 columns from n0 + 128 pass: one head of Q, K or V) from
-// this thread's fp32 sums to where qkv_finish would put them, in place in acc (blocks 16 pass ..
-// 16 pass + 15; block n holds columns 8n + 2t, + 1 of rows r0 and r0 + 8). The partner of a column
-// d < 64 in the rotation, d + 64, is block n + 8 of the same thread. K and V are stored here;
-// true for Q, which the caller stages and stores like kStore's columns. The column ranges are
-// whole heads, so a pass's kind is the same for every thread (the caller's barriers rely on it).
-__device__ __forceinline__ bool qkv_pass(const Args& a, float (&acc)[32][4], int pass, int n0,
-                                         int r0, int t) {
-  const QkvEpilogue& q = a.qkv;
-  const int64_t x0 = n0 + 128 * pass;
-  const int kind = x0 < q.q_dim ? 0 : x0 < q.q_dim + q.kv_dim ? 1 : 2;
-  const int64_t xc = x0 - (kind == 0 ? 0 : kind == 1 ? q.q_dim : q.q_dim + q.kv_dim) + 2 * t;
-  const float* bias = kind == 0 ? q.bq : kind == 1 ? q.bk : q.bv;
-  const int kb = 16 * pass;
-  if (bias != nullptr) {
-#pragma unroll
-    for (int n = 0; n < 16; ++n) {
-      const float b0 = __ldg(bias + xc + 8 * n), b1 = __ldg(bias + xc + 8 * n + 1);
-      acc[kb + n][0] += b0;
-      acc[kb + n][1] += b1;
-      acc[kb + n][2] += b0;
-      acc[kb + n][3] += b1;
-    }
-  }
-  const int64_t row[2] = {r0, r0 + 8};
-  const bool live[2] = {r0 < a.rows, r0 + 8 < a.rows};
-  // The thread's pairs of one head's 128 columns: fp32 (k_pre, v_out) or bf16 (the view).
-  const auto store = [&](auto* base, int64_t r, int h) {
-    if (base == nullptr || !live[h]) return;
-    auto* p = base + r * q.kv_dim + xc;
-#pragma unroll
-    for (int n = 0; n < 16; ++n) {
-      if constexpr (sizeof(*p) == 4) {
-        *reinterpret_cast<float2*>(p + 8 * n) =
-            make_float2(acc[kb + n][2 * h], acc[kb + n][2 * h + 1]);
-      } else {
-        *reinterpret_cast<__nv_bfloat162*>(p + 8 * n) =
-            __floats2bfloat162_rn(acc[kb + n][2 * h], acc[kb + n][2 * h + 1]);
-      }
-    }
-  };
-  int64_t slot[2] = {0, 0};
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    if (kind != 0 && live[h]) slot[h] = __ldg(q.slots + row[h]);
-    if (kind != 0) store(kind == 1 ? q.k_pre : q.v_out, row[h], h);
-  }
-  if (kind == 2) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) store(q.view_v, slot[h], h);
-    return false;
-  }
-  // The rows' cos (64) then sin (64), from the plan's table: computing them here (64 accurate
-  // sincosf a thread a tile, unrolled) took 0.087 / 0.137 ms for 7B / 14B's QKV at 1024 rows,
-  // against 0.061 / 0.120 with the table (H200, test_gemm's time_qkv).
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const float* cs = q.cos_sin + (live[h] ? row[h] : 0) * 128 + 2 * t;
-#pragma unroll
-    for (int n = 0; n < 8; ++n) {
-      const float2 c = __ldg(reinterpret_cast<const float2*>(cs + 8 * n));
-      const float2 sn = __ldg(reinterpret_cast<const float2*>(cs + 64 + 8 * n));
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float co = e == 0 ? c.x : c.y, si = e == 0 ? sn.x : sn.y;
-        const float x1 = acc[kb + n][2 * h + e], x2 = acc[kb + n + 8][2 * h + e];
-        acc[kb + n][2 * h + e] = x1 * co - x2 * si;  // as qkv_finish
-        acc[kb + n + 8][2 * h + e] = x2 * co + x1 * si;
-      }
-    }
-  }
-  if (kind == 1) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) store(q.view_k, slot[h], h);
-    return false;
-  }
-  return true;
 }
 
 template <Epilogue E>
@@ -445,9 +363,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         constexpr int kPasses = E == Epilogue::kSwiglu ? 1 : 2;
 #pragma unroll
         for (int pass = 0; pass < kPasses; ++pass) {
-          if constexpr (E == Epilogue::kQkv) {  // K and V columns go out from registers
-            if (!qkv_pass(args, acc, pass, n0, m0 + 64 * c + 16 * warp + g, t)) continue;
-          }
           if (issuer) d::bulk_wait_read<0>();  // earlier stores have read the staging
           d::named_barrier(1, 128 * kConsumers);
 #pragma unroll
@@ -594,7 +509,7 @@ cudaError_t launch(const Maps& maps, Args args, int64_t tiles_m, int64_t tiles_n
 template <Epilogue E>
 cudaError_t run(void* y, int64_t y_stride, const bf16* x, int64_t x_stride, const bf16* w,
                 int64_t rows, int64_t outs, int64_t in, const GemmScratch& scratch,
-                cudaStream_t stream, GemmSchedule schedule, const QkvEpilogue* qkv = nullptr) {
+                cudaStream_t stream, GemmSchedule schedule) {
   constexpr bool kF32 = E == Epilogue::kAccumulate;
   constexpr int64_t kCols = kTileOuts<E>;
   const int64_t w_rows = E == Epilogue::kSwiglu ? 2 * outs : outs;
@@ -622,7 +537,6 @@ cudaError_t run(void* y, int64_t y_stride, const bf16* x, int64_t x_stride, cons
   } else if (!encode(&maps.y, static_cast<const bf16*>(y), rows, outs, y_stride)) {
     return cudaErrorInvalidValue;
   }
-  if constexpr (E == Epilogue::kQkv) args.qkv = *qkv;
   args.rows = static_cast<int>(rows);
   args.outs = static_cast<int>(outs);
   args.in = static_cast<int>(in);
@@ -665,28 +579,6 @@ cudaError_t gemm_wgmma_accumulate(float* y, int64_t y_stride, const __nv_bfloat1
                                   cudaStream_t stream, GemmSchedule schedule) {
   return run<Epilogue::kAccumulate>(y, y_stride, x, x_stride, w, rows, out, in, scratch, stream,
                                     schedule);
-}
-
-bool gemm_qkv_fits(int64_t q_dim, int64_t kv_dim, int64_t head_dim, int64_t in) {
-  return head_dim == 128 && q_dim > 0 && kv_dim > 0 && q_dim % 128 == 0 && kv_dim % 128 == 0 &&
-         gemm_wgmma_fits(q_dim + 2 * kv_dim, in);
-}
-
-cudaError_t gemm_qkv(__nv_bfloat16* qkv, int64_t qkv_stride, const __nv_bfloat16* x,
-                     int64_t x_stride, const __nv_bfloat16* w_qkv, int64_t rows, int64_t in,
-                     const QkvEpilogue& e, const GemmScratch& scratch, cudaStream_t stream,
-                     GemmSchedule schedule) {
-  const auto aligned = [](const void* p, uintptr_t a) {
-    return reinterpret_cast<uintptr_t>(p) % a == 0;
-  };
-  if (!gemm_qkv_fits(e.q_dim, e.kv_dim, 128, in)) return cudaErrorInvalidValue;
-  if (rows > 0 && (e.cos_sin == nullptr || e.slots == nullptr || !aligned(e.cos_sin, 8) ||
-                   e.view_k == nullptr || e.view_v == nullptr || !aligned(e.k_pre, 8) ||
-                   !aligned(e.v_out, 8) || !aligned(e.view_k, 4) || !aligned(e.view_v, 4))) {
-    return cudaErrorInvalidValue;
-  }
-  return run<Epilogue::kQkv>(qkv, qkv_stride, x, x_stride, w_qkv, rows, e.q_dim + 2 * e.kv_dim, in,
-                             scratch, stream, schedule, &e);
 }
 
 cudaError_t gemm_swiglu(__nv_bfloat16* act, int64_t act_stride, const __nv_bfloat16* x,

@@ -99,14 +99,6 @@ cudaError_t qkv_finish(__nv_bfloat16* qkv, float* k_pre, float* v_out, __nv_bflo
                        int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
                        cudaStream_t stream);
 
-// cos_sin (n, head_dim) fp32: row r holds cos(a_i), i < head_dim / 2, then sin(a_i), with
-// a_i = float(positions[r]) * inv_freq[i] as one fp32 product and accurate sincosf (qkv_finish's
-// and rope()'s angles and values). head_dim even. The CUDA backend makes one per plan for
-// gemm_qkv's epilogue (gemm.h), which then reads the rows' cos/sin instead of computing them in
-// every layer.
-cudaError_t rope_table(float* cos_sin, const int32_t* positions, const float* inv_freq, int64_t n,
-                       int64_t head_dim, cudaStream_t stream);
-
 // out (n) = values uniform in [lo, hi) from a counter-based hash of (seed, index): the same bits on
 // every device and in ref::fill_uniform, never all zeros. For random model weights.
 cudaError_t fill_uniform(__nv_bfloat16* out, int64_t n, uint64_t seed, float lo, float hi,

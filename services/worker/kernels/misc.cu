@@ -443,24 +443,6 @@ __global__ void __launch_bounds__(kQkvThreads)
   }
 }
 
-// ---- rope_table: per row, cos then sin of float(pos) * inv_freq[i] (qkv_finish's values) ----
-
-__global__ void rope_table_kernel(float* __restrict__ cos_sin,
-                                  const int32_t* __restrict__ positions,
-                                  const float* __restrict__ inv_freq, int64_t n, int half) {
-  const int64_t total = n * half;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r = i / half;
-    const int j = static_cast<int>(i - r * half);
-    float s;
-    float c;
-    sincosf(__fmul_rn(static_cast<float>(positions[r]), inv_freq[j]), &s, &c);  // as qkv_finish
-    cos_sin[r * 2 * half + j] = c;
-    cos_sin[r * 2 * half + half + j] = s;
-  }
-}
-
 // ---- fill_uniform: counter-based uniform values (bit-identical to ref::fill_uniform) ----
 
 // splitmix64's output function (Steele, Lea, Flood 2014); reference_misc.cpp has the same.
@@ -747,21 +729,6 @@ cudaError_t qkv_finish(__nv_bfloat16* qkv, float* k_pre, float* v_out, __nv_bflo
                        cudaStream_t stream) {
   return launch_qkv_finish(qkv, k_pre, v_out, kv_k, kv_v, bq, bk, bv, positions, slots, inv_freq,
                            rows, heads, kv_heads, head_dim, stream);
-}
-
-cudaError_t rope_table(float* cos_sin, const int32_t* positions, const float* inv_freq, int64_t n,
-                       int64_t head_dim, cudaStream_t stream) {
-  if (n < 0 || head_dim < 0 || head_dim % 2 != 0 || head_dim > INT32_MAX) {
-    return cudaErrorInvalidValue;
-  }
-  if (n == 0 || head_dim == 0) return cudaSuccess;
-  if (cos_sin == nullptr || positions == nullptr || inv_freq == nullptr) {
-    return cudaErrorInvalidValue;
-  }
-  const int half = static_cast<int>(head_dim / 2);
-  rope_table_kernel<<<detail::elementwise_blocks(n * half, 256), 256, 0, stream>>>(
-      cos_sin, positions, inv_freq, n, half);
-  return cudaGetLastError();
 }
 
 cudaError_t fill_uniform(__nv_bfloat16* out, int64_t n, uint64_t seed, float lo, float hi,

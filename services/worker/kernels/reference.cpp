@@ -58,19 +58,6 @@ void rope(T* x, const int32_t* positions, const float* inv_freq, int64_t n, int6
   }
 }
 
-void rope_table(float* cos_sin, const int32_t* positions, const float* inv_freq, int64_t n,
-                int64_t head_dim) {
-  const int64_t half = head_dim / 2;
-  for (int64_t r = 0; r < n; ++r) {
-    const float p = static_cast<float>(positions[r]);
-    for (int64_t i = 0; i < half; ++i) {
-      const float angle = p * inv_freq[i];
-      cos_sin[r * head_dim + i] = static_cast<float>(std::cos(static_cast<double>(angle)));
-      cos_sin[r * head_dim + half + i] = static_cast<float>(std::sin(static_cast<double>(angle)));
-    }
-  }
-}
-
 template <typename T>
 void swiglu(T* out, const T* gate, const T* up, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {

@@ -35,11 +35,6 @@ template <typename T>
 void rope(T* x, const int32_t* positions, const float* inv_freq, int64_t n, int64_t heads,
           int64_t head_dim, int64_t row_stride);
 
-// kernels.h rope_table: cos_sin (n, head_dim), row r = cos of each angle, then the sines, with the
-// angles and the rounding of rope() above.
-void rope_table(float* cos_sin, const int32_t* positions, const float* inv_freq, int64_t n,
-                int64_t head_dim);
-
 // SwiGLU: out[i] = T(silu(gate[i]) * up[i]), silu(g) = g / (1 + exp(-g)). All (n). out may equal
 // gate or up.
 template <typename T>
@@ -62,15 +57,6 @@ void qkv_finish(Bf16* qkv, float* k_pre, float* v_out, KV* kv_k, KV* kv_v, const
                 const float* bk, const float* bv, const int32_t* positions, const int32_t* slots,
                 const float* inv_freq, int64_t rows, int64_t heads, int64_t kv_heads,
                 int64_t head_dim);
-// gemm.h gemm_qkv: y = Σ_i x[r, i] w[o, i] in double, rounded to fp32 (no bf16 rounding), then
-// qkv_finish's work on y: Q (+ bq, rotated) to qkv's Q columns as Bf16 (its K, V columns are left
-// as they are), K (+ bk) to k_pre and rotated to view_k's row slots[r], V (+ bv) to v_out and
-// view_v. w (heads * head_dim + 2 * kv_heads * head_dim, in).
-void gemm_qkv(Bf16* qkv, int64_t qkv_stride, float* k_pre, float* v_out, Bf16* view_k, Bf16* view_v,
-              const Bf16* x, int64_t x_stride, const Bf16* w, const float* bq, const float* bk,
-              const float* bv, const int32_t* positions, const int32_t* slots,
-              const float* inv_freq, int64_t rows, int64_t in, int64_t heads, int64_t kv_heads,
-              int64_t head_dim);
 // gemm.h gemm_swiglu: act[r, j] = Bf16(silu(g) * u) with g = Σ_i x[r, i] w[j, i] and u = Σ_i
 // x[r, i] w[inter + j, i] summed in double and rounded to fp32 (no bf16 rounding between), silu(g)
 // = g / (1 + exp(-g)) in fp32. x (rows, x_stride), w (2 * inter, in), act (rows, act_stride).

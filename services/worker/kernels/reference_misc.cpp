@@ -62,75 +62,40 @@ void swiglu_rows(Bf16* out, const Bf16* gate_up, int64_t rows, int64_t inter) {
 
 // Row by row: the biased fp32 Q and K of the row are rotated by ref::rope itself (so that the
 // rotated K is exactly ref::rope of k_pre), then rounded once to their storage.
-namespace {
-
-// qkv_finish's work on one row of the product in fp32, y = [q | k | v] (the caller's copy).
-template <typename KV>
-void finish_row(float* y, Bf16* q_out, float* k_pre, float* v_out, KV* kv_k, KV* kv_v,
-                const float* bq, const float* bk, const float* bv, const int32_t* position,
-                int64_t slot, const float* inv_freq, int64_t heads, int64_t kv_heads,
-                int64_t head_dim) {
-  const int64_t qd = heads * head_dim;
-  const int64_t kvd = kv_heads * head_dim;
-  float* q = y;
-  float* k = y + qd;
-  float* v = y + qd + kvd;
-  for (int64_t i = 0; i < qd; ++i) {
-    if (bq != nullptr) q[i] = q[i] + bq[i];
-  }
-  rope(q, position, inv_freq, 1, heads, head_dim, qd);
-  for (int64_t i = 0; i < qd; ++i) q_out[i] = float_to_bf16(q[i]);
-  for (int64_t i = 0; i < kvd; ++i) {
-    if (bk != nullptr) k[i] = k[i] + bk[i];
-    if (k_pre != nullptr) k_pre[i] = k[i];
-  }
-  rope(k, position, inv_freq, 1, kv_heads, head_dim, kvd);
-  for (int64_t i = 0; i < kvd; ++i) kv_k[slot * kvd + i] = from_float<KV>(k[i]);
-  for (int64_t i = 0; i < kvd; ++i) {
-    if (bv != nullptr) v[i] = v[i] + bv[i];
-    if (v_out != nullptr) v_out[i] = v[i];
-    kv_v[slot * kvd + i] = from_float<KV>(v[i]);
-  }
-}
-
-}  // namespace
-
 template <typename KV>
 void qkv_finish(Bf16* qkv, float* k_pre, float* v_out, KV* kv_k, KV* kv_v, const float* bq,
                 const float* bk, const float* bv, const int32_t* positions, const int32_t* slots,
                 const float* inv_freq, int64_t rows, int64_t heads, int64_t kv_heads,
                 int64_t head_dim) {
+  const int64_t qd = heads * head_dim;
   const int64_t kvd = kv_heads * head_dim;
-  const int64_t stride = heads * head_dim + 2 * kvd;
-  std::vector<float> y(static_cast<size_t>(stride));
+  const int64_t stride = qd + 2 * kvd;
+  std::vector<float> q(static_cast<size_t>(qd));
+  std::vector<float> k(static_cast<size_t>(kvd));
   for (int64_t r = 0; r < rows; ++r) {
     Bf16* row = qkv + r * stride;
-    for (int64_t i = 0; i < stride; ++i) y[i] = bf16_to_float(row[i]);
-    finish_row(y.data(), row, k_pre != nullptr ? k_pre + r * kvd : nullptr,
-               v_out != nullptr ? v_out + r * kvd : nullptr, kv_k, kv_v, bq, bk, bv, positions + r,
-               slots[r], inv_freq, heads, kv_heads, head_dim);
-  }
-}
-
-void gemm_qkv(Bf16* qkv, int64_t qkv_stride, float* k_pre, float* v_out, Bf16* view_k, Bf16* view_v,
-              const Bf16* x, int64_t x_stride, const Bf16* w, const float* bq, const float* bk,
-              const float* bv, const int32_t* positions, const int32_t* slots,
-              const float* inv_freq, int64_t rows, int64_t in, int64_t heads, int64_t kv_heads,
-              int64_t head_dim) {
-  const int64_t kvd = kv_heads * head_dim;
-  const int64_t outs = heads * head_dim + 2 * kvd;
-  std::vector<float> y(static_cast<size_t>(outs));
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t o = 0; o < outs; ++o) {
-      double s = 0.0;
-      for (int64_t i = 0; i < in; ++i) {
-        s += double(bf16_to_float(x[r * x_stride + i])) * double(bf16_to_float(w[o * in + i]));
-      }
-      y[o] = static_cast<float>(s);
+    const int64_t slot = slots[r];
+    for (int64_t i = 0; i < qd; ++i) {
+      q[i] = bf16_to_float(row[i]);
+      if (bq != nullptr) q[i] = q[i] + bq[i];
     }
-    finish_row(y.data(), qkv + r * qkv_stride, k_pre != nullptr ? k_pre + r * kvd : nullptr,
-               v_out != nullptr ? v_out + r * kvd : nullptr, view_k, view_v, bq, bk, bv,
-               positions + r, slots[r], inv_freq, heads, kv_heads, head_dim);
+    rope(q.data(), positions + r, inv_freq, 1, heads, head_dim, qd);
+    for (int64_t i = 0; i < qd; ++i) row[i] = float_to_bf16(q[i]);
+
+    for (int64_t i = 0; i < kvd; ++i) {
+      k[i] = bf16_to_float(row[qd + i]);
+      if (bk != nullptr) k[i] = k[i] + bk[i];
+      if (k_pre != nullptr) k_pre[r * kvd + i] = k[i];
+    }
+    rope(k.data(), positions + r, inv_freq, 1, kv_heads, head_dim, kvd);
+    for (int64_t i = 0; i < kvd; ++i) kv_k[slot * kvd + i] = from_float<KV>(k[i]);
+
+    for (int64_t i = 0; i < kvd; ++i) {
+      float v = bf16_to_float(row[qd + kvd + i]);
+      if (bv != nullptr) v = v + bv[i];
+      if (v_out != nullptr) v_out[r * kvd + i] = v;
+      kv_v[slot * kvd + i] = from_float<KV>(v);
+    }
   }
 }
 
