@@ -553,9 +553,12 @@ Status CudaBackend::tune_products(int32_t rows) {
       ++tried;
       if (res.chosen >= 0) {
         char line[96];
-        std::snprintf(line, sizeof(line), " %s@%lld %.3f->%.3f ms%s", j.name,
-                      static_cast<long long>(r), res.default_ms, res.best_ms,
-                      res.chosen == kernels::GemmTuner::kOurs ? " (ours)" : "");
+        char who[24] = "ours";
+        if (res.chosen != kernels::GemmTuner::kOurs) {
+          std::snprintf(who, sizeof(who), "candidate %d", res.chosen);
+        }
+        std::snprintf(line, sizeof(line), " %s@%lld %.3f->%.3f ms (%s)", j.name,
+                      static_cast<long long>(r), res.default_ms, res.best_ms, who);
         kept += line;
       }
     }
