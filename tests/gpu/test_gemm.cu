@@ -3,9 +3,8 @@
 // fp32 accumulation onto a random residual; NaN-poisoned outputs (an unwritten element fails,
 // padding read by an accumulation too); gemm_swiglu (our gate/up product with the SwiGLU fused)
 // against its double-precision reference. Prints timings of Qwen2.5-7B's four products at 1024 and
-// 4096 rows with a survey of cuBLASLt's candidate algorithms for each (informational). A plain
-// main: exit 0 when all pass.
-#include <cublasLt.h>
+// 4096 rows against what GemmTuner picks for each (informational). A plain main: exit 0 when all
+// pass.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -634,7 +633,8 @@ void time_gemm_swiglu(keep::kernels::BlasHandle& blas, const keep::kernels::Gemm
   cudaFree(act);
 }
 
-// Our products against cuBLAS's default on the same operands (informational): whole tiles round
+// Our products against cuBLAS's default on the same operands (informational; for swiglu, against
+// cuBLAS's gate/up product and swiglu_rows, what the backend runs without it): whole tiles round
 // robin and (kStreamK) in lanes with the stream-K share. Each sample times 10 launches in a row
 // (the host's per-launch work stays hidden, as in a prefill); the variants take turns so that
 // they see the same clocks; medians of 20 samples.
@@ -642,10 +642,12 @@ void time_ours(keep::kernels::BlasHandle& blas, const keep::kernels::GemmScratch
                int64_t rows, int64_t out, int64_t in, bool acc, bool swiglu = false) {
   namespace kk = keep::kernels;
   const TimedOperands t(rows, out, in);
+  __nv_bfloat16* act = nullptr;  // swiglu: (rows, out / 2)
+  if (swiglu) CUDA_OK(cudaMalloc(&act, rows * (out / 2) * 2));
   auto ours = [&](kk::GemmSchedule sched) {
     if (swiglu) {
-      CUDA_OK(kk::gemm_swiglu(static_cast<__nv_bfloat16*>(t.y), out / 2, t.x, in, t.w, rows,
-                              out / 2, in, nullptr, scratch, sched));
+      CUDA_OK(
+          kk::gemm_swiglu(act, out / 2, t.x, in, t.w, rows, out / 2, in, nullptr, scratch, sched));
     } else if (acc) {
       CUDA_OK(kk::gemm_wgmma_accumulate(static_cast<float*>(t.y), out, t.x, in, t.w, rows, out, in,
                                         scratch, nullptr, sched));
@@ -657,7 +659,12 @@ void time_ours(keep::kernels::BlasHandle& blas, const keep::kernels::GemmScratch
   std::vector<std::function<void()>> runs = {[&] { t.blas(blas, acc); },
                                              [&] { ours(kk::GemmSchedule::kDataParallel); },
                                              [&] { ours(kk::GemmSchedule::kStreamK); }};
-  if (swiglu) runs[0] = [&] { ours(kk::GemmSchedule::kDataParallel); };  // no cuBLAS form
+  if (swiglu) {
+    runs[0] = [&] {
+      t.blas(blas, false);
+      CUDA_OK(kk::swiglu_rows(act, static_cast<const __nv_bfloat16*>(t.y), rows, out / 2, nullptr));
+    };
+  }
   std::vector<std::vector<float>> ms(runs.size());
   cudaEvent_t a, b;
   CUDA_OK(cudaEventCreate(&a));
@@ -687,66 +694,36 @@ void time_ours(keep::kernels::BlasHandle& blas, const keep::kernels::GemmScratch
       swiglu ? "swiglu"
       : acc  ? "acc f32"
              : "bf16",
-      (long long)rows, (long long)out, (long long)in, swiglu ? "round robin" : "cuBLAS", med[0],
-      tf / (med[0] * 1e-3), med[1], tf / (med[1] * 1e-3), med[2], tf / (med[2] * 1e-3));
+      (long long)rows, (long long)out, (long long)in, swiglu ? "cuBLAS + swiglu_rows" : "cuBLAS",
+      med[0], tf / (med[0] * 1e-3), med[1], tf / (med[1] * 1e-3), med[2], tf / (med[2] * 1e-3));
+  cudaFree(act);
 }
 
-// Times one product as the CUDA backend issues it (bf16 out, or fp32 accumulate), then surveys
-// cuBLASLt's heuristic candidates for the same problem: how much a per-shape algorithm choice could
-// gain over cuBLAS's default pick (informational).
-void time_one(keep::kernels::BlasHandle& blas, void* ws, size_t ws_bytes, int64_t rows, int64_t out,
-              int64_t in, bool acc) {
+// Times one product as the CUDA backend issues it (bf16 out, or fp32 accumulate) and what
+// GemmTuner would run instead (its cuBLASLt candidates and our product, the fastest kept whatever
+// the margin): how much the per-shape choice gains over cuBLAS's default pick (informational).
+void time_one(keep::kernels::BlasHandle& blas, void* ws, size_t ws_bytes,
+              const keep::kernels::GemmScratch& scratch, int64_t rows, int64_t out, int64_t in,
+              bool acc) {
+  namespace kk = keep::kernels;
   const TimedOperands t(rows, out, in);
-  const __nv_bfloat16* x = t.x;
-  const __nv_bfloat16* w = t.w;
-  void* y = t.y;
   const double flop = 2.0 * rows * out * in;
   const float med = median_ms([&] { t.blas(blas, acc); });
-  std::printf("gemm_nt %s (%lld x %lld x %lld): %.3f ms, %.0f TFLOP/s", acc ? "acc f32" : "bf16",
-              (long long)rows, (long long)out, (long long)in, med, flop / (med * 1e-3) / 1e12);
-
-  // cuBLASLt candidates: column-major D (out, rows) = W^T (W stored (in, out), ld in) x (in, rows).
-  cublasLtHandle_t lt;
-  cublasLtMatmulDesc_t op;
-  cublasLtMatrixLayout_t la, lb, lc;
-  cublasLtMatmulPreference_t pref;
-  BLAS_OK(cublasLtCreate(&lt));
-  BLAS_OK(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
-  BLAS_OK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
-  BLAS_OK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
-  BLAS_OK(cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, in, out, in));
-  BLAS_OK(cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, in, rows, in));
-  BLAS_OK(cublasLtMatrixLayoutCreate(&lc, acc ? CUDA_R_32F : CUDA_R_16BF, out, rows, out));
-  BLAS_OK(cublasLtMatmulPreferenceCreate(&pref));
-  BLAS_OK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                               &ws_bytes, sizeof(ws_bytes)));
-  cublasLtMatmulHeuristicResult_t cand[32];
-  int found = 0;
-  BLAS_OK(cublasLtMatmulAlgoGetHeuristic(lt, op, la, lb, lc, lc, pref, 32, cand, &found));
-  const float alpha = 1.0f, beta = acc ? 1.0f : 0.0f;
-  float first = 0, best = 1e30f;
-  int best_i = -1;
-  for (int i = 0; i < found; ++i) {
-    if (cand[i].state != CUBLAS_STATUS_SUCCESS) continue;
-    const float t = median_ms([&] {
-      BLAS_OK(cublasLtMatmul(lt, op, &alpha, w, la, x, lb, &beta, y, lc, y, lc, &cand[i].algo, ws,
-                             ws_bytes, nullptr));
-    });
-    if (i == 0) first = t;
-    if (t < best) {
-      best = t;
-      best_i = i;
-    }
-  }
-  std::printf(" | cuBLASLt %d candidates: #0 %.3f ms, best #%d %.3f ms (%.0f TFLOP/s)\n", found,
-              first, best_i, best, flop / (best * 1e-3) / 1e12);
-  cublasLtMatmulPreferenceDestroy(pref);
-  cublasLtMatrixLayoutDestroy(la);
-  cublasLtMatrixLayoutDestroy(lb);
-  cublasLtMatrixLayoutDestroy(lc);
-  cublasLtMatmulDescDestroy(op);
-  cublasLtDestroy(lt);
+  kk::GemmTuner tuner;
+  BLAS_OK(tuner.init(nullptr, ws, ws_bytes));
+  if (scratch.ptr != nullptr) tuner.use_own_products(scratch);
+  kk::GemmTuner::TuneResult r;
+  BLAS_OK(tuner.tune(blas.get(), {out, in, in, out, acc}, rows, t.y, t.x, t.w, -1.0, &r));
+  const float pick = median_ms([&] {
+    BLAS_OK(tuner.run({out, in, in, out, acc}, rows, t.y, t.x, t.w));
+  });
+  char who[24] = "ours";
+  if (r.chosen != kk::GemmTuner::kOurs) std::snprintf(who, sizeof(who), "candidate %d", r.chosen);
+  std::printf(
+      "gemm_nt %s (%lld x %lld x %lld): %.3f ms, %.0f TFLOP/s | tuner's pick (%s) %.3f ms "
+      "(%.0f TFLOP/s)\n",
+      acc ? "acc f32" : "bf16", (long long)rows, (long long)out, (long long)in, med,
+      flop / (med * 1e-3) / 1e12, who, pick, flop / (pick * 1e-3) / 1e12);
 }
 
 }  // namespace
@@ -923,10 +900,10 @@ int main() {
     }
     // Qwen2.5-7B's four products (QKV, o_proj, gate|up, down) at 1024 and 4096 rows.
     for (int64_t rows : {1024, 4096}) {
-      time_one(blas, ws, ws_bytes, rows, 3584 + 2 * 512, 3584, false);
-      time_one(blas, ws, ws_bytes, rows, 3584, 3584, true);
-      time_one(blas, ws, ws_bytes, rows, 18944 * 2, 3584, false);
-      time_one(blas, ws, ws_bytes, rows, 3584, 18944, true);
+      time_one(blas, ws, ws_bytes, scratch, rows, 3584 + 2 * 512, 3584, false);
+      time_one(blas, ws, ws_bytes, scratch, rows, 3584, 3584, true);
+      time_one(blas, ws, ws_bytes, scratch, rows, 18944 * 2, 3584, false);
+      time_one(blas, ws, ws_bytes, scratch, rows, 3584, 18944, true);
     }
   }
   std::printf("test_gemm: %d checks, %d failures\n", g_checks, g_failures);

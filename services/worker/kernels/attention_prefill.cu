@@ -32,7 +32,6 @@
 // a NaN V would still poison the mma. Keys past num_keys are zero-filled.
 #include <cuda_bf16.h>
 
-#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
@@ -1086,24 +1085,22 @@ __global__ void __launch_bounds__(kWideThreads, 1)
   store_o<HD, true>(sq + c * W::kQElems, o, m, l, p, h, row_base, local_row, warp, lane);
 }
 
-// Raises the dynamic shared-memory limit of a kernel once per device (devices 0..63; others every
-// launch).
+// Raises the dynamic shared-memory limit of a kernel once per device (detail::DeviceMemo).
 template <auto kKernel>
 cudaError_t configure_once(size_t smem_bytes) {
-  static std::atomic<uint64_t> configured{0};
+  static detail::DeviceMemo configured;
   int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
+  const cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
-  const uint64_t bit = device < 64 ? (1ull << device) : 0;
-  if (bit != 0 && (configured.load(std::memory_order_acquire) & bit) != 0) return cudaSuccess;
-  err = cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(smem_bytes));
-  if (err != cudaSuccess) return err;
-  err = cudaFuncSetAttribute(kKernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                             cudaSharedmemCarveoutMaxShared);
-  if (err != cudaSuccess) return err;
-  configured.fetch_or(bit, std::memory_order_release);
-  return cudaSuccess;
+  return static_cast<cudaError_t>(configured.get(device, [&](int) {
+    cudaError_t e = cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem_bytes));
+    if (e == cudaSuccess) {
+      e = cudaFuncSetAttribute(kKernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                               cudaSharedmemCarveoutMaxShared);
+    }
+    return std::pair<int, bool>{static_cast<int>(e), e == cudaSuccess};
+  }));
 }
 
 template <int HD, typename KV, bool kWgmma>
@@ -1208,22 +1205,17 @@ cudaError_t launch(bf16* out, int64_t out_stride, float* lse, const bf16* q, int
 
 bool wgmma_available() {
 #ifdef KEEP_KERNELS_SM90A
-  static std::atomic<uint64_t> known{0}, yes{0};  // per device 0..63
+  static detail::DeviceMemo hopper;
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return false;
-  const uint64_t bit = device < 64 ? (1ull << device) : 0;
-  if (bit != 0 && (known.load(std::memory_order_acquire) & bit) != 0) {
-    return (yes.load(std::memory_order_relaxed) & bit) != 0;
-  }
-  int major = 0, minor = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
-    return false;
-  }
-  const bool ok = major == 9 && minor == 0;
-  if (ok) yes.fetch_or(bit, std::memory_order_relaxed);
-  known.fetch_or(bit, std::memory_order_release);
-  return ok;
+  return hopper.get(device, [](int d) {
+    int major = 0, minor = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, d) != cudaSuccess) {
+      return std::pair<int, bool>{0, false};
+    }
+    return std::pair<int, bool>{major == 9 && minor == 0 ? 1 : 0, true};
+  }) != 0;
 #else
   return false;
 #endif

@@ -4,6 +4,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <climits>
 #include <cstdint>
 #include <utility>
 
@@ -22,6 +24,33 @@ inline unsigned int elementwise_blocks(int64_t n, int threads) {
   const int64_t blocks = (n + threads - 1) / threads;
   return static_cast<unsigned int>(blocks < 65536 ? blocks : 65536);
 }
+
+// A value worked out once per device, then read without a lock (devices 0..63; on others it is
+// worked out on every call). get(device, f): f(device) returns {value, keep}; a value not kept (a
+// failed query) is asked for again on the next call. Two first calls may both run f, which must
+// be idempotent (attribute queries, cudaFuncSetAttribute). Use as a function-local static.
+class DeviceMemo {
+ public:
+  DeviceMemo() {
+    for (auto& v : value_) v.store(kUnknown, std::memory_order_relaxed);
+  }
+  template <typename F>
+  int get(int device, F&& f) {
+    const bool cached = device >= 0 && device < kDevices;
+    if (cached) {
+      const int v = value_[device].load(std::memory_order_acquire);
+      if (v != kUnknown) return v;
+    }
+    const std::pair<int, bool> r = f(device);
+    if (cached && r.second) value_[device].store(r.first, std::memory_order_release);
+    return r.first;
+  }
+
+ private:
+  static constexpr int kDevices = 64;
+  static constexpr int kUnknown = INT_MIN;
+  std::atomic<int> value_[kDevices];
+};
 
 // ---- programmatic dependent launch (sm_90) ----
 // launch_dependent() starts a kernel with programmatic stream serialization: it may begin while

@@ -43,7 +43,6 @@
 // ~1040); __expf and __fdividef (two MUFU operations an element) made the kernel 5-6 % faster.
 #include <algorithm>
 #include <cstdint>
-#include <mutex>
 
 #include "services/worker/kernels/common.cuh"
 #include "services/worker/kernels/gemm.h"
@@ -444,27 +443,27 @@ struct Launch {
 };
 
 // Per device and epilogue: the kernel's shared-memory limit raised, and how many clusters fit at
-// once (0: the kernel cannot run there).
+// once (0: the kernel cannot run there; asked again on the next call).
 template <Epilogue E>
 int max_clusters(int device) {
-  static std::mutex mu;
-  static int known[64] = {};
-  if (device < 0 || device >= 64) return 0;
-  std::lock_guard<std::mutex> lock(mu);
-  if (known[device] != 0) return known[device];
-  if (cudaFuncSetAttribute(gemm_wgmma_kernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           kSmemBytes) != cudaSuccess) {
-    return 0;
-  }
-  int sms = 0;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 0;
-  const Launch launch(static_cast<unsigned>(sms - sms % kCluster), nullptr, false);
-  int clusters = 0;
-  if (cudaOccupancyMaxActiveClusters(&clusters, gemm_wgmma_kernel<E>, &launch.cfg) != cudaSuccess) {
-    return 0;
-  }
-  known[device] = clusters;
-  return clusters;
+  static detail::DeviceMemo memo;
+  return memo.get(device, [](int d) {
+    const std::pair<int, bool> none{0, false};
+    if (cudaFuncSetAttribute(gemm_wgmma_kernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             kSmemBytes) != cudaSuccess) {
+      return none;
+    }
+    int sms = 0;
+    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, d) != cudaSuccess) return none;
+    const Launch launch(static_cast<unsigned>(sms - sms % kCluster), nullptr, false);
+    int clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&clusters, gemm_wgmma_kernel<E>, &launch.cfg) !=
+            cudaSuccess ||
+        clusters <= 0) {
+      return none;
+    }
+    return std::pair<int, bool>{clusters, true};
+  });
 }
 
 // The schedule of a product of tiles_m x tiles_n cluster tiles of k_steps each on `clusters`
