@@ -233,7 +233,8 @@ void run_case(const std::string& name, std::mt19937& rng, const Layout& lay, con
               static_cast<long long>(sched.visited_pairs));
 }
 
-// Times a large call (median of 20 samples of 10 launches) and checks a sample of its rows against the reference.
+// Times a large call (median of 20 samples of 10 launches) and checks a sample of its rows
+// against the reference.
 template <typename KV>
 void bench(std::mt19937& rng, const Layout& lay, const Shape& sh, kk::PrefillKernel kernel) {
   const int32_t rows = lay.rows();
