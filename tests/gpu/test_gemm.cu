@@ -491,6 +491,17 @@ void check_tuner(keep::kernels::BlasHandle& blas, void* ws, size_t ws_bytes, std
       std::fprintf(stderr, "FAIL GemmTuner::tune (acc %d): chosen %d, %.4f / %.4f ms\n", acc,
                    res.chosen, res.default_ms, res.best_ms);
     }
+    // describe(): the kept choice ("ours", or a cuBLASLt configuration); nothing for rows that
+    // were not tuned.
+    const std::string d = tuner.describe({out, in, xs, ys, acc}, rows);
+    ++g_checks;
+    const bool named = ours != nullptr ? d == "ours"
+                                       : d.rfind("algo ", 0) == 0 && d.find(" tile ") != d.npos &&
+                                             d.find(" cluster ") != d.npos;
+    if (!named || !tuner.describe({out, in, xs, ys, acc}, rows + 1).empty()) {
+      ++g_failures;
+      std::fprintf(stderr, "FAIL GemmTuner::describe (acc %d): \"%s\"\n", acc, d.c_str());
+    }
   }
   ++g_checks;
   if (tuner.tuned() != static_cast<size_t>(kept) || kept != 2) {
@@ -717,13 +728,12 @@ void time_one(keep::kernels::BlasHandle& blas, void* ws, size_t ws_bytes,
   const float pick = median_ms([&] {
     BLAS_OK(tuner.run({out, in, in, out, acc}, rows, t.y, t.x, t.w));
   });
-  char who[24] = "ours";
-  if (r.chosen != kk::GemmTuner::kOurs) std::snprintf(who, sizeof(who), "candidate %d", r.chosen);
+  const std::string who = tuner.describe({out, in, in, out, acc}, rows);
   std::printf(
       "gemm_nt %s (%lld x %lld x %lld): %.3f ms, %.0f TFLOP/s | tuner's pick (%s) %.3f ms "
       "(%.0f TFLOP/s)\n",
       acc ? "acc f32" : "bf16", (long long)rows, (long long)out, (long long)in, med,
-      flop / (med * 1e-3) / 1e12, who, pick, flop / (pick * 1e-3) / 1e12);
+      flop / (med * 1e-3) / 1e12, who.c_str(), pick, flop / (pick * 1e-3) / 1e12);
 }
 
 }  // namespace

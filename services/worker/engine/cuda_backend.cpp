@@ -553,13 +553,10 @@ Status CudaBackend::tune_products(int32_t rows) {
       ++tried;
       if (res.chosen >= 0) {
         char line[96];
-        char who[24] = "ours";
-        if (res.chosen != kernels::GemmTuner::kOurs) {
-          std::snprintf(who, sizeof(who), "candidate %d", res.chosen);
-        }
-        std::snprintf(line, sizeof(line), " %s@%lld %.3f->%.3f ms (%s)", j.name,
-                      static_cast<long long>(r), res.default_ms, res.best_ms, who);
+        std::snprintf(line, sizeof(line), " %s@%lld %.3f->%.3f ms", j.name,
+                      static_cast<long long>(r), res.default_ms, res.best_ms);
         kept += line;
+        kept += " (" + tuner_.describe(j.shape, r) + ")";
       }
     }
     if (r == rows) break;

@@ -295,6 +295,38 @@ cublasStatus_t GemmTuner::run(const GemmShape& shape, int64_t rows, void* y, con
                         workspace_, workspace_bytes_, stream_);
 }
 
+std::string GemmTuner::describe(const GemmShape& shape, int64_t rows) const {
+  for (size_t i = 0; i < n_entries_; ++i) {
+    const Entry& e = entries_[i];
+    if (!(e.shape == shape) || e.rows != rows) continue;
+    if (e.ours) return "ours";
+    // The attributes are 32-bit fields but the cluster shape, a 16-bit one (cublasLt.h).
+    const auto get = [&](cublasLtMatmulAlgoConfigAttributes_t a) {
+      size_t written = 0;
+      if (a == CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID) {
+        uint16_t v = 0;
+        return cublasLtMatmulAlgoConfigGetAttribute(&e.algo, a, &v, sizeof(v), &written) ==
+                       CUBLAS_STATUS_SUCCESS
+                   ? static_cast<int>(v)
+                   : -1;
+      }
+      uint32_t v = 0;
+      return cublasLtMatmulAlgoConfigGetAttribute(&e.algo, a, &v, sizeof(v), &written) ==
+                     CUBLAS_STATUS_SUCCESS
+                 ? static_cast<int>(v)
+                 : -1;
+    };
+    return "algo " + std::to_string(get(CUBLASLT_ALGO_CONFIG_ID)) + " tile " +
+           std::to_string(get(CUBLASLT_ALGO_CONFIG_TILE_ID)) + " stages " +
+           std::to_string(get(CUBLASLT_ALGO_CONFIG_STAGES_ID)) + " split-k " +
+           std::to_string(get(CUBLASLT_ALGO_CONFIG_SPLITK_NUM)) + " reduction " +
+           std::to_string(get(CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME)) + " swizzle " +
+           std::to_string(get(CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING)) + " cluster " +
+           std::to_string(get(CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID));
+  }
+  return "";
+}
+
 cublasStatus_t GemmTuner::run_ours(const GemmShape& shape, int64_t rows, void* y,
                                    const __nv_bfloat16* x, const __nv_bfloat16* w) const {
   const cudaError_t err =

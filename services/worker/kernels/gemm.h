@@ -13,6 +13,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 namespace keep::kernels {
 
@@ -132,6 +133,11 @@ class GemmTuner {
   cublasStatus_t run(const GemmShape& shape, int64_t rows, void* y, const __nv_bfloat16* x,
                      const __nv_bfloat16* w) const;
   size_t tuned() const { return n_entries_; }  // shapes x row counts with a kept algorithm
+  // What run() uses for `shape` at exactly `rows` tuned rows: "ours", or the cuBLASLt
+  // algorithm's configuration as cublasLt.h's values ("algo 66 tile 165 stages 35 split-k 1
+  // reduction 0 swizzle 0 cluster 3": tile 165 is CUBLASLT_MATMUL_TILE_112x128, cluster 3
+  // CUBLASLT_CLUSTER_SHAPE_2x1x1), or "" when none was kept.
+  std::string describe(const GemmShape& shape, int64_t rows) const;
   void clear() { n_entries_ = 0; }
 
  private:
