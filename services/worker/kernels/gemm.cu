@@ -300,29 +300,22 @@ std::string GemmTuner::describe(const GemmShape& shape, int64_t rows) const {
     const Entry& e = entries_[i];
     if (!(e.shape == shape) || e.rows != rows) continue;
     if (e.ours) return "ours";
-    // The attributes are 32-bit fields but the cluster shape, a 16-bit one (cublasLt.h).
-    const auto get = [&](cublasLtMatmulAlgoConfigAttributes_t a) {
+    // One attribute as a number (-1 where cuBLASLt refuses); `v` gives the field's width.
+    const auto get = [&](cublasLtMatmulAlgoConfigAttributes_t a, auto v) {
       size_t written = 0;
-      if (a == CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID) {
-        uint16_t v = 0;
-        return cublasLtMatmulAlgoConfigGetAttribute(&e.algo, a, &v, sizeof(v), &written) ==
-                       CUBLAS_STATUS_SUCCESS
-                   ? static_cast<int>(v)
-                   : -1;
-      }
-      uint32_t v = 0;
       return cublasLtMatmulAlgoConfigGetAttribute(&e.algo, a, &v, sizeof(v), &written) ==
                      CUBLAS_STATUS_SUCCESS
-                 ? static_cast<int>(v)
-                 : -1;
+                 ? std::to_string(v)
+                 : std::string("-1");
     };
-    return "algo " + std::to_string(get(CUBLASLT_ALGO_CONFIG_ID)) + " tile " +
-           std::to_string(get(CUBLASLT_ALGO_CONFIG_TILE_ID)) + " stages " +
-           std::to_string(get(CUBLASLT_ALGO_CONFIG_STAGES_ID)) + " split-k " +
-           std::to_string(get(CUBLASLT_ALGO_CONFIG_SPLITK_NUM)) + " reduction " +
-           std::to_string(get(CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME)) + " swizzle " +
-           std::to_string(get(CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING)) + " cluster " +
-           std::to_string(get(CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID));
+    // 32-bit fields, but the cluster shape's 16 bits (cublasLt.h).
+    return "algo " + get(CUBLASLT_ALGO_CONFIG_ID, uint32_t{0}) + " tile " +
+           get(CUBLASLT_ALGO_CONFIG_TILE_ID, uint32_t{0}) + " stages " +
+           get(CUBLASLT_ALGO_CONFIG_STAGES_ID, uint32_t{0}) + " split-k " +
+           get(CUBLASLT_ALGO_CONFIG_SPLITK_NUM, uint32_t{0}) + " reduction " +
+           get(CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, uint32_t{0}) + " swizzle " +
+           get(CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, uint32_t{0}) + " cluster " +
+           get(CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, uint16_t{0});
   }
   return "";
 }

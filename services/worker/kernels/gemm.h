@@ -205,12 +205,11 @@ bool gemm_swiglu_fits(int64_t inter, int64_t in);
 //   act[r, j] = bf16(silu(g) * u),  g = Σ_i x[r, i] W[j, i],  u = Σ_i x[r, i] W[inter + j, i]
 // with W (2 * inter, in) bf16 = [W_gate; W_up] (the fused gate/up weight, gate rows first), fp32
 // sums and silu(g) = h + h tanh(h), h = g / 2 (the hardware's approximate tanh, relative error
-// below 2^-10.98, a quarter of bf16's step); the
-// product never goes through memory and g, u are not rounded to bf16 (the cuBLAS path +
-// swiglu_rows rounds them). act (rows, act_stride), x (rows, x_stride): strides multiples of 8
-// elements, all pointers 16-byte aligned. cudaErrorInvalidValue for other shapes
-// (gemm_swiglu_fits), strides or alignments; cudaErrorNotSupported where wgmma_available() is
-// false. Asynchronous on `stream`, capturable in a CUDA graph.
+// below 2^-10.98, a quarter of bf16's step); the product never goes through memory and g, u are
+// not rounded to bf16 (the cuBLAS path + swiglu_rows rounds them). act (rows, act_stride), x (rows,
+// x_stride): strides multiples of 8 elements, all pointers 16-byte aligned. cudaErrorInvalidValue
+// for other shapes (gemm_swiglu_fits), strides or alignments; cudaErrorNotSupported where
+// wgmma_available() is false. Asynchronous on `stream`, capturable in a CUDA graph.
 cudaError_t gemm_swiglu(__nv_bfloat16* act, int64_t act_stride, const __nv_bfloat16* x,
                         int64_t x_stride, const __nv_bfloat16* w_gate_up, int64_t rows,
                         int64_t inter, int64_t in, cudaStream_t stream,
