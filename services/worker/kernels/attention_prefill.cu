@@ -27,9 +27,12 @@
 //
 // K/V loads: bf16 storage (16-byte aligned) goes through cp.async straight into shared memory;
 // fp32 storage is loaded into registers, converted and stored. The V of a tile the schedule does
-// not mark full also goes through registers, with non-finite values replaced by 0: such a tile may
-// hold keys no row of the block sees (slots never written, possibly NaN), and a masked P = 0 times
-// a NaN V would still poison the mma. Keys past num_keys are zero-filled.
+// not mark full has its non-finite values replaced by 0: such a tile may hold keys no row of the
+// block sees (slots never written, possibly NaN), and a masked P = 0 times a NaN V would still
+// poison the mma. Through registers that happens on the way; after cp.async, each thread cleans
+// the chunks it copied once they have landed, before the barrier that publishes the tile
+// (sanitize_v). Keys past num_keys are zero-filled. The schedule's entries and the rows' spans
+// (plan data) are read before the wait for the previous kernels, and the entries a step ahead.
 #include <cuda_bf16.h>
 
 #include <cstdint>
@@ -274,7 +277,8 @@ __device__ __forceinline__ void tile_regs(bf16* const (&dst)[N], const T* const 
 }
 
 // Starts loading the K or V tile of schedule entry `entry` into dst: src = the K or V storage at
-// the block's kv head; V of a tile not marked full is sanitised (through registers).
+// the block's kv head. V of a tile not marked full is sanitised: through registers, or (bf16
+// storage, 16-byte aligned rows: cp.async like any tile) afterwards by sanitize_v.
 template <int HD, bool kSwizzled, typename KV>
 __device__ __forceinline__ void issue_half_tile(bf16* dst, const Params<KV>& p, const KV* src,
                                                 int32_t entry, bool is_v, int tid) {
@@ -282,7 +286,7 @@ __device__ __forceinline__ void issue_half_tile(bf16* dst, const Params<KV>& p, 
   const bool sanitize = is_v && (entry & 1) == 0;
   const int64_t stride = static_cast<int64_t>(p.kv_heads) * HD;
   if constexpr (std::is_same_v<KV, bf16>) {
-    if (p.kv_vec && !sanitize) {
+    if (p.kv_vec) {
       tile_async<HD, kSwizzled>(dst, src, stride, first, p.num_keys, tid);
       return;
     }
@@ -310,6 +314,32 @@ __device__ __forceinline__ void issue_kv_tile(bf16* sk, bf16* sv, const Params<K
   const bool sanitize[2] = {false, (entry & 1) == 0};
   tile_regs<HD, kSwizzled>(dst, src, sanitize, static_cast<int64_t>(p.kv_heads) * HD,
                            (entry >> 1) * kKeys, p.num_keys, tid, p.kv_vec);
+}
+
+// V of a tile not marked full that came by cp.async (bf16, aligned): once the thread's own copies
+// have landed (cp_async_wait), it zeroes the non-finite values of the chunks it copied itself
+// (tile_async's mapping), before the barrier that publishes the tile. Through registers instead,
+// the loads' latency sat on the step's critical path (ncu, Qwen2.5-14B at 1024 causal rows: ~5 %
+// of the kernel's stall samples on the diagonal tiles' V).
+template <int HD, bool kSwizzled, typename KV>
+__device__ __forceinline__ void sanitize_v(bf16* sv, const Params<KV>& p, int32_t entry, int tid) {
+  if constexpr (std::is_same_v<KV, bf16>) {
+    if (!p.kv_vec || (entry & 1) != 0) return;
+    using G = Geometry<HD, kSwizzled>;
+    const int r0 = tid / G::kChunksPerRow;
+    const int c = tid % G::kChunksPerRow;
+#pragma unroll
+    for (int i = 0; i < G::kPasses; ++i) {
+      auto* q =
+          reinterpret_cast<uint4*>(sv + chunk_offset<HD, kSwizzled>(r0 + i * G::kRowsPerPass, c));
+      uint4 v = *q;
+      v.x = finite_bf16x2(v.x);
+      v.y = finite_bf16x2(v.y);
+      v.z = finite_bf16x2(v.z);
+      v.w = finite_bf16x2(v.w);
+      *q = v;
+    }
+  }
 }
 
 // Bits [lo, hi) of a 64-bit word, 0 <= lo < hi <= 64.
@@ -608,8 +638,6 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 ? 3 : 2)
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
-  detail::wait_previous_grid();  // Q, K and V come from the previous kernels
-  detail::allow_next_grid();
 
   // Heaviest row tiles first (the last rows see the most keys in the usual layouts), all heads of
   // a row tile next to each other (GQA heads share their K/V tiles in L2).
@@ -622,6 +650,16 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 ? 3 : 2)
   const KV* const vg = p.v + kv_offset;
   const int32_t sched_begin = __ldg(p.tile_offsets + row_tile);
   const int32_t n_tiles = __ldg(p.tile_offsets + row_tile + 1) - sched_begin;
+  // The schedule's first entries and the rows' span lists: plan data, read before waiting for the
+  // previous kernels (which write Q, K and V), so that their latency overlaps those kernels' end.
+  auto tile = [&](int32_t j) { return j < n_tiles ? __ldg(p.tiles + sched_begin + j) : 0; };
+  int32_t entry = tile(0);
+  int32_t e_next = tile(1);   // the wgmma loop's tile j + 1 ...
+  int32_t e_after = tile(2);  // ... and j + 2, each loaded a step before it is needed
+  const int local_row = warp * 16 + lane / 4;  // the thread's two rows: local_row and + 8
+  RowSpans spans(p, row_base, local_row);
+  detail::wait_previous_grid();  // Q, K and V come from the previous kernels
+  detail::allow_next_grid();
 
   // Stage Q (rows past `rows` zero): in K buffer 1 for mma.sync (read once into registers), in a
   // buffer of its own for wgmma (read by every product). Start the first K/V tile into buffer 0.
@@ -635,9 +673,10 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 ? 3 : 2)
     const bool sanitize[1] = {false};
     tile_regs<HD, kWgmma>(dst, src, sanitize, p.q_stride, row_base, p.rows, tid, false);
   }
-  if (n_tiles > 0) issue_kv_tile<HD, kWgmma>(sk, sv, p, kg, vg, __ldg(p.tiles + sched_begin), tid);
+  if (n_tiles > 0) issue_kv_tile<HD, kWgmma>(sk, sv, p, kg, vg, entry, tid);
   cp_async_commit();
   cp_async_wait<0>();
+  if (n_tiles > 0) sanitize_v<HD, kWgmma>(sv, p, entry, tid);
   if constexpr (kWgmma) detail::fence_proxy_async_shared();
   __syncthreads();
 
@@ -656,10 +695,6 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 ? 3 : 2)
     }
   }
 
-  // The thread's two rows and their span lists.
-  const int local_row = warp * 16 + lane / 4;  // and local_row + 8
-  RowSpans spans(p, row_base, local_row);
-
   float o[HD / 8][4];
 #pragma unroll
   for (int d = 0; d < HD / 8; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.0f;
@@ -670,19 +705,16 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 ? 3 : 2)
     mask[0][0] = mask[0][1] = ~0ull;
     if ((e & 1) == 0) spans.mask(p.spans, (e >> 1) * kKeys, mask[0]);
   };
-  int32_t entry = n_tiles > 0 ? __ldg(p.tiles + sched_begin) : 0;
   if constexpr (kWgmma) {
     // Software pipeline over the key tiles: with tile j's P in registers, S of tile j + 1 and
     // O += P_j V_j are issued together; the softmax of tile j + 1 runs while the second product
     // is still in flight, and O is rescaled once it is done. Loads run ahead in two halves: K of
     // tile j + 2 as soon as S of tile j is done (start of step j), V of tile j + 2 once
     // O += P_j V_j is (end of step j); step j waits for all but the newest group (V of j + 1).
-    auto tile = [&](int32_t j) { return __ldg(p.tiles + sched_begin + j); };
     if (n_tiles > 1) {
-      const int32_t e1 = tile(1);
-      issue_half_tile<HD, true>(sk + G::kTileElems, p, kg, e1, false, tid);
+      issue_half_tile<HD, true>(sk + G::kTileElems, p, kg, e_next, false, tid);
       cp_async_commit();
-      issue_half_tile<HD, true>(sv + G::kTileElems, p, vg, e1, true, tid);
+      issue_half_tile<HD, true>(sv + G::kTileElems, p, vg, e_next, true, tid);
       cp_async_commit();
     }
     float s[kKeys / 8][4];
@@ -700,12 +732,16 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 ? 3 : 2)
     }
     uint32_t a[kKeys / 16][4];
     for (int32_t j = 0; j + 1 < n_tiles; ++j) {
-      const int32_t next = tile(j + 1);
+      const int32_t next = e_next;    // tile j + 1
+      const int32_t after = e_after;  // tile j + 2
+      e_next = after;
+      e_after = tile(j + 3);
       cp_async_wait<1>();  // K of tile j + 1 and V of tile j in place
+      if (j > 0) sanitize_v<HD, true>(sv + (j & 1) * G::kTileElems, p, entry, tid);
       detail::fence_proxy_async_shared();
       __syncthreads();  // ... for every thread; and every thread is done with S of tile j
       if (j + 2 < n_tiles) {
-        issue_half_tile<HD, true>(sk + (j & 1) * G::kTileElems, p, kg, tile(j + 2), false, tid);
+        issue_half_tile<HD, true>(sk + (j & 1) * G::kTileElems, p, kg, after, false, tid);
       }
       cp_async_commit();  // (an empty group at the end keeps the count)
 #pragma unroll
@@ -725,12 +761,16 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 ? 3 : 2)
       rescale_o<HD>(o, alpha);
       __syncthreads();  // every warp past its wait: V buffer j & 1 is free
       if (j + 2 < n_tiles) {
-        issue_half_tile<HD, true>(sv + (j & 1) * G::kTileElems, p, vg, tile(j + 2), true, tid);
+        issue_half_tile<HD, true>(sv + (j & 1) * G::kTileElems, p, vg, after, true, tid);
       }
       cp_async_commit();
+      entry = next;
     }
     if (n_tiles > 0) {  // O += P V of the last tile
       cp_async_wait<0>();
+      if (n_tiles > 1) {
+        sanitize_v<HD, true>(sv + ((n_tiles - 1) & 1) * G::kTileElems, p, entry, tid);
+      }
       detail::fence_proxy_async_shared();
       __syncthreads();
 #pragma unroll
@@ -748,6 +788,7 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 ? 3 : 2)
       // done with tile j - 1 (and, for j = 0, with the Q staging), whose buffer the next load
       // reuses.
       cp_async_wait<0>();
+      if (j > 0) sanitize_v<HD, false>(sv + (j & 1) * G::kTileElems, p, entry, tid);
       __syncthreads();
       int32_t next = 0;
       if (j + 1 < n_tiles) {
