@@ -83,8 +83,9 @@ struct CudaBackendOptions {
   // beats cuBLAS's default pick by gemm_autotune_margin. 0 = never. On the H200 (test_gemm's
   // survey) cuBLASLt has 5-17 % faster algorithms for Qwen2.5-7B's QKV, o_proj and down at 4096
   // rows and few at 1024. Tuning runs cuBLAS's default, up to 8 cuBLASLt candidates and (with
-  // gemm_own_products) ours 6 times each per product and row count (~0.1 s for 7B up to 4096
-  // rows), on every reserve() that grows the rows: reserve the largest step at start-up.
+  // gemm_own_products) ours 16 times each per product and row count (5 samples of 3 launches back
+  // to back, after one), on every reserve() that grows the rows: reserve the largest step at
+  // start-up.
   int32_t gemm_autotune_rows = 1024;
   double gemm_autotune_margin = kernels::GemmTuner::kTuneMargin;
   // The tuning also times our own product (kernels::gemm_wgmma: wgmma + TMA, with a stream-K share
