@@ -349,20 +349,30 @@ __device__ __forceinline__ uint64_t bit_range(int lo, int hi) {
   return ones << lo;
 }
 
+// One span, in one 8-byte load (the plan's span arrays are 8-byte aligned).
+__device__ __forceinline__ KeyRange load_span(const KeyRange* __restrict__ spans, int32_t i) {
+  const int2 v = __ldg(reinterpret_cast<const int2*>(spans + i));
+  return KeyRange{v.x, v.y};
+}
+
 // Which keys of the tile [first, first + 64) a row sees, as bits; `cursor` (the row's first span
 // not wholly before the tile) only moves forward since the tiles come in ascending order.
+// kCached: `cur` holds a copy of spans[cursor] (while cursor < end), so that a row with one span
+// (the causal prefill's) reads no memory here (the one-warpgroup kernel: ncu put ~2 % of its
+// stall samples on these loads); the wide kernel, at its register limit, reads them.
+template <bool kCached>
 __device__ __forceinline__ uint64_t span_mask(const KeyRange* __restrict__ spans, int32_t& cursor,
-                                              int32_t end, int32_t first) {
-  int32_t c = cursor;
-  while (c < end && __ldg(&spans[c].end) <= first) ++c;
-  cursor = c;
+                                              int32_t end, KeyRange& cur, int32_t first) {
+  const auto at = [&](int32_t c) { return kCached && c == cursor ? cur : load_span(spans, c); };
+  while (cursor < end && at(cursor).end <= first) {
+    if (++cursor < end && kCached) cur = load_span(spans, cursor);
+  }
   uint64_t mask = 0;
-  for (; c < end; ++c) {
-    const int32_t b = __ldg(&spans[c].begin);
-    if (b >= first + kKeys) break;
-    const int32_t e = __ldg(&spans[c].end);
-    const int lo = b > first ? b - first : 0;
-    const int hi = e < first + kKeys ? e - first : kKeys;
+  for (int32_t c = cursor; c < end; ++c) {
+    const KeyRange s = at(c);
+    if (s.begin >= first + kKeys) break;
+    const int lo = s.begin > first ? s.begin - first : 0;
+    const int hi = s.end < first + kKeys ? s.end - first : kKeys;
     mask |= bit_range(lo, hi);
   }
   return mask;
@@ -370,9 +380,11 @@ __device__ __forceinline__ uint64_t span_mask(const KeyRange* __restrict__ spans
 
 // The span lists of a thread's two rows (row_base + local_row and + 8; none past p.rows), walked
 // forward by the masks of the schedule's entries in their ascending order.
+template <bool kCached>
 struct RowSpans {
   int32_t cursor[2];
   int32_t end[2];
+  KeyRange cur[2];  // kCached: spans[cursor[i]] while cursor[i] < end[i]
   template <typename KV>
   __device__ __forceinline__ RowSpans(const Params<KV>& p, int32_t row_base, int local_row) {
 #pragma unroll
@@ -380,13 +392,14 @@ struct RowSpans {
       const int32_t r = row_base + local_row + 8 * i;
       cursor[i] = r < p.rows ? __ldg(p.row_offsets + r) : 0;
       end[i] = r < p.rows ? __ldg(p.row_offsets + r + 1) : 0;
+      cur[i] = kCached && cursor[i] < end[i] ? load_span(p.spans, cursor[i]) : KeyRange{0, 0};
     }
   }
   // Which keys of the key tile [first, first + 64) each row sees (span_mask of both rows).
   __device__ __forceinline__ void mask(const KeyRange* __restrict__ spans, int32_t first,
                                        uint64_t (&m)[2]) {
-    m[0] = span_mask(spans, cursor[0], end[0], first);
-    m[1] = span_mask(spans, cursor[1], end[1], first);
+    m[0] = span_mask<kCached>(spans, cursor[0], end[0], cur[0], first);
+    m[1] = span_mask<kCached>(spans, cursor[1], end[1], cur[1], first);
   }
 };
 
@@ -657,7 +670,7 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 ? 3 : 2)
   int32_t e_next = tile(1);   // the wgmma loop's tile j + 1 ...
   int32_t e_after = tile(2);  // ... and j + 2, each loaded a step before it is needed
   const int local_row = warp * 16 + lane / 4;  // the thread's two rows: local_row and + 8
-  RowSpans spans(p, row_base, local_row);
+  RowSpans<true> spans(p, row_base, local_row);
   detail::wait_previous_grid();  // Q, K and V come from the previous kernels
   detail::allow_next_grid();
 
@@ -1040,7 +1053,7 @@ __global__ void __launch_bounds__(kWideThreads, 1)
   const uint64_t q_desc = detail::wgmma_desc_sw128(sq + c * W::kQElems, 16, 1024);
   // The thread's two rows and their span lists.
   const int local_row = warp * 16 + lane / 4;  // and local_row + 8
-  RowSpans spans(p, row_base, local_row);
+  RowSpans<false> spans(p, row_base, local_row);
   auto step_mask = [&](const StepTiles& st, uint64_t(&mask)[2][2]) {
 #pragma unroll
     for (int t = 0; t < 2; ++t) {

@@ -22,7 +22,7 @@ static_assert(sizeof(KeyRange) == 8, "KeyRange must be two int32");
 //   lse = -inf.
 struct AttentionRows {
   const int32_t* row_offsets = nullptr;  // (rows + 1)
-  const KeyRange* spans = nullptr;       // (row_offsets[rows])
+  const KeyRange* spans = nullptr;       // (row_offsets[rows]), 8-byte aligned
   int32_t rows = 0;
   int32_t num_keys = 0;
 };
