@@ -855,13 +855,13 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 ? 3 : 2)
 // the other kernel's wgmma path.
 constexpr int kWideThreads = 384;
 // kAuto's choice (kPrefillWideMinKeys), from test_attention's timings on the H200 (Qwen2.5-7B
-// heads, bf16 K/V, 10 launches back to back a sample): this kernel from 4096 keys on (4096 causal
-// rows 0.319 -> 0.289 ms, 512 rows after 3584 keys 0.087 -> 0.072 ms), the one-warpgroup kernel
-// below that (2048 causal rows: 0.093 vs 0.097 ms, 1024: 0.031 vs 0.038 ms; 14B heads at 1024:
-// 0.046 vs 0.054) and at head_dim 64. A persistent form of this kernel (one block an SM walking
-// (row pair, head) items, the next item's Q and first K/V loaded while the current one finishes)
-// measured the same at 1024 rows (0.039, 0.055) and slower at 4096 (0.295): a block's start and
-// end are not what the short walks lose on.
+// heads, bf16 K/V, 10 launches back to back a sample, at a934461): this kernel from 4096 keys on
+// (4096 causal rows 0.298 -> 0.290 ms, 512 rows after 3584 keys 0.083 -> 0.072 ms), the
+// one-warpgroup kernel below that (2048 causal rows: 0.084 vs 0.098 ms, 1024: 0.027 vs 0.038 ms;
+// 14B heads at 1024: 0.040 vs 0.054) and at head_dim 64. A persistent form of this kernel (one
+// block an SM walking (row pair, head) items, the next item's Q and first K/V loaded while the
+// current one finishes) measured the same at 1024 rows (0.039, 0.055) and slower at 4096 (0.295): a
+// block's start and end are not what the short walks lose on.
 constexpr int kWideKeys = 2 * kKeys;
 constexpr uint32_t kWidePanelBytes = kWideKeys * 128;  // 128 key rows of one 64-dim panel
 constexpr uint32_t kBoxBytes = kKeys * 128;            // one TMA box: 64 rows x 64 elements
