@@ -15,7 +15,7 @@
 #                                           check counts)
 #
 # Only services/worker/kernels is built (it needs nothing but CUDA), in build-ab-base and
-# build-ab-head beside the checkout.
+# build-ab-head; BASE's sources are a git worktree at build-ab-src.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out_dir="$root/.gpu-ab"
@@ -51,9 +51,14 @@ case "$cmd" in
     tests=("$@")
     [ ${#tests[@]} -gt 0 ] || tests=(test_attention test_gemm test_kernels)
     rev="$(git -C "$root" rev-parse --verify "$base^{commit}")"
-    wt="$(mktemp -d /tmp/gpu-ab-base.XXXXXX)"
-    trap 'git -C "$root" worktree remove --force "$wt" >/dev/null 2>&1 || true' EXIT
-    git -C "$root" worktree add --detach "$wt" "$rev" >/dev/null
+    # BASE's sources: a worktree kept at one path (ignored, like the build folders), so that its
+    # build folder's cache stays valid and rebuilds are incremental.
+    wt="$root/build-ab-src"
+    if [ -e "$wt/.git" ]; then
+      git -C "$wt" checkout -q --detach "$rev"
+    else
+      git -C "$root" worktree add --detach "$wt" "$rev" >/dev/null
+    fi
     rm -rf "$out_dir"
     build_tests "$wt" "$root/build-ab-base" "$out_dir/base" "${tests[@]}"
     build_tests "$root" "$root/build-ab-head" "$out_dir/head" "${tests[@]}"
