@@ -686,11 +686,25 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 ? 3 : 2)
     const bool sanitize[1] = {false};
     tile_regs<HD, kWgmma>(dst, src, sanitize, p.q_stride, row_base, p.rows, tid, false);
   }
-  if (n_tiles > 0) issue_kv_tile<HD, kWgmma>(sk, sv, p, kg, vg, entry, tid);
-  cp_async_commit();
-  cp_async_wait<0>();
-  if (n_tiles > 0) sanitize_v<HD, kWgmma>(sv, p, entry, tid);
-  if constexpr (kWgmma) detail::fence_proxy_async_shared();
+  if constexpr (kWgmma) {
+    // Q and K of tile 0 in one group, then V of tile 0 and tile 1 in three more: the first
+    // product waits for Q and K0 only, and the other loads overlap it and the first softmax.
+    if (n_tiles > 0) issue_half_tile<HD, true>(sk, p, kg, entry, false, tid);
+    cp_async_commit();
+    if (n_tiles > 0) issue_half_tile<HD, true>(sv, p, vg, entry, true, tid);
+    cp_async_commit();
+    if (n_tiles > 1) issue_half_tile<HD, true>(sk + G::kTileElems, p, kg, e_next, false, tid);
+    cp_async_commit();
+    if (n_tiles > 1) issue_half_tile<HD, true>(sv + G::kTileElems, p, vg, e_next, true, tid);
+    cp_async_commit();
+    cp_async_wait<3>();  // Q and K of tile 0
+    detail::fence_proxy_async_shared();
+  } else {
+    if (n_tiles > 0) issue_kv_tile<HD, false>(sk, sv, p, kg, vg, entry, tid);
+    cp_async_commit();
+    cp_async_wait<0>();
+    if (n_tiles > 0) sanitize_v<HD, false>(sv, p, entry, tid);
+  }
   __syncthreads();
 
   // mma.sync: Q A fragments of the warp's 16 rows: matrices (rows +0..7, dims +0..7), (+8..15,
@@ -724,12 +738,6 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 ? 3 : 2)
     // is still in flight, and O is rescaled once it is done. Loads run ahead in two halves: K of
     // tile j + 2 as soon as S of tile j is done (start of step j), V of tile j + 2 once
     // O += P_j V_j is (end of step j); step j waits for all but the newest group (V of j + 1).
-    if (n_tiles > 1) {
-      issue_half_tile<HD, true>(sk + G::kTileElems, p, kg, e_next, false, tid);
-      cp_async_commit();
-      issue_half_tile<HD, true>(sv + G::kTileElems, p, vg, e_next, true, tid);
-      cp_async_commit();
-    }
     float s[kKeys / 8][4];
     float alpha[2];
     uint64_t mask[1][2];
@@ -750,7 +758,7 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 ? 3 : 2)
       e_next = after;
       e_after = tile(j + 3);
       cp_async_wait<1>();  // K of tile j + 1 and V of tile j in place
-      if (j > 0) sanitize_v<HD, true>(sv + (j & 1) * G::kTileElems, p, entry, tid);
+      sanitize_v<HD, true>(sv + (j & 1) * G::kTileElems, p, entry, tid);
       detail::fence_proxy_async_shared();
       __syncthreads();  // ... for every thread; and every thread is done with S of tile j
       if (j + 2 < n_tiles) {
@@ -781,9 +789,7 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 ? 3 : 2)
     }
     if (n_tiles > 0) {  // O += P V of the last tile
       cp_async_wait<0>();
-      if (n_tiles > 1) {
-        sanitize_v<HD, true>(sv + ((n_tiles - 1) & 1) * G::kTileElems, p, entry, tid);
-      }
+      sanitize_v<HD, true>(sv + ((n_tiles - 1) & 1) * G::kTileElems, p, entry, tid);
       detail::fence_proxy_async_shared();
       __syncthreads();
 #pragma unroll
