@@ -3,11 +3,21 @@
 # (test_cuda_engine, bench_prefill: the engine, its GGUF/HF loaders, nlohmann-json, utf8proc) and
 # packs them with the shared libraries a bare CUDA machine lacks into .gpu-bundle/, which
 # scripts/gpu-check.sh runs when it finds it. For GPU machines that cannot install our packages
-# (no network): carry .gpu-bundle with the call. Usage: scripts/gpu-bundle.sh [build-dir]
+# (no network): carry .gpu-bundle with the call. Usage: scripts/gpu-bundle.sh [build-dir]; on the
+# GPU machine, scripts/gpu-bundle.sh --unpack (gpu-check.sh runs it) ungzips the programs.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-build="${1:-$root/build-gpu-bundle}"
 out="$root/.gpu-bundle"
+if [[ "${1:-}" == "--unpack" ]]; then  # on the GPU machine: the programs back to runnable files
+  for gz in "$out"/bin/*.gz; do
+    [[ -e "$gz" ]] || continue
+    gzip -dc "$gz" >"${gz%.gz}"
+    chmod +x "${gz%.gz}"
+    rm -f "$gz"
+  done
+  exit 0
+fi
+build="${1:-$root/build-gpu-bundle}"
 export PATH=/usr/local/cuda/bin:$PATH
 generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
@@ -29,5 +39,8 @@ for b in "$out"/bin/*; do
     esac
   done
 done
+# The programs travel gzip-compressed (13 MB -> 5 MB: the carry to a GPU machine is size-limited);
+# scripts/gpu-check.sh, or scripts/gpu-bundle.sh --unpack on the GPU machine, restores them.
+gzip -9 "$out"/bin/*
 du -sh "$out"
 ls "$out/bin" "$out/lib"

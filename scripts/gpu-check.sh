@@ -104,10 +104,13 @@ bench_bin=""
 if ((whole)); then
   engine_bin="$(find_bin test_cuda_engine)"
   bench_bin="$build/bin/bench_prefill"
-elif [[ -x "$root/.gpu-bundle/bin/test_cuda_engine" ]]; then
-  engine_bin="$root/.gpu-bundle/bin/test_cuda_engine"
-  bench_bin="$root/.gpu-bundle/bin/bench_prefill"
-  echo "engine programs from .gpu-bundle (built by scripts/gpu-bundle.sh)"
+else
+  "$root/scripts/gpu-bundle.sh" --unpack  # its programs travel gzip-compressed
+  if [[ -x "$root/.gpu-bundle/bin/test_cuda_engine" ]]; then
+    engine_bin="$root/.gpu-bundle/bin/test_cuda_engine"
+    bench_bin="$root/.gpu-bundle/bin/bench_prefill"
+    echo "engine programs from .gpu-bundle (built by scripts/gpu-bundle.sh)"
+  fi
 fi
 if [[ -n "$engine_bin" ]]; then
   step "test_cuda_engine"
