@@ -55,7 +55,6 @@ struct Shape {
 constexpr Shape kSmol{9, 3, 64};
 constexpr Shape kQwen7{28, 4, 128};
 constexpr Shape kQwen14{40, 8, 128};
-constexpr Shape kWide{40, 8, 128};
 
 struct Options {
   bool fused_q = true;       // q_stride = (heads + 2 * kv_heads) * head_dim, else heads * hd
@@ -335,7 +334,7 @@ void run_all(std::mt19937& rng, kk::PrefillKernel kernel) {
   std::printf("KV %s, %s kernel\n", dtype_name<KV>(), kk::prefill_kernel_name(kernel));
   Options base;
   base.kernel = kernel;
-  const Shape shapes[] = {kSmol, kQwen7, kWide};
+  const Shape shapes[] = {kSmol, kQwen7, kQwen14};
   // Causal chunks, with and without a past (rows then start mid-view, not on a tile boundary).
   int si = 0;
   for (int32_t n : {1, 3, 7, 19, 64, 65, 733}) {
@@ -344,7 +343,7 @@ void run_all(std::mt19937& rng, kk::PrefillKernel kernel) {
       run_case<KV>("causal past=" + std::to_string(past), rng, causal(n, past), sh, base);
     }
   }
-  run_case<KV>("causal past=128", rng, causal(200, 128), kWide, base);
+  run_case<KV>("causal past=128", rng, causal(200, 128), kQwen14, base);
   {
     Options o = base;
     o.q_amplitude = 8.0f;  // peaky softmax: the running max moves by a lot
@@ -353,16 +352,16 @@ void run_all(std::mt19937& rng, kk::PrefillKernel kernel) {
   // Recompute subsets.
   run_case<KV>("recompute", rng, recompute(rng, 300, 0.4, true), kSmol, base);
   run_case<KV>("recompute", rng, recompute(rng, 1000, 0.15, true), kQwen7, base);
-  run_case<KV>("recompute sparse", rng, recompute(rng, 700, 0.03, true), kWide, base);
+  run_case<KV>("recompute sparse", rng, recompute(rng, 700, 0.03, true), kQwen14, base);
   // Blocks after a prefix (adjacent spans when a block starts at the prefix; gaps unseen = NaN).
   run_case<KV>("blocks", rng, blocks(50, {{50, 120}, {120, 300}, {300, 301}, {301, 420}}), kSmol,
                base);
   run_case<KV>("blocks gaps", rng, blocks(64, {{100, 228}, {300, 301}, {320, 512}}), kQwen7, base);
-  run_case<KV>("blocks no prefix", rng, blocks(0, {{0, 90}, {90, 91}, {91, 200}}), kWide, base);
+  run_case<KV>("blocks no prefix", rng, blocks(0, {{0, 90}, {90, 91}, {91, 200}}), kQwen14, base);
   // Many spans per row, rows with none.
   run_case<KV>("random spans", rng, random_spans(rng, 150, 500, 8, false), kSmol, base);
   run_case<KV>("random spans", rng, random_spans(rng, 97, 1300, 20, false), kQwen7, base);
-  run_case<KV>("random spans few keys", rng, random_spans(rng, 70, 9, 3, false), kWide, base);
+  run_case<KV>("random spans few keys", rng, random_spans(rng, 70, 9, 3, false), kQwen14, base);
   {
     Layout l;  // zero-key rows among others, and a whole row tile of them
     l.num_keys = 40;
@@ -392,7 +391,7 @@ void run_all(std::mt19937& rng, kk::PrefillKernel kernel) {
     run_case<KV>("misaligned", rng, random_spans(rng, 66, 300, 4, false), kSmol, o);
     Options n = base;
     n.with_lse = false;
-    run_case<KV>("no lse", rng, causal(70, 0), kWide, n);
+    run_case<KV>("no lse", rng, causal(70, 0), kQwen14, n);
   }
   if (!keep::gputest::quick()) {  // KEEP_GPU_TEST_QUICK: set under compute-sanitizer
     bench<KV>(rng, causal(4096, 0), kQwen7, kernel);
