@@ -231,9 +231,9 @@ void check_f32(keep::kernels::BlasHandle& blas, std::mt19937& rng, int64_t rows,
   cudaFree(dy);
 }
 
-// Median of 20 timed launches after 3 warm-ups (events on the legacy stream).
-// A sample is kLaunches launches back to back, so that one launch's host work (argument checks,
-// our products' tensor-map encodes) overlaps the previous launch instead of being timed.
+// Median ms a launch of 20 timed samples after 3 warm-ups (events on the legacy stream). A sample
+// is kLaunches launches back to back, so that one launch's host work (argument checks, our
+// products' tensor-map encodes) overlaps the previous launch instead of being timed.
 float median_ms(const std::function<void()>& launch) {
   constexpr int kLaunches = 5;
   cudaEvent_t a, b;

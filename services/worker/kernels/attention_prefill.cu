@@ -173,6 +173,10 @@ __device__ __forceinline__ uint32_t finite_bf16x2(uint32_t w) {
   if ((w & 0x7f800000u) != 0x7f800000u) keep |= 0xffff0000u;
   return w & keep;
 }
+// The same for one 16-byte chunk of 8 bf16.
+__device__ __forceinline__ uint4 finite_bf16x8(uint4 u) {
+  return make_uint4(finite_bf16x2(u.x), finite_bf16x2(u.y), finite_bf16x2(u.z), finite_bf16x2(u.w));
+}
 
 // ---- loads of 8 consecutive elements (one 16-byte smem chunk) ----
 __device__ __forceinline__ uint4 load8(const bf16* p, bool vec, bool sanitize) {
@@ -186,13 +190,7 @@ __device__ __forceinline__ uint4 load8(const bf16* p, bool vec, bool sanitize) {
     u.z = static_cast<uint32_t>(__ldg(s + 4)) | (static_cast<uint32_t>(__ldg(s + 5)) << 16);
     u.w = static_cast<uint32_t>(__ldg(s + 6)) | (static_cast<uint32_t>(__ldg(s + 7)) << 16);
   }
-  if (sanitize) {
-    u.x = finite_bf16x2(u.x);
-    u.y = finite_bf16x2(u.y);
-    u.z = finite_bf16x2(u.z);
-    u.w = finite_bf16x2(u.w);
-  }
-  return u;
+  return sanitize ? finite_bf16x8(u) : u;
 }
 
 __device__ __forceinline__ uint4 load8(const float* p, bool vec, bool sanitize) {
@@ -332,12 +330,7 @@ __device__ __forceinline__ void sanitize_v(bf16* sv, const Params<KV>& p, int32_
     for (int i = 0; i < G::kPasses; ++i) {
       auto* q =
           reinterpret_cast<uint4*>(sv + chunk_offset<HD, kSwizzled>(r0 + i * G::kRowsPerPass, c));
-      uint4 v = *q;
-      v.x = finite_bf16x2(v.x);
-      v.y = finite_bf16x2(v.y);
-      v.z = finite_bf16x2(v.z);
-      v.w = finite_bf16x2(v.w);
-      *q = v;
+      *q = finite_bf16x8(*q);
     }
   }
 }
@@ -931,15 +924,7 @@ struct StepTiles {
 __device__ __forceinline__ void sanitize_smem(bf16* p, int elems, bool zero, int lane) {
   for (int i = lane; i < elems / 8; i += 32) {
     uint4* q = reinterpret_cast<uint4*>(p) + i;
-    uint4 u = make_uint4(0, 0, 0, 0);
-    if (!zero) {
-      u = *q;
-      u.x = finite_bf16x2(u.x);
-      u.y = finite_bf16x2(u.y);
-      u.z = finite_bf16x2(u.z);
-      u.w = finite_bf16x2(u.w);
-    }
-    *q = u;
+    *q = zero ? make_uint4(0, 0, 0, 0) : finite_bf16x8(*q);
   }
 }
 
