@@ -62,6 +62,7 @@ std::vector<Bf16> random_bf16(std::mt19937& rng, size_t n, float a) {
 struct Ours {
   keep::kernels::GemmScratch scratch;
   keep::kernels::GemmSchedule schedule = keep::kernels::GemmSchedule::kAuto;
+  int tile_cols = 0;  // 0: the width gemm_wgmma picks
 };
 
 // Whether the scratch's flags are all zero again, as every launch must leave them. The scratch
@@ -107,15 +108,15 @@ void check_one(keep::kernels::BlasHandle& blas, std::mt19937& rng, int64_t rows,
   if (ours != nullptr) {
     if (kF32Out != kAcc) std::exit(2);
     if constexpr (kAcc) {
-      CUDA_OK(
-          keep::kernels::gemm_wgmma_accumulate(dy, ys, reinterpret_cast<const __nv_bfloat16*>(dx),
-                                               xs, reinterpret_cast<const __nv_bfloat16*>(dw), rows,
-                                               out, in, ours->scratch, nullptr, ours->schedule));
+      CUDA_OK(keep::kernels::gemm_wgmma_accumulate(
+          dy, ys, reinterpret_cast<const __nv_bfloat16*>(dx), xs,
+          reinterpret_cast<const __nv_bfloat16*>(dw), rows, out, in, ours->scratch, nullptr,
+          ours->schedule, ours->tile_cols));
     } else if constexpr (!kF32Out) {
       CUDA_OK(keep::kernels::gemm_wgmma(reinterpret_cast<DY*>(dy), ys,
                                         reinterpret_cast<const __nv_bfloat16*>(dx), xs,
                                         reinterpret_cast<const __nv_bfloat16*>(dw), rows, out, in,
-                                        ours->scratch, nullptr, ours->schedule));
+                                        ours->scratch, nullptr, ours->schedule, ours->tile_cols));
     }
   } else if (tuner != nullptr) {  // the tuner's products: bf16 out or fp32 accumulate
     if (kF32Out != kAcc) std::exit(2);
@@ -134,8 +135,8 @@ void check_one(keep::kernels::BlasHandle& blas, std::mt19937& rng, int64_t rows,
   CUDA_OK(cudaDeviceSynchronize());
   if (ours != nullptr && ours->scratch.ptr != nullptr && !flags_clear(ours->scratch)) {
     ++g_failures;
-    std::fprintf(stderr, "FAIL gemm_wgmma (%lld,%lld,%lld): stream-K flags left set\n",
-                 (long long)rows, (long long)out, (long long)in);
+    std::fprintf(stderr, "FAIL gemm_wgmma (%lld,%lld,%lld) width %d: stream-K flags left set\n",
+                 (long long)rows, (long long)out, (long long)in, ours->tile_cols);
   }
   std::vector<Y> y(y0.size());
   CUDA_OK(cudaMemcpy(y.data(), dy, y.size() * sizeof(Y), cudaMemcpyDeviceToHost));
@@ -181,12 +182,13 @@ void check_one(keep::kernels::BlasHandle& blas, std::mt19937& rng, int64_t rows,
   const double rel = den > 0 ? std::sqrt(num / den) : 0.0;
   if (bad > 0 || rel > (kF32Out ? 1e-5 : 5e-3)) {
     ++g_failures;
-    std::fprintf(stderr, "FAIL gemm%s %s (%lld,%lld,%lld): %d bad, rel %.3g\n",
+    std::fprintf(stderr, "FAIL gemm%s %s (%lld,%lld,%lld) width %d: %d bad, rel %.3g\n",
                  ours != nullptr ? "_wgmma" : "",
                  kAcc      ? "accumulate"
                  : kF32Out ? "f32"
                            : "bf16",
-                 (long long)rows, (long long)out, (long long)in, bad, rel);
+                 (long long)rows, (long long)out, (long long)in,
+                 ours != nullptr ? ours->tile_cols : 0, bad, rel);
   }
   cudaFree(dx);
   cudaFree(dw);
@@ -658,26 +660,37 @@ void time_ours(keep::kernels::BlasHandle& blas, const keep::kernels::GemmScratch
   const TimedOperands t(rows, out, in);
   __nv_bfloat16* act = nullptr;  // swiglu: (rows, out / 2)
   if (swiglu) CUDA_OK(cudaMalloc(&act, rows * (out / 2) * 2));
-  auto ours = [&](kk::GemmSchedule sched) {
+  auto ours = [&](kk::GemmSchedule sched, int width) {
     if (swiglu) {
       CUDA_OK(
           kk::gemm_swiglu(act, out / 2, t.x, in, t.w, rows, out / 2, in, nullptr, scratch, sched));
     } else if (acc) {
       CUDA_OK(kk::gemm_wgmma_accumulate(static_cast<float*>(t.y), out, t.x, in, t.w, rows, out, in,
-                                        scratch, nullptr, sched));
+                                        scratch, nullptr, sched, width));
     } else {
       CUDA_OK(kk::gemm_wgmma(static_cast<__nv_bfloat16*>(t.y), out, t.x, in, t.w, rows, out, in,
-                             scratch, nullptr, sched));
+                             scratch, nullptr, sched, width));
     }
   };
+  // cuBLAS (+ swiglu_rows), ours as picked (kAuto), ours at 256 in lanes with the stream-K share,
+  // then (plain products) ours round robin at every width that divides `out`.
+  std::vector<std::string> names = {swiglu ? "cuBLAS + swiglu_rows" : "cuBLAS", "ours",
+                                    "256 lanes"};
   std::vector<std::function<void()>> runs = {[&] { t.blas(blas, acc); },
-                                             [&] { ours(kk::GemmSchedule::kDataParallel); },
-                                             [&] { ours(kk::GemmSchedule::kStreamK); }};
+                                             [&] { ours(kk::GemmSchedule::kAuto, 0); },
+                                             [&] { ours(kk::GemmSchedule::kStreamK, 256); }};
   if (swiglu) {
     runs[0] = [&] {
       t.blas(blas, false);
       CUDA_OK(kk::swiglu_rows(act, static_cast<const __nv_bfloat16*>(t.y), rows, out / 2, nullptr));
     };
+    runs[2] = [&] { ours(kk::GemmSchedule::kStreamK, 0); };
+  } else {
+    for (const int bn : {320, 256, 224, 192, 160, 128}) {
+      if (out % bn != 0 || (bn == 320 && !acc)) continue;
+      names.push_back(std::to_string(bn) + " rr");
+      runs.push_back([&ours, bn] { ours(kk::GemmSchedule::kDataParallel, bn); });
+    }
   }
   std::vector<std::vector<float>> ms(runs.size());
   cudaEvent_t a, b;
@@ -696,20 +709,25 @@ void time_ours(keep::kernels::BlasHandle& blas, const keep::kernels::GemmScratch
   }
   cudaEventDestroy(a);
   cudaEventDestroy(b);
-  float med[3];
+  const double tf = 2.0 * rows * out * in / 1e12;
+  std::string line;
   for (size_t v = 0; v < runs.size(); ++v) {
     std::sort(ms[v].begin(), ms[v].end());
-    med[v] = ms[v][ms[v].size() / 2];
+    const float med = ms[v][ms[v].size() / 2];
+    char buf[96];
+    std::snprintf(buf, sizeof buf, "%s%s %.3f ms (%.0f)", v ? ", " : "", names[v].c_str(), med,
+                  tf / (med * 1e-3));
+    line += buf;
   }
-  const double tf = 2.0 * rows * out * in / 1e12;
-  std::printf(
-      "ours %s (%lld x %lld x %lld): %s %.3f ms (%.0f TFLOP/s), round robin %.3f ms (%.0f), "
-      "lanes + stream-K %.3f ms (%.0f)\n",
-      swiglu ? "swiglu"
-      : acc  ? "acc f32"
-             : "bf16",
-      (long long)rows, (long long)out, (long long)in, swiglu ? "cuBLAS + swiglu_rows" : "cuBLAS",
-      med[0], tf / (med[0] * 1e-3), med[1], tf / (med[1] * 1e-3), med[2], tf / (med[2] * 1e-3));
+  int sms = 0;
+  CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  std::printf("ours %s (%lld x %lld x %lld), width %d: %s (TFLOP/s)\n",
+              swiglu ? "swiglu"
+              : acc  ? "acc f32"
+                     : "bf16",
+              (long long)rows, (long long)out, (long long)in,
+              swiglu ? 256 : kk::gemm_wgmma_tile_cols(rows, out, in, acc, sms / 2, true),
+              line.c_str());
   cudaFree(act);
 }
 
@@ -828,14 +846,56 @@ int main() {
     check_one<false>(blas, rng, 1100, 6912, 256, 0, 0, nullptr, &sk);
     check_one<true, true>(blas, rng, 1100, 6912, 256, 8, 2, nullptr, &sk);
     check_one<true, true>(blas, rng, 733, 512, 3072, 0, 0, nullptr, &no_scratch);
+    // Every tile width, bf16 out (160 and 224 end on a 32-column staging panel) and fp32
+    // accumulate (320 too: accumulate only), round robin and in lanes (320-wide tiles go round
+    // robin whatever the schedule): out = 3 tiles of each width (plus a strided y), odd rows;
+    // 96 k steps cut among the lanes.
+    for (const int bn : {128, 160, 192, 224, 256, 320}) {
+      const Ours w_dp{scratch, kk::GemmSchedule::kDataParallel, bn};
+      const Ours w_sk{scratch, kk::GemmSchedule::kStreamK, bn};
+      for (int64_t rows : {1, 19, 733}) {
+        if (bn != 320) check_one<false>(blas, rng, rows, 3 * bn, 576, 8, 24, nullptr, &w_dp);
+        check_one<true, true>(blas, rng, rows, 3 * bn, 576, 0, 8, nullptr, &w_dp);
+      }
+      if (bn != 320) check_one<false>(blas, rng, 300, 2 * bn, 6144, 0, 0, nullptr, &w_sk);
+      check_one<true, true>(blas, rng, 300, 2 * bn, 6144, 8, 2, nullptr, &w_sk);
+    }
+    // The widths picked on the H200's 66 clusters (with scratch): whole waves of cluster tiles
+    // at 1024 rows for Qwen2.5-14B's o_proj/down (5120 = 16 x 320: one wave), its QKV (7168 = 32
+    // x 224: two) and 7B's o_proj (3584 = 16 x 224: one); 7B's QKV in lanes of 192 (24 columns);
+    // 256 where nothing else saves 1 % (14B's QKV at 4096 rows: 16 x 28 tiles, 6.8 waves).
+    ++g_checks;
+    const struct {
+      int64_t rows, out, in;
+      bool acc;
+      int want;
+    } picks[] = {{1024, 5120, 5120, true, 320},  {1024, 5120, 13824, true, 320},
+                 {1024, 7168, 5120, false, 224}, {1024, 3584, 3584, true, 224},
+                 {1024, 4608, 3584, false, 192}, {4096, 7168, 5120, false, 256},
+                 {1024, 5120, 5120, false, 256}, {1, 512, 576, false, 128}};
+    for (const auto& p : picks) {
+      const int got = kk::gemm_wgmma_tile_cols(p.rows, p.out, p.in, p.acc, 66, true);
+      if (got != p.want) {
+        ++g_failures;
+        std::fprintf(stderr, "FAIL gemm_wgmma_tile_cols(%lld, %lld, %lld, %d) = %d, want %d\n",
+                     (long long)p.rows, (long long)p.out, (long long)p.in, int(p.acc), got, p.want);
+      }
+    }
     check_gemm_swiglu(rng, 600, 3072, 576, 0, 8, sk);  // 3 x 24 columns of 9 k steps, all cut
     if (all) check_tuner(blas, ws, ws_bytes, rng, &scratch);
-    ++g_checks;  // refused: out not a multiple of 256, in not of 64, odd fp32 stride, misaligned
+    ++g_checks;  // refused: out fitting no width, a width not dividing out or not one of the
+                 // five, in not a multiple of 64, odd fp32 stride, misaligned
     __nv_bfloat16* q = nullptr;
     CUDA_OK(cudaMalloc(&q, 1 << 20));
     float* qf = reinterpret_cast<float*>(q);
     const bool refused_plain =
-        kk::gemm_wgmma(q, 384, q, 64, q, 4, 384, 64, scratch, nullptr) == cudaErrorInvalidValue &&
+        kk::gemm_wgmma(q, 400, q, 64, q, 4, 400, 64, scratch, nullptr) == cudaErrorInvalidValue &&
+        kk::gemm_wgmma(q, 256, q, 64, q, 4, 256, 64, scratch, nullptr, kk::GemmSchedule::kAuto,
+                       160) == cudaErrorInvalidValue &&
+        kk::gemm_wgmma(q, 384, q, 64, q, 4, 384, 64, scratch, nullptr, kk::GemmSchedule::kAuto,
+                       96) == cudaErrorInvalidValue &&
+        kk::gemm_wgmma(q, 640, q, 64, q, 4, 640, 64, scratch, nullptr, kk::GemmSchedule::kAuto,
+                       320) == cudaErrorInvalidValue &&
         kk::gemm_wgmma(q, 256, q, 96, q, 4, 256, 96, scratch, nullptr) == cudaErrorInvalidValue &&
         kk::gemm_wgmma(q + 8, 256, q + 1, 64, q, 4, 256, 64, scratch, nullptr) ==
             cudaErrorInvalidValue &&
@@ -918,6 +978,10 @@ int main() {
       time_one(blas, ws, ws_bytes, scratch, rows, 18944 * 2, 3584, false);
       time_one(blas, ws, ws_bytes, scratch, rows, 3584, 18944, true);
     }
+    // Qwen2.5-14B's QKV, o_proj and down at 1024 rows (the 1k-token prefill's).
+    time_one(blas, ws, ws_bytes, scratch, 1024, 5120 + 2 * 1024, 5120, false);
+    time_one(blas, ws, ws_bytes, scratch, 1024, 5120, 5120, true);
+    time_one(blas, ws, ws_bytes, scratch, 1024, 5120, 13824, true);
   }
   std::printf("test_gemm: %d checks, %d failures\n", g_checks, g_failures);
   cudaFree(scratch.ptr);

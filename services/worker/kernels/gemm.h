@@ -166,10 +166,12 @@ class GemmTuner {
 
 // ---- our own products (gemm_wgmma.cu): warp-specialized wgmma + TMA, Hopper only ----
 //
-// 256-row x 256-column cluster tiles of 128 x 256 per CTA, either dealt whole round robin, or in
-// lanes (one cluster per row tile, the lane's clusters on the same columns at once) with the
-// columns that do not fill a wave cut into equal k ranges (stream-K): see gemm_wgmma.cu. The
-// stream-K share needs scratch memory (partial tiles and flags); without it (or too little) the
+// Cluster tiles of 256 rows x BN columns (128 x BN per CTA), BN one of 256, 224, 192, 160, 128
+// (and 320 for gemm_wgmma_accumulate): the width that splits the product's columns into the
+// fewest, fullest waves of the GPU's clusters (gemm_wgmma_tile_cols). Tiles are dealt whole round
+// robin, or in lanes (one cluster per row tile, the lane's clusters on the same columns at once)
+// with the columns that do not fill a wave cut into equal k ranges (stream-K): see gemm_wgmma.cu.
+// The stream-K share needs scratch memory (partial tiles and flags); without it (or too little) the
 // products run round robin.
 
 // kAuto: lanes with the stream-K share where round robin would leave more than 5 % of the
@@ -177,26 +179,37 @@ class GemmTuner {
 // kStreamK: lanes wherever there is scratch and a lane (tests, benchmarks).
 enum class GemmSchedule { kAuto, kDataParallel, kStreamK };
 
-// The shapes gemm_wgmma and gemm_wgmma_accumulate take: out % 256 == 0 and in % 64 == 0 (Qwen2.5
-// 1.5B-72B's QKV, o_proj and down products; not SmolLM2's 576).
+// The shapes gemm_wgmma and gemm_wgmma_accumulate take: `out` a multiple of 128, 160, 192 or 224
+// and in % 64 == 0 (Qwen2.5 1.5B-72B's QKV, o_proj and down products; not SmolLM2's 576).
 bool gemm_wgmma_fits(int64_t out, int64_t in);
+
+// The tile width (BN) gemm_wgmma (accumulate false) / gemm_wgmma_accumulate take for `rows` rows
+// of an (out, in) product with tile_cols = 0, on `clusters` clusters of 2 SMs (66 on the H200),
+// with or without stream-K scratch: the one whose schedule's busiest cluster has the least
+// modelled work (columns x k steps, weighted by the width's measured rate; a narrower one only
+// where that saves more than 1 %). 0 where the shape does not fit.
+int gemm_wgmma_tile_cols(int64_t rows, int64_t out, int64_t in, bool accumulate, int clusters,
+                         bool scratch, GemmSchedule schedule = GemmSchedule::kAuto);
 
 // y (rows, y_stride) bf16 = x (rows, x_stride) bf16 · W^T, W (out, in) bf16, fp32 sums rounded
 // once: gemm_nt's product. y_stride and x_stride multiples of 8 elements, y, x, W 16-byte aligned.
-// cudaErrorInvalidValue for other shapes (gemm_wgmma_fits), strides or alignments;
+// tile_cols: the tile width (one of the five dividing `out`; 0: gemm_wgmma_tile_cols's pick).
+// gemm_wgmma_accumulate also takes 320.
+// cudaErrorInvalidValue for other shapes (gemm_wgmma_fits), widths, strides or alignments;
 // cudaErrorNotSupported where wgmma_available() is false. Asynchronous on `stream`, capturable in a
 // CUDA graph (scratch included).
 cudaError_t gemm_wgmma(__nv_bfloat16* y, int64_t y_stride, const __nv_bfloat16* x, int64_t x_stride,
                        const __nv_bfloat16* w, int64_t rows, int64_t out, int64_t in,
                        const GemmScratch& scratch, cudaStream_t stream,
-                       GemmSchedule schedule = GemmSchedule::kAuto);
+                       GemmSchedule schedule = GemmSchedule::kAuto, int tile_cols = 0);
 // y (rows, y_stride) fp32 += x · W^T in fp32 (gemm_nt_accumulate's product): y 8-byte aligned,
 // y_stride even; the rest as gemm_wgmma. Each y element is read and written once, by one thread:
 // the same inputs give the same bits whatever the schedule's timing.
 cudaError_t gemm_wgmma_accumulate(float* y, int64_t y_stride, const __nv_bfloat16* x,
                                   int64_t x_stride, const __nv_bfloat16* w, int64_t rows,
                                   int64_t out, int64_t in, const GemmScratch& scratch,
-                                  cudaStream_t stream, GemmSchedule schedule = GemmSchedule::kAuto);
+                                  cudaStream_t stream, GemmSchedule schedule = GemmSchedule::kAuto,
+                                  int tile_cols = 0);
 
 // The shapes gemm_swiglu takes: inter % 128 == 0 and in % 64 == 0 (Qwen2.5 0.5B-72B, SmolLM2).
 bool gemm_swiglu_fits(int64_t inter, int64_t in);

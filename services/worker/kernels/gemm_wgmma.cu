@@ -5,17 +5,19 @@
 //   kSwiglu      act = bf16(silu(x Wg^T) * (x Wu^T))    (gate/up: the product never goes to memory)
 //
 // The main loop:
-//  - Tile: 128 token rows x 256 product columns, k steps of 64. A stage holds x's 128 x 64 box and
-//    two 128 x 64 weight boxes: 48 KiB, 4 stages, all 128-byte swizzled (wgmma.cuh's layout). The
-//    weight boxes are W rows n0.. and n0 + 128.. (kStore, kAccumulate: 256 consecutive outputs) or
-//    the gate rows n0.. and the up rows inter + n0.. (kSwiglu: 128 outputs).
+//  - Tile: 128 token rows x BN product columns, k steps of 64; BN is 256 for kSwiglu and one of
+//    128-256 (and 320 for kAccumulate) for the plain products (Width, pick_width). A stage holds
+//    x's 128 x 64 box and two BN/2 x 64 weight boxes (48 KiB at BN = 256), as many stages as fit
+//    (4 at 256), all 128-byte swizzled (wgmma.cuh's layout). The weight boxes are W rows n0.. and
+//    n0 + BN/2.. (kStore, kAccumulate: BN consecutive outputs) or the gate rows n0.. and the up
+//    rows inter + n0.. (kSwiglu: 128 outputs).
 //  - Clusters of 2 CTAs along the rows: both need the same weight tile, so each loads one of its
 //    two boxes and multicasts it to both (half the weight traffic from L2).
 //  - Warpgroup 0 is the producer (one thread issues the loads); warpgroups 1 and 2 each run
-//    m64n256k16 over 64 rows of the tile, releasing a stage (in both CTAs) once its products are
+//    m64nBNk16 over 64 rows of the tile, releasing a stage (in both CTAs) once its products are
 //    done. A stage is refilled only when both CTAs' consumers released it.
 //
-// The schedule. Cluster tiles are 256 rows x 256 product columns (tiles_m x tiles_n of them). At
+// The schedule. Cluster tiles are 256 rows x BN product columns (tiles_m x tiles_n of them). At
 // 1024 token rows there are few: Qwen2.5-7B's QKV 4 x 18, o_proj and down 4 x 14, 14B's gate/up
 // 4 x 108, on the H200's 66 clusters; dealt whole, round robin (rows fastest), the last wave leaves
 // up to 45 % of the clusters idle. So where that idles more than 5 % (GemmSchedule::kAuto) the
@@ -43,6 +45,7 @@
 // ~1040); __expf and __fdividef (two MUFU operations an element) made the kernel 5-6 % faster.
 #include <algorithm>
 #include <cstdint>
+#include <iterator>
 
 #include "services/worker/kernels/common.cuh"
 #include "services/worker/kernels/gemm.h"
@@ -59,29 +62,55 @@ using bf16 = __nv_bfloat16;
 enum class Epilogue { kStore, kAccumulate, kSwiglu };
 
 constexpr int kBM = 128;  // token rows per CTA tile
-constexpr int kBN = 256;  // product columns per tile (kSwiglu: 128 gate + 128 up)
 constexpr int kBK = 64;   // k per stage: one 128-byte swizzled row of bf16
-constexpr int kStages = 4;
 constexpr int kCluster = 2;
 constexpr int kConsumers = 2;
 constexpr int kThreads = 128 * (1 + kConsumers);
-constexpr int kBoxBytes = 128 * kBK * 2;  // one 128-row box: x's or one of the weight's two
-constexpr int kStageBytes = 3 * kBoxBytes;
+constexpr int kBoxBytes = kBM * kBK * 2;  // x's 128-row box of a stage
 constexpr int kOutBytes = kBM * 128 * 2;  // 128 staged bf16 output columns
 constexpr int kPanelBytes = kBM * 128;    // 64 output columns of the staging
-constexpr int kSmemBytes = kStages * kStageBytes + kOutBytes + 2 * kStages * 8 + 1024;
-// A CTA's partial tile in scratch: per consumer warpgroup, 32 accumulator blocks of float4 per
-// thread.
-constexpr size_t kPartialBytes = size_t{kConsumers} * 32 * 128 * 16;
+constexpr int kSmemBudget = 227 * 1024;   // the H100/H200's opt-in limit per block
+// A CTA's partial tile in scratch: per consumer warpgroup, up to 32 accumulator blocks of float4
+// per thread (a 256-wide tile's; 320-wide tiles are dealt whole only).
+constexpr int kMaxPartialBlocks = 32;
+constexpr size_t kPartialBytes = size_t{kConsumers} * kMaxPartialBlocks * 128 * 16;
+
+// The tile widths (product columns of a CTA tile; kSwiglu: 256 = 128 gate + 128 up columns, the
+// only width it takes). Other widths than 256 let a product's columns divide into whole waves of
+// the GPU's clusters: Qwen2.5-14B's o_proj and down (5120 outputs) are 20 tiles of 256 but 16 of
+// 320 or 32 of 160, its QKV (7168) 28 of 256 but 32 of 224; at 1024 rows (4 cluster row tiles)
+// that is 80 or 112 cluster tiles on 66 clusters (1.2 and 1.7 waves) against 64 (0.97) or 128
+// (1.94).
+template <Epilogue E, int BN>
+struct Width {
+  static_assert(BN % 32 == 0 && BN >= 128 && BN <= 320, "wgmma_ss's widths");
+  static_assert(E != Epilogue::kSwiglu || BN == 256, "gemm_swiglu's tiles are 128 + 128 wide");
+  static constexpr int kWeightRows = BN / 2;  // each CTA of the pair loads and multicasts a half
+  static constexpr int kStageBytes = kBoxBytes + BN * kBK * 2;
+  // The bf16 epilogues' staging (kAccumulate adds from registers and has none).
+  static constexpr int kOut = E == Epilogue::kAccumulate ? 0 : kOutBytes;
+  // As many stages as fit beside the staging and the barriers: with staging 4 for 192-256, 5 for
+  // 160, 6 for 128, 3 for 320 (4 without).
+  static constexpr int kStages = std::min(6, (kSmemBudget - kOut - 2048) / kStageBytes);
+  static constexpr int kSmemBytes = kStages * kStageBytes + kOut + 2 * kStages * 8 + 1024;
+  static_assert(kStageBytes % 1024 == 0 && (kBoxBytes + kWeightRows * kBK * 2) % 1024 == 0,
+                "swizzled boxes start 1024-byte aligned");
+  static_assert(kSmemBytes <= kSmemBudget, "shared memory");
+};
+// 320 (two m64n160k16 a k16 step, 160 accumulators a thread) for kAccumulate only: kStore's
+// staging epilogue made ptxas serialize its wgmma at that width.
+constexpr int kWidths[] = {320, 256, 224, 192, 160, 128};
+constexpr bool width_allowed(int bn, bool accumulate) { return bn != 320 || accumulate; }
 // Registers: the consumers' 128 accumulators per thread need the producer's share.
 constexpr int kProducerRegs = 40;
 constexpr int kConsumerRegs = 232;
 static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= 65536, "registers");
 
 struct Maps {
-  CUtensorMap x;  // (rows, in), box 64 x 128
-  CUtensorMap w;  // (out or 2 * inter, in), box 64 x 128
-  CUtensorMap y;  // kStore, kSwiglu: y or act (rows, out or inter) bf16, box 64 x 128
+  CUtensorMap x;       // (rows, in), box 64 x 128
+  CUtensorMap w;       // (out or 2 * inter, in), box 64 x BN / 2
+  CUtensorMap y;       // kStore, kSwiglu: y or act (rows, out or inter) bf16, box 64 x 128
+  CUtensorMap y_tail;  // kStore with BN % 64 == 32: y in boxes of 32 x 128 (64-byte swizzle)
 };
 
 struct Args {
@@ -98,15 +127,15 @@ struct Args {
 
 // Product outputs per column tile (kSwiglu: 128 gate and 128 up columns make 128 outputs), and
 // the 256-row cluster tiles of `rows` token rows: the kernel and the host's planning share these.
-template <Epilogue E>
-constexpr int kTileOuts = E == Epilogue::kSwiglu ? kBN / 2 : kBN;
+template <Epilogue E, int BN>
+constexpr int kTileOuts = E == Epilogue::kSwiglu ? BN / 2 : BN;
 __host__ __device__ constexpr int64_t row_tiles(int64_t rows) {
   return (rows + kBM * kCluster - 1) / (kBM * kCluster);
 }
 
-template <Epilogue E>
+template <Epilogue E, int BN>
 __device__ __forceinline__ int tiles_n(const Args& a) {
-  return a.outs / kTileOuts<E>;
+  return a.outs / kTileOuts<E, BN>;
 }
 
 // The work of one cluster, in order (producer and consumers walk the same pieces). Round robin
@@ -207,16 +236,19 @@ __device__ __forceinline__ void red_add2(float* p, float a, float b) {
 #endif
 }
 
-template <Epilogue E>
+template <Epilogue E, int BN>
 __global__ void __launch_bounds__(kThreads, 1)
     gemm_wgmma_kernel(const __grid_constant__ Maps maps, const Args args) {
   namespace d = detail;
+  using W = Width<E, BN>;
+  constexpr int kStages = W::kStages;
+  constexpr int kStageBytes = W::kStageBytes;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // Swizzled boxes need 1024-byte alignment.
   unsigned char* smem = smem_raw + ((1024 - (d::smem_u32(smem_raw) & 1023)) & 1023);
   unsigned char* out_tile = smem + kStages * kStageBytes;
-  auto* full = reinterpret_cast<uint64_t*>(out_tile + kOutBytes);  // stage loaded
-  uint64_t* empty = full + kStages;                                // stage free in both CTAs
+  auto* full = reinterpret_cast<uint64_t*>(out_tile + W::kOut);  // stage loaded
+  uint64_t* empty = full + kStages;                              // stage free in both CTAs
   const int wg = static_cast<int>(threadIdx.x) / 128;
   const int tid = static_cast<int>(threadIdx.x) % 128;
   const uint32_t rank = d::cluster_rank();
@@ -226,7 +258,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int k_steps = args.in / kBK;
   // Row tile tm's first row for this CTA, column tile tn's first output column.
   const auto row0 = [&](int tm) { return (tm * kCluster + static_cast<int>(rank)) * kBM; };
-  const auto col0 = [&](int tn) { return tn * kTileOuts<E>; };
+  const auto col0 = [&](int tn) { return tn * kTileOuts<E, BN>; };
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       d::mbar_init(&full[s], 1);
@@ -243,21 +275,22 @@ __global__ void __launch_bounds__(kThreads, 1)
     d::setmaxnreg_dec<kProducerRegs>();
     if (tid == 0) {
       int it = 0;  // k steps over all of this CTA's pieces; stage it % kStages
-      Pieces pieces(args, tiles_m, tiles_n<E>(args), cluster, clusters);
+      Pieces pieces(args, tiles_m, tiles_n<E, BN>(args), cluster, clusters);
       for (int tm, tn, kb, ke; pieces.next(args, tm, tn, kb, ke);) {
         const int m0 = row0(tm), n0 = col0(tn);
-        // This CTA's weight box: the tile's first or second 128 rows of W (the gate's or the
-        // up's rows for kSwiglu).
+        // This CTA's weight box: the tile's first or second BN / 2 rows of W (the gate's or the
+        // up's 128 rows for kSwiglu).
         const int w_row = E == Epilogue::kSwiglu ? (rank == 0 ? 0 : args.outs) + n0
-                                                 : n0 + static_cast<int>(rank) * 128;
+                                                 : n0 + static_cast<int>(rank) * W::kWeightRows;
         for (int k = kb; k < ke; ++k, ++it) {
           const int s = it % kStages;
           if (it >= kStages) d::mbar_wait(&empty[s], ((it / kStages) - 1) & 1);
           unsigned char* stage = smem + s * kStageBytes;
           d::mbar_arrive_expect_tx(&full[s], kStageBytes);
           d::tma_load_2d(stage, &maps.x, &full[s], k * kBK, m0);
-          d::tma_load_2d_multicast(stage + (1 + rank) * kBoxBytes, &maps.w, &full[s], k * kBK,
-                                   w_row, static_cast<uint16_t>((1u << kCluster) - 1));
+          d::tma_load_2d_multicast(stage + kBoxBytes + rank * (W::kWeightRows * kBK * 2), &maps.w,
+                                   &full[s], k * kBK, w_row,
+                                   static_cast<uint16_t>((1u << kCluster) - 1));
         }
       }
     }
@@ -279,30 +312,32 @@ __global__ void __launch_bounds__(kThreads, 1)
     // This CTA's partial-tile slot of cluster `cl`; this thread's float4 of block n: [n * 128].
     const auto partial = [&](int cl) {
       return args.partials +
-             ((static_cast<size_t>(cl) * kCluster + rank) * kConsumers + c) * 32 * 128 + tid;
+             ((static_cast<size_t>(cl) * kCluster + rank) * kConsumers + c) * kMaxPartialBlocks *
+                 128 +
+             tid;
     };
     int it = 0;
-    Pieces pieces(args, tiles_m, tiles_n<E>(args), cluster, clusters);
+    Pieces pieces(args, tiles_m, tiles_n<E, BN>(args), cluster, clusters);
     for (int tm, tn, kb, ke; pieces.next(args, tm, tn, kb, ke);) {
       const int m0 = row0(tm), n0 = col0(tn);
-      float acc[32][4];
+      constexpr int kBlocks = BN / 8;  // 8-column accumulator blocks
+      float acc[kBlocks][4];
 #pragma unroll
-      for (int n = 0; n < 32; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+      for (int n = 0; n < kBlocks; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
       // A piece has at least one k step: with a loop that may run zero times the zeroed
       // accumulators could reach the epilogue, and ptxas then serializes the wgmma.
       for (int k = kb;;) {
         const int s = it % kStages;
         d::mbar_wait(&full[s], (it / kStages) & 1);
         unsigned char* stage = smem + s * kStageBytes;
-        // A: this warpgroup's 64 rows of x's box; B: the two weight boxes, one 256-row K-major
+        // A: this warpgroup's 64 rows of x's box; B: the two weight boxes, one BN-row K-major
         // operand (8-row groups 1024 bytes apart throughout).
         const uint64_t da = d::wgmma_desc_sw128(stage + c * (64 * 128), 16, 1024);
         const uint64_t db = d::wgmma_desc_sw128(stage + kBoxBytes, 16, 1024);
         d::wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kBK / 16; ++kk) {
-          d::wgmma_m64n256k16_ss(acc, d::wgmma_desc_add(da, kk * 32),
-                                 d::wgmma_desc_add(db, kk * 32), 1);
+          d::wgmma_ss<BN>(acc, d::wgmma_desc_add(da, kk * 32), d::wgmma_desc_add(db, kk * 32), 1);
         }
         d::wgmma_commit();
         d::wgmma_wait<1>();  // the previous step's products are done: free its stage
@@ -314,18 +349,20 @@ __global__ void __launch_bounds__(kThreads, 1)
       d::wgmma_fence_operands(acc);
       release((it - 1) % kStages);  // the piece's last stage
 
-      if (kb > 0) {
+      // (Pieces of tiles wider than a partial slot never start or end inside a tile.)
+      constexpr bool kPartials = kBlocks <= kMaxPartialBlocks;
+      if (kPartials && kb > 0) {
         // Not the tile's head: hand the partial sums to the cluster that finishes the tile.
         float4* p = partial(cluster);
 #pragma unroll
-        for (int n = 0; n < 32; ++n) {
+        for (int n = 0; n < kBlocks; ++n) {
           __stcg(p + n * 128, make_float4(acc[n][0], acc[n][1], acc[n][2], acc[n][3]));
         }
         d::named_barrier(2, 128 * kConsumers);  // every consumer thread's stores are issued
         if (issuer) flag_release(&args.flags[cluster * kCluster + rank]);
         continue;
       }
-      if (ke < k_steps) {
+      if (kPartials && ke < k_steps) {
         // The head of a tile cut into ranges: the lanes after this one whose ranges start inside
         // the tile hold the rest of its k steps; add their partials (this row tile's cluster in
         // each) in lane order.
@@ -337,7 +374,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           d::named_barrier(2, 128 * kConsumers);
           const float4* p = partial(cl);
 #pragma unroll
-          for (int n = 0; n < 32; ++n) {
+          for (int n = 0; n < kBlocks; ++n) {
             const float4 v = __ldcg(p + n * 128);
             acc[n][0] += v.x;
             acc[n][1] += v.y;
@@ -358,27 +395,39 @@ __global__ void __launch_bounds__(kThreads, 1)
         // warp's reductions of one block n cover 8 rows x 32 contiguous bytes.
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
+          // A row past the end adds zeros to the last row instead: no branch around the
+          // reductions (a branch there, or predicated reductions, made ptxas serialize the wgmma
+          // of 320-wide tiles). x + -0 is x, -0 included, whatever the order.
           const int r = m0 + 64 * c + 16 * warp + g + 8 * h;
-          if (r >= args.rows) continue;
-          float* yr = args.y32 + static_cast<int64_t>(r) * args.y_stride + n0 + 2 * t;
+          const bool in_rows = r < args.rows;
+          float* yr = args.y32 + static_cast<int64_t>(in_rows ? r : args.rows - 1) * args.y_stride +
+                      n0 + 2 * t;
 #pragma unroll
-          for (int n = 0; n < 32; ++n) red_add2(yr + 8 * n, acc[n][2 * h], acc[n][2 * h + 1]);
+          for (int n = 0; n < kBlocks; ++n) {
+            red_add2(yr + 8 * n, in_rows ? acc[n][2 * h] : -0.0f,
+                     in_rows ? acc[n][2 * h + 1] : -0.0f);
+          }
         }
       } else {
-        // Staged in shared memory as bf16 (two 64-column swizzled panels of 128 columns), then
+        // Staged in shared memory as bf16 (64-column swizzled panels of up to 128 columns), then
         // written by TMA stores, which drop rows past the end. kSwiglu: column j of the gate half
         // and column j of the up half sit in the same thread (blocks n and n + 16): one pass of
-        // act = silu(gate) * up. kStore: two passes of 128 columns each (bf16 pairs stored from
-        // registers instead, 8 rows x 16 bytes per warp access, ran 5-10 % slower).
-        constexpr int kPasses = E == Epilogue::kSwiglu ? 1 : 2;
+        // act = silu(gate) * up. kStore: passes of 128 columns (bf16 pairs stored from registers
+        // instead, 8 rows x 16 bytes per warp access, ran 5-10 % slower); a width with 32 columns
+        // over whole panels (160, 224) ends on a 32-column panel of 64-byte rows, stored through
+        // y_tail (64-byte swizzle: chunk c of row r at c ^ ((r / 2) % 4), conflict-free too).
+        constexpr int kPasses = E == Epilogue::kSwiglu ? 1 : (BN + 127) / 128;
 #pragma unroll
         for (int pass = 0; pass < kPasses; ++pass) {
+          const int cols = E == Epilogue::kSwiglu || BN - 128 * pass >= 128 ? 128 : BN - 128 * pass;
           if (issuer) d::bulk_wait_read<0>();  // earlier stores have read the staging
           d::named_barrier(1, 128 * kConsumers);
 #pragma unroll
           for (int n = 0; n < 16; ++n) {
+            if (8 * n >= cols) break;
             const int col = 8 * n + 2 * t;  // staged column (and + 1)
             const int panel = col / 64, chunk = (col % 64) / 8;
+            const bool tail = cols - 64 * panel == 32;
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
               const int r = 64 * c + 16 * warp + g + 8 * h;
@@ -393,17 +442,21 @@ __global__ void __launch_bounds__(kThreads, 1)
                   a[e] = acc[n + 16 * pass][2 * h + e];
                 }
               }
-              *reinterpret_cast<__nv_bfloat162*>(out_tile + panel * kPanelBytes + r * 128 +
-                                                 (chunk ^ (r % 8)) * 16 + (col % 8) * 2) =
-                  __floats2bfloat162_rn(a[0], a[1]);
+              const int at = tail ? r * 64 + ((chunk % 4) ^ ((r / 2) % 4)) * 16
+                                  : r * 128 + (chunk ^ (r % 8)) * 16;
+              *reinterpret_cast<__nv_bfloat162*>(out_tile + panel * kPanelBytes + at +
+                                                 (col % 8) * 2) = __floats2bfloat162_rn(a[0], a[1]);
             }
           }
           d::fence_proxy_async_shared();  // the staging is read by the TMA (async proxy)
           d::named_barrier(1, 128 * kConsumers);
           if (issuer) {
-            const int x0 = n0 + 128 * pass;
-            d::tma_store_2d(&maps.y, out_tile, x0, m0);
-            d::tma_store_2d(&maps.y, out_tile + kPanelBytes, x0 + 64, m0);
+#pragma unroll
+            for (int p = 0; p < 2; ++p) {
+              if (64 * p >= cols) break;
+              d::tma_store_2d(cols - 64 * p == 32 ? &maps.y_tail : &maps.y,
+                              out_tile + p * kPanelBytes, n0 + 128 * pass + 64 * p, m0);
+            }
             d::bulk_commit();
           }
         }
@@ -414,9 +467,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   d::cluster_sync();  // no CTA leaves while its peer may still arrive on its barriers
 }
 
-// A (rows, cols) bf16 matrix with row stride `ld` elements, read or written in 64 x 128 boxes.
-bool encode(CUtensorMap* map, const bf16* p, int64_t rows, int64_t cols, int64_t ld) {
-  return detail::encode_bf16_map(map, p, rows, cols, ld, 128);
+// A (rows, cols) bf16 matrix with row stride `ld` elements, read or written in boxes of 64 (or
+// 32) columns x box_rows rows.
+bool encode(CUtensorMap* map, const bf16* p, int64_t rows, int64_t cols, int64_t ld,
+            uint32_t box_rows = 128, uint32_t box_cols = 64) {
+  return detail::encode_bf16_map(map, p, rows, cols, ld, box_rows, box_cols);
 }
 
 // The kernel's launch configuration: `grid` CTAs in clusters of kCluster along x.
@@ -424,14 +479,14 @@ bool encode(CUtensorMap* map, const bf16* p, int64_t rows, int64_t cols, int64_t
 struct Launch {
   cudaLaunchAttribute attr[2] = {};
   cudaLaunchConfig_t cfg{};
-  Launch(unsigned grid, cudaStream_t stream, bool dependent) {
+  Launch(unsigned grid, int smem_bytes, cudaStream_t stream, bool dependent) {
     attr[0].id = cudaLaunchAttributeClusterDimension;
     attr[0].val.clusterDim.x = kCluster;
     attr[0].val.clusterDim.y = 1;
     attr[0].val.clusterDim.z = 1;
     cfg.gridDim = dim3(grid);
     cfg.blockDim = dim3(kThreads);
-    cfg.dynamicSmemBytes = kSmemBytes;
+    cfg.dynamicSmemBytes = static_cast<size_t>(smem_bytes);
     cfg.stream = stream;
     cfg.attrs = attr;
     cfg.numAttrs =
@@ -442,22 +497,23 @@ struct Launch {
   Launch& operator=(const Launch&) = delete;
 };
 
-// Per device and epilogue: the kernel's shared-memory limit raised, and how many clusters fit at
-// once (0: the kernel cannot run there; asked again on the next call).
-template <Epilogue E>
+// Per device, epilogue and width: the kernel's shared-memory limit raised, and how many clusters
+// fit at once (0: the kernel cannot run there; asked again on the next call).
+template <Epilogue E, int BN>
 int max_clusters(int device) {
   static detail::DeviceMemo memo;
   return memo.get(device, [](int d) {
     const std::pair<int, bool> none{0, false};
-    if (cudaFuncSetAttribute(gemm_wgmma_kernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             kSmemBytes) != cudaSuccess) {
+    if (cudaFuncSetAttribute(gemm_wgmma_kernel<E, BN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             Width<E, BN>::kSmemBytes) != cudaSuccess) {
       return none;
     }
     int sms = 0;
     if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, d) != cudaSuccess) return none;
-    const Launch launch(static_cast<unsigned>(sms - sms % kCluster), nullptr, false);
+    const Launch launch(static_cast<unsigned>(sms - sms % kCluster), Width<E, BN>::kSmemBytes,
+                        nullptr, false);
     int clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&clusters, gemm_wgmma_kernel<E>, &launch.cfg) !=
+    if (cudaOccupancyMaxActiveClusters(&clusters, gemm_wgmma_kernel<E, BN>, &launch.cfg) !=
             cudaSuccess ||
         clusters <= 0) {
       return none;
@@ -492,41 +548,87 @@ int64_t plan(Args& args, int64_t tiles_m, int64_t tiles_n, int64_t k_steps, int 
   return lanes * tiles_m;
 }
 
-template <Epilogue E>
-cudaError_t launch(const Maps& maps, Args args, int64_t tiles_m, int64_t tiles_n,
-                   const GemmScratch& scratch, GemmSchedule schedule, cudaStream_t stream) {
-  int device = 0;
-  cudaError_t e = cudaGetDevice(&device);
-  if (e != cudaSuccess) return e;
-  const int clusters = max_clusters<E>(device);
+// The modelled time of a width's schedule, in product columns x k steps of its busiest cluster:
+// whole tiles cost their k steps plus kTileSteps for the pipeline's fill and the epilogue; a lane's
+// stream-K range costs its share of the k steps plus kFixupSteps for the partials' hand-over, and
+// lanes run kLaneRate slower. Column steps of narrow tiles cost more (width_rate): fitted to
+// test_gemm's times of Qwen2.5-7B's and 14B's products at 1024-4096 rows on the H200.
+constexpr double kTileSteps = 4.0;
+constexpr double kFixupSteps = 8.0;
+constexpr double kLaneRate = 1.03;
+constexpr double width_rate(int bn) { return bn == 160 ? 1.07 : bn == 128 ? 1.08 : 1.0; }
+double modelled_cost(int bn, int64_t rows, int64_t outs, int64_t k_steps, int clusters,
+                     bool have_scratch, GemmSchedule schedule) {
+  Args a{};
+  const int64_t tiles_m = row_tiles(rows), tiles_n = outs / bn;
+  const int64_t grid = plan(a, tiles_m, tiles_n, k_steps, clusters,
+                            have_scratch && bn / 8 <= kMaxPartialBlocks, schedule);
+  const double steps =
+      a.lanes == 0 ? double((tiles_m * tiles_n + grid - 1) / grid) * (double(k_steps) + kTileSteps)
+                   : double(tiles_n) * double(k_steps) / a.lanes + kFixupSteps;
+  return steps * bn * width_rate(bn) * (a.lanes == 0 ? 1.0 : kLaneRate);
+}
+
+// The width for a kStore or kAccumulate product of `outs` columns (0: none divides it): the
+// cheapest by modelled_cost, a narrower one only where it saves more than 1 %.
+int pick_width(int64_t rows, int64_t outs, int64_t k_steps, bool accumulate, int clusters,
+               bool have_scratch, GemmSchedule schedule) {
+  int best = 0;
+  double best_cost = 0.0;
+  for (const int bn : kWidths) {
+    if (outs % bn != 0 || !width_allowed(bn, accumulate)) continue;
+    const double c = modelled_cost(bn, rows, outs, k_steps, clusters, have_scratch, schedule);
+    if (best == 0 || c < 0.99 * best_cost) {
+      best = bn;
+      best_cost = c;
+    }
+  }
+  return best;
+}
+
+template <Epilogue E, int BN>
+cudaError_t launch(const Maps& maps, Args args, int device, const GemmScratch& scratch,
+                   GemmSchedule schedule, cudaStream_t stream) {
+  const int clusters = max_clusters<E, BN>(device);
   if (clusters <= 0) return cudaErrorNotSupported;
-  const bool have_scratch =
-      scratch.ptr != nullptr && scratch.bytes >= gemm_wgmma_scratch_bytes(clusters);
+  // Partial tiles hold up to kMaxPartialBlocks accumulator blocks: wider tiles go round robin.
+  const bool have_scratch = BN / 8 <= kMaxPartialBlocks && scratch.ptr != nullptr &&
+                            scratch.bytes >= gemm_wgmma_scratch_bytes(clusters);
   args.partials = have_scratch ? static_cast<float4*>(scratch.ptr) : nullptr;
   args.flags =
       have_scratch
           ? reinterpret_cast<unsigned*>(static_cast<unsigned char*>(scratch.ptr) +
                                         static_cast<size_t>(clusters) * kCluster * kPartialBytes)
           : nullptr;
-  const int64_t grid =
-      plan(args, tiles_m, tiles_n, args.in / kBK, clusters, have_scratch, schedule);
-  const Launch launch(static_cast<unsigned>(grid * kCluster), stream, true);
-  return cudaLaunchKernelEx(&launch.cfg, gemm_wgmma_kernel<E>, maps, args);
+  const int64_t grid = plan(args, row_tiles(args.rows), args.outs / kTileOuts<E, BN>, args.in / kBK,
+                            clusters, have_scratch, schedule);
+  const Launch launch(static_cast<unsigned>(grid * kCluster), Width<E, BN>::kSmemBytes, stream,
+                      true);
+  return cudaLaunchKernelEx(&launch.cfg, gemm_wgmma_kernel<E, BN>, maps, args);
 }
 
-// One product: checks (cudaErrorInvalidValue), then the maps and the launch. `outs` is the
-// product's outputs (kSwiglu: inter; W then has 2 * inter rows); y is bf16 (kStore, kSwiglu: TMA
-// stores, 16-byte aligned, stride a multiple of 8) or fp32 (kAccumulate: 8-byte pairs).
+// One product: checks (cudaErrorInvalidValue), then the width, the maps and the launch. `outs` is
+// the product's outputs (kSwiglu: inter; W then has 2 * inter rows); y is bf16 (kStore, kSwiglu:
+// TMA stores, 16-byte aligned, stride a multiple of 8) or fp32 (kAccumulate: 8-byte pairs).
+// tile_cols: the width (kStore, kAccumulate; 0: pick_width's).
 template <Epilogue E>
 cudaError_t run(void* y, int64_t y_stride, const bf16* x, int64_t x_stride, const bf16* w,
                 int64_t rows, int64_t outs, int64_t in, const GemmScratch& scratch,
-                cudaStream_t stream, GemmSchedule schedule) {
+                cudaStream_t stream, GemmSchedule schedule, int tile_cols = 0) {
   constexpr bool kF32 = E == Epilogue::kAccumulate;
-  constexpr int64_t kCols = kTileOuts<E>;
-  const int64_t w_rows = E == Epilogue::kSwiglu ? 2 * outs : outs;
-  if (rows < 0 || rows > INT32_MAX || outs <= 0 || in <= 0 || outs % kCols != 0 || in % kBK != 0 ||
-      w_rows > INT32_MAX || in > INT32_MAX || y_stride < outs || x_stride < in ||
-      x_stride % 8 != 0 || y_stride % (kF32 ? 2 : 8) != 0) {
+  constexpr bool kSwiglu = E == Epilogue::kSwiglu;
+  const int64_t w_rows = kSwiglu ? 2 * outs : outs;
+  if (rows < 0 || rows > INT32_MAX || outs <= 0 || in <= 0 || in % kBK != 0 || w_rows > INT32_MAX ||
+      in > INT32_MAX || y_stride < outs || x_stride < in || x_stride % 8 != 0 ||
+      y_stride % (kF32 ? 2 : 8) != 0) {
+    return cudaErrorInvalidValue;
+  }
+  if (kSwiglu
+          ? outs % 128 != 0 || (tile_cols != 0 && tile_cols != 256)
+          : !gemm_wgmma_fits(outs, in) ||
+                (tile_cols != 0 && (std::find(std::begin(kWidths), std::end(kWidths), tile_cols) ==
+                                        std::end(kWidths) ||
+                                    !width_allowed(tile_cols, kF32) || outs % tile_cols != 0))) {
     return cudaErrorInvalidValue;
   }
   if (rows == 0) return cudaSuccess;
@@ -536,22 +638,56 @@ cudaError_t run(void* y, int64_t y_stride, const bf16* x, int64_t x_stride, cons
     return cudaErrorInvalidValue;
   }
   if (!wgmma_available() || detail::tensor_map_encoder() == nullptr) return cudaErrorNotSupported;
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess) return e;
+  int bn = 256;
+  if (!kSwiglu && tile_cols == 0) {
+    // Every width's kernel has the same occupancy (one CTA an SM): the widest's answer serves.
+    const int clusters = max_clusters<E, 256>(device);
+    if (clusters <= 0) return cudaErrorNotSupported;
+    bn = pick_width(rows, outs, in / kBK, kF32, clusters,
+                    scratch.ptr != nullptr && scratch.bytes >= gemm_wgmma_scratch_bytes(clusters),
+                    schedule);
+  } else if (!kSwiglu) {
+    bn = tile_cols;
+  }
   Maps maps;
-  if (!encode(&maps.x, x, rows, in, x_stride) || !encode(&maps.w, w, w_rows, in, in)) {
+  if (!encode(&maps.x, x, rows, in, x_stride) ||
+      !encode(&maps.w, w, w_rows, in, in, static_cast<uint32_t>(bn / 2))) {
     return cudaErrorInvalidValue;
   }
   Args args{};
   if constexpr (kF32) {
-    maps.y = maps.x;  // unused: added from registers
+    maps.y = maps.y_tail = maps.x;  // unused: added from registers
     args.y32 = static_cast<float*>(y);
     args.y_stride = y_stride;
-  } else if (!encode(&maps.y, static_cast<const bf16*>(y), rows, outs, y_stride)) {
+  } else if (!encode(&maps.y, static_cast<const bf16*>(y), rows, outs, y_stride) ||
+             !encode(&maps.y_tail, static_cast<const bf16*>(y), rows, outs, y_stride, 128, 32)) {
     return cudaErrorInvalidValue;
   }
   args.rows = static_cast<int>(rows);
   args.outs = static_cast<int>(outs);
   args.in = static_cast<int>(in);
-  return launch<E>(maps, args, row_tiles(rows), outs / kCols, scratch, schedule, stream);
+  if constexpr (kSwiglu) {
+    return launch<E, 256>(maps, args, device, scratch, schedule, stream);
+  } else {
+    switch (bn) {
+      case 128:
+        return launch<E, 128>(maps, args, device, scratch, schedule, stream);
+      case 160:
+        return launch<E, 160>(maps, args, device, scratch, schedule, stream);
+      case 192:
+        return launch<E, 192>(maps, args, device, scratch, schedule, stream);
+      case 224:
+        return launch<E, 224>(maps, args, device, scratch, schedule, stream);
+      case 320:
+        if constexpr (kF32) return launch<E, 320>(maps, args, device, scratch, schedule, stream);
+        return cudaErrorInvalidValue;
+      default:
+        return launch<E, 256>(maps, args, device, scratch, schedule, stream);
+    }
+  }
 }
 
 }  // namespace
@@ -564,32 +700,39 @@ size_t gemm_wgmma_scratch_bytes() {
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return 0;
   // Every epilogue's kernel has the same resources: one occupancy answer serves all.
-  return gemm_wgmma_scratch_bytes(std::max(max_clusters<Epilogue::kStore>(device), 0));
+  return gemm_wgmma_scratch_bytes(std::max(max_clusters<Epilogue::kStore, 256>(device), 0));
 }
 
 bool gemm_wgmma_fits(int64_t out, int64_t in) {
-  return out > 0 && in > 0 && out % kTileOuts<Epilogue::kStore> == 0 && in % kBK == 0 &&
-         out <= INT32_MAX && in <= INT32_MAX;
+  return out > 0 && in > 0 && in % kBK == 0 && out <= INT32_MAX && in <= INT32_MAX &&
+         std::any_of(std::begin(kWidths), std::end(kWidths), [&](int bn) { return out % bn == 0; });
+}
+
+int gemm_wgmma_tile_cols(int64_t rows, int64_t out, int64_t in, bool accumulate, int clusters,
+                         bool scratch, GemmSchedule schedule) {
+  if (rows <= 0 || !gemm_wgmma_fits(out, in) || clusters <= 0) return 0;
+  return pick_width(rows, out, in / kBK, accumulate, clusters, scratch, schedule);
 }
 
 bool gemm_swiglu_fits(int64_t inter, int64_t in) {
-  return inter > 0 && in > 0 && inter % kTileOuts<Epilogue::kSwiglu> == 0 && in % kBK == 0 &&
+  return inter > 0 && in > 0 && inter % kTileOuts<Epilogue::kSwiglu, 256> == 0 && in % kBK == 0 &&
          2 * inter <= INT32_MAX && in <= INT32_MAX;
 }
 
 cudaError_t gemm_wgmma(__nv_bfloat16* y, int64_t y_stride, const __nv_bfloat16* x, int64_t x_stride,
                        const __nv_bfloat16* w, int64_t rows, int64_t out, int64_t in,
-                       const GemmScratch& scratch, cudaStream_t stream, GemmSchedule schedule) {
+                       const GemmScratch& scratch, cudaStream_t stream, GemmSchedule schedule,
+                       int tile_cols) {
   return run<Epilogue::kStore>(y, y_stride, x, x_stride, w, rows, out, in, scratch, stream,
-                               schedule);
+                               schedule, tile_cols);
 }
 
 cudaError_t gemm_wgmma_accumulate(float* y, int64_t y_stride, const __nv_bfloat16* x,
                                   int64_t x_stride, const __nv_bfloat16* w, int64_t rows,
                                   int64_t out, int64_t in, const GemmScratch& scratch,
-                                  cudaStream_t stream, GemmSchedule schedule) {
+                                  cudaStream_t stream, GemmSchedule schedule, int tile_cols) {
   return run<Epilogue::kAccumulate>(y, y_stride, x, x_stride, w, rows, out, in, scratch, stream,
-                                    schedule);
+                                    schedule, tile_cols);
 }
 
 cudaError_t gemm_swiglu(__nv_bfloat16* act, int64_t act_stride, const __nv_bfloat16* x,

@@ -85,6 +85,8 @@ __device__ __forceinline__ void wgmma_fence_operands(float (&d)[N][4]) {
 // The asm operands of an accumulator: float d[N][4], 8 blocks (32 registers) at a time, and their
 // numbers in the instruction's register list (%0 .. %31, %32 .. %63, ...).
 #define KEEP_WGMMA_D4(j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
+#define KEEP_WGMMA_D16(j) \
+  KEEP_WGMMA_D4(j), KEEP_WGMMA_D4(j + 1), KEEP_WGMMA_D4(j + 2), KEEP_WGMMA_D4(j + 3)
 #define KEEP_WGMMA_D32(j)                                                             \
   KEEP_WGMMA_D4(j), KEEP_WGMMA_D4(j + 1), KEEP_WGMMA_D4(j + 2), KEEP_WGMMA_D4(j + 3), \
       KEEP_WGMMA_D4(j + 4), KEEP_WGMMA_D4(j + 5), KEEP_WGMMA_D4(j + 6), KEEP_WGMMA_D4(j + 7)
@@ -98,6 +100,10 @@ __device__ __forceinline__ void wgmma_fence_operands(float (&d)[N][4]) {
 #define KEEP_WGMMA_R64 \
   "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
   "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
+#define KEEP_WGMMA_R64H \
+  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79"
+#define KEEP_WGMMA_R96H \
+  "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111"
 #define KEEP_WGMMA_R96 \
   "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
   "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
@@ -160,12 +166,49 @@ __device__ __forceinline__ void wgmma_m64n256k16_ss(float (&d)[32][4], uint64_t 
       : KEEP_WGMMA_D32(0), KEEP_WGMMA_D32(8), KEEP_WGMMA_D32(16), KEEP_WGMMA_D32(24)
       : "l"(a), "l"(b), "r"(accumulate));
 }
+
+// d (64 x N) (+)= A (64 x 16) B^T (B: N x 16), both K-major in shared memory, for the widths
+// between 128 and 256 that divide Qwen2.5's hidden sizes into whole waves of tiles (gemm_wgmma.cu):
+// 160 (5120 = 32 x 160), 192, 224 (7168 = 32 x 224, 3584 = 16 x 224).
+// (Blocks J .. J + 19 of a wider accumulator: two make m64n320.)
+template <int J = 0, int M = 20>
+__device__ __forceinline__ void wgmma_m64n160k16_ss(float (&d)[M][4], uint64_t a, uint64_t b,
+                                                    int accumulate) {
+  static_assert(J + 20 <= M, "accumulator blocks");
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %82, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n160k16.f32.bf16.bf16 {" KEEP_WGMMA_R0 ", " KEEP_WGMMA_R32
+      ", " KEEP_WGMMA_R64H "}, %80, %81, p, 1, 1, 0, 0;\n}\n"
+      : KEEP_WGMMA_D32(J), KEEP_WGMMA_D32(J + 8), KEEP_WGMMA_D16(J + 16)
+      : "l"(a), "l"(b), "r"(accumulate));
+}
+__device__ __forceinline__ void wgmma_m64n192k16_ss(float (&d)[24][4], uint64_t a, uint64_t b,
+                                                    int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 {" KEEP_WGMMA_R0 ", " KEEP_WGMMA_R32
+      ", " KEEP_WGMMA_R64 "}, %96, %97, p, 1, 1, 0, 0;\n}\n"
+      : KEEP_WGMMA_D32(0), KEEP_WGMMA_D32(8), KEEP_WGMMA_D32(16)
+      : "l"(a), "l"(b), "r"(accumulate));
+}
+__device__ __forceinline__ void wgmma_m64n224k16_ss(float (&d)[28][4], uint64_t a, uint64_t b,
+                                                    int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %114, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n224k16.f32.bf16.bf16 {" KEEP_WGMMA_R0 ", " KEEP_WGMMA_R32
+      ", " KEEP_WGMMA_R64 ", " KEEP_WGMMA_R96H "}, %112, %113, p, 1, 1, 0, 0;\n}\n"
+      : KEEP_WGMMA_D32(0), KEEP_WGMMA_D32(8), KEEP_WGMMA_D32(16), KEEP_WGMMA_D16(24)
+      : "l"(a), "l"(b), "r"(accumulate));
+}
 #undef KEEP_WGMMA_D4
+#undef KEEP_WGMMA_D16
 #undef KEEP_WGMMA_D32
 #undef KEEP_WGMMA_R0
 #undef KEEP_WGMMA_R32
 #undef KEEP_WGMMA_R64
 #undef KEEP_WGMMA_R96
+#undef KEEP_WGMMA_R64H
+#undef KEEP_WGMMA_R96H
 #else
 __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&)[8][4], uint64_t, uint64_t, int) {
   __trap();
@@ -184,6 +227,39 @@ __device__ __forceinline__ void wgmma_m64n128k16_ss(float (&)[16][4], uint64_t, 
 __device__ __forceinline__ void wgmma_m64n256k16_ss(float (&)[32][4], uint64_t, uint64_t, int) {
   __trap();
 }
+template <int J = 0, int M = 20>
+__device__ __forceinline__ void wgmma_m64n160k16_ss(float (&)[M][4], uint64_t, uint64_t, int) {
+  __trap();
+}
+__device__ __forceinline__ void wgmma_m64n192k16_ss(float (&)[24][4], uint64_t, uint64_t, int) {
+  __trap();
+}
+__device__ __forceinline__ void wgmma_m64n224k16_ss(float (&)[28][4], uint64_t, uint64_t, int) {
+  __trap();
+}
 #endif
+
+// m64nNk16 with both operands in shared memory, N one of 128, 160, 192, 224, 256, or 320 (two
+// m64n160k16 over B's first and last 160 rows, 8-row groups 1024 bytes apart throughout).
+template <int N>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 8][4], uint64_t a, uint64_t b,
+                                         int accumulate) {
+  static_assert(N == 128 || N == 160 || N == 192 || N == 224 || N == 256 || N == 320,
+                "no such width here");
+  if constexpr (N == 320) {
+    wgmma_m64n160k16_ss<0, 40>(d, a, b, accumulate);
+    wgmma_m64n160k16_ss<20, 40>(d, a, wgmma_desc_add(b, 160 * 128), accumulate);
+  } else if constexpr (N == 128) {
+    wgmma_m64n128k16_ss(d, a, b, accumulate);
+  } else if constexpr (N == 160) {
+    wgmma_m64n160k16_ss(d, a, b, accumulate);
+  } else if constexpr (N == 192) {
+    wgmma_m64n192k16_ss(d, a, b, accumulate);
+  } else if constexpr (N == 224) {
+    wgmma_m64n224k16_ss(d, a, b, accumulate);
+  } else {
+    wgmma_m64n256k16_ss(d, a, b, accumulate);
+  }
+}
 
 }  // namespace keep::kernels::detail
