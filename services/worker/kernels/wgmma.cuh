@@ -182,24 +182,26 @@ __device__ __forceinline__ void wgmma_m64n160k16_ss(float (&d)[M][4], uint64_t a
       : KEEP_WGMMA_D32(J), KEEP_WGMMA_D32(J + 8), KEEP_WGMMA_D16(J + 16)
       : "l"(a), "l"(b), "r"(accumulate));
 }
-__device__ __forceinline__ void wgmma_m64n192k16_ss(float (&d)[24][4], uint64_t a, uint64_t b,
-                                                    int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 {" KEEP_WGMMA_R0 ", " KEEP_WGMMA_R32
-      ", " KEEP_WGMMA_R64 "}, %96, %97, p, 1, 1, 0, 0;\n}\n"
-      : KEEP_WGMMA_D32(0), KEEP_WGMMA_D32(8), KEEP_WGMMA_D32(16)
-      : "l"(a), "l"(b), "r"(accumulate));
-}
-__device__ __forceinline__ void wgmma_m64n224k16_ss(float (&d)[28][4], uint64_t a, uint64_t b,
-                                                    int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %114, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n224k16.f32.bf16.bf16 {" KEEP_WGMMA_R0 ", " KEEP_WGMMA_R32
-      ", " KEEP_WGMMA_R64 ", " KEEP_WGMMA_R96H "}, %112, %113, p, 1, 1, 0, 0;\n}\n"
-      : KEEP_WGMMA_D32(0), KEEP_WGMMA_D32(8), KEEP_WGMMA_D32(16), KEEP_WGMMA_D16(24)
-      : "l"(a), "l"(b), "r"(accumulate));
-}
+// The other widths' wrappers, one definition each: NAME(d, a, b, accumulate) for m64n<N>k16 with
+// BLOCKS accumulator blocks; REGS is their register list, A, B and P the operand numbers of the two
+// descriptors and the accumulate flag, the rest the accumulator operands.
+#define KEEP_WGMMA_SS(NAME, N, BLOCKS, REGS, A, B, P, ...)                                        \
+  __device__ __forceinline__ void NAME(float(&d)[BLOCKS][4], uint64_t a, uint64_t b,              \
+                                       int accumulate) {                                          \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " P                                            \
+                 ", 0;\n"                                                                         \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16 {" REGS "}, " A ", " B \
+                 ", p, 1, 1, 0, 0;\n}\n"                                                          \
+                 : __VA_ARGS__                                                                    \
+                 : "l"(a), "l"(b), "r"(accumulate));                                              \
+  }
+KEEP_WGMMA_SS(wgmma_m64n192k16_ss, 192, 24, KEEP_WGMMA_R0 ", " KEEP_WGMMA_R32 ", " KEEP_WGMMA_R64,
+              "%96", "%97", "%98", KEEP_WGMMA_D32(0), KEEP_WGMMA_D32(8), KEEP_WGMMA_D32(16))
+KEEP_WGMMA_SS(wgmma_m64n224k16_ss, 224, 28,
+              KEEP_WGMMA_R0 ", " KEEP_WGMMA_R32 ", " KEEP_WGMMA_R64 ", " KEEP_WGMMA_R96H, "%112",
+              "%113", "%114", KEEP_WGMMA_D32(0), KEEP_WGMMA_D32(8), KEEP_WGMMA_D32(16),
+              KEEP_WGMMA_D16(24))
+#undef KEEP_WGMMA_SS
 #undef KEEP_WGMMA_D4
 #undef KEEP_WGMMA_D16
 #undef KEEP_WGMMA_D32
