@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include <nvtx3/nvToolsExt.h>
+
 #include "services/worker/kernels/bf16.h"
 #include "services/worker/kernels/gemm.h"
 #include "services/worker/kernels/kernels.h"
@@ -757,6 +759,58 @@ void time_one(keep::kernels::BlasHandle& blas, void* ws, size_t ws_bytes,
       flop / (med * 1e-3) / 1e12, who.c_str(), pick, flop / (pick * 1e-3) / 1e12);
 }
 
+// KEEP_GPU_TEST_ONLY=profile: for Nsight Compute, not a check. Qwen2.5-14B's QKV and o_proj at
+// 1024 rows, each launched once inside the NVTX range "profile" as ours (the picked width),
+// cuBLASLt's fastest heuristic candidate and cuBLAS's default, after a warm-up of each:
+//   KEEP_GPU_TEST_ONLY=profile ncu --nvtx --nvtx-include "profile/" --clock-control none \
+//       --section SpeedOfLight --section WarpStateStats test_gemm
+void profile_products(keep::kernels::BlasHandle& blas, void* ws, size_t ws_bytes) {
+  namespace kk = keep::kernels;
+  kk::GemmScratch scratch;
+  if (!kk::wgmma_available() || (scratch.bytes = kk::gemm_wgmma_scratch_bytes()) == 0) {
+    std::printf("profile: no wgmma on this device\n");
+    return;
+  }
+  CUDA_OK(cudaMalloc(&scratch.ptr, scratch.bytes));
+  CUDA_OK(cudaMemset(scratch.ptr, 0, scratch.bytes));
+  int sms = 0;
+  CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  for (const bool acc : {false, true}) {
+    const int64_t rows = 1024, out = acc ? 5120 : 7168, in = 5120;
+    const TimedOperands t(rows, out, in);
+    kk::GemmTuner tuner;
+    BLAS_OK(tuner.init(nullptr, ws, ws_bytes));
+    BLAS_OK(tuner.tune(blas.get(), {out, in, in, out, acc}, rows, t.y, t.x, t.w, -1.0));
+    const auto ours = [&] {
+      if (acc) {
+        CUDA_OK(kk::gemm_wgmma_accumulate(static_cast<float*>(t.y), out, t.x, in, t.w, rows, out,
+                                          in, scratch, nullptr));
+      } else {
+        CUDA_OK(kk::gemm_wgmma(static_cast<__nv_bfloat16*>(t.y), out, t.x, in, t.w, rows, out, in,
+                               scratch, nullptr));
+      }
+    };
+    const auto lt = [&] { BLAS_OK(tuner.run({out, in, in, out, acc}, rows, t.y, t.x, t.w)); };
+    for (int warm = 0; warm < 3; ++warm) {
+      ours();
+      lt();
+      t.blas(blas, acc);
+    }
+    CUDA_OK(cudaDeviceSynchronize());
+    nvtxRangePushA("profile");
+    ours();
+    lt();
+    t.blas(blas, acc);
+    CUDA_OK(cudaDeviceSynchronize());
+    nvtxRangePop();
+    std::printf("profile %s (%lld x %lld x %lld): ours width %d, cuBLASLt %s, cuBLAS default\n",
+                acc ? "acc f32" : "bf16", (long long)rows, (long long)out, (long long)in,
+                kk::gemm_wgmma_tile_cols(rows, out, in, acc, sms / 2, true),
+                tuner.describe({out, in, in, out, acc}, rows).c_str());
+  }
+  cudaFree(scratch.ptr);
+}
+
 }  // namespace
 
 int main() {
@@ -769,6 +823,11 @@ int main() {
   // KEEP_GPU_TEST_ONLY=gemm_swiglu: our fused product's checks alone (racecheck runs those; it
   // fails inside cuBLAS's own kernels).
   const char* only = std::getenv("KEEP_GPU_TEST_ONLY");
+  if (only != nullptr && std::string(only) == "profile") {
+    profile_products(blas, ws, ws_bytes);
+    cudaFree(ws);
+    return 0;
+  }
   const bool all = only == nullptr || std::string(only) != "gemm_swiglu";
   for (int64_t rows : {1, 3, 7, 19, 733}) {
     if (!all) break;
