@@ -761,9 +761,9 @@ void time_one(keep::kernels::BlasHandle& blas, void* ws, size_t ws_bytes,
 
 // KEEP_GPU_TEST_ONLY=profile: for Nsight Compute, not a check. Qwen2.5-14B's QKV and o_proj at
 // 1024 rows, each launched once inside the NVTX range "profile" as ours (the picked width),
-// cuBLASLt's fastest heuristic candidate and cuBLAS's default, after a warm-up of each:
-//   KEEP_GPU_TEST_ONLY=profile ncu --nvtx --nvtx-include "profile/" --clock-control none \
-//       --section SpeedOfLight --section WarpStateStats test_gemm
+// cuBLASLt's fastest heuristic candidate and cuBLAS's default, after a warm-up of each. Run as
+// KEEP_GPU_TEST_ONLY=profile ncu --nvtx --nvtx-include "profile/" --clock-control none
+// --section SpeedOfLight --section WarpStateStats test_gemm
 void profile_products(keep::kernels::BlasHandle& blas, void* ws, size_t ws_bytes) {
   namespace kk = keep::kernels;
   kk::GemmScratch scratch;
