@@ -721,15 +721,14 @@ void time_ours(keep::kernels::BlasHandle& blas, const keep::kernels::GemmScratch
                   tf / (med * 1e-3));
     line += buf;
   }
-  int sms = 0;
-  CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  std::printf("ours %s (%lld x %lld x %lld), width %d: %s (TFLOP/s)\n",
-              swiglu ? "swiglu"
-              : acc  ? "acc f32"
-                     : "bf16",
-              (long long)rows, (long long)out, (long long)in,
-              swiglu ? 256 : kk::gemm_wgmma_tile_cols(rows, out, in, acc, sms / 2, true),
-              line.c_str());
+  std::printf(
+      "ours %s (%lld x %lld x %lld), width %d: %s (TFLOP/s)\n",
+      swiglu ? "swiglu"
+      : acc  ? "acc f32"
+             : "bf16",
+      (long long)rows, (long long)out, (long long)in,
+      swiglu ? 256 : kk::gemm_wgmma_tile_cols(rows, out, in, acc, kk::gemm_wgmma_clusters(), true),
+      line.c_str());
   cudaFree(act);
 }
 
@@ -773,8 +772,6 @@ void profile_products(keep::kernels::BlasHandle& blas, void* ws, size_t ws_bytes
   }
   CUDA_OK(cudaMalloc(&scratch.ptr, scratch.bytes));
   CUDA_OK(cudaMemset(scratch.ptr, 0, scratch.bytes));
-  int sms = 0;
-  CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   for (const bool acc : {false, true}) {
     const int64_t rows = 1024, out = acc ? 5120 : 7168, in = 5120;
     const TimedOperands t(rows, out, in);
@@ -805,7 +802,7 @@ void profile_products(keep::kernels::BlasHandle& blas, void* ws, size_t ws_bytes
     nvtxRangePop();
     std::printf("profile %s (%lld x %lld x %lld): ours width %d, cuBLASLt %s, cuBLAS default\n",
                 acc ? "acc f32" : "bf16", (long long)rows, (long long)out, (long long)in,
-                kk::gemm_wgmma_tile_cols(rows, out, in, acc, sms / 2, true),
+                kk::gemm_wgmma_tile_cols(rows, out, in, acc, kk::gemm_wgmma_clusters(), true),
                 tuner.describe({out, in, in, out, acc}, rows).c_str());
   }
   cudaFree(scratch.ptr);

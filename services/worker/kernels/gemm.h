@@ -183,6 +183,10 @@ enum class GemmSchedule { kAuto, kDataParallel, kStreamK };
 // and in % 64 == 0 (Qwen2.5 1.5B-72B's QKV, o_proj and down products; not SmolLM2's 576).
 bool gemm_wgmma_fits(int64_t out, int64_t in);
 
+// How many clusters of 2 SMs our products run on at once on the current device (66 on the H200;
+// 0 where they cannot run): the `clusters` gemm_wgmma_tile_cols needs for the launches' pick.
+int gemm_wgmma_clusters();
+
 // The tile width (BN) gemm_wgmma (accumulate false) / gemm_wgmma_accumulate take for `rows` rows
 // of an (out, in) product with tile_cols = 0, on `clusters` clusters of 2 SMs (66 on the H200),
 // with or without stream-K scratch: the one whose schedule's busiest cluster has the least

@@ -100,7 +100,13 @@ struct Width {
 // 320 (two m64n160k16 a k16 step, 160 accumulators a thread) for kAccumulate only: kStore's
 // staging epilogue made ptxas serialize its wgmma at that width.
 constexpr int kWidths[] = {320, 256, 224, 192, 160, 128};
-constexpr bool width_allowed(int bn, bool accumulate) { return bn != 320 || accumulate; }
+// Whether width bn is one of kWidths, allowed for the epilogue, and divides the product's outs.
+bool width_fits(int bn, int64_t outs, bool accumulate) {
+  return std::find(std::begin(kWidths), std::end(kWidths), bn) != std::end(kWidths) &&
+         (bn != 320 || accumulate) && outs % bn == 0;
+}
+// Whether tiles of width bn can go in lanes with a stream-K share: their partial sums fit a slot.
+__host__ __device__ constexpr bool lanes_allowed(int bn) { return bn / 8 <= kMaxPartialBlocks; }
 // Registers: the consumers' 128 accumulators per thread need the producer's share.
 constexpr int kProducerRegs = 40;
 constexpr int kConsumerRegs = 232;
@@ -350,7 +356,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       release((it - 1) % kStages);  // the piece's last stage
 
       // (Pieces of tiles wider than a partial slot never start or end inside a tile.)
-      constexpr bool kPartials = kBlocks <= kMaxPartialBlocks;
+      constexpr bool kPartials = lanes_allowed(BN);
       if (kPartials && kb > 0) {
         // Not the tile's head: hand the partial sums to the cluster that finishes the tile.
         float4* p = partial(cluster);
@@ -561,8 +567,8 @@ double modelled_cost(int bn, int64_t rows, int64_t outs, int64_t k_steps, int cl
                      bool have_scratch, GemmSchedule schedule) {
   Args a{};
   const int64_t tiles_m = row_tiles(rows), tiles_n = outs / bn;
-  const int64_t grid = plan(a, tiles_m, tiles_n, k_steps, clusters,
-                            have_scratch && bn / 8 <= kMaxPartialBlocks, schedule);
+  const int64_t grid =
+      plan(a, tiles_m, tiles_n, k_steps, clusters, have_scratch && lanes_allowed(bn), schedule);
   const double steps =
       a.lanes == 0 ? double((tiles_m * tiles_n + grid - 1) / grid) * (double(k_steps) + kTileSteps)
                    : double(tiles_n) * double(k_steps) / a.lanes + kFixupSteps;
@@ -576,7 +582,7 @@ int pick_width(int64_t rows, int64_t outs, int64_t k_steps, bool accumulate, int
   int best = 0;
   double best_cost = 0.0;
   for (const int bn : kWidths) {
-    if (outs % bn != 0 || !width_allowed(bn, accumulate)) continue;
+    if (!width_fits(bn, outs, accumulate)) continue;
     const double c = modelled_cost(bn, rows, outs, k_steps, clusters, have_scratch, schedule);
     if (best == 0 || c < 0.99 * best_cost) {
       best = bn;
@@ -592,7 +598,7 @@ cudaError_t launch(const Maps& maps, Args args, int device, const GemmScratch& s
   const int clusters = max_clusters<E, BN>(device);
   if (clusters <= 0) return cudaErrorNotSupported;
   // Partial tiles hold up to kMaxPartialBlocks accumulator blocks: wider tiles go round robin.
-  const bool have_scratch = BN / 8 <= kMaxPartialBlocks && scratch.ptr != nullptr &&
+  const bool have_scratch = lanes_allowed(BN) && scratch.ptr != nullptr &&
                             scratch.bytes >= gemm_wgmma_scratch_bytes(clusters);
   args.partials = have_scratch ? static_cast<float4*>(scratch.ptr) : nullptr;
   args.flags =
@@ -625,10 +631,7 @@ cudaError_t run(void* y, int64_t y_stride, const bf16* x, int64_t x_stride, cons
   }
   if (kSwiglu
           ? outs % 128 != 0 || (tile_cols != 0 && tile_cols != 256)
-          : !gemm_wgmma_fits(outs, in) ||
-                (tile_cols != 0 && (std::find(std::begin(kWidths), std::end(kWidths), tile_cols) ==
-                                        std::end(kWidths) ||
-                                    !width_allowed(tile_cols, kF32) || outs % tile_cols != 0))) {
+          : !gemm_wgmma_fits(outs, in) || (tile_cols != 0 && !width_fits(tile_cols, outs, kF32))) {
     return cudaErrorInvalidValue;
   }
   if (rows == 0) return cudaSuccess;
@@ -699,8 +702,14 @@ size_t gemm_wgmma_scratch_bytes(int clusters) {
 size_t gemm_wgmma_scratch_bytes() {
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return 0;
-  // Every epilogue's kernel has the same resources: one occupancy answer serves all.
-  return gemm_wgmma_scratch_bytes(std::max(max_clusters<Epilogue::kStore, 256>(device), 0));
+  return gemm_wgmma_scratch_bytes(gemm_wgmma_clusters());
+}
+
+int gemm_wgmma_clusters() {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
+  // Every epilogue's and width's kernel has the same occupancy (one CTA an SM): one answer serves.
+  return std::max(max_clusters<Epilogue::kStore, 256>(device), 0);
 }
 
 bool gemm_wgmma_fits(int64_t out, int64_t in) {
