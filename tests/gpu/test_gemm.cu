@@ -808,6 +808,21 @@ void profile_products(keep::kernels::BlasHandle& blas, void* ws, size_t ws_bytes
   cudaFree(scratch.ptr);
 }
 
+// Qwen2.5-7B's and 14B's products on ours against cuBLAS (QKV, o_proj, down; gate/up).
+void time_products(keep::kernels::BlasHandle& blas, const keep::kernels::GemmScratch& scratch,
+                   std::initializer_list<int64_t> row_counts) {
+  for (const int64_t rows : row_counts) {
+    time_ours(blas, scratch, rows, 3584 + 2 * 512, 3584, false);
+    time_ours(blas, scratch, rows, 3584, 3584, true);
+    time_ours(blas, scratch, rows, 3584, 18944, true);
+    time_ours(blas, scratch, rows, 5120 + 2 * 1024, 5120, false);
+    time_ours(blas, scratch, rows, 5120, 5120, true);
+    time_ours(blas, scratch, rows, 5120, 13824, true);
+    time_ours(blas, scratch, rows, 2 * 13824, 5120, false, true);
+    time_ours(blas, scratch, rows, 2 * 18944, 3584, false, true);
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -822,6 +837,20 @@ int main() {
   const char* only = std::getenv("KEEP_GPU_TEST_ONLY");
   if (only != nullptr && std::string(only) == "profile") {
     profile_products(blas, ws, ws_bytes);
+    cudaFree(ws);
+    return 0;
+  }
+  // KEEP_GPU_TEST_ONLY=times: the products' timings at 1024 and 2048 rows alone, no checks (for
+  // scripts/gpu-ab.sh).
+  if (only != nullptr && std::string(only) == "times") {
+    keep::kernels::GemmScratch scratch;
+    if (keep::kernels::wgmma_available() &&
+        (scratch.bytes = keep::kernels::gemm_wgmma_scratch_bytes()) > 0) {
+      CUDA_OK(cudaMalloc(&scratch.ptr, scratch.bytes));
+      CUDA_OK(cudaMemset(scratch.ptr, 0, scratch.bytes));
+      time_products(blas, scratch, {1024, 2048});
+    }
+    cudaFree(scratch.ptr);
     cudaFree(ws);
     return 0;
   }
@@ -1015,17 +1044,7 @@ int main() {
         time_gemm_swiglu(blas, scratch, rows, 18944, 3584);
       }
       for (int64_t rows : {256, 512, 2048}) time_gemm_swiglu(blas, scratch, rows, 13824, 5120);
-      // Qwen2.5-7B's and 14B's products on ours against cuBLAS (QKV, o_proj, down; gate/up).
-      for (int64_t rows : {1024, 2048, 4096}) {
-        time_ours(blas, scratch, rows, 3584 + 2 * 512, 3584, false);
-        time_ours(blas, scratch, rows, 3584, 3584, true);
-        time_ours(blas, scratch, rows, 3584, 18944, true);
-        time_ours(blas, scratch, rows, 5120 + 2 * 1024, 5120, false);
-        time_ours(blas, scratch, rows, 5120, 5120, true);
-        time_ours(blas, scratch, rows, 5120, 13824, true);
-        time_ours(blas, scratch, rows, 2 * 13824, 5120, false, true);
-        time_ours(blas, scratch, rows, 2 * 18944, 3584, false, true);
-      }
+      time_products(blas, scratch, {1024, 2048, 4096});
     }
     // Qwen2.5-7B's four products (QKV, o_proj, gate|up, down) at 1024 and 4096 rows.
     for (int64_t rows : {1024, 4096}) {
