@@ -931,6 +931,17 @@ int main() {
     check_one<false>(blas, rng, 1100, 6912, 256, 0, 0, nullptr, &sk);
     check_one<true, true>(blas, rng, 1100, 6912, 256, 8, 2, nullptr, &sk);
     check_one<true, true>(blas, rng, 733, 512, 3072, 0, 0, nullptr, &no_scratch);
+    // Lanes with spare clusters (on the H200's 66 clusters), 128 wide: 4 row tiles (the last
+    // one part) in 16 lanes and 2 spare clusters of 2 row tiles each, where of 34 columns of 4 k
+    // steps the spare ones take the last, the lanes cut 17 and deal 16 whole; 5 row tiles in 13
+    // lanes and one spare cluster walking all 5 of the last of 66 columns (2 k steps).
+    const Ours sk128{scratch, kk::GemmSchedule::kStreamK, 128};
+    check_one<false>(blas, rng, 1000, 4352, 256, 0, 8, nullptr, &sk128);
+    check_one<true, true>(blas, rng, 1000, 4352, 256, 8, 0, nullptr, &sk128);
+    check_one<false>(blas, rng, 1280, 8448, 128, 0, 0, nullptr, &sk128);
+    check_one<true, true>(blas, rng, 1280, 8448, 128, 0, 0, nullptr, &sk128);
+    // The same 34-column schedule with spare clusters in gemm_swiglu.
+    check_gemm_swiglu(rng, 1000, 4352, 256, 8, 0, sk);
     // Every tile width, bf16 out (160 and 224 end on a 32-column staging panel) and fp32
     // accumulate (320 too: accumulate only), round robin and in lanes (320-wide tiles go round
     // robin whatever the schedule): out = 3 tiles of each width (plus a strided y), odd rows;
@@ -944,27 +955,6 @@ int main() {
       }
       if (bn != 320) check_one<false>(blas, rng, 300, 2 * bn, 6144, 0, 0, nullptr, &w_sk);
       check_one<true, true>(blas, rng, 300, 2 * bn, 6144, 8, 2, nullptr, &w_sk);
-    }
-    // The widths picked on the H200's 66 clusters (with scratch): whole waves of cluster tiles
-    // at 1024 rows for Qwen2.5-14B's o_proj/down (5120 = 16 x 320: one wave), its QKV (7168 = 32
-    // x 224: two) and 7B's o_proj (3584 = 16 x 224: one); 7B's QKV in lanes of 192 (24 columns);
-    // 256 where nothing else saves 1 % (14B's QKV at 4096 rows: 16 x 28 tiles, 6.8 waves).
-    ++g_checks;
-    const struct {
-      int64_t rows, out, in;
-      bool acc;
-      int want;
-    } picks[] = {{1024, 5120, 5120, true, 320},  {1024, 5120, 13824, true, 320},
-                 {1024, 7168, 5120, false, 224}, {1024, 3584, 3584, true, 224},
-                 {1024, 4608, 3584, false, 192}, {4096, 7168, 5120, false, 256},
-                 {1024, 5120, 5120, false, 256}, {1, 512, 576, false, 128}};
-    for (const auto& p : picks) {
-      const int got = kk::gemm_wgmma_tile_cols(p.rows, p.out, p.in, p.acc, 66, true);
-      if (got != p.want) {
-        ++g_failures;
-        std::fprintf(stderr, "FAIL gemm_wgmma_tile_cols(%lld, %lld, %lld, %d) = %d, want %d\n",
-                     (long long)p.rows, (long long)p.out, (long long)p.in, int(p.acc), got, p.want);
-      }
     }
     check_gemm_swiglu(rng, 600, 3072, 576, 0, 8, sk);  // 3 x 24 columns of 9 k steps, all cut
     if (all) check_tuner(blas, ws, ws_bytes, rng, &scratch);

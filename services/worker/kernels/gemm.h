@@ -15,6 +15,8 @@
 #include <cstdint>
 #include <string>
 
+#include "services/worker/kernels/gemm_schedule.h"
+
 namespace keep::kernels {
 
 // An owned cuBLAS handle bound to one stream and one caller-owned workspace, so that no product
@@ -170,14 +172,10 @@ class GemmTuner {
 // (and 320 for gemm_wgmma_accumulate): the width that splits the product's columns into the
 // fewest, fullest waves of the GPU's clusters (gemm_wgmma_tile_cols). Tiles are dealt whole round
 // robin, or in lanes (one cluster per row tile, the lane's clusters on the same columns at once)
-// with the columns that do not fill a wave cut into equal k ranges (stream-K): see gemm_wgmma.cu.
-// The stream-K share needs scratch memory (partial tiles and flags); without it (or too little) the
-// products run round robin.
-
-// kAuto: lanes with the stream-K share where round robin would leave more than 5 % of the
-// clusters' time idle and lanes keep more busy (and scratch is given); kDataParallel: round robin;
-// kStreamK: lanes wherever there is scratch and a lane (tests, benchmarks).
-enum class GemmSchedule { kAuto, kDataParallel, kStreamK };
+// with the columns that do not fill a wave cut into equal k ranges (stream-K) and the clusters no
+// lane takes on the last few columns: gemm_schedule.h (GemmSchedule). The stream-K share needs
+// scratch memory (partial tiles and flags); without it (or too little) the products run round
+// robin.
 
 // The shapes gemm_wgmma and gemm_wgmma_accumulate take: `out` a multiple of 128, 160, 192 or 224
 // and in % 64 == 0 (Qwen2.5 1.5B-72B's QKV, o_proj and down products; not SmolLM2's 576).

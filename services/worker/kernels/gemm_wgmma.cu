@@ -6,10 +6,10 @@
 //
 // The main loop:
 //  - Tile: 128 token rows x BN product columns, k steps of 64; BN is 256 for kSwiglu and one of
-//    128-256 (and 320 for kAccumulate) for the plain products (Width, pick_width). A stage holds
-//    x's 128 x 64 box and two BN/2 x 64 weight boxes (48 KiB at BN = 256), as many stages as fit
-//    (4 at 256), all 128-byte swizzled (wgmma.cuh's layout). The weight boxes are W rows n0.. and
-//    n0 + BN/2.. (kStore, kAccumulate: BN consecutive outputs) or the gate rows n0.. and the up
+//    128-256 (and 320 for kAccumulate) for the plain products (Width, pick_gemm_width). A stage
+//    holds x's 128 x 64 box and two BN/2 x 64 weight boxes (48 KiB at BN = 256), as many stages as
+//    fit (4 at 256), all 128-byte swizzled (wgmma.cuh's layout). The weight boxes are W rows n0..
+//    and n0 + BN/2.. (kStore, kAccumulate: BN consecutive outputs) or the gate rows n0.. and the up
 //    rows inter + n0.. (kSwiglu: 128 outputs).
 //  - Clusters of 2 CTAs along the rows: both need the same weight tile, so each loads one of its
 //    two boxes and multicasts it to both (half the weight traffic from L2).
@@ -17,25 +17,15 @@
 //    m64nBNk16 over 64 rows of the tile, releasing a stage (in both CTAs) once its products are
 //    done. A stage is refilled only when both CTAs' consumers released it.
 //
-// The schedule. Cluster tiles are 256 rows x BN product columns (tiles_m x tiles_n of them). At
-// 1024 token rows there are few: Qwen2.5-7B's QKV 4 x 18, o_proj and down 4 x 14, 14B's gate/up
-// 4 x 108, on the H200's 66 clusters; dealt whole, round robin (rows fastest), the last wave leaves
-// up to 45 % of the clusters idle. So where that idles more than 5 % (GemmSchedule::kAuto) the
-// clusters work in lanes: cluster c stays on row tile c % tiles_m, lane c / tiles_m, and the
-// lanes split the columns; a lane's clusters walk the same columns and k steps together, so each
-// weight tile comes from memory about once and then from L2 (cutting single tiles instead put the
-// row tiles of one column at different k steps: 7B's down product, 136 MB of weights, ran 20 %
-// slower than whole tiles). The columns that would not fill a wave of lanes (tiles_n % lanes +
-// lanes of them, or all when there are fewer than lanes) are cut by k steps into one equal,
-// contiguous range per lane (stream-K, Osama et al. 2023); the rest are dealt whole round robin
-// after that. A lane's range ends with the head (first k steps) of a column and may start inside
-// another. The cluster that holds a tile's head finishes it: the others (at most one piece per
-// cluster: the tile its range starts in) write their fp32 partial sums to scratch memory and raise
-// a flag; the head's cluster waits for the flags, adds the partials in lane order (the result does
-// not depend on timing) and runs the epilogue. A contributor raises its flag before it waits for
-// anything, and every cluster of the grid is resident at once (the grid is at most the occupancy
-// query's clusters), so the waits end. The flags are zero before a launch and zero after it (the
-// finishing cluster clears them): scratch is zeroed once when allocated.
+// The schedule (gemm_schedule.h: whole tiles round robin, or lanes with a stream-K share and
+// spare clusters). A stream-K tile's head finishes it: the clusters whose ranges hold the rest of
+// its k steps (at most one piece each: the tile its range starts in) write their fp32 partial sums
+// to scratch memory and raise a flag; the head's cluster waits for the flags, adds the partials in
+// lane order (the result does not depend on timing) and runs the epilogue. A contributor raises
+// its flag before it waits for anything, and every cluster of the grid is resident at once (the
+// grid is at most the occupancy query's clusters), so the waits end. The flags are zero before a
+// launch and zero after it (the finishing cluster clears them): scratch is zeroed once when
+// allocated.
 //
 // fp32 accumulation (stream-K partials included), one rounding to bf16 at the end (kStore,
 // kSwiglu); kAccumulate adds the fp32 sums to y in fp32. silu(g) = g * sigmoid(g) = h + h *
@@ -49,6 +39,7 @@
 
 #include "services/worker/kernels/common.cuh"
 #include "services/worker/kernels/gemm.h"
+#include "services/worker/kernels/gemm_schedule.h"
 #include "services/worker/kernels/kernels.h"
 #include "services/worker/kernels/tma.cuh"
 #include "services/worker/kernels/tma_map.h"
@@ -61,18 +52,18 @@ using bf16 = __nv_bfloat16;
 
 enum class Epilogue { kStore, kAccumulate, kSwiglu };
 
-constexpr int kBM = 128;  // token rows per CTA tile
-constexpr int kBK = 64;   // k per stage: one 128-byte swizzled row of bf16
-constexpr int kCluster = 2;
+constexpr int kBM = kGemmTileRows;  // token rows per CTA tile
+constexpr int kBK = kGemmStepK;     // k per stage: one 128-byte swizzled row of bf16
+constexpr int kCluster = kGemmCluster;
 constexpr int kConsumers = 2;
 constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr int kBoxBytes = kBM * kBK * 2;  // x's 128-row box of a stage
 constexpr int kOutBytes = kBM * 128 * 2;  // 128 staged bf16 output columns
 constexpr int kPanelBytes = kBM * 128;    // 64 output columns of the staging
 constexpr int kSmemBudget = 227 * 1024;   // the H100/H200's opt-in limit per block
-// A CTA's partial tile in scratch: per consumer warpgroup, up to 32 accumulator blocks of float4
-// per thread (a 256-wide tile's; 320-wide tiles are dealt whole only).
-constexpr int kMaxPartialBlocks = 32;
+// A CTA's partial tile in scratch: per consumer warpgroup, up to kGemmMaxPartialBlocks
+// accumulator blocks of float4 per thread (a 256-wide tile's; 320-wide tiles are dealt whole only).
+constexpr int kMaxPartialBlocks = kGemmMaxPartialBlocks;
 constexpr size_t kPartialBytes = size_t{kConsumers} * kMaxPartialBlocks * 128 * 16;
 
 // The tile widths (product columns of a CTA tile; kSwiglu: 256 = 128 gate + 128 up columns, the
@@ -97,16 +88,8 @@ struct Width {
                 "swizzled boxes start 1024-byte aligned");
   static_assert(kSmemBytes <= kSmemBudget, "shared memory");
 };
-// 320 (two m64n160k16 a k16 step, 160 accumulators a thread) for kAccumulate only: kStore's
-// staging epilogue made ptxas serialize its wgmma at that width.
-constexpr int kWidths[] = {320, 256, 224, 192, 160, 128};
-// Whether width bn is one of kWidths, allowed for the epilogue, and divides the product's outs.
-bool width_fits(int bn, int64_t outs, bool accumulate) {
-  return std::find(std::begin(kWidths), std::end(kWidths), bn) != std::end(kWidths) &&
-         (bn != 320 || accumulate) && outs % bn == 0;
-}
-// Whether tiles of width bn can go in lanes with a stream-K share: their partial sums fit a slot.
-__host__ __device__ constexpr bool lanes_allowed(int bn) { return bn / 8 <= kMaxPartialBlocks; }
+// 320 (two m64n160k16 a k16 step, 160 accumulators a thread) is kAccumulate's only (kGemmWidths):
+// kStore's staging epilogue made ptxas serialize its wgmma at that width.
 // Registers: the consumers' 128 accumulators per thread need the producer's share.
 constexpr int kProducerRegs = 40;
 constexpr int kConsumerRegs = 232;
@@ -125,83 +108,12 @@ struct Args {
   float4* partials;    // stream-K: (clusters, kCluster) partial tiles, or null
   unsigned* flags;     // stream-K: (clusters, kCluster), zero between launches
   int rows, outs, in;  // outs: product outputs (kSwiglu: inter)
-  // lanes == 0: whole tiles dealt round robin to the clusters (rows fastest). lanes > 0: cluster c
-  // works on row tile c % tiles_m in lane c / tiles_m; the first sk_cols column tiles' k steps are
-  // cut into one range per lane, the other columns dealt round robin to the lanes.
-  int lanes, sk_cols;
+  GemmPlan plan;       // the schedule (the grid is plan.clusters clusters)
 };
 
-// Product outputs per column tile (kSwiglu: 128 gate and 128 up columns make 128 outputs), and
-// the 256-row cluster tiles of `rows` token rows: the kernel and the host's planning share these.
+// Product outputs per column tile (kSwiglu: 128 gate and 128 up columns make 128 outputs).
 template <Epilogue E, int BN>
 constexpr int kTileOuts = E == Epilogue::kSwiglu ? BN / 2 : BN;
-__host__ __device__ constexpr int64_t row_tiles(int64_t rows) {
-  return (rows + kBM * kCluster - 1) / (kBM * kCluster);
-}
-
-template <Epilogue E, int BN>
-__device__ __forceinline__ int tiles_n(const Args& a) {
-  return a.outs / kTileOuts<E, BN>;
-}
-
-// The work of one cluster, in order (producer and consumers walk the same pieces). Round robin
-// (lanes == 0): tiles cluster, cluster + clusters, ... with the rows fastest. In lanes: the lane's
-// range of the stream-K share (the first sk_cols columns' k steps cut into one equal range per
-// lane), then whole columns round robin; always on the cluster's own row tile. The clusters of a
-// lane (one per row tile) walk the same columns and k steps at the same time, so a weight tile is
-// read from memory about once and then from L2 (a stream-K schedule over single tiles put the row
-// tiles of a column at different k steps: Qwen2.5-7B's down product, 136 MB of weights, ran 20 %
-// slower than whole tiles). One loop over next(): a loop body inlined at two call sites made ptxas
-// serialize the consumers' wgmma.
-struct Pieces {
-  int64_t i = 0, end = 0;  // the stream-K iterations left: [i, end)
-  int k_steps, next_tile, tiles, step, tiles_m, m = 0;
-  __device__ Pieces(const Args& a, int tiles_m_, int tiles_n, int cluster, int clusters)
-      : k_steps(a.in / kBK), tiles_m(tiles_m_) {
-    if (a.lanes == 0) {
-      next_tile = cluster;
-      tiles = tiles_m * tiles_n;
-      step = clusters;
-      return;
-    }
-    // In a lane: "tiles" are the columns of row tile m.
-    m = cluster % tiles_m;
-    const int lane = cluster / tiles_m;
-    i = range_start(a, k_steps, lane);
-    end = range_start(a, k_steps, lane + 1);
-    next_tile = a.sk_cols + lane;
-    tiles = tiles_n;
-    step = a.lanes;
-  }
-  // Where lane l's range of the stream-K iterations starts (l == lanes: where the last ends).
-  __device__ static int64_t range_start(const Args& a, int k_steps, int l) {
-    return int64_t{a.sk_cols} * k_steps * l / a.lanes;
-  }
-  // The next piece: row tile tm, column tile tn, k steps [kb, ke). False when there is none.
-  __device__ bool next(const Args& a, int& tm, int& tn, int& kb, int& ke) {
-    if (i < end) {
-      tm = m;
-      tn = static_cast<int>(i / k_steps);
-      kb = static_cast<int>(i % k_steps);
-      const int64_t left = end - i;
-      ke = left < k_steps - kb ? kb + static_cast<int>(left) : k_steps;
-      i += ke - kb;
-      return true;
-    }
-    if (next_tile >= tiles) return false;
-    if (a.lanes == 0) {
-      tm = next_tile % tiles_m;
-      tn = next_tile / tiles_m;
-    } else {
-      tm = m;
-      tn = next_tile;
-    }
-    kb = 0;
-    ke = k_steps;
-    next_tile += step;
-    return true;
-  }
-};
 
 __device__ __forceinline__ void flag_release(unsigned* flag) {
 #ifdef KEEP_WGMMA_ASM
@@ -258,10 +170,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int wg = static_cast<int>(threadIdx.x) / 128;
   const int tid = static_cast<int>(threadIdx.x) % 128;
   const uint32_t rank = d::cluster_rank();
-  const int tiles_m = static_cast<int>(row_tiles(args.rows));
+  const GemmPlan& plan = args.plan;
   const int cluster = static_cast<int>(blockIdx.x) / kCluster;
-  const int clusters = static_cast<int>(gridDim.x) / kCluster;
-  const int k_steps = args.in / kBK;
+  const int k_steps = plan.k_steps;
   // Row tile tm's first row for this CTA, column tile tn's first output column.
   const auto row0 = [&](int tm) { return (tm * kCluster + static_cast<int>(rank)) * kBM; };
   const auto col0 = [&](int tn) { return tn * kTileOuts<E, BN>; };
@@ -281,8 +192,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     d::setmaxnreg_dec<kProducerRegs>();
     if (tid == 0) {
       int it = 0;  // k steps over all of this CTA's pieces; stage it % kStages
-      Pieces pieces(args, tiles_m, tiles_n<E, BN>(args), cluster, clusters);
-      for (int tm, tn, kb, ke; pieces.next(args, tm, tn, kb, ke);) {
+      GemmPieces pieces(plan, cluster);
+      for (int tm, tn, kb, ke; pieces.next(tm, tn, kb, ke);) {
         const int m0 = row0(tm), n0 = col0(tn);
         // This CTA's weight box: the tile's first or second BN / 2 rows of W (the gate's or the
         // up's 128 rows for kSwiglu).
@@ -323,8 +234,8 @@ __global__ void __launch_bounds__(kThreads, 1)
              tid;
     };
     int it = 0;
-    Pieces pieces(args, tiles_m, tiles_n<E, BN>(args), cluster, clusters);
-    for (int tm, tn, kb, ke; pieces.next(args, tm, tn, kb, ke);) {
+    GemmPieces pieces(plan, cluster);
+    for (int tm, tn, kb, ke; pieces.next(tm, tn, kb, ke);) {
       const int m0 = row0(tm), n0 = col0(tn);
       constexpr int kBlocks = BN / 8;  // 8-column accumulator blocks
       float acc[kBlocks][4];
@@ -356,7 +267,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       release((it - 1) % kStages);  // the piece's last stage
 
       // (Pieces of tiles wider than a partial slot never start or end inside a tile.)
-      constexpr bool kPartials = lanes_allowed(BN);
+      constexpr bool kPartials = gemm_lanes_allowed(BN);
       if (kPartials && kb > 0) {
         // Not the tile's head: hand the partial sums to the cluster that finishes the tile.
         float4* p = partial(cluster);
@@ -369,13 +280,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         continue;
       }
       if (kPartials && ke < k_steps) {
-        // The head of a tile cut into ranges: the lanes after this one whose ranges start inside
-        // the tile hold the rest of its k steps; add their partials (this row tile's cluster in
-        // each) in lane order.
+        // The head of a tile cut into ranges: add the partials of the clusters that hold the
+        // rest of its k steps, in lane order.
         const int64_t tile_end = int64_t{tn + 1} * k_steps;
-        for (int l = cluster / tiles_m + 1;
-             l < args.lanes && Pieces::range_start(args, k_steps, l) < tile_end; ++l) {
-          const int cl = tm + l * tiles_m;  // the same row tile in lane l
+        for (int l = cluster / plan.tiles_m + 1; GemmPieces::holds_part(plan, l, tile_end); ++l) {
+          const int cl = tm + l * plan.tiles_m;  // the same row tile in lane l
           if (issuer) flag_acquire(&args.flags[cl * kCluster + rank]);
           d::named_barrier(2, 128 * kConsumers);
           const float4* p = partial(cl);
@@ -528,77 +437,13 @@ int max_clusters(int device) {
   });
 }
 
-// The schedule of a product of tiles_m x tiles_n cluster tiles of k_steps each on `clusters`
-// clusters: args.lanes, args.sk_cols, and the grid in clusters. kAuto takes lanes with a stream-K
-// share where they keep more of the clusters busy than whole tiles round robin (which leave the
-// last wave part idle) and the round robin would idle more than 5 %.
-int64_t plan(Args& args, int64_t tiles_m, int64_t tiles_n, int64_t k_steps, int clusters,
-             bool have_scratch, GemmSchedule schedule) {
-  args.lanes = 0;
-  args.sk_cols = 0;
-  const int64_t tiles = tiles_m * tiles_n;
-  const int64_t round_robin = std::min<int64_t>(tiles, clusters);
-  const int64_t lanes = clusters / tiles_m;
-  if (schedule == GemmSchedule::kDataParallel || !have_scratch || lanes == 0) return round_robin;
-  int64_t sk_cols = 0;
-  if (tiles_n % lanes != 0) sk_cols = tiles_n < lanes ? tiles_n : tiles_n % lanes + lanes;
-  if (sk_cols * k_steps < 4 * lanes) sk_cols = 0;  // ranges of a few k steps: not worth a fixup
-  // Busy share of the clusters' time: round robin, and lanes (whole columns, or balanced).
-  const double rr = double(tiles) / double((tiles + clusters - 1) / clusters * clusters);
-  const double in_lanes =
-      double(lanes * tiles_m) / clusters *
-      (sk_cols > 0 ? 1.0 : double(tiles_n) / double((tiles_n + lanes - 1) / lanes * lanes));
-  if (schedule == GemmSchedule::kAuto && (rr >= 0.95 || in_lanes <= rr)) return round_robin;
-  args.lanes = static_cast<int>(lanes);
-  args.sk_cols = static_cast<int>(sk_cols);
-  return lanes * tiles_m;
-}
-
-// The modelled time of a width's schedule, in product columns x k steps of its busiest cluster:
-// whole tiles cost their k steps plus kTileSteps for the pipeline's fill and the epilogue; a lane's
-// stream-K range costs its share of the k steps plus kFixupSteps for the partials' hand-over, and
-// lanes run kLaneRate slower. Column steps of narrow tiles cost more (width_rate): fitted to
-// test_gemm's times of Qwen2.5-7B's and 14B's products at 1024-4096 rows on the H200.
-constexpr double kTileSteps = 4.0;
-constexpr double kFixupSteps = 8.0;
-constexpr double kLaneRate = 1.03;
-constexpr double width_rate(int bn) { return bn == 160 ? 1.07 : bn == 128 ? 1.08 : 1.0; }
-double modelled_cost(int bn, int64_t rows, int64_t outs, int64_t k_steps, int clusters,
-                     bool have_scratch, GemmSchedule schedule) {
-  Args a{};
-  const int64_t tiles_m = row_tiles(rows), tiles_n = outs / bn;
-  const int64_t grid =
-      plan(a, tiles_m, tiles_n, k_steps, clusters, have_scratch && lanes_allowed(bn), schedule);
-  const double steps =
-      a.lanes == 0 ? double((tiles_m * tiles_n + grid - 1) / grid) * (double(k_steps) + kTileSteps)
-                   : double(tiles_n) * double(k_steps) / a.lanes + kFixupSteps;
-  return steps * bn * width_rate(bn) * (a.lanes == 0 ? 1.0 : kLaneRate);
-}
-
-// The width for a kStore or kAccumulate product of `outs` columns (0: none divides it): the
-// cheapest by modelled_cost, a narrower one only where it saves more than 1 %.
-int pick_width(int64_t rows, int64_t outs, int64_t k_steps, bool accumulate, int clusters,
-               bool have_scratch, GemmSchedule schedule) {
-  int best = 0;
-  double best_cost = 0.0;
-  for (const int bn : kWidths) {
-    if (!width_fits(bn, outs, accumulate)) continue;
-    const double c = modelled_cost(bn, rows, outs, k_steps, clusters, have_scratch, schedule);
-    if (best == 0 || c < 0.99 * best_cost) {
-      best = bn;
-      best_cost = c;
-    }
-  }
-  return best;
-}
-
 template <Epilogue E, int BN>
 cudaError_t launch(const Maps& maps, Args args, int device, const GemmScratch& scratch,
                    GemmSchedule schedule, cudaStream_t stream) {
   const int clusters = max_clusters<E, BN>(device);
   if (clusters <= 0) return cudaErrorNotSupported;
   // Partial tiles hold up to kMaxPartialBlocks accumulator blocks: wider tiles go round robin.
-  const bool have_scratch = lanes_allowed(BN) && scratch.ptr != nullptr &&
+  const bool have_scratch = gemm_lanes_allowed(BN) && scratch.ptr != nullptr &&
                             scratch.bytes >= gemm_wgmma_scratch_bytes(clusters);
   args.partials = have_scratch ? static_cast<float4*>(scratch.ptr) : nullptr;
   args.flags =
@@ -606,17 +451,17 @@ cudaError_t launch(const Maps& maps, Args args, int device, const GemmScratch& s
           ? reinterpret_cast<unsigned*>(static_cast<unsigned char*>(scratch.ptr) +
                                         static_cast<size_t>(clusters) * kCluster * kPartialBytes)
           : nullptr;
-  const int64_t grid = plan(args, row_tiles(args.rows), args.outs / kTileOuts<E, BN>, args.in / kBK,
-                            clusters, have_scratch, schedule);
-  const Launch launch(static_cast<unsigned>(grid * kCluster), Width<E, BN>::kSmemBytes, stream,
-                      true);
+  args.plan = plan_gemm(gemm_row_tiles(args.rows), args.outs / kTileOuts<E, BN>, args.in / kBK,
+                        clusters, have_scratch, schedule);
+  const Launch launch(static_cast<unsigned>(args.plan.clusters * kCluster),
+                      Width<E, BN>::kSmemBytes, stream, true);
   return cudaLaunchKernelEx(&launch.cfg, gemm_wgmma_kernel<E, BN>, maps, args);
 }
 
 // One product: checks (cudaErrorInvalidValue), then the width, the maps and the launch. `outs` is
 // the product's outputs (kSwiglu: inter; W then has 2 * inter rows); y is bf16 (kStore, kSwiglu:
 // TMA stores, 16-byte aligned, stride a multiple of 8) or fp32 (kAccumulate: 8-byte pairs).
-// tile_cols: the width (kStore, kAccumulate; 0: pick_width's).
+// tile_cols: the width (kStore, kAccumulate; 0: pick_gemm_width's).
 template <Epilogue E>
 cudaError_t run(void* y, int64_t y_stride, const bf16* x, int64_t x_stride, const bf16* w,
                 int64_t rows, int64_t outs, int64_t in, const GemmScratch& scratch,
@@ -629,9 +474,9 @@ cudaError_t run(void* y, int64_t y_stride, const bf16* x, int64_t x_stride, cons
       y_stride % (kF32 ? 2 : 8) != 0) {
     return cudaErrorInvalidValue;
   }
-  if (kSwiglu
-          ? outs % 128 != 0 || (tile_cols != 0 && tile_cols != 256)
-          : !gemm_wgmma_fits(outs, in) || (tile_cols != 0 && !width_fits(tile_cols, outs, kF32))) {
+  if (kSwiglu ? outs % 128 != 0 || (tile_cols != 0 && tile_cols != 256)
+              : !gemm_wgmma_fits(outs, in) ||
+                    (tile_cols != 0 && !gemm_width_fits(tile_cols, outs, kF32))) {
     return cudaErrorInvalidValue;
   }
   if (rows == 0) return cudaSuccess;
@@ -649,9 +494,9 @@ cudaError_t run(void* y, int64_t y_stride, const bf16* x, int64_t x_stride, cons
     // Every width's kernel has the same occupancy (one CTA an SM): the widest's answer serves.
     const int clusters = max_clusters<E, 256>(device);
     if (clusters <= 0) return cudaErrorNotSupported;
-    bn = pick_width(rows, outs, in / kBK, kF32, clusters,
-                    scratch.ptr != nullptr && scratch.bytes >= gemm_wgmma_scratch_bytes(clusters),
-                    schedule);
+    bn = pick_gemm_width(
+        rows, outs, in / kBK, kF32, clusters,
+        scratch.ptr != nullptr && scratch.bytes >= gemm_wgmma_scratch_bytes(clusters), schedule);
   } else if (!kSwiglu) {
     bn = tile_cols;
   }
@@ -714,13 +559,14 @@ int gemm_wgmma_clusters() {
 
 bool gemm_wgmma_fits(int64_t out, int64_t in) {
   return out > 0 && in > 0 && in % kBK == 0 && out <= INT32_MAX && in <= INT32_MAX &&
-         std::any_of(std::begin(kWidths), std::end(kWidths), [&](int bn) { return out % bn == 0; });
+         std::any_of(std::begin(kGemmWidths), std::end(kGemmWidths),
+                     [&](int bn) { return out % bn == 0; });
 }
 
 int gemm_wgmma_tile_cols(int64_t rows, int64_t out, int64_t in, bool accumulate, int clusters,
                          bool scratch, GemmSchedule schedule) {
   if (rows <= 0 || !gemm_wgmma_fits(out, in) || clusters <= 0) return 0;
-  return pick_width(rows, out, in / kBK, accumulate, clusters, scratch, schedule);
+  return pick_gemm_width(rows, out, in / kBK, accumulate, clusters, scratch, schedule);
 }
 
 bool gemm_swiglu_fits(int64_t inter, int64_t in) {
