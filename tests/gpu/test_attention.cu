@@ -61,6 +61,7 @@ struct Options {
   int64_t out_extra = 8;     // out_stride = heads * head_dim + out_extra
   bool misalign = false;     // q, out, k, v at an odd element offset (the kernel's scalar paths)
   float q_amplitude = 1.0f;  // q uniform in [-a, a] (larger: peakier softmax)
+  float k_ramp = 0.0f;       // key t's K scaled by 1 + k_ramp * t / num_keys (rising scores)
   bool with_lse = true;
   kk::PrefillKernel kernel = kk::PrefillKernel::kMma;
 };
@@ -122,11 +123,15 @@ void run_case(const std::string& name, std::mt19937& rng, const Layout& lay, con
   for (auto& x : q) x = kk::float_to_bf16(opt.q_amplitude * unit(rng));
   const size_t kv_elems = static_cast<size_t>(lay.num_keys) * sh.kv_heads * sh.head_dim;
   std::vector<KV> k(kv_elems), v(kv_elems);
-  for (auto& x : k) x = kk::from_float<KV>(unit(rng));
+  const size_t per_key = static_cast<size_t>(sh.kv_heads) * sh.head_dim;
+  for (size_t i = 0; i < kv_elems; ++i) {
+    const float ramp = 1.0f + opt.k_ramp * static_cast<float>(i / per_key) /
+                                  static_cast<float>(std::max(lay.num_keys, 1));
+    k[i] = kk::from_float<KV>(ramp * unit(rng));
+  }
   for (auto& x : v) x = kk::from_float<KV>(unit(rng));
   // Keys nobody sees hold NaN: slots of a view never written.
   const auto seen = seen_keys(lay);
-  const size_t per_key = static_cast<size_t>(sh.kv_heads) * sh.head_dim;
   const KV nan = kk::from_float<KV>(std::numeric_limits<float>::quiet_NaN());
   for (int32_t t = 0; t < lay.num_keys; ++t) {
     if (seen[t]) continue;
@@ -206,8 +211,9 @@ void run_case(const std::string& name, std::mt19937& rng, const Layout& lay, con
   // tensor cores: scores move by ~4e-4 * q_amplitude (std, U(-1,1) inputs), so a row with one key
   // moves its lse as much; 1e-3 holds for bf16 storage only.
   if (opt.with_lse) {
-    const double tol =
-        std::is_same_v<KV, float> ? 1e-3 + 4e-3 * static_cast<double>(opt.q_amplitude) : 1e-3;
+    const double tol = std::is_same_v<KV, float>
+                           ? 1e-3 + 4e-3 * static_cast<double>(opt.q_amplitude * (1 + opt.k_ramp))
+                           : 1e-3;
     int64_t bad = 0;
     for (size_t i = 0; i < want_lse.size(); ++i) {
       const float g = got_lse[i];
@@ -348,6 +354,15 @@ void run_all(std::mt19937& rng, kk::PrefillKernel kernel) {
     Options o = base;
     o.q_amplitude = 8.0f;  // peaky softmax: the running max moves by a lot
     run_case<KV>("causal peaky", rng, causal(300, 20), kQwen7, o);
+    // Scores rising along the keys (up to 7x): a row's max keeps passing the reference max by
+    // more than the slack, so O is rescaled mid-row, after tiles that kept it (a build that
+    // never rescaled there failed this case and "causal peaky"). bf16 K only: fp32 K, rounded to
+    // bf16 for the tensor cores, moves scores this large by more than the outputs' tolerance.
+    if constexpr (std::is_same_v<KV, Bf16>) {
+      o.q_amplitude = 4.0f;
+      o.k_ramp = 6.0f;
+      run_case<KV>("causal rising", rng, causal(300, 20), kQwen14, o);
+    }
   }
   // Recompute subsets.
   run_case<KV>("recompute", rng, recompute(rng, 300, 0.4, true), kSmol, base);

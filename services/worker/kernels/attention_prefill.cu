@@ -424,8 +424,15 @@ __device__ __forceinline__ void scores_mma(float (&s)[kKeys / 8][4],
   }
 }
 
-// Scales and masks S (exp2 domain), moves the running max and l, and turns S into P; O is to be
-// multiplied by alpha (rescale_o), which the wgmma pipeline defers until the product in flight
+// A row's reference max m (exp2 domain) moves only where the row's scores exceed it by more than
+// kRescaleSlack: P then stays below 2^8, which bf16 (8 bits of mantissa at any exponent) and the
+// fp32 sums hold as well as values below 1, and a warp whose rows all kept their m skips O's
+// rescale (rescale_o: 64 multiplications a thread at head_dim 128). The running max of a causal
+// row grows mostly over its first key tiles (FlashAttention-4's conditional rescaling).
+constexpr float kRescaleSlack = 8.0f;
+
+// Scales and masks S (exp2 domain), moves the reference max and l, and turns S into P; O is to
+// be multiplied by alpha (rescale_o), which the wgmma pipeline defers until the product in flight
 // on O is done. kBlocks / 8 key tiles of 64 keys side by side (one, or the wide kernel's two);
 // mask[t][i]: which keys of tile t row i of the thread sees.
 template <bool kFull, int kBlocks>
@@ -451,11 +458,15 @@ __device__ __forceinline__ void softmax_scores(float (&s)[kBlocks][4], float (&m
   for (int i = 0; i < 2; ++i) {
     row_max[i] = fmaxf(row_max[i], __shfl_xor_sync(0xffffffffu, row_max[i], 1));
     row_max[i] = fmaxf(row_max[i], __shfl_xor_sync(0xffffffffu, row_max[i], 2));
-    const float m_new = fmaxf(m[i], row_max[i] * scale_log2);
+    const float m_max = fmaxf(m[i], row_max[i] * scale_log2);
+    // Kept unless exceeded by more than the slack (from -inf always moves: inf > slack; -inf to
+    // -inf compares NaN and keeps it).
+    const float m_new = m_max - m[i] > kRescaleSlack ? m_max : m[i];
     // Nothing seen yet: subtract 0 instead of -inf (exp2(-inf - -inf) would be NaN); every
-    // masked score then gives exp2(-inf) = 0, and so does alpha.
+    // masked score then gives exp2(-inf) = 0. A kept m (-inf included: O and l are still 0) gives
+    // alpha = 1 exactly.
     m_use[i] = m_new == -INFINITY ? 0.0f : m_new;
-    alpha[i] = fast_exp2(m[i] - m_use[i]);
+    alpha[i] = m_new == m[i] ? 1.0f : fast_exp2(m[i] - m_use[i]);
     m[i] = m_new;
     l[i] *= alpha[i];
   }
@@ -470,8 +481,12 @@ __device__ __forceinline__ void softmax_scores(float (&s)[kBlocks][4], float (&m
   }
 }
 
-template <int HD>
+// kSkip: not where no row of the warp moved its reference max (softmax_scores). The wgmma kernels
+// skip (test_attention: 2-3 % faster); the mma.sync kernel, which rescales right before its P V
+// products, ran ~2 % slower with the vote and always multiplies.
+template <int HD, bool kSkip = true>
 __device__ __forceinline__ void rescale_o(float (&o)[HD / 8][4], const float (&alpha)[2]) {
+  if (kSkip && !__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) return;
 #pragma unroll
   for (int d = 0; d < HD / 8; ++d) {
     o[d][0] *= alpha[0];
@@ -816,7 +831,7 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 ? 3 : 2)
       tile_mask(entry, mask);
       scores_mma<HD>(s, qa, sk + (j & 1) * G::kTileElems, lane);
       softmax_tile((entry & 1) != 0, s, m, l, alpha, lane, p.scale_log2, mask);
-      rescale_o<HD>(o, alpha);
+      rescale_o<HD, false>(o, alpha);
       accumulate_pv_mma<HD>(o, s, sv + (j & 1) * G::kTileElems, lane);
       entry = next;
     }
