@@ -13,6 +13,13 @@
 #                                           line timing something (in ms or us; AB_PATTERN: another
 #                                           awk regex) side by side, plus each run's last line (the
 #                                           check counts)
+#   scripts/gpu-ab.sh bench [rounds] [args]  on the GPU machine, carrying a .gpu-bundle built with
+#                                           BUNDLE_BASE=REV (scripts/gpu-bundle.sh): bench_prefill
+#                                           at REV and at the bundle's build, alternated (default 2
+#                                           rounds) with the same args (e.g. --shape qwen2.5-14b
+#                                           --tokens 1024 --reps 15 --decode 0 --gap-ms 200
+#                                           --profile), logs to $OUT, prints their timing and profile
+#                                           lines
 #
 # Only services/worker/kernels is built (it needs nothing but CUDA), in build-ab-base and
 # build-ab-head; BASE's sources are a git worktree at build-ab-src.
@@ -23,7 +30,7 @@ export PATH=/usr/local/cuda/bin:$PATH
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
 usage() {
-  sed -n '2,18p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+  sed -n '2,25p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
   exit 2
 }
 
@@ -107,6 +114,38 @@ case "$cmd" in
             printf "%s\n    base%s\n    head%s\n", k, figs["base", k], figs["head", k]
           }
         }' "$logs"/ab-"$t"-base-*.log "$logs"/ab-"$t"-head-*.log
+    done
+    exit "$status"
+    ;;
+  bench)
+    rounds=2
+    if [[ $# -ge 2 && "$2" =~ ^[0-9]+$ ]]; then
+      rounds="$2"
+      shift
+    fi
+    shift
+    bundle="$root/.gpu-bundle"
+    "$root/scripts/gpu-bundle.sh" --unpack
+    if [[ ! -x "$bundle/bin/bench_prefill_base" || ! -x "$bundle/bin/bench_prefill" ]]; then
+      echo "gpu-ab: no $bundle/bin/bench_prefill{,_base}: build with BUNDLE_BASE=REV scripts/gpu-bundle.sh"
+      exit 2
+    fi
+    export LD_LIBRARY_PATH="$bundle/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    logs="${OUT:-/tmp/gpu-ab}"
+    mkdir -p "$logs"
+    echo "base $(cat "$bundle/BASE_REVISION" 2>/dev/null || echo '?'), head: the bundle's build"
+    status=0
+    for r in $(seq 1 "$rounds"); do
+      for side in base head; do
+        prog="$bundle/bin/bench_prefill"
+        [[ "$side" == base ]] && prog="${prog}_base"
+        log="$logs/ab-bench-$side-$r.log"
+        rc=0
+        "$prog" "$@" >"$log" 2>&1 || rc=$?
+        [[ "$rc" -eq 0 ]] || { echo "gpu-ab: $side bench round $r failed (exit $rc)"; status=1; }
+        echo "== $side round $r"
+        grep -E '^[^ #]+ +keep|^  [a-z_]+ +[0-9.]+ ms' "$log" || true
+      done
     done
     exit "$status"
     ;;

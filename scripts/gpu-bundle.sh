@@ -5,6 +5,9 @@
 # scripts/gpu-check.sh runs when it finds it. For GPU machines that cannot install our packages
 # (no network): carry .gpu-bundle with the call. Usage: scripts/gpu-bundle.sh [build-dir]; on the
 # GPU machine, scripts/gpu-bundle.sh --unpack (gpu-check.sh runs it) ungzips the programs.
+# BUNDLE_BASE=REV also builds bench_prefill at revision REV (a git worktree at build-bundle-src,
+# built in build-gpu-bundle-base) as bin/bench_prefill_base, for `scripts/gpu-ab.sh bench` (both
+# builds timed in alternation in one call).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="$root/.gpu-bundle"
@@ -28,6 +31,21 @@ rm -rf "$out"
 mkdir -p "$out/bin" "$out/lib"
 cp "$(find "$build" -type f -name test_cuda_engine -perm -u+x | head -1)" "$out/bin/"
 cp "$build/bin/bench_prefill" "$out/bin/"
+if [[ -n "${BUNDLE_BASE:-}" ]]; then
+  rev="$(git -C "$root" rev-parse --verify "$BUNDLE_BASE^{commit}")"
+  wt="$root/build-bundle-src"
+  if [[ -e "$wt/.git" ]]; then
+    git -C "$wt" checkout -q --detach "$rev"
+  else
+    git -C "$root" worktree add --detach "$wt" "$rev" >/dev/null
+  fi
+  # The worktree has no models/ (ignored): the base build needs none.
+  cmake -S "$wt" -B "$root/build-gpu-bundle-base" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
+    -DKEEP_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a -DKEEP_BENCHMARKS=ON -DKEEP_TESTS=OFF >/dev/null
+  cmake --build "$root/build-gpu-bundle-base" --target bench_prefill -j "$(nproc)"
+  cp "$root/build-gpu-bundle-base/bin/bench_prefill" "$out/bin/bench_prefill_base"
+  echo "$rev" >"$out/BASE_REVISION"
+fi
 strip "$out"/bin/*  # the carry to a GPU machine is size-limited
 # Shared libraries outside glibc, libstdc++ and CUDA (which the GPU machine has).
 for b in "$out"/bin/*; do
