@@ -62,9 +62,12 @@ int64_t check_plan(const GemmPlan& p, int clusters, bool stream_k) {
   }
   std::map<std::pair<int, int>, std::vector<Piece>> by_tile;
   int64_t busiest = 0;
+  // Modelled work (k steps plus 4 for each piece's pipeline fill and epilogue, as plan_gemm
+  // counts whole tiles): of the busiest lane cluster and of the busiest spare one.
+  int64_t lane_work = 0, spare_work = 0;
   for (int c = 0; c < p.clusters; ++c) {
     GemmPieces pieces(p, c);
-    int64_t steps = 0;
+    int64_t steps = 0, work = 0;
     bool first = true;
     int partials = 0;
     for (int tm, tn, kb, ke; pieces.next(tm, tn, kb, ke); first = false) {
@@ -82,10 +85,17 @@ int64_t check_plan(const GemmPlan& p, int clusters, bool stream_k) {
       if (p.lanes > 0 && c < p.lanes * p.tiles_m) EXPECT(tm == c % p.tiles_m);
       by_tile[{tm, tn}].push_back({c, tm, tn, kb, ke, first});
       steps += ke - kb;
+      work += ke - kb + 4;
     }
     EXPECT(partials <= 1);  // one partial slot a cluster
     busiest = std::max(busiest, steps);
+    if (p.lanes > 0) {
+      int64_t& w = c < p.lanes * p.tiles_m ? lane_work : spare_work;
+      w = std::max(w, work);
+    }
   }
+  // A spare cluster is never the last to finish (beyond a stream-K fix-up's allowance).
+  EXPECT(spare_work <= lane_work + 8);
   EXPECT(by_tile.size() == static_cast<size_t>(p.tiles_m) * p.tiles_n);
   for (auto& [tile, pieces] : by_tile) {
     std::sort(pieces.begin(), pieces.end(),
