@@ -269,17 +269,20 @@ void crash_cycle(it::ManagerProcess& m, std::vector<Writer>& writers, Mix mix, i
          (need_snapshot && !has_snapshot() && std::chrono::steady_clock::now() < t0 + 15s)) {
     std::this_thread::sleep_for(5ms);
   }
-  // Then at the first moment a request is in flight (within 2 s).
+  CHECK_MESSAGE(m.alive(), "keep-manager died before the kill:\n" << m.err());
+  // Then at the first moment a request is in flight (within 2 s), with nothing in between: the
+  // count read again after other work (a scan of the snapshot folder) was 0 at times, the request
+  // answered meanwhile (CI, seed 2144478691).
   const auto give_up = std::chrono::steady_clock::now() + 2s;
-  while (in_flight.load() == 0 && std::chrono::steady_clock::now() < give_up) {
+  int requests_in_flight = 0;
+  while ((requests_in_flight = in_flight.load()) == 0 &&
+         std::chrono::steady_clock::now() < give_up) {
     std::this_thread::sleep_for(50us);
   }
-  const bool snap = has_snapshot();
-  const int requests_in_flight = in_flight.load();
+  m.kill9();
   const double ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-  CHECK_MESSAGE(m.alive(), "keep-manager died before the kill:\n" << m.err());
-  m.kill9();
+  const bool snap = has_snapshot();  // what recovery will find
   stop.store(true);
   for (auto& t : threads) t.join();
   uint64_t acked = 0, upd = 0, del = 0, uncertain = 0;
