@@ -77,6 +77,18 @@ bool flags_clear(const keep::kernels::GemmScratch& s) {
   return std::all_of(h.begin(), h.end(), [](unsigned v) { return v == 0; });
 }
 
+// Our products' stream-K scratch for this device, zeroed once as the backend's is; empty (null)
+// where wgmma does not run. The caller frees its ptr.
+keep::kernels::GemmScratch zeroed_scratch() {
+  keep::kernels::GemmScratch s;
+  if (keep::kernels::wgmma_available() &&
+      (s.bytes = keep::kernels::gemm_wgmma_scratch_bytes()) > 0) {
+    CUDA_OK(cudaMalloc(&s.ptr, s.bytes));
+    CUDA_OK(cudaMemset(s.ptr, 0, s.bytes));
+  }
+  return s;
+}
+
 // kAcc: gemm_nt_accumulate (fp32 y += x W^T) onto random y; else gemm_nt onto NaN.
 // tuner: run the product through GemmTuner::run (bf16 out or fp32 accumulate), which must take it.
 // ours: gemm_wgmma / gemm_wgmma_accumulate instead (bf16 out or fp32 accumulate).
@@ -688,8 +700,8 @@ void time_ours(keep::kernels::BlasHandle& blas, const keep::kernels::GemmScratch
     };
     runs[2] = [&] { ours(kk::GemmSchedule::kStreamK, 0); };
   } else {
-    for (const int bn : {320, 256, 224, 192, 160, 128}) {
-      if (out % bn != 0 || (bn == 320 && !acc)) continue;
+    for (const int bn : kk::kGemmWidths) {
+      if (!kk::gemm_width_fits(bn, out, acc)) continue;
       names.push_back(std::to_string(bn) + " rr");
       runs.push_back([&ours, bn] { ours(kk::GemmSchedule::kDataParallel, bn); });
     }
@@ -765,13 +777,11 @@ void time_one(keep::kernels::BlasHandle& blas, void* ws, size_t ws_bytes,
 // --section SpeedOfLight --section WarpStateStats test_gemm
 void profile_products(keep::kernels::BlasHandle& blas, void* ws, size_t ws_bytes) {
   namespace kk = keep::kernels;
-  kk::GemmScratch scratch;
-  if (!kk::wgmma_available() || (scratch.bytes = kk::gemm_wgmma_scratch_bytes()) == 0) {
+  const kk::GemmScratch scratch = zeroed_scratch();
+  if (scratch.ptr == nullptr) {
     std::printf("profile: no wgmma on this device\n");
     return;
   }
-  CUDA_OK(cudaMalloc(&scratch.ptr, scratch.bytes));
-  CUDA_OK(cudaMemset(scratch.ptr, 0, scratch.bytes));
   for (const bool acc : {false, true}) {
     const int64_t rows = 1024, out = acc ? 5120 : 7168, in = 5120;
     const TimedOperands t(rows, out, in);
@@ -843,13 +853,8 @@ int main() {
   // KEEP_GPU_TEST_ONLY=times: the products' timings at 1024 and 2048 rows alone, no checks (for
   // scripts/gpu-ab.sh).
   if (only != nullptr && std::string(only) == "times") {
-    keep::kernels::GemmScratch scratch;
-    if (keep::kernels::wgmma_available() &&
-        (scratch.bytes = keep::kernels::gemm_wgmma_scratch_bytes()) > 0) {
-      CUDA_OK(cudaMalloc(&scratch.ptr, scratch.bytes));
-      CUDA_OK(cudaMemset(scratch.ptr, 0, scratch.bytes));
-      time_products(blas, scratch, {1024, 2048});
-    }
+    const keep::kernels::GemmScratch scratch = zeroed_scratch();
+    if (scratch.ptr != nullptr) time_products(blas, scratch, {1024, 2048});
     cudaFree(scratch.ptr);
     cudaFree(ws);
     return 0;
@@ -904,11 +909,7 @@ int main() {
     cudaFree(p);
   }
   namespace kk = keep::kernels;
-  kk::GemmScratch scratch;  // the stream-K share's, zeroed once
-  if (kk::wgmma_available() && (scratch.bytes = kk::gemm_wgmma_scratch_bytes()) > 0) {
-    CUDA_OK(cudaMalloc(&scratch.ptr, scratch.bytes));
-    CUDA_OK(cudaMemset(scratch.ptr, 0, scratch.bytes));
-  }
+  const kk::GemmScratch scratch = zeroed_scratch();  // the stream-K share's
   if (keep::kernels::wgmma_available()) {
     for (int64_t rows : {1, 3, 7, 19, 128, 255, 256, 733}) {
       check_gemm_swiglu(rng, rows, 128, 64, 0, 0);

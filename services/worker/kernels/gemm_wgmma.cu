@@ -437,14 +437,18 @@ int max_clusters(int device) {
   });
 }
 
+// Whether `scratch` holds the stream-K share's partial tiles and flags for `clusters` clusters.
+bool scratch_fits(const GemmScratch& scratch, int clusters) {
+  return scratch.ptr != nullptr && scratch.bytes >= gemm_wgmma_scratch_bytes(clusters);
+}
+
 template <Epilogue E, int BN>
 cudaError_t launch(const Maps& maps, Args args, int device, const GemmScratch& scratch,
                    GemmSchedule schedule, cudaStream_t stream) {
   const int clusters = max_clusters<E, BN>(device);
   if (clusters <= 0) return cudaErrorNotSupported;
   // Partial tiles hold up to kMaxPartialBlocks accumulator blocks: wider tiles go round robin.
-  const bool have_scratch = gemm_lanes_allowed(BN) && scratch.ptr != nullptr &&
-                            scratch.bytes >= gemm_wgmma_scratch_bytes(clusters);
+  const bool have_scratch = gemm_lanes_allowed(BN) && scratch_fits(scratch, clusters);
   args.partials = have_scratch ? static_cast<float4*>(scratch.ptr) : nullptr;
   args.flags =
       have_scratch
@@ -494,9 +498,8 @@ cudaError_t run(void* y, int64_t y_stride, const bf16* x, int64_t x_stride, cons
     // Every width's kernel has the same occupancy (one CTA an SM): the widest's answer serves.
     const int clusters = max_clusters<E, 256>(device);
     if (clusters <= 0) return cudaErrorNotSupported;
-    bn = pick_gemm_width(
-        rows, outs, in / kBK, kF32, clusters,
-        scratch.ptr != nullptr && scratch.bytes >= gemm_wgmma_scratch_bytes(clusters), schedule);
+    bn = pick_gemm_width(rows, outs, in / kBK, kF32, clusters, scratch_fits(scratch, clusters),
+                         schedule);
   } else if (!kSwiglu) {
     bn = tile_cols;
   }
@@ -560,7 +563,7 @@ int gemm_wgmma_clusters() {
 bool gemm_wgmma_fits(int64_t out, int64_t in) {
   return out > 0 && in > 0 && in % kBK == 0 && out <= INT32_MAX && in <= INT32_MAX &&
          std::any_of(std::begin(kGemmWidths), std::end(kGemmWidths),
-                     [&](int bn) { return out % bn == 0; });
+                     [&](int bn) { return gemm_width_fits(bn, out, false); });
 }
 
 int gemm_wgmma_tile_cols(int64_t rows, int64_t out, int64_t in, bool accumulate, int clusters,
