@@ -57,15 +57,9 @@ case "$cmd" in
     shift 2
     tests=("$@")
     [ ${#tests[@]} -gt 0 ] || tests=(test_attention test_gemm test_kernels)
-    rev="$(git -C "$root" rev-parse --verify "$base^{commit}")"
-    # BASE's sources: a worktree kept at one path (ignored, like the build folders), so that its
-    # build folder's cache stays valid and rebuilds are incremental.
+    # BASE's sources: a worktree kept at one path, so that its build folder's cache stays valid.
     wt="$root/build-ab-src"
-    if [ -e "$wt/.git" ]; then
-      git -C "$wt" checkout -q --detach "$rev"
-    else
-      git -C "$root" worktree add --detach "$wt" "$rev" >/dev/null
-    fi
+    rev="$("$root/scripts/worktree-at.sh" "$wt" "$base")"
     rm -rf "$out_dir"
     build_tests "$wt" "$root/build-ab-base" "$out_dir/base" "${tests[@]}"
     build_tests "$root" "$root/build-ab-head" "$out_dir/head" "${tests[@]}"

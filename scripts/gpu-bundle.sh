@@ -32,13 +32,8 @@ mkdir -p "$out/bin" "$out/lib"
 cp "$(find "$build" -type f -name test_cuda_engine -perm -u+x | head -1)" "$out/bin/"
 cp "$build/bin/bench_prefill" "$out/bin/"
 if [[ -n "${BUNDLE_BASE:-}" ]]; then
-  rev="$(git -C "$root" rev-parse --verify "$BUNDLE_BASE^{commit}")"
   wt="$root/build-bundle-src"
-  if [[ -e "$wt/.git" ]]; then
-    git -C "$wt" checkout -q --detach "$rev"
-  else
-    git -C "$root" worktree add --detach "$wt" "$rev" >/dev/null
-  fi
+  rev="$("$root/scripts/worktree-at.sh" "$wt" "$BUNDLE_BASE")"
   # The worktree has no models/ (ignored): the base build needs none.
   cmake -S "$wt" -B "$root/build-gpu-bundle-base" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
     -DKEEP_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a -DKEEP_BENCHMARKS=ON -DKEEP_TESTS=OFF >/dev/null
