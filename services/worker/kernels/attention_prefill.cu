@@ -646,9 +646,15 @@ __device__ __forceinline__ void store_o(bf16* so, const float (&o)[HD / 8][4], c
   }
 }
 
-template <int HD, typename KV, bool kWgmma>
+// kAligned: Q, O, K and V allow 16-byte accesses (launch() checked), so the loaders' and the
+// store's element-wise fallbacks are compiled out. They made the main loop's code several times
+// longer (the bf16 wgmma kernel was 115 KB), and instruction fetch was 15 % of its stall samples
+// (benchmarks/RESULTS.md run 11).
+template <int HD, typename KV, bool kWgmma, bool kAligned>
 __global__ void __launch_bounds__(kThreads, HD <= 64 ? 3 : 2)
-    attention_prefill_kernel(const Params<KV> p) {
+    attention_prefill_kernel(const Params<KV> p_arg) {
+  Params<KV> p = p_arg;
+  if constexpr (kAligned) p.q_vec = p.out_vec = p.kv_vec = true;
   using G = Geometry<HD, kWgmma>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   // wgmma: the swizzled panels start 1024-byte aligned (kSmemBytes has the slack).
@@ -1163,14 +1169,24 @@ cudaError_t configure_once(size_t smem_bytes) {
   }));
 }
 
-template <int HD, typename KV, bool kWgmma>
-cudaError_t launch_hd(const Params<KV>& p, cudaStream_t stream) {
+template <int HD, typename KV, bool kWgmma, bool kAligned>
+cudaError_t launch_hd_as(const Params<KV>& p, cudaStream_t stream) {
   constexpr size_t kBytes = Geometry<HD, kWgmma>::kSmemBytes;
-  const cudaError_t err = configure_once<attention_prefill_kernel<HD, KV, kWgmma>>(kBytes);
+  constexpr auto kKernel = attention_prefill_kernel<HD, KV, kWgmma, kAligned>;
+  const cudaError_t err = configure_once<kKernel>(kBytes);
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned int>(p.row_tiles), static_cast<unsigned int>(p.heads));
-  return detail::launch_dependent(attention_prefill_kernel<HD, KV, kWgmma>, grid, kThreads, kBytes,
-                                  stream, p);
+  return detail::launch_dependent(kKernel, grid, kThreads, kBytes, stream, p);
+}
+
+// bf16 K/V with every access 16-byte aligned (the engine's layouts) take the kernel without the
+// element-wise fallbacks; fp32 K/V keep the one kernel (not on the engine's path).
+template <int HD, typename KV, bool kWgmma>
+cudaError_t launch_hd(const Params<KV>& p, cudaStream_t stream) {
+  if constexpr (std::is_same_v<KV, bf16>) {
+    if (p.q_vec && p.out_vec && p.kv_vec) return launch_hd_as<HD, KV, kWgmma, true>(p, stream);
+  }
+  return launch_hd_as<HD, KV, kWgmma, false>(p, stream);
 }
 
 template <int HD>
