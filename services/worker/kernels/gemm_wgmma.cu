@@ -184,35 +184,57 @@ __global__ void __launch_bounds__(kThreads, 1)
     d::mbar_init_fence();
   }
   d::cluster_sync();  // the peer's barriers are ready before anything is multicast to them
-  // x (and y, the scratch) belong to the previous kernels; the set-up above overlapped them.
-  d::wait_previous_grid();
   d::allow_next_grid();
 
   if (wg == 0) {
     d::setmaxnreg_dec<kProducerRegs>();
     if (tid == 0) {
+      // This CTA's weight box of a tile: the tile's first or second BN / 2 rows of W (the gate's
+      // or the up's 128 rows for kSwiglu).
+      const auto w_row = [&](int n0) {
+        return E == Epilogue::kSwiglu ? (rank == 0 ? 0 : args.outs) + n0
+                                      : n0 + static_cast<int>(rank) * W::kWeightRows;
+      };
+      const auto load_w = [&](int s, int k, int n0) {
+        d::tma_load_2d_multicast(
+            smem + s * kStageBytes + kBoxBytes + rank * (W::kWeightRows * kBK * 2), &maps.w,
+            &full[s], k * kBK, w_row(n0), static_cast<uint16_t>((1u << kCluster) - 1));
+      };
+      // The weights are no kernel's output: the first kStages steps' boxes are requested before
+      // the wait for the previous kernel, so that their latency overlaps its last blocks.
       int it = 0;  // k steps over all of this CTA's pieces; stage it % kStages
+      {
+        GemmPieces pieces(plan, cluster);
+        for (int tm, tn, kb, ke; it < kStages && pieces.next(tm, tn, kb, ke);) {
+          for (int k = kb; k < ke && it < kStages; ++k, ++it) {
+            d::mbar_arrive_expect_tx(&full[it], kStageBytes);
+            load_w(it, k, col0(tn));
+          }
+        }
+      }
+      const int early = it;
+      d::wait_previous_grid();  // x is the previous kernel's output
+      it = 0;
       GemmPieces pieces(plan, cluster);
       for (int tm, tn, kb, ke; pieces.next(tm, tn, kb, ke);) {
         const int m0 = row0(tm), n0 = col0(tn);
-        // This CTA's weight box: the tile's first or second BN / 2 rows of W (the gate's or the
-        // up's 128 rows for kSwiglu).
-        const int w_row = E == Epilogue::kSwiglu ? (rank == 0 ? 0 : args.outs) + n0
-                                                 : n0 + static_cast<int>(rank) * W::kWeightRows;
         for (int k = kb; k < ke; ++k, ++it) {
           const int s = it % kStages;
-          if (it >= kStages) d::mbar_wait(&empty[s], ((it / kStages) - 1) & 1);
-          unsigned char* stage = smem + s * kStageBytes;
-          d::mbar_arrive_expect_tx(&full[s], kStageBytes);
-          d::tma_load_2d(stage, &maps.x, &full[s], k * kBK, m0);
-          d::tma_load_2d_multicast(stage + kBoxBytes + rank * (W::kWeightRows * kBK * 2), &maps.w,
-                                   &full[s], k * kBK, w_row,
-                                   static_cast<uint16_t>((1u << kCluster) - 1));
+          if (it >= early) {
+            if (it >= kStages) d::mbar_wait(&empty[s], ((it / kStages) - 1) & 1);
+            d::mbar_arrive_expect_tx(&full[s], kStageBytes);
+            load_w(s, k, n0);
+          }
+          d::tma_load_2d(smem + s * kStageBytes, &maps.x, &full[s], k * kBK, m0);
         }
       }
+    } else {
+      d::wait_previous_grid();
     }
     __syncwarp();
   } else {
+    // y and the stream-K scratch: the previous kernels may still use them.
+    d::wait_previous_grid();
     d::setmaxnreg_inc<kConsumerRegs>();
     const int c = wg - 1;  // this warpgroup's 64 rows of the tile
     const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
