@@ -4,10 +4,7 @@
 // the x rows (a few KB, shared by all warps) come through L1. H200, one row of Qwen2.5-7B's four
 // products: 2.5-3.9 TB/s against cuBLAS's 1.5-3.5 (tests/gpu/test_gemm.cu prints both); from 4 rows
 // cuBLAS is faster (each W piece is reused from registers, but the x loads grow with the rows), so
-// the CUDA backend uses this up to CudaBackendOptions::gemv_rows (2). gemv_kernel launches
-// dependent (common.cuh) and issues its first W loads before it waits for the previous kernel:
-// back to back, 3584 x 3584 fp32 += 7.7 -> 6.0 us, 37888 x 3584 66.3 -> 63.5 us (test_gemm).
-// Reference: ref::gemv.
+// the CUDA backend uses this up to CudaBackendOptions::gemv_rows (2). Reference: ref::gemv.
 #include <algorithm>
 #include <cstdint>
 
@@ -57,17 +54,9 @@ __device__ __forceinline__ void load_x8(const float* p, float (&f)[8]) {
 // The products of the warp's W row `wr` (in elements) with each of the R x rows, summed over the
 // warp: every lane ends with the totals in acc. load_x(r, i, f) fetches x row r's 8 elements at i
 // (from global memory or shared). W streams with kUnroll 16-byte loads in flight per lane.
-// before_x() runs once, after the first W loads are issued and before any x load (gemv_kernel
-// waits there for the previous kernel, whose output x is: W is not, so its first loads overlap
-// that kernel's end); it has run by the time warp_dot returns.
-template <int R, typename LoadX, typename BeforeX>
+template <int R, typename LoadX>
 __device__ __forceinline__ void warp_dot(float (&acc)[R], const __nv_bfloat16* wr, int in, int lane,
-                                         LoadX load_x, BeforeX before_x) {
-  bool x_ready = false;
-  const auto ready = [&] {
-    if (!x_ready) before_x();
-    x_ready = true;
-  };
+                                         LoadX load_x) {
 #pragma unroll
   for (int r = 0; r < R; ++r) acc[r] = 0.0f;
   // Adds the 8 products of one 16-byte piece of W (wf) with the same piece of each x row.
@@ -86,7 +75,6 @@ __device__ __forceinline__ void warp_dot(float (&acc)[R], const __nv_bfloat16* w
     uint4 u[kUnroll];
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k) u[k] = load_stream(wr + i + k * kStep);
-    ready();
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k) {
       float wf[8];
@@ -97,10 +85,8 @@ __device__ __forceinline__ void warp_dot(float (&acc)[R], const __nv_bfloat16* w
   for (; i < in; i += kStep) {
     float wf[8];
     unpack8(load_stream(wr + i), wf);
-    ready();
     fma_piece(wf, i);
   }
-  ready();
 #pragma unroll
   for (int r = 0; r < R; ++r) {
 #pragma unroll
@@ -132,15 +118,12 @@ template <int R, typename X, typename Y, bool kAcc>
 __global__ void __launch_bounds__(kWarps * 32)
     gemv_kernel(Y* __restrict__ y, int64_t y_stride, const X* __restrict__ x, int64_t x_stride,
                 const __nv_bfloat16* __restrict__ w, int out, int in) {
-  detail::allow_next_grid();
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const int o = static_cast<int>(blockIdx.x) * kWarps + (static_cast<int>(threadIdx.x) >> 5);
   if (o >= out) return;
   float acc[R];
-  warp_dot<R>(
-      acc, w + static_cast<int64_t>(o) * in, in, lane,
-      [&](int r, int i, float(&f)[8]) { load_x8(x + r * x_stride + i, f); },
-      [] { detail::wait_previous_grid(); });  // x (and y) belong to the previous kernels
+  warp_dot<R>(acc, w + static_cast<int64_t>(o) * in, in, lane,
+              [&](int r, int i, float(&f)[8]) { load_x8(x + r * x_stride + i, f); });
   store_rows<R, Y, kAcc>(y, y_stride, o, acc, lane);
 }
 
@@ -159,10 +142,11 @@ cudaError_t launch(Y* y, int64_t y_stride, const X* x, int64_t x_stride, const _
   const unsigned blocks = static_cast<unsigned>((out + kWarps - 1) / kWarps);
   const int o = static_cast<int>(out), n = static_cast<int>(in);
   switch (rows) {
-#define KEEP_GEMV_CASE(R_)                                                                       \
-  case R_:                                                                                       \
-    return detail::launch_dependent(gemv_kernel<R_, X, Y, kAcc>, blocks, kWarps * 32, 0, stream, \
-                                    y, y_stride, x, x_stride, w, o, n);
+#define KEEP_GEMV_CASE(R_)                                                       \
+  case R_:                                                                       \
+    gemv_kernel<R_, X, Y, kAcc>                                                  \
+        <<<blocks, kWarps * 32, 0, stream>>>(y, y_stride, x, x_stride, w, o, n); \
+    break;
     KEEP_GEMV_CASE(1)
     KEEP_GEMV_CASE(2)
     KEEP_GEMV_CASE(3)
@@ -175,6 +159,7 @@ cudaError_t launch(Y* y, int64_t y_stride, const X* x, int64_t x_stride, const _
     default:
       return cudaErrorInvalidValue;
   }
+  return cudaGetLastError();
 }
 
 // ---- RMSNorm in the prologue (gemv_rmsnorm) ----
@@ -254,9 +239,8 @@ __global__ void __launch_bounds__(kWarps * 32)
   for (int o = static_cast<int>(blockIdx.x) * kWarps + warp; o < out;
        o += static_cast<int>(gridDim.x) * kWarps) {
     float acc[R];
-    warp_dot<R>(
-        acc, w + static_cast<int64_t>(o) * in, in, lane,
-        [&](int r, int i, float(&f)[8]) { load_x8_shared(xs + r * in + i, f); }, [] {});
+    warp_dot<R>(acc, w + static_cast<int64_t>(o) * in, in, lane,
+                [&](int r, int i, float(&f)[8]) { load_x8_shared(xs + r * in + i, f); });
     store_rows<R, __nv_bfloat16, false>(y, y_stride, o, acc, lane);
   }
 }
