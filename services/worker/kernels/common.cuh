@@ -59,9 +59,11 @@ class DeviceMemo {
 // touches global memory that an earlier kernel writes or reads (only read-only data such as
 // weights may come before), and that wait returns once the previous kernel has completed and its
 // writes are visible. Both are no-ops in a kernel launched plainly. What overlaps is the launch,
-// the block's set-up (shared memory, barriers) and loads of weights (gemm_wgmma's first stages,
-// gemv's first pieces of its rows) with the previous kernel's last blocks. So a kernel that writes
-// weights must not let the next one launch early.
+// the block's set-up (shared memory, barriers) and loads of weights (gemm_wgmma's first stages)
+// with the previous kernel's last blocks. So a kernel that writes weights must not let the next
+// one launch early, and data from the previous kernels is not read through the non-coherent path
+// (__ldg, const __restrict__): its contract, data read-only for the kernel's lifetime, does not
+// hold once that lifetime starts before their writes land.
 __device__ __forceinline__ void wait_previous_grid() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
