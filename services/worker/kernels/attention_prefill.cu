@@ -74,11 +74,11 @@ struct Geometry {
   // A multiple of 8, so a row's swizzle phase r % 8 is the same in every pass.
   static constexpr int kRowsPerPass = kThreads / kChunksPerRow;
   static_assert(kRowsPerPass % 8 == 0, "rows per pass keep the swizzle phase");
-  // mma.sync: K[2], V[2] (Q and the O staging reuse a K buffer); wgmma: K[2], V[2], Q (the O
+  // mma.sync: K[2], V[2] (Q and the O staging reuse a K buffer); wgmma: K, V[2], Q (the O
   // staging, padded rows, reuses the start once every product is done), plus the slack that
   // aligns the panels to 1024 bytes.
   static constexpr size_t kSmemBytes =
-      kSwizzled ? 5 * kTileElems * sizeof(bf16) + 1024 : 4 * kTileElems * sizeof(bf16);
+      kSwizzled ? 4 * kTileElems * sizeof(bf16) + 1024 : 4 * kTileElems * sizeof(bf16);
   static_assert(kKeys * kChunksPerRow % kThreads == 0, "tile mapping");
   static_assert(kRows == kKeys, "Q tiles have the shape of key tiles");
   static_assert(kSmemBytes >= kRows * kStride * sizeof(bf16), "O staging fits");
@@ -651,7 +651,7 @@ __device__ __forceinline__ void store_o(bf16* so, const float (&o)[HD / 8][4], c
 // longer (the bf16 wgmma kernel was 115 KB), and instruction fetch was 15 % of its stall samples
 // (benchmarks/RESULTS.md run 11).
 template <int HD, typename KV, bool kWgmma, bool kAligned>
-__global__ void __launch_bounds__(kThreads, HD <= 64 ? 3 : 2)
+__global__ void __launch_bounds__(kThreads, HD <= 64 || (kWgmma && kAligned) ? 3 : 2)
     attention_prefill_kernel(const Params<KV> p_arg) {
   Params<KV> p = p_arg;
   if constexpr (kAligned) p.q_vec = p.out_vec = p.kv_vec = true;
@@ -660,8 +660,8 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 ? 3 : 2)
   // wgmma: the swizzled panels start 1024-byte aligned (kSmemBytes has the slack).
   unsigned char* const smem =
       kWgmma ? smem_raw + ((1024 - (detail::smem_u32(smem_raw) & 1023)) & 1023) : smem_raw;
-  bf16* const sk = reinterpret_cast<bf16*>(smem);  // K tiles [2]
-  bf16* const sv = sk + 2 * G::kTileElems;         // V tiles [2]
+  bf16* const sk = reinterpret_cast<bf16*>(smem);          // K tiles [2] (wgmma: one)
+  bf16* const sv = sk + (kWgmma ? 1 : 2) * G::kTileElems;  // V tiles [2]
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
@@ -701,17 +701,13 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 ? 3 : 2)
     tile_regs<HD, kWgmma>(dst, src, sanitize, p.q_stride, row_base, p.rows, tid, false);
   }
   if constexpr (kWgmma) {
-    // Q and K of tile 0 in one group, then V of tile 0 and tile 1 in three more: the first
-    // product waits for Q and K0 only, and the other loads overlap it and the first softmax.
+    // Q and K of tile 0 in one group, V of tile 0 in a second: the first product waits for Q
+    // and K0 only. K of tile 1 follows once every warp is done with K0 (one K buffer), then V1.
     if (n_tiles > 0) issue_half_tile<HD, true>(sk, p, kg, entry, false, tid);
     cp_async_commit();
     if (n_tiles > 0) issue_half_tile<HD, true>(sv, p, vg, entry, true, tid);
     cp_async_commit();
-    if (n_tiles > 1) issue_half_tile<HD, true>(sk + G::kTileElems, p, kg, e_next, false, tid);
-    cp_async_commit();
-    if (n_tiles > 1) issue_half_tile<HD, true>(sv + G::kTileElems, p, vg, e_next, true, tid);
-    cp_async_commit();
-    cp_async_wait<3>();  // Q and K of tile 0
+    cp_async_wait<1>();  // Q and K of tile 0
     detail::fence_proxy_async_shared();
   } else {
     if (n_tiles > 0) issue_kv_tile<HD, false>(sk, sv, p, kg, vg, entry, tid);
@@ -749,9 +745,15 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 ? 3 : 2)
   if constexpr (kWgmma) {
     // Software pipeline over the key tiles: with tile j's P in registers, S of tile j + 1 and
     // O += P_j V_j are issued together; the softmax of tile j + 1 runs while the second product
-    // is still in flight, and O is rescaled once it is done. Loads run ahead in two halves: K of
-    // tile j + 2 as soon as S of tile j is done (start of step j), V of tile j + 2 once
-    // O += P_j V_j is (end of step j); step j waits for all but the newest group (V of j + 1).
+    // is still in flight, and O is rescaled once it is done. One K buffer and two V buffers: K of
+    // tile j + 2 is loaded as soon as every warp's S of tile j + 1 is done (mid step j), V of
+    // tile j + 2 once O += P_j V_j is (end of step j); step j waits for all but the newest group
+    // (V of j + 1). The single K buffer keeps a block at 65 KB of shared memory (168 registers),
+    // so three blocks share an SM instead of two: test_attention, Qwen2.5 heads, causal, ms:
+    // 14B heads at 1024 rows 0.038 -> 0.032, 7B heads at 2048 rows 0.081 -> 0.072, 4096 0.289 ->
+    // 0.246. Where a launch has too few blocks to fill the third slot, K's shorter lead costs:
+    // 7B heads at 1024 rows (448 blocks) 0.026 -> 0.030, 512 rows after 3584 keys 0.080 -> 0.098
+    // (that shape runs the wide kernel under kAuto).
     float s[kKeys / 8][4];
     float alpha[2];
     uint64_t mask[1][2];
@@ -763,6 +765,13 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 ? 3 : 2)
       detail::wgmma_commit();
       detail::wgmma_wait<0>();
       detail::wgmma_fence_operands(s);
+    }
+    __syncthreads();  // every warp is done with K0: its buffer takes K1
+    if (n_tiles > 1) issue_half_tile<HD, true>(sk, p, kg, e_next, false, tid);
+    cp_async_commit();
+    if (n_tiles > 1) issue_half_tile<HD, true>(sv + G::kTileElems, p, vg, e_next, true, tid);
+    cp_async_commit();
+    if (n_tiles > 0) {
       softmax_tile((entry & 1) != 0, s, m, l, alpha, lane, p.scale_log2, mask);  // O is 0 yet
     }
     uint32_t a[kKeys / 16][4];
@@ -774,22 +783,21 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 ? 3 : 2)
       cp_async_wait<1>();  // K of tile j + 1 and V of tile j in place
       sanitize_v<HD, true>(sv + (j & 1) * G::kTileElems, p, entry, tid);
       detail::fence_proxy_async_shared();
-      __syncthreads();  // ... for every thread; and every thread is done with S of tile j
-      if (j + 2 < n_tiles) {
-        issue_half_tile<HD, true>(sk + (j & 1) * G::kTileElems, p, kg, after, false, tid);
-      }
-      cp_async_commit();  // (an empty group at the end keeps the count)
+      __syncthreads();  // ... for every thread
 #pragma unroll
       for (int kk = 0; kk < kKeys / 16; ++kk) p_fragment(a[kk], s, kk);
       __syncwarp();
       detail::wgmma_fence();
-      issue_scores_wgmma<HD>(s, q_desc, sk + ((j + 1) & 1) * G::kTileElems);
+      issue_scores_wgmma<HD>(s, q_desc, sk);
       detail::wgmma_commit();
       issue_pv_wgmma<HD>(o, a, sv + (j & 1) * G::kTileElems);
       detail::wgmma_commit();
       tile_mask(next, mask);
       detail::wgmma_wait<1>();  // S of tile j + 1 (committed first)
       detail::wgmma_fence_operands(s);
+      __syncthreads();  // every warp is done with K of tile j + 1: the buffer takes tile j + 2
+      if (j + 2 < n_tiles) issue_half_tile<HD, true>(sk, p, kg, after, false, tid);
+      cp_async_commit();  // (an empty group at the end keeps the count)
       softmax_tile((next & 1) != 0, s, m, l, alpha, lane, p.scale_log2, mask);
       detail::wgmma_wait<0>();  // O += P_j V_j
       detail::wgmma_fence_operands(o);
