@@ -3,7 +3,8 @@
 //
 //   build/bin/bench_prefill --shape qwen2.5-7b --tokens 1024,2048,4096 [--reps 10] [--warmup 3]
 //       [--decode 64] [--decode-context 1024] [--json out.jsonl] [--graphs on|off|both]
-//       [--profile] [--logits f32rows|f32|bf16] [--attention auto|mma|wgmma|wide] [--gap-ms G]
+//       [--profile] [--logits f32rows|f32|bf16] [--attention auto|mma|wgmma|wgmma1k|wide]
+//       [--gap-ms G]
 //       [--fused-swiglu-rows R] [--gemm-autotune-rows R] [--own-gemm on|off] [--pdl on|off|ab]
 //
 // TTFT = wall time of Engine::prefill (embedding, every layer, final norm + lm_head of the last
@@ -50,7 +51,7 @@ int usage(const char* msg) {
       stderr,
       "usage: bench_prefill --shape NAME --tokens N[,N...] [--reps R] [--warmup W] "
       "[--decode T] [--decode-context N] [--json FILE] [--graphs on|off|both] [--profile]\n"
-      "  [--logits f32rows|f32|bf16] [--attention auto|mma|wgmma|wide] [--gap-ms G]\n"
+      "  [--logits f32rows|f32|bf16] [--attention auto|mma|wgmma|wgmma1k|wide] [--gap-ms G]\n"
       "  [--fused-swiglu-rows R] [--gemm-autotune-rows R] [--own-gemm on|off] [--pdl on|off|ab]\n"
       "  shapes:");
   for (const auto& n : keep::bench::model_shape_names()) std::fprintf(stderr, " %s", n.c_str());
@@ -161,7 +162,7 @@ int main(int argc, char** argv) {
     return usage("--logits f32rows|f32|bf16");
   }
   if (!keep::kernels::parse_prefill_kernel(attention.c_str(), &options.prefill_attention)) {
-    return usage("--attention auto|mma|wgmma|wide");
+    return usage("--attention auto|mma|wgmma|wgmma1k|wide");
   }
   for (int64_t n : lens) {
     if (n < 1 || n > 32768) return usage("--tokens must be in [1, 32768]");

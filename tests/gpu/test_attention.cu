@@ -71,6 +71,7 @@ std::vector<kk::PrefillKernel> kernels_here() {
   std::vector<kk::PrefillKernel> v{kk::PrefillKernel::kMma};
   if (kk::wgmma_available()) {
     v.push_back(kk::PrefillKernel::kWgmma);
+    v.push_back(kk::PrefillKernel::kWgmmaOneK);
     v.push_back(kk::PrefillKernel::kWgmmaWide);
   }
   return v;
@@ -455,7 +456,8 @@ void test_invalid_arguments() {
   }
   if (!kk::wgmma_available()) {  // asking for wgmma where it cannot run is refused, not ignored
     ++g_checks;
-    for (const auto k : {kk::PrefillKernel::kWgmma, kk::PrefillKernel::kWgmmaWide}) {
+    for (const auto k : {kk::PrefillKernel::kWgmma, kk::PrefillKernel::kWgmmaWide,
+                         kk::PrefillKernel::kWgmmaOneK}) {
       if (kk::attention_prefill(fake, 512, nullptr, fake, 512, fake, fake, rows, sched, 4, 2, 128,
                                 0.1f, nullptr, k) != cudaErrorNotSupported) {
         ++g_failures;

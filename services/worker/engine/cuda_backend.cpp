@@ -118,8 +118,10 @@ std::string CudaBackend::name() const {
   switch (options_.prefill_attention) {
     case kernels::PrefillKernel::kAuto:
       if (kernels::wgmma_available()) {
-        attention =
-            "wgmma, two-warpgroup from " + std::to_string(kernels::kPrefillWideMinKeys) + " keys";
+        attention = "wgmma (one K buffer from " +
+                    std::to_string(kernels::kPrefillOneKMinBlocksPerSm) +
+                    " blocks an SM), two-warpgroup from " +
+                    std::to_string(kernels::kPrefillWideMinKeys) + " keys";
       }
       break;
     case kernels::PrefillKernel::kMma:
@@ -129,6 +131,9 @@ std::string CudaBackend::name() const {
       break;
     case kernels::PrefillKernel::kWgmmaWide:
       attention = "wgmma two-warpgroup";
+      break;
+    case kernels::PrefillKernel::kWgmmaOneK:
+      attention = "wgmma, one K buffer";
       break;
   }
   return "cuda bf16 (" + device_name_ + ", cuBLAS, " + std::to_string(weight_bytes_ >> 20) +
@@ -262,7 +267,8 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::prepare(const ModelConfig& con
   std::unique_ptr<CudaBackend> b(new CudaBackend(config, options));
   KEEP_RETURN_IF_ERROR(b->init_device());  // kUnavailable first: no GPU is not a model problem
   if ((options.prefill_attention == kernels::PrefillKernel::kWgmma ||
-       options.prefill_attention == kernels::PrefillKernel::kWgmmaWide) &&
+       options.prefill_attention == kernels::PrefillKernel::kWgmmaWide ||
+       options.prefill_attention == kernels::PrefillKernel::kWgmmaOneK) &&
       !kernels::wgmma_available()) {
     return Status(Code::kUnavailable,
                   "cuda backend: wgmma attention asked for, but this build (CUDA architectures "

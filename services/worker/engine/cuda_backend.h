@@ -65,9 +65,10 @@ struct CudaBackendOptions {
   // (benchmarks/RESULTS.md). Graphs pay once a step can be replayed without capturing again.
   bool graphs = false;
   // The tiled prefill attention kernel (kernels.h PrefillKernel): kAuto = wgmma on Hopper (an
-  // sm_90a build; the two-warpgroup kernel from kPrefillWideMinKeys keys on), mma.sync elsewhere;
-  // kMma, kWgmma or kWgmmaWide to compare them (a wgmma kernel where it cannot run: the backend's
-  // creation fails with kUnavailable).
+  // sm_90a build; one K buffer and three blocks an SM for launches of kPrefillOneKMinBlocksPerSm
+  // blocks an SM or more, the two-warpgroup kernel from kPrefillWideMinKeys keys on), mma.sync
+  // elsewhere; kMma, kWgmma, kWgmmaOneK or kWgmmaWide to compare them (a wgmma kernel where it
+  // cannot run: the backend's creation fails with kUnavailable).
   kernels::PrefillKernel prefill_attention = kernels::PrefillKernel::kAuto;
   // Steps of at least this many rows run the MLP's gate/up product with the SwiGLU fused into it
   // (kernels::gemm_swiglu: our wgmma kernel, where wgmma_available() and the model's intermediate

@@ -74,11 +74,11 @@ struct Geometry {
   // A multiple of 8, so a row's swizzle phase r % 8 is the same in every pass.
   static constexpr int kRowsPerPass = kThreads / kChunksPerRow;
   static_assert(kRowsPerPass % 8 == 0, "rows per pass keep the swizzle phase");
-  // mma.sync: K[2], V[2] (Q and the O staging reuse a K buffer); wgmma: K, V[2], Q (the O
+  // mma.sync: K[2], V[2] (Q and the O staging reuse a K buffer); wgmma: K[2], V[2], Q (the O
   // staging, padded rows, reuses the start once every product is done), plus the slack that
-  // aligns the panels to 1024 bytes.
+  // aligns the panels to 1024 bytes (kBlockSmemBytes below: one K buffer fewer with kOneK).
   static constexpr size_t kSmemBytes =
-      kSwizzled ? 4 * kTileElems * sizeof(bf16) + 1024 : 4 * kTileElems * sizeof(bf16);
+      kSwizzled ? 5 * kTileElems * sizeof(bf16) + 1024 : 4 * kTileElems * sizeof(bf16);
   static_assert(kKeys * kChunksPerRow % kThreads == 0, "tile mapping");
   static_assert(kRows == kKeys, "Q tiles have the shape of key tiles");
   static_assert(kSmemBytes >= kRows * kStride * sizeof(bf16), "O staging fits");
@@ -650,9 +650,22 @@ __device__ __forceinline__ void store_o(bf16* so, const float (&o)[HD / 8][4], c
 // store's element-wise fallbacks are compiled out. They made the main loop's code several times
 // longer (the bf16 wgmma kernel was 115 KB), and instruction fetch was 15 % of its stall samples
 // (benchmarks/RESULTS.md run 11).
-template <int HD, typename KV, bool kWgmma, bool kAligned>
-__global__ void __launch_bounds__(kThreads, HD <= 64 || (kWgmma && kAligned) ? 3 : 2)
+// kOneK (wgmma only): one K buffer instead of two, 65 KB of shared memory a block at head_dim
+// 128, so that three blocks share an SM (the aligned instance fits the 168 registers that allows).
+template <bool kOneK>
+constexpr int kKBuffers = kOneK ? 1 : 2;
+template <int HD, bool kWgmma, bool kOneK>
+constexpr size_t kBlockSmemBytes = Geometry<HD, kWgmma>::kSmemBytes -
+                                   (kOneK ? Geometry<HD, kWgmma>::kTileElems * sizeof(bf16) : 0);
+static_assert(kBlockSmemBytes<128, true, true> >= kRows * (128 + 8) * sizeof(bf16),
+              "O staging fits with one K buffer");
+static_assert(3 * (kBlockSmemBytes<128, true, true> + 1024) <= 228 * 1024,
+              "three blocks an SM with one K buffer");
+
+template <int HD, typename KV, bool kWgmma, bool kAligned, bool kOneK>
+__global__ void __launch_bounds__(kThreads, HD <= 64 || kOneK ? 3 : 2)
     attention_prefill_kernel(const Params<KV> p_arg) {
+  static_assert(kWgmma || !kOneK, "one K buffer: the wgmma pipeline");
   Params<KV> p = p_arg;
   if constexpr (kAligned) p.q_vec = p.out_vec = p.kv_vec = true;
   using G = Geometry<HD, kWgmma>;
@@ -660,8 +673,8 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 || (kWgmma && kAligned) ? 3
   // wgmma: the swizzled panels start 1024-byte aligned (kSmemBytes has the slack).
   unsigned char* const smem =
       kWgmma ? smem_raw + ((1024 - (detail::smem_u32(smem_raw) & 1023)) & 1023) : smem_raw;
-  bf16* const sk = reinterpret_cast<bf16*>(smem);          // K tiles [2] (wgmma: one)
-  bf16* const sv = sk + (kWgmma ? 1 : 2) * G::kTileElems;  // V tiles [2]
+  bf16* const sk = reinterpret_cast<bf16*>(smem);          // K tiles [2], or one
+  bf16* const sv = sk + kKBuffers<kOneK> * G::kTileElems;  // V tiles [2]
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
@@ -701,13 +714,22 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 || (kWgmma && kAligned) ? 3
     tile_regs<HD, kWgmma>(dst, src, sanitize, p.q_stride, row_base, p.rows, tid, false);
   }
   if constexpr (kWgmma) {
-    // Q and K of tile 0 in one group, V of tile 0 in a second: the first product waits for Q
-    // and K0 only. K of tile 1 follows once every warp is done with K0 (one K buffer), then V1.
+    // Q and K of tile 0 in one group, then V of tile 0 (and with two K buffers K and V of tile
+    // 1) in more: the first product waits for Q and K0 only, and the other loads overlap it and
+    // the first softmax. With one K buffer, K1 and V1 follow once every warp is done with K0.
     if (n_tiles > 0) issue_half_tile<HD, true>(sk, p, kg, entry, false, tid);
     cp_async_commit();
     if (n_tiles > 0) issue_half_tile<HD, true>(sv, p, vg, entry, true, tid);
     cp_async_commit();
-    cp_async_wait<1>();  // Q and K of tile 0
+    if constexpr (kOneK) {
+      cp_async_wait<1>();  // Q and K of tile 0
+    } else {
+      if (n_tiles > 1) issue_half_tile<HD, true>(sk + G::kTileElems, p, kg, e_next, false, tid);
+      cp_async_commit();
+      if (n_tiles > 1) issue_half_tile<HD, true>(sv + G::kTileElems, p, vg, e_next, true, tid);
+      cp_async_commit();
+      cp_async_wait<3>();  // Q and K of tile 0
+    }
     detail::fence_proxy_async_shared();
   } else {
     if (n_tiles > 0) issue_kv_tile<HD, false>(sk, sv, p, kg, vg, entry, tid);
@@ -745,15 +767,15 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 || (kWgmma && kAligned) ? 3
   if constexpr (kWgmma) {
     // Software pipeline over the key tiles: with tile j's P in registers, S of tile j + 1 and
     // O += P_j V_j are issued together; the softmax of tile j + 1 runs while the second product
-    // is still in flight, and O is rescaled once it is done. One K buffer and two V buffers: K of
-    // tile j + 2 is loaded as soon as every warp's S of tile j + 1 is done (mid step j), V of
-    // tile j + 2 once O += P_j V_j is (end of step j); step j waits for all but the newest group
-    // (V of j + 1). The single K buffer keeps a block at 65 KB of shared memory (168 registers),
-    // so three blocks share an SM instead of two: test_attention, Qwen2.5 heads, causal, ms:
-    // 14B heads at 1024 rows 0.038 -> 0.032, 7B heads at 2048 rows 0.081 -> 0.072, 4096 0.289 ->
-    // 0.246. Where a launch has too few blocks to fill the third slot, K's shorter lead costs:
-    // 7B heads at 1024 rows (448 blocks) 0.026 -> 0.030, 512 rows after 3584 keys 0.080 -> 0.098
-    // (that shape runs the wide kernel under kAuto).
+    // is still in flight, and O is rescaled once it is done. Loads run ahead: K of tile j + 2
+    // as soon as its buffer is free (two K buffers: S of tile j is done, start of step j; one K
+    // buffer: every warp's S of tile j + 1 is, mid step j), V of tile j + 2 once O += P_j V_j is
+    // (end of step j); step j waits for all but the newest group (V of j + 1). One K buffer keeps
+    // a block at 65 KB of shared memory, so three blocks share an SM instead of two:
+    // test_attention, Qwen2.5 heads, causal, ms: 14B heads at 1024 rows 0.038 -> 0.032, 7B heads
+    // at 2048 rows 0.081 -> 0.072, 4096 0.289 -> 0.246; where a launch has too few blocks to fill
+    // the third slot, K's shorter lead costs: 7B heads at 1024 rows (448 blocks) 0.026 -> 0.030,
+    // 512 rows after 3584 keys 0.080 -> 0.098 (benchmarks/RESULTS.md run 15).
     float s[kKeys / 8][4];
     float alpha[2];
     uint64_t mask[1][2];
@@ -766,11 +788,13 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 || (kWgmma && kAligned) ? 3
       detail::wgmma_wait<0>();
       detail::wgmma_fence_operands(s);
     }
-    __syncthreads();  // every warp is done with K0: its buffer takes K1
-    if (n_tiles > 1) issue_half_tile<HD, true>(sk, p, kg, e_next, false, tid);
-    cp_async_commit();
-    if (n_tiles > 1) issue_half_tile<HD, true>(sv + G::kTileElems, p, vg, e_next, true, tid);
-    cp_async_commit();
+    if constexpr (kOneK) {
+      __syncthreads();  // every warp is done with K0: its buffer takes K1
+      if (n_tiles > 1) issue_half_tile<HD, true>(sk, p, kg, e_next, false, tid);
+      cp_async_commit();
+      if (n_tiles > 1) issue_half_tile<HD, true>(sv + G::kTileElems, p, vg, e_next, true, tid);
+      cp_async_commit();
+    }
     if (n_tiles > 0) {
       softmax_tile((entry & 1) != 0, s, m, l, alpha, lane, p.scale_log2, mask);  // O is 0 yet
     }
@@ -783,21 +807,29 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 || (kWgmma && kAligned) ? 3
       cp_async_wait<1>();  // K of tile j + 1 and V of tile j in place
       sanitize_v<HD, true>(sv + (j & 1) * G::kTileElems, p, entry, tid);
       detail::fence_proxy_async_shared();
-      __syncthreads();  // ... for every thread
+      __syncthreads();  // ... for every thread; and every thread is done with S of tile j
+      if constexpr (!kOneK) {
+        if (j + 2 < n_tiles) {
+          issue_half_tile<HD, true>(sk + (j & 1) * G::kTileElems, p, kg, after, false, tid);
+        }
+        cp_async_commit();  // (an empty group at the end keeps the count)
+      }
 #pragma unroll
       for (int kk = 0; kk < kKeys / 16; ++kk) p_fragment(a[kk], s, kk);
       __syncwarp();
       detail::wgmma_fence();
-      issue_scores_wgmma<HD>(s, q_desc, sk);
+      issue_scores_wgmma<HD>(s, q_desc, sk + (kOneK ? 0 : ((j + 1) & 1) * G::kTileElems));
       detail::wgmma_commit();
       issue_pv_wgmma<HD>(o, a, sv + (j & 1) * G::kTileElems);
       detail::wgmma_commit();
       tile_mask(next, mask);
       detail::wgmma_wait<1>();  // S of tile j + 1 (committed first)
       detail::wgmma_fence_operands(s);
-      __syncthreads();  // every warp is done with K of tile j + 1: the buffer takes tile j + 2
-      if (j + 2 < n_tiles) issue_half_tile<HD, true>(sk, p, kg, after, false, tid);
-      cp_async_commit();  // (an empty group at the end keeps the count)
+      if constexpr (kOneK) {
+        __syncthreads();  // every warp is done with K of tile j + 1: the buffer takes tile j + 2
+        if (j + 2 < n_tiles) issue_half_tile<HD, true>(sk, p, kg, after, false, tid);
+        cp_async_commit();  // (an empty group at the end keeps the count)
+      }
       softmax_tile((next & 1) != 0, s, m, l, alpha, lane, p.scale_log2, mask);
       detail::wgmma_wait<0>();  // O += P_j V_j
       detail::wgmma_fence_operands(o);
@@ -1177,10 +1209,10 @@ cudaError_t configure_once(size_t smem_bytes) {
   }));
 }
 
-template <int HD, typename KV, bool kWgmma, bool kAligned>
+template <int HD, typename KV, bool kWgmma, bool kAligned, bool kOneK = false>
 cudaError_t launch_hd_as(const Params<KV>& p, cudaStream_t stream) {
-  constexpr size_t kBytes = Geometry<HD, kWgmma>::kSmemBytes;
-  constexpr auto kKernel = attention_prefill_kernel<HD, KV, kWgmma, kAligned>;
+  constexpr size_t kBytes = kBlockSmemBytes<HD, kWgmma, kOneK>;
+  constexpr auto kKernel = attention_prefill_kernel<HD, KV, kWgmma, kAligned, kOneK>;
   const cudaError_t err = configure_once<kKernel>(kBytes);
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned int>(p.row_tiles), static_cast<unsigned int>(p.heads));
@@ -1188,13 +1220,32 @@ cudaError_t launch_hd_as(const Params<KV>& p, cudaStream_t stream) {
 }
 
 // bf16 K/V with every access 16-byte aligned (the engine's layouts) take the kernel without the
-// element-wise fallbacks; fp32 K/V keep the one kernel (not on the engine's path).
+// element-wise fallbacks, and at head_dim 128 on wgmma with one_k the one-K-buffer form; fp32 K/V
+// keep the one kernel (not on the engine's path).
 template <int HD, typename KV, bool kWgmma>
-cudaError_t launch_hd(const Params<KV>& p, cudaStream_t stream) {
+cudaError_t launch_hd(const Params<KV>& p, bool one_k, cudaStream_t stream) {
   if constexpr (std::is_same_v<KV, bf16>) {
-    if (p.q_vec && p.out_vec && p.kv_vec) return launch_hd_as<HD, KV, kWgmma, true>(p, stream);
+    if (p.q_vec && p.out_vec && p.kv_vec) {
+      if constexpr (kWgmma && HD == 128) {
+        if (one_k) return launch_hd_as<HD, KV, kWgmma, true, true>(p, stream);
+      }
+      return launch_hd_as<HD, KV, kWgmma, true>(p, stream);
+    }
   }
   return launch_hd_as<HD, KV, kWgmma, false>(p, stream);
+}
+
+// SMs of the current device (sizes kAuto's choice of the one-K-buffer form).
+int sm_count() {
+  static detail::DeviceMemo sms;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 132;
+  const int n = sms.get(device, [](int d) {
+    int v = 0;
+    const bool ok = cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, d) == cudaSuccess;
+    return std::pair<int, bool>{ok ? v : 132, ok};
+  });
+  return n > 0 ? n : 132;
 }
 
 template <int HD>
@@ -1223,9 +1274,12 @@ cudaError_t launch(bf16* out, int64_t out_stride, float* lse, const bf16* q, int
                    const PrefillSchedule& schedule, int heads, int kv_heads, int head_dim,
                    float scale, PrefillKernel kernel, cudaStream_t stream) {
   if (kernel == PrefillKernel::kAuto) {
+    const int64_t blocks = static_cast<int64_t>((rows.rows + kRows - 1) / kRows) * heads;
     kernel = !wgmma_available()                                        ? PrefillKernel::kMma
              : head_dim == 128 && rows.num_keys >= kPrefillWideMinKeys ? PrefillKernel::kWgmmaWide
-                                                                       : PrefillKernel::kWgmma;
+             : blocks >= int64_t{kPrefillOneKMinBlocksPerSm} * sm_count()
+                 ? PrefillKernel::kWgmmaOneK
+                 : PrefillKernel::kWgmma;
   } else if (kernel != PrefillKernel::kMma && !wgmma_available()) {
     return cudaErrorNotSupported;
   }
@@ -1275,11 +1329,14 @@ cudaError_t launch(bf16* out, int64_t out_stride, float* lse, const bf16* q, int
     }
   }
   const bool wgmma = kernel != PrefillKernel::kMma;
+  const bool one_k = kernel == PrefillKernel::kWgmmaOneK;
   switch (head_dim) {
     case 64:
-      return wgmma ? launch_hd<64, KV, true>(p, stream) : launch_hd<64, KV, false>(p, stream);
+      return wgmma ? launch_hd<64, KV, true>(p, one_k, stream)
+                   : launch_hd<64, KV, false>(p, one_k, stream);
     case 128:
-      return wgmma ? launch_hd<128, KV, true>(p, stream) : launch_hd<128, KV, false>(p, stream);
+      return wgmma ? launch_hd<128, KV, true>(p, one_k, stream)
+                   : launch_hd<128, KV, false>(p, one_k, stream);
     default:
       return cudaErrorInvalidValue;
   }
