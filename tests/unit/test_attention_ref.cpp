@@ -233,6 +233,44 @@ TEST_CASE("prefill schedule of a 32k-row causal prefill: lower triangle, diagona
         std::vector<int32_t>{0, 2, 1, 2, 4});
 }
 
+TEST_CASE(
+    "kAuto's prefill kernel: mma without wgmma, wide from 4096 keys, one K buffer from 4 "
+    "blocks an SM") {
+  using K = kk::PrefillKernel;
+  const auto pick = [](int32_t rows, int32_t keys, int heads, int hd, int sms, bool wgmma) {
+    return kk::resolve_prefill_kernel(K::kAuto, rows, keys, heads, hd, sms, wgmma);
+  };
+  // Qwen2.5-14B heads (40) at 1024 causal rows: 16 x 40 = 640 blocks, 4.8 an H200 SM.
+  CHECK(pick(1024, 1024, 40, 128, 132, true) == K::kWgmmaOneK);
+  // 7B heads (28): 448 blocks, 3.4 an SM: two K buffers.
+  CHECK(pick(1024, 1024, 28, 128, 132, true) == K::kWgmma);
+  CHECK(pick(2048, 2048, 28, 128, 132, true) == K::kWgmmaOneK);
+  // The threshold itself: 4 x 132 = 528 blocks; 8 rows past a 64-row tile count a whole tile.
+  CHECK(pick(33 * 64, 33 * 64, 16, 128, 132, true) == K::kWgmmaOneK);  // 528
+  CHECK(pick(32 * 64 + 1, 32 * 64 + 1, 16, 128, 132, true) == K::kWgmmaOneK);
+  CHECK(pick(32 * 64, 32 * 64, 16, 128, 132, true) == K::kWgmma);  // 512
+  CHECK(pick(33 * 64, 33 * 64, 16, 128, 200, true) == K::kWgmma);  // more SMs, more blocks asked
+  // From kPrefillWideMinKeys keys the two-warpgroup kernel, at head_dim 128 only.
+  CHECK(pick(4096, 4096, 28, 128, 132, true) == K::kWgmmaWide);
+  CHECK(pick(512, 4096, 28, 128, 132, true) == K::kWgmmaWide);
+  CHECK(pick(4096, 4096, 28, 64, 132, true) == K::kWgmma);  // head_dim 64: two K buffers fit 3
+  CHECK(pick(4096, 4095, 40, 128, 132, true) == K::kWgmmaOneK);
+  // Without wgmma: mma.sync; an explicit choice as asked; no rows or heads: nothing to fill.
+  CHECK(pick(1024, 1024, 40, 128, 132, false) == K::kMma);
+  CHECK(kk::resolve_prefill_kernel(K::kWgmma, 1024, 1024, 40, 128, 132, true) == K::kWgmma);
+  CHECK(kk::resolve_prefill_kernel(K::kMma, 1024, 1024, 40, 128, 132, true) == K::kMma);
+  CHECK(pick(0, 0, 40, 128, 132, true) == K::kWgmma);
+  CHECK(pick(-5, 10, 40, 128, 132, true) == K::kWgmma);
+  // Names round-trip (bench_prefill --attention).
+  for (K k : {K::kAuto, K::kMma, K::kWgmma, K::kWgmmaOneK, K::kWgmmaWide}) {
+    K back = K::kAuto;
+    CHECK(kk::parse_prefill_kernel(kk::prefill_kernel_name(k), &back));
+    CHECK(back == k);
+  }
+  K unused = K::kMma;
+  CHECK_FALSE(kk::parse_prefill_kernel("wgmma2k", &unused));
+}
+
 TEST_CASE("attention reference matches a naive softmax over the mask matrix") {
   std::mt19937 rng(11);
   for (int32_t n : {1, 3, 7, 19}) {

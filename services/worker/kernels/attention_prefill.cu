@@ -1274,12 +1274,8 @@ cudaError_t launch(bf16* out, int64_t out_stride, float* lse, const bf16* q, int
                    const PrefillSchedule& schedule, int heads, int kv_heads, int head_dim,
                    float scale, PrefillKernel kernel, cudaStream_t stream) {
   if (kernel == PrefillKernel::kAuto) {
-    const int64_t blocks = static_cast<int64_t>((rows.rows + kRows - 1) / kRows) * heads;
-    kernel = !wgmma_available()                                        ? PrefillKernel::kMma
-             : head_dim == 128 && rows.num_keys >= kPrefillWideMinKeys ? PrefillKernel::kWgmmaWide
-             : blocks >= int64_t{kPrefillOneKMinBlocksPerSm} * sm_count()
-                 ? PrefillKernel::kWgmmaOneK
-                 : PrefillKernel::kWgmma;
+    kernel = resolve_prefill_kernel(kernel, rows.rows, rows.num_keys, heads, head_dim, sm_count(),
+                                    wgmma_available());
   } else if (kernel != PrefillKernel::kMma && !wgmma_available()) {
     return cudaErrorNotSupported;
   }

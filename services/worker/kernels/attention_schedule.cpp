@@ -18,6 +18,18 @@ struct Event {
 
 }  // namespace
 
+PrefillKernel resolve_prefill_kernel(PrefillKernel asked, int32_t rows, int32_t num_keys, int heads,
+                                     int head_dim, int sms, bool wgmma) {
+  if (asked != PrefillKernel::kAuto) return asked;
+  if (!wgmma) return PrefillKernel::kMma;
+  if (head_dim == 128 && num_keys >= kPrefillWideMinKeys) return PrefillKernel::kWgmmaWide;
+  const int64_t row_tiles = (int64_t{std::max(rows, 0)} + kPrefillRowTile - 1) / kPrefillRowTile;
+  const int64_t blocks = row_tiles * std::max(heads, 0);
+  return head_dim == 128 && blocks >= int64_t{kPrefillOneKMinBlocksPerSm} * sms
+             ? PrefillKernel::kWgmmaOneK
+             : PrefillKernel::kWgmma;
+}
+
 // For each row tile, every span of its rows adds two events (the key tiles it touches) and every
 // maximal run of contiguous keys of a row (adjacent spans merged) two more (the key tiles it
 // covers whole). Sorting the tile's events and sweeping them gives, per run of key tiles, how many

@@ -1,13 +1,65 @@
-// Host-side planning for the prefill attention kernel (no CUDA): the tile schedule of layout.h's
-// PrefillSchedule, built once per plan and uploaded by the CUDA backend.
+// Host-side planning for the prefill attention kernel (no CUDA): which kernel runs
+// (PrefillKernel, resolve_prefill_kernel) and the tile schedule of layout.h's PrefillSchedule,
+// built once per plan and uploaded by the CUDA backend.
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "services/worker/kernels/layout.h"
 
 namespace keep::kernels {
+
+// Which prefill kernel runs. kMma: one warpgroup per 64 rows on mma.sync; kWgmma: the same on
+// wgmma (two K and two V buffers, two blocks an SM at head_dim 128); kWgmmaOneK: kWgmma's kernel
+// with one K buffer, three blocks an SM, for head_dim 128, bf16 K/V and Q, O, K, V 16-byte aligned
+// (kWgmma's otherwise); kWgmmaWide: two warpgroups per 128 rows, 128 keys a step, warp-specialized
+// with TMA loads, where K/V are bf16 and Q, K, V 16-byte aligned (kWgmma's kernel otherwise).
+// kAuto: on Hopper kWgmmaWide for head_dim 128 from kPrefillWideMinKeys keys on (where it measured
+// faster); below that, at head_dim 128, kWgmmaOneK where the launch has
+// kPrefillOneKMinBlocksPerSm blocks (row tiles x heads) an SM or more (enough to fill the third
+// slot), else kWgmma; elsewhere kMma. A wgmma kernel where wgmma is
+// not available: cudaErrorNotSupported. Same results up to fp32 summation order.
+enum class PrefillKernel { kAuto, kMma, kWgmma, kWgmmaWide, kWgmmaOneK };
+// Short names for flags and logs: "auto", "mma", "wgmma", "wide", "wgmma1k"; parse_prefill_kernel
+// takes them back (false for anything else).
+inline const char* prefill_kernel_name(PrefillKernel k) {
+  switch (k) {
+    case PrefillKernel::kMma:
+      return "mma";
+    case PrefillKernel::kWgmma:
+      return "wgmma";
+    case PrefillKernel::kWgmmaWide:
+      return "wide";
+    case PrefillKernel::kWgmmaOneK:
+      return "wgmma1k";
+    case PrefillKernel::kAuto:
+      break;
+  }
+  return "auto";
+}
+inline bool parse_prefill_kernel(const char* name, PrefillKernel* out) {
+  for (PrefillKernel k : {PrefillKernel::kAuto, PrefillKernel::kMma, PrefillKernel::kWgmma,
+                          PrefillKernel::kWgmmaWide, PrefillKernel::kWgmmaOneK}) {
+    if (std::strcmp(name, prefill_kernel_name(k)) == 0) {
+      *out = k;
+      return true;
+    }
+  }
+  return false;
+}
+constexpr int32_t kPrefillWideMinKeys = 4096;  // kAuto's kWgmmaWide threshold (head_dim 128)
+// kAuto's kWgmmaOneK threshold: row tiles x heads per SM (H200, test_attention: 14B heads at 1024
+// rows, 4.8 blocks an SM, 0.038 -> 0.032 ms with one K buffer; 7B heads, 3.4 an SM, 0.026 ->
+// 0.030).
+constexpr int kPrefillOneKMinBlocksPerSm = 4;
+
+// The kernel attention_prefill runs for `asked`: kAuto resolved as PrefillKernel's comment says,
+// for `rows` rows of `heads` heads over `num_keys` keys at head_dim on a device of `sms` SMs where
+// wgmma runs or not; any other choice as asked.
+PrefillKernel resolve_prefill_kernel(PrefillKernel asked, int32_t rows, int32_t num_keys, int heads,
+                                     int head_dim, int sms, bool wgmma);
 
 struct PrefillScheduleHost {
   std::vector<int32_t> tile_offsets;  // (row_tiles + 1)

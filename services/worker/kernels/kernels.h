@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "services/worker/kernels/attention_schedule.h"  // PrefillKernel
 #include "services/worker/kernels/layout.h"
 
 namespace keep::kernels {
@@ -151,49 +152,6 @@ cudaError_t convert(float* out, const __nv_bfloat16* in, int64_t n, cudaStream_t
 // Whether the current device runs our wgmma code: this library was built for sm_90a
 // (KEEP_KERNELS_SM90A, CMAKE_CUDA_ARCHITECTURES naming 90a) and the device is compute 9.0.
 bool wgmma_available();
-
-// Which prefill kernel runs. kMma: one warpgroup per 64 rows on mma.sync; kWgmma: the same on
-// wgmma (two K and two V buffers, two blocks an SM at head_dim 128); kWgmmaOneK: kWgmma's kernel
-// with one K buffer, three blocks an SM, for head_dim 128, bf16 K/V and Q, O, K, V 16-byte aligned
-// (kWgmma's otherwise); kWgmmaWide: two warpgroups per 128 rows, 128 keys a step, warp-specialized
-// with TMA loads, where K/V are bf16 and Q, K, V 16-byte aligned (kWgmma's kernel otherwise).
-// kAuto: on Hopper kWgmmaWide for head_dim 128 from kPrefillWideMinKeys keys on (where it measured
-// faster); below that kWgmmaOneK where the launch has kPrefillOneKMinBlocksPerSm blocks an SM or
-// more (enough to fill the third slot), else kWgmma; elsewhere kMma. A wgmma kernel where wgmma is
-// not available: cudaErrorNotSupported. Same results up to fp32 summation order.
-enum class PrefillKernel { kAuto, kMma, kWgmma, kWgmmaWide, kWgmmaOneK };
-// Short names for flags and logs: "auto", "mma", "wgmma", "wide", "wgmma1k"; parse_prefill_kernel
-// takes them back (false for anything else).
-inline const char* prefill_kernel_name(PrefillKernel k) {
-  switch (k) {
-    case PrefillKernel::kMma:
-      return "mma";
-    case PrefillKernel::kWgmma:
-      return "wgmma";
-    case PrefillKernel::kWgmmaWide:
-      return "wide";
-    case PrefillKernel::kWgmmaOneK:
-      return "wgmma1k";
-    case PrefillKernel::kAuto:
-      break;
-  }
-  return "auto";
-}
-inline bool parse_prefill_kernel(const char* name, PrefillKernel* out) {
-  for (PrefillKernel k : {PrefillKernel::kAuto, PrefillKernel::kMma, PrefillKernel::kWgmma,
-                          PrefillKernel::kWgmmaWide, PrefillKernel::kWgmmaOneK}) {
-    if (std::strcmp(name, prefill_kernel_name(k)) == 0) {
-      *out = k;
-      return true;
-    }
-  }
-  return false;
-}
-constexpr int32_t kPrefillWideMinKeys = 4096;  // kAuto's kWgmmaWide threshold (head_dim 128)
-// kAuto's kWgmmaOneK threshold: row tiles x heads per SM (H200, test_attention: 14B heads at 1024
-// rows, 4.8 blocks an SM, 0.038 -> 0.032 ms with one K buffer; 7B heads, 3.4 an SM, 0.026 ->
-// 0.030).
-constexpr int kPrefillOneKMinBlocksPerSm = 4;
 
 // Tiled flash-style kernel (tensor cores), for any number of rows; schedule from
 // build_prefill_schedule over the same rows. head_dim 64 or 128 (else cudaErrorInvalidValue).
