@@ -42,12 +42,13 @@ if [[ -n "${BUNDLE_BASE:-}" ]]; then
   echo "$rev" >"$out/BASE_REVISION"
 fi
 strip "$out"/bin/*  # the carry to a GPU machine is size-limited
-# Shared libraries outside glibc, libstdc++ and CUDA (which the GPU machine has).
+# Shared libraries outside glibc, libstdc++ and CUDA (which the GPU machine has; libcuda* covers
+# libcudart).
 for b in "$out"/bin/*; do
   ldd "$b" | awk '/=> \//{print $3}' | while read -r lib; do
     case "$(basename "$lib")" in
       libc.so* | libm.so* | libstdc++* | libgcc_s* | ld-linux* | libcuda* | libcublas* | \
-        libcudart* | libdl.so* | libpthread* | librt.so*) ;;
+        libdl.so* | libpthread* | librt.so*) ;;
       *) cp -uL "$lib" "$out/lib/" ;;
     esac
   done

@@ -122,7 +122,8 @@ fi
 
 if ((bench)) && [[ -x "$bench_bin" ]]; then
   step "benchmarks/prefill (KEEP vs HF transformers)"
-  OUT="${OUT:-$build}" "$root/benchmarks/prefill/run.sh" "$bench_bin" ${BENCH_SHAPES:-} ||
+  read -ra shapes <<<"${BENCH_SHAPES:-}"  # a space-separated list; none: run.sh's default
+  OUT="${OUT:-$build}" "$root/benchmarks/prefill/run.sh" "$bench_bin" "${shapes[@]}" ||
     mark bench_prefill
   # BENCH_GAP_MS=G: the prefill comparison again with G ms of idle GPU before each timed run
   # (isolated requests, as a planner sends them; results in $OUT/isolated).
@@ -130,7 +131,7 @@ if ((bench)) && [[ -x "$bench_bin" ]]; then
     step "benchmarks/prefill, isolated requests (GAP_MS=$BENCH_GAP_MS)"
     mkdir -p "${OUT:-$build}/isolated"
     OUT="${OUT:-$build}/isolated" GAP_MS="$BENCH_GAP_MS" GRAPHS=off DECODE=0 PROFILE=0 \
-      "$root/benchmarks/prefill/run.sh" "$bench_bin" ${BENCH_SHAPES:-} || mark bench_prefill_isolated
+      "$root/benchmarks/prefill/run.sh" "$bench_bin" "${shapes[@]}" || mark bench_prefill_isolated
   fi
 fi
 
