@@ -269,6 +269,10 @@ TEST_CASE(
   }
   K unused = K::kMma;
   CHECK_FALSE(kk::parse_prefill_kernel("wgmma2k", &unused));
+  // The choices that need wgmma (refused where it cannot run).
+  CHECK_FALSE(kk::prefill_kernel_needs_wgmma(K::kAuto));
+  CHECK_FALSE(kk::prefill_kernel_needs_wgmma(K::kMma));
+  for (K k : {K::kWgmma, K::kWgmmaOneK, K::kWgmmaWide}) CHECK(kk::prefill_kernel_needs_wgmma(k));
 }
 
 TEST_CASE("attention reference matches a naive softmax over the mask matrix") {

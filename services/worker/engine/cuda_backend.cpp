@@ -266,9 +266,7 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::prepare(const ModelConfig& con
   KEEP_RETURN_IF_ERROR(config.validate().with_context("cuda backend: config"));
   std::unique_ptr<CudaBackend> b(new CudaBackend(config, options));
   KEEP_RETURN_IF_ERROR(b->init_device());  // kUnavailable first: no GPU is not a model problem
-  if ((options.prefill_attention == kernels::PrefillKernel::kWgmma ||
-       options.prefill_attention == kernels::PrefillKernel::kWgmmaWide ||
-       options.prefill_attention == kernels::PrefillKernel::kWgmmaOneK) &&
+  if (kernels::prefill_kernel_needs_wgmma(options.prefill_attention) &&
       !kernels::wgmma_available()) {
     return Status(Code::kUnavailable,
                   "cuda backend: wgmma attention asked for, but this build (CUDA architectures "

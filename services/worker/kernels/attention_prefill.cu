@@ -1235,19 +1235,6 @@ cudaError_t launch_hd(const Params<KV>& p, bool one_k, cudaStream_t stream) {
   return launch_hd_as<HD, KV, kWgmma, false>(p, stream);
 }
 
-// SMs of the current device (sizes kAuto's choice of the one-K-buffer form).
-int sm_count() {
-  static detail::DeviceMemo sms;
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return 132;
-  const int n = sms.get(device, [](int d) {
-    int v = 0;
-    const bool ok = cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, d) == cudaSuccess;
-    return std::pair<int, bool>{ok ? v : 132, ok};
-  });
-  return n > 0 ? n : 132;
-}
-
 template <int HD>
 cudaError_t launch_wide(const Params<bf16>& p, cudaStream_t stream) {
   constexpr size_t kBytes = WideGeometry<HD>::kSmemBytes;
@@ -1274,9 +1261,9 @@ cudaError_t launch(bf16* out, int64_t out_stride, float* lse, const bf16* q, int
                    const PrefillSchedule& schedule, int heads, int kv_heads, int head_dim,
                    float scale, PrefillKernel kernel, cudaStream_t stream) {
   if (kernel == PrefillKernel::kAuto) {
-    kernel = resolve_prefill_kernel(kernel, rows.rows, rows.num_keys, heads, head_dim, sm_count(),
-                                    wgmma_available());
-  } else if (kernel != PrefillKernel::kMma && !wgmma_available()) {
+    kernel = resolve_prefill_kernel(kernel, rows.rows, rows.num_keys, heads, head_dim,
+                                    detail::sm_count(), wgmma_available());
+  } else if (prefill_kernel_needs_wgmma(kernel) && !wgmma_available()) {
     return cudaErrorNotSupported;
   }
   if (rows.rows < 0 || rows.num_keys < 0 || heads <= 0 || kv_heads <= 0 || heads > 65535 ||

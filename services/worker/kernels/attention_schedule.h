@@ -39,6 +39,10 @@ inline const char* prefill_kernel_name(PrefillKernel k) {
   }
   return "auto";
 }
+// Whether the choice is one of the wgmma kernels (an sm_90a build on a compute 9.0 device only).
+constexpr bool prefill_kernel_needs_wgmma(PrefillKernel k) {
+  return k != PrefillKernel::kAuto && k != PrefillKernel::kMma;
+}
 inline bool parse_prefill_kernel(const char* name, PrefillKernel* out) {
   for (PrefillKernel k : {PrefillKernel::kAuto, PrefillKernel::kMma, PrefillKernel::kWgmma,
                           PrefillKernel::kWgmmaWide, PrefillKernel::kWgmmaOneK}) {

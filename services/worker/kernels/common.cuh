@@ -86,6 +86,9 @@ inline unsigned int dependent_launch_attribute(cudaLaunchAttribute& attr, bool o
 }
 
 bool dependent_launch_on();  // kernels::dependent_launch(), without including kernels.h
+// SMs of the current device (cached per device; 132, the H100/H200's, where the query fails):
+// sizes grids of persistent kernels and kAuto's attention choice.
+int sm_count();
 
 template <typename... Params, typename... Args>
 cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,

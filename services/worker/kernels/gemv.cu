@@ -245,20 +245,6 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
-// SMs of the device current at the first call (it only sizes the grid; one GPU per process).
-int sm_count() {
-  static const int n = [] {
-    int dev = 0, sms = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
-      cudaGetLastError();
-      return 132;
-    }
-    return sms;
-  }();
-  return n;
-}
-
 }  // namespace
 
 cudaError_t gemv(__nv_bfloat16* y, int64_t y_stride, const __nv_bfloat16* x, int64_t x_stride,
@@ -296,8 +282,8 @@ cudaError_t gemv_rmsnorm(__nv_bfloat16* y, int64_t y_stride, const float* residu
     return cudaErrorInvalidValue;
   }
   const int64_t want = (out + kWarps - 1) / kWarps;
-  const unsigned blocks =
-      static_cast<unsigned>(std::min<int64_t>(want, int64_t{kNormBlocksPerSm} * sm_count()));
+  const unsigned blocks = static_cast<unsigned>(
+      std::min<int64_t>(want, int64_t{kNormBlocksPerSm} * detail::sm_count()));
   const int o = static_cast<int>(out), n = static_cast<int>(in);
   switch (rows) {
 #define KEEP_GEMV_NORM_CASE(R_)                                             \

@@ -24,6 +24,21 @@ void set_dependent_launch(bool on) { g_dependent_launch.store(on, std::memory_or
 bool dependent_launch() { return g_dependent_launch.load(std::memory_order_relaxed); }
 bool detail::dependent_launch_on() { return dependent_launch(); }
 
+int detail::sm_count() {
+  static DeviceMemo sms;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();
+    return 132;
+  }
+  return sms.get(device, [](int d) {
+    int v = 0;
+    const bool ok = cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, d) == cudaSuccess;
+    if (!ok) cudaGetLastError();
+    return std::pair<int, bool>{ok && v > 0 ? v : 132, ok && v > 0};
+  });
+}
+
 namespace {
 
 constexpr int kMaxGrid = 65536;  // blocks per launch; the kernels stride over the rest
