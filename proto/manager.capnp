@@ -84,6 +84,14 @@ struct ListGroupsRequest {
   agent @0 :Text;
 }
 
+# One page of an agent's memories in ascending id order: those with id > afterId, at most limit
+# of them (0: 100; larger than the manager's maximum, 1000 by default: clamped).
+struct ListMemoriesRequest {
+  agent @0 :Text;
+  afterId @1 :UInt64;
+  limit @2 :UInt32;
+}
+
 struct StatsRequest {}
 
 struct PingRequest {}
@@ -127,6 +135,7 @@ struct Request {
     revokeEntry @13 :EntryRef;
     renewLease @14 :EntryRef;
     ping @15 :PingRequest;
+    listMemories @16 :ListMemoriesRequest;
   }
 }
 
@@ -182,6 +191,23 @@ struct GroupInfo {
 
 struct ListGroupsResponse {
   groups @0 :List(GroupInfo);
+}
+
+struct MemoryInfo {
+  id @0 :UInt64;
+  text @1 :Text;
+  kind @2 :SegmentKind;
+  tokens @3 :UInt32;
+  version @4 :UInt64;
+  updatedStep @5 :UInt64;
+  groupId @6 :UInt64;      # 0: not placed in a group yet (no embedding)
+  embedded @7 :Bool;       # the current version's embedding is installed
+  hasKv @8 :Bool;          # valid KV is stored (the segment's own or its static group's)
+}
+
+struct ListMemoriesResponse {
+  memories @0 :List(MemoryInfo);   # ascending id
+  more @1 :Bool;                   # more remain: ask again with afterId = the last id here
 }
 
 # A named counter or gauge (the names are documented in docs/protocol.md).
@@ -254,5 +280,6 @@ struct Response {
     revokeEntry @13 :RevokeEntryResponse;
     renewLease @14 :RenewLeaseResponse;
     ping @15 :PingResponse;
+    listMemories @16 :ListMemoriesResponse;
   }
 }

@@ -383,6 +383,38 @@ Result<std::vector<GroupInfo>> ManagerClient::list_groups(std::string_view agent
   return out;
 }
 
+Result<MemoryPage> ManagerClient::list_memories(std::string_view agent, uint64_t after_id,
+                                                uint32_t limit) {
+  MemoryPage out;
+  KEEP_RETURN_IF_ERROR(round_trip(
+      *impl_, options_, proto::Response::LIST_MEMORIES,
+      [&](proto::Request::Builder req) {
+        auto q = req.initListMemories();
+        q.setAgent(capnp::Text::Reader(agent.data(), agent.size()));
+        q.setAfterId(after_id);
+        q.setLimit(limit);
+      },
+      [&](proto::Response::Reader r) -> Status {
+        auto page = r.getListMemories();
+        for (auto m : page.getMemories()) {
+          MemoryInfo info;
+          info.id = m.getId();
+          info.text = text(m.getText());
+          KEEP_ASSIGN_OR_RETURN(info.kind, kind_from_wire(m.getKind()));
+          info.tokens = m.getTokens();
+          info.version = m.getVersion();
+          info.updated_step = m.getUpdatedStep();
+          info.group_id = m.getGroupId();
+          info.embedded = m.getEmbedded();
+          info.has_kv = m.getHasKv();
+          out.memories.push_back(std::move(info));
+        }
+        out.more = page.getMore();
+        return Status::ok();
+      }));
+  return out;
+}
+
 Result<Stats> ManagerClient::stats() {
   Stats out;
   KEEP_RETURN_IF_ERROR(round_trip(

@@ -84,6 +84,24 @@ struct GroupInfo {
   uint64_t last_change_step = 0;
 };
 
+struct MemoryInfo {
+  uint64_t id = 0;
+  std::string text;
+  SegmentKind kind = SegmentKind::kObjectState;
+  uint32_t tokens = 0;
+  uint64_t version = 0;
+  uint64_t updated_step = 0;
+  uint64_t group_id = 0;  // 0: not in a group yet
+  bool embedded = false;
+  bool has_kv = false;
+};
+
+// A page of list_memories: ascending id; `more`: ask again with after_id = memories.back().id.
+struct MemoryPage {
+  std::vector<MemoryInfo> memories;
+  bool more = false;
+};
+
 struct Stats {
   uint64_t agents = 0;
   uint64_t memories = 0;
@@ -140,6 +158,10 @@ class ManagerClient {
   Result<std::vector<RetrievedSegment>> retrieve(std::string_view agent, std::string_view query,
                                                  uint32_t k);
   Result<std::vector<GroupInfo>> list_groups(std::string_view agent);
+  // The agent's memories with id > after_id, ascending, at most `limit` (0: the server's default
+  // page, 100; the server clamps larger pages to its maximum, 1000).
+  Result<MemoryPage> list_memories(std::string_view agent, uint64_t after_id = 0,
+                                   uint32_t limit = 0);
   Result<Stats> stats();
   Result<std::vector<KvJob>> fetch_jobs(uint64_t worker_id, uint32_t max);
   Result<Reservation> reserve_entry(uint64_t worker_id, uint64_t job_id, uint32_t tokens);

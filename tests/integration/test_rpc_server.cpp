@@ -263,6 +263,26 @@ TEST_CASE("every call round-trips through a real server and store") {
   REQUIRE(groups.is_ok());
   CHECK_FALSE(groups->empty());
 
+  // The memories by id, in pages: 1 (updated), 50, then the example plan (51).
+  auto page = c->list_memories("robot", 0, 2);
+  REQUIRE(page.is_ok());
+  REQUIRE(page->memories.size() == 2);
+  CHECK(page->more);
+  CHECK(page->memories[0].id == w1->id);
+  CHECK(page->memories[0].version == 2);
+  CHECK(page->memories[0].kind == kc::SegmentKind::kTaskRecord);
+  CHECK(page->memories[0].text == "kitchen apple in the fridge");
+  CHECK(page->memories[0].embedded);  // retrieve embedded it (read-your-writes)
+  CHECK_FALSE(page->memories[0].has_kv);
+  CHECK(page->memories[1].id == 50);
+  CHECK(page->memories[1].group_id != 0);
+  page = c->list_memories("robot", page->memories.back().id, 2);
+  REQUIRE(page.is_ok());
+  REQUIRE(page->memories.size() == 1);
+  CHECK_FALSE(page->more);
+  CHECK(page->memories[0].id == w3->id);
+  CHECK(page->memories[0].kind == kc::SegmentKind::kExamplePlan);
+
   // Ten steps without change: the groups turn static and group jobs appear.
   auto step = c->advance_step("robot", 10);
   REQUIRE(step.is_ok());
@@ -436,6 +456,8 @@ TEST_CASE("bad input of every kind gets its error code and the server keeps serv
   SUBCASE("unknown agent / segment, empty and over-long text") {
     CHECK(c->retrieve("nobody", "q", 3).status().code() == Code::kNotFound);
     CHECK(c->list_groups("nobody").status().code() == Code::kNotFound);
+    CHECK(c->list_memories("nobody").status().code() == Code::kNotFound);
+    CHECK(c->list_memories("bad name!").status().code() == Code::kInvalidArgument);
     CHECK(c->remove("a", 999).code() == Code::kNotFound);
     CHECK(c->update("a", 999, "x").status().code() == Code::kNotFound);
     CHECK(c->write({"a", {}, "", {}, {}}).status().code() == Code::kInvalidArgument);
@@ -547,4 +569,27 @@ TEST_CASE("keepctl drives the server as a separate process") {
   out = run("--json stats", &rc);
   CHECK(rc == 0);
   CHECK(out.find("\"memories\":1") != std::string::npos);
+
+  // list: one page with a pointer to the next, --all follows the pages.
+  for (int i = 0; i < 4; ++i) {
+    run("write robot 'drawer item " + std::to_string(i) + "'", &rc);
+    REQUIRE(rc == 0);
+  }
+  out = run("list robot --limit 2", &rc);
+  CHECK(rc == 0);
+  CHECK(out.find("kitchen cup on shelf") != std::string::npos);
+  CHECK(out.find("drawer item 0") != std::string::npos);
+  CHECK(out.find("drawer item 1") == std::string::npos);
+  CHECK(out.find("(more: keepctl list robot --after 2)") != std::string::npos);
+  out = run("--json list robot --after 2 --limit 2 --all", &rc);
+  CHECK(rc == 0);
+  CHECK(out.find("drawer item 1") != std::string::npos);
+  CHECK(out.find("drawer item 3") != std::string::npos);
+  CHECK(out.find("kitchen cup on shelf") == std::string::npos);
+  CHECK(out.find("\"more\":false") != std::string::npos);
+  out = run("list nobody", &rc);
+  CHECK(rc == 1);
+  CHECK(out.find("keepctl: not_found: ") == 0);
+  out = run("list robot --after x", &rc);
+  CHECK(rc == 2);
 }

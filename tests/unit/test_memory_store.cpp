@@ -520,6 +520,97 @@ TEST_CASE("retrieve: read-your-writes, example plans always, prompt order") {
   CHECK(e.store.retrieve("a", "1,0.5,0,0|query", 3, nullptr).status().code() == Code::kUnavailable);
 }
 
+TEST_CASE("list_memories pages an agent's memories by ascending id") {
+  StoreOptions o = small_options();
+  o.max_list_limit = 4;
+  Env e(o);
+  // Ids out of write order, with gaps; another agent's memories stay out of the listing.
+  for (uint64_t id : {40, 7, 19, 3, 733, 1, 20}) {
+    WriteRequest r;
+    r.agent = "a";
+    r.id = id;
+    r.text = "1,0,0,0|item " + std::to_string(id);
+    REQUIRE(e.store.write(r, nullptr).is_ok());
+  }
+  e.write("0,1,0,0|elsewhere", SegmentKind::kObjectState, "b");
+  auto walk = [&](uint32_t limit) {
+    std::vector<uint64_t> ids;
+    std::vector<size_t> sizes;
+    uint64_t after = 0;
+    for (;;) {
+      auto page = e.store.list_memories("a", after, limit);
+      REQUIRE(page.is_ok());
+      sizes.push_back(page->memories.size());
+      for (const SegmentInfo& m : page->memories) ids.push_back(m.id);
+      if (!page->more) break;
+      REQUIRE_FALSE(page->memories.empty());
+      after = page->memories.back().id;
+    }
+    return std::make_pair(ids, sizes);
+  };
+  const std::vector<uint64_t> all = {1, 3, 7, 19, 20, 40, 733};
+  auto [ids3, sizes3] = walk(3);
+  CHECK(ids3 == all);
+  CHECK(sizes3 == std::vector<size_t>{3, 3, 1});
+  auto [ids0, sizes0] = walk(0);  // 0: the default page (100), clamped to max_list_limit (4)
+  CHECK(ids0 == all);
+  CHECK(sizes0 == std::vector<size_t>{4, 3});
+  auto [ids9, sizes9] = walk(1000000);  // clamped
+  CHECK(sizes9 == std::vector<size_t>{4, 3});
+  // A page that ends exactly at the last id says no more.
+  auto last = e.store.list_memories("a", 19, 3);
+  REQUIRE(last.is_ok());
+  CHECK(last->memories.size() == 3);
+  CHECK_FALSE(last->more);
+  auto none = e.store.list_memories("a", 733, 3);
+  REQUIRE(none.is_ok());
+  CHECK(none->memories.empty());
+  CHECK_FALSE(none->more);
+
+  // What a page carries follows the segment: text, kind, version, embedding, group, KV.
+  auto first = e.store.list_memories("a", 0, 1);
+  REQUIRE(first.is_ok());
+  REQUIRE(first->memories.size() == 1);
+  CHECK(first->memories[0].id == 1);
+  CHECK(first->memories[0].text == "1,0,0,0|item 1");
+  CHECK(first->memories[0].version == 1);
+  CHECK_FALSE(first->memories[0].embedded);
+  CHECK(first->memories[0].group_id == 0);
+  CHECK(first->more);
+  e.embed_all();
+  e.update(3, "0,0,1,0|item 3 moved");
+  uint32_t entry = 1;
+  for (const KvJob& j : e.jobs()) {
+    if (j.kind == KvJobKind::kSegment && j.segments[0].id == 1) {
+      REQUIRE(e.store.complete_job(j.job_id, {entry++, 1, j.total_tokens}).is_ok());
+    }
+  }
+  auto page = e.store.list_memories("a", 0, 2);
+  REQUIRE(page.is_ok());
+  REQUIRE(page->memories.size() == 2);
+  const SegmentInfo& m1 = page->memories[0];
+  const SegmentInfo& m3 = page->memories[1];
+  CHECK(m1.embedded);
+  CHECK(m1.group_id != 0);
+  CHECK(m1.kv.has_value());
+  CHECK(m3.id == 3);
+  CHECK(m3.version == 2);
+  CHECK(m3.text == "0,0,1,0|item 3 moved");
+  CHECK_FALSE(m3.embedded);  // the new version waits for its embedding
+  CHECK_FALSE(m3.kv.has_value());
+  // Deleted memories leave the listing; a cursor on a deleted id still works.
+  REQUIRE(e.store.remove("a", 7, nullptr).is_ok());
+  auto after7 = e.store.list_memories("a", 7, 2);
+  REQUIRE(after7.is_ok());
+  REQUIRE(after7->memories.size() == 2);
+  CHECK(after7->memories[0].id == 19);
+  CHECK(walk(100).first == std::vector<uint64_t>{1, 3, 19, 20, 40, 733});
+
+  CHECK(e.store.list_memories("nobody", 0, 10).status().code() == Code::kNotFound);
+  CHECK(e.store.list_memories("bad name!", 0, 10).status().code() == Code::kInvalidArgument);
+  CHECK(e.store.list_memories("", 0, 10).status().code() == Code::kInvalidArgument);
+}
+
 TEST_CASE("bad input gets clear codes and produces no record") {
   Env e;
   std::string rec;

@@ -44,6 +44,10 @@ commands:
   step <agent> [--by N]                       advance the agent's step (default by 1)
   retrieve <agent> <query> [--k N]            memories for a prompt, in prompt order (k: 8)
   groups <agent>                              the agent's semantic groups
+  list <agent> [--after ID] [--limit N] [--all]
+                                              the agent's memories by ascending id, one page
+                                              (ids above ID; N: 100, at most 1000) or --all
+                                              pages
   stats                                       manager counters
   jobs --worker W [--max N]                   take KV jobs for worker W (max: 1)
   reserve --worker W --job J --tokens T       reserve a region entry for a job
@@ -67,11 +71,13 @@ struct Args {
   std::map<std::string, std::string> options;
   bool json = false;
   bool help = false;
+  bool all = false;
 };
 
-const std::set<std::string> kValueOptions = {
-    "--endpoint", "--timeout-ms", "--kind", "--id",     "--step",  "--by",         "--k",
-    "--worker",   "--max",        "--job",  "--tokens", "--index", "--generation", "--slices"};
+const std::set<std::string> kValueOptions = {"--endpoint",   "--timeout-ms", "--kind",   "--id",
+                                             "--step",       "--by",         "--k",      "--worker",
+                                             "--max",        "--job",        "--tokens", "--index",
+                                             "--generation", "--slices",     "--after",  "--limit"};
 
 Args parse_args(int argc, char** argv) {
   Args a;
@@ -79,6 +85,8 @@ Args parse_args(int argc, char** argv) {
     std::string s = argv[i];
     if (s == "--json") {
       a.json = true;
+    } else if (s == "--all") {
+      a.all = true;
     } else if (s == "--help" || s == "-h") {
       a.help = true;
     } else if (s == "--") {
@@ -178,9 +186,9 @@ int run(const Args& a) {
   }
   if (a.positional.empty()) throw UsageError{"no command (see keepctl --help)"};
   const std::string& cmd = a.positional[0];
-  static const std::set<std::string> kCommands = {
-      "ping",  "write", "update",  "delete", "step",   "retrieve", "groups",
-      "stats", "jobs",  "reserve", "commit", "revoke", "renew"};
+  static const std::set<std::string> kCommands = {"ping",     "write",  "update", "delete", "step",
+                                                  "retrieve", "groups", "list",   "stats",  "jobs",
+                                                  "reserve",  "commit", "revoke", "renew"};
   if (!kCommands.count(cmd)) throw UsageError{"unknown command '" + cmd + "'"};
   auto client = take(kc::ManagerClient::connect(options));
   const bool js = a.json;
@@ -279,6 +287,49 @@ int run(const Args& a) {
                     static_cast<unsigned long long>(g.last_change_step), ids.c_str());
       }
       if (groups.empty()) std::printf("(no groups)\n");
+    }
+  } else if (cmd == "list") {
+    need_positional(a, 1, "list <agent> [--after ID] [--limit N] [--all]");
+    uint64_t after = 0;
+    if (auto* v = opt(a, "--after")) after = parse_u64("--after", *v);
+    uint32_t limit = 0;  // the server's default page
+    if (auto* v = opt(a, "--limit")) limit = parse_u32("--limit", *v);
+    kc::MemoryPage all;
+    for (;;) {  // one page, or with --all every page after `after`
+      auto page = take(client->list_memories(p[1], after, limit));
+      all.more = page.more;
+      for (auto& m : page.memories) all.memories.push_back(std::move(m));
+      if (!a.all || !page.more || page.memories.empty()) break;
+      after = all.memories.back().id;
+    }
+    if (js) {
+      json out = json::array();
+      for (const auto& m : all.memories) {
+        out.push_back({{"id", m.id},
+                       {"text", m.text},
+                       {"kind", kc::kind_name(m.kind)},
+                       {"tokens", m.tokens},
+                       {"version", m.version},
+                       {"updated_step", m.updated_step},
+                       {"group_id", m.group_id},
+                       {"embedded", m.embedded},
+                       {"has_kv", m.has_kv}});
+      }
+      std::cout << json{{"memories", out}, {"more", all.more}}.dump() << "\n";
+    } else {
+      for (const auto& m : all.memories) {
+        std::printf("%-6llu %-12s v%llu  step %llu  group %llu  %u tok  embedded %s  kv %s\n  %s\n",
+                    static_cast<unsigned long long>(m.id), kc::kind_name(m.kind),
+                    static_cast<unsigned long long>(m.version),
+                    static_cast<unsigned long long>(m.updated_step),
+                    static_cast<unsigned long long>(m.group_id), m.tokens,
+                    m.embedded ? "yes" : "no", m.has_kv ? "yes" : "no", m.text.c_str());
+      }
+      if (all.memories.empty()) std::printf("(no memories)\n");
+      if (all.more) {
+        std::printf("(more: keepctl list %s --after %llu)\n", p[1].c_str(),
+                    static_cast<unsigned long long>(all.memories.back().id));
+      }
     }
   } else if (cmd == "stats") {
     need_positional(a, 0, "stats");

@@ -192,6 +192,8 @@ const char* request_name(proto::Request::Which w) {
       return "retrieve";
     case proto::Request::LIST_GROUPS:
       return "list_groups";
+    case proto::Request::LIST_MEMORIES:
+      return "list_memories";
     case proto::Request::STATS:
       return "stats";
     case proto::Request::FETCH_JOBS:

@@ -53,6 +53,19 @@ proto::GroupState state_to_wire(GroupState state) {
   return proto::GroupState::UNKNOWN;
 }
 
+// The fields a retrieved segment (proto::RetrievedSegment) and a listed one (proto::MemoryInfo)
+// share, from the store's RetrievedSegment or SegmentInfo.
+template <typename Builder, typename Segment>
+void set_segment_fields(Builder o, const Segment& s) {
+  o.setId(s.id);
+  o.setText(s.text);
+  o.setKind(kind_to_wire(s.kind));
+  o.setTokens(s.tokens);
+  o.setVersion(s.version);
+  o.setUpdatedStep(s.updated_step);
+  o.setGroupId(s.group_id);
+}
+
 void set_entry(proto::EntryDescriptor::Builder out, const EntryLocation& e) {
   out.setIndex(e.index);
   out.setGeneration(e.generation);
@@ -246,13 +259,7 @@ bool ManagerService::handle_one(wire::Call& call) {
       for (size_t i = 0; i < r->size(); ++i) {
         const RetrievedSegment& s = (*r)[i];
         auto o = segs[static_cast<unsigned>(i)];
-        o.setId(s.id);
-        o.setText(s.text);
-        o.setKind(kind_to_wire(s.kind));
-        o.setTokens(s.tokens);
-        o.setVersion(s.version);
-        o.setUpdatedStep(s.updated_step);
-        o.setGroupId(s.group_id);
+        set_segment_fields(o, s);
         o.setGroupState(state_to_wire(s.group_state));
         o.setGroupVersion(s.group_version);
         o.setScore(s.score);
@@ -287,6 +294,23 @@ bool ManagerService::handle_one(wire::Call& call) {
         }
         o.setTokens(g.tokens);
         o.setLastChangeStep(g.last_change_step);
+      }
+      return false;
+    }
+
+    case proto::Request::LIST_MEMORIES: {
+      auto q = req.getListMemories();
+      auto r = store_->list_memories(str(q.getAgent()), q.getAfterId(), q.getLimit());
+      if (!r.is_ok()) return call.fail(r.status()), false;
+      auto page = call.reply().initListMemories();
+      page.setMore(r->more);
+      auto out = page.initMemories(static_cast<unsigned>(r->memories.size()));
+      for (size_t i = 0; i < r->memories.size(); ++i) {
+        const SegmentInfo& s = r->memories[i];
+        auto o = out[static_cast<unsigned>(i)];
+        set_segment_fields(o, s);
+        o.setEmbedded(s.embedded);
+        o.setHasKv(s.kv.has_value());
       }
       return false;
     }

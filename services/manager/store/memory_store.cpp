@@ -73,7 +73,7 @@ struct Agent {
   uint64_t step = 0;
   uint64_t next_id = 1;
   uint64_t next_group_id = 1;
-  std::unordered_map<uint64_t, Segment> segments;
+  std::map<uint64_t, Segment> segments;  // by id: list_memories and snapshots walk it in order
   std::set<uint64_t> example_plans;
   std::map<uint64_t, uint64_t> awaiting;  // seq -> segment id, write order
   EmbeddingIndex index;                   // normalised embeddings, keyed by segment id
@@ -550,6 +550,20 @@ struct MemoryStore::Impl {
     return std::nullopt;
   }
 
+  SegmentInfo segment_info(const Agent& a, const Segment& s) const {
+    SegmentInfo info;
+    info.id = s.id;
+    info.text = s.text;
+    info.kind = s.kind;
+    info.tokens = s.tokens;
+    info.version = s.version;
+    info.updated_step = s.updated_step;
+    info.group_id = s.group;
+    info.embedded = s.row >= 0;
+    info.kv = kv_ref(a, s);
+    return info;
+  }
+
   // ---- query cache
   // -------------------------------------------------------------------------------
 
@@ -739,13 +753,8 @@ std::string MemoryStore::serialize() const {
       as.groups.push_back(
           GroupSnapshot{gid, static_cast<uint8_t>(g.state), g.version, g.last_change_step});
     }
-    std::vector<uint64_t> ids;
-    ids.reserve(a.segments.size());
-    for (const auto& [id, s] : a.segments) ids.push_back(id);
-    std::sort(ids.begin(), ids.end());
-    as.segments.reserve(ids.size());
-    for (uint64_t id : ids) {
-      const Segment& s = a.segments.at(id);
+    as.segments.reserve(a.segments.size());
+    for (const auto& [id, s] : a.segments) {  // ascending id
       SegmentSnapshot ss;
       ss.id = id;
       ss.kind = static_cast<uint8_t>(s.kind);
@@ -947,17 +956,23 @@ Result<SegmentInfo> MemoryStore::get(std::string_view agent, uint64_t id) const 
   Agent* a = nullptr;
   Segment* s = nullptr;
   KEEP_RETURN_IF_ERROR(impl_->lookup(agent, id, &a, &s));
-  SegmentInfo info;
-  info.id = s->id;
-  info.text = s->text;
-  info.kind = s->kind;
-  info.tokens = s->tokens;
-  info.version = s->version;
-  info.updated_step = s->updated_step;
-  info.group_id = s->group;
-  info.embedded = s->row >= 0;
-  info.kv = impl_->kv_ref(*a, *s);
-  return info;
+  return impl_->segment_info(*a, *s);
+}
+
+Result<MemoryPage> MemoryStore::list_memories(std::string_view agent, uint64_t after_id,
+                                              uint32_t limit) const {
+  KEEP_RETURN_IF_ERROR(impl_->check_agent_name(agent));
+  const Agent* a = impl_->find_agent(agent);
+  if (a == nullptr) return Impl::not_found_agent(agent);
+  if (limit == 0) limit = kDefaultListLimit;
+  limit = std::min(limit, impl_->opt.max_list_limit);
+  MemoryPage page;
+  auto it = a->segments.upper_bound(after_id);
+  for (; it != a->segments.end() && page.memories.size() < limit; ++it) {
+    page.memories.push_back(impl_->segment_info(*a, it->second));
+  }
+  page.more = it != a->segments.end();
+  return page;
 }
 
 Result<std::vector<GroupInfo>> MemoryStore::list_groups(std::string_view agent) const {

@@ -54,6 +54,7 @@ struct StoreOptions {
   size_t max_segments_per_agent = 1'000'000;  // more -> kResourceExhausted
   size_t max_agents = 100'000;                // more -> kResourceExhausted
   uint32_t max_retrieve_k = 1024;             // larger k is clamped
+  uint32_t max_list_limit = 1000;             // list_memories: a larger page is clamped
   size_t query_cache_entries = 1024;          // LRU of query embeddings by exact text; 0 = off
   uint32_t max_job_attempts = 3;              // fail_job drops a job after this many failures
 };
@@ -126,6 +127,13 @@ struct SegmentInfo {
   bool embedded = false;  // an embedding for the current version is installed
   std::optional<KvRef> kv;
 };
+
+// One page of list_memories: ascending id; `more` when the agent holds larger ids.
+struct MemoryPage {
+  std::vector<SegmentInfo> memories;
+  bool more = false;
+};
+inline constexpr uint32_t kDefaultListLimit = 100;  // list_memories' page for a limit of 0
 
 struct GroupInfo {
   uint64_t id = 0;
@@ -280,6 +288,11 @@ class MemoryStore {
                                                  uint32_t k, std::string* wal_record);
 
   Result<SegmentInfo> get(std::string_view agent, uint64_t id) const;
+  // The agent's memories with id > after_id, ascending, at most `limit` (0: kDefaultListLimit;
+  // clamped to max_list_limit). Pages walk the id order, so a listing stays consistent across
+  // writes between pages: a memory is seen once, with the state of the page that carries it.
+  // Errors: kNotFound (agent), kInvalidArgument (agent name).
+  Result<MemoryPage> list_memories(std::string_view agent, uint64_t after_id, uint32_t limit) const;
   Result<std::vector<GroupInfo>> list_groups(std::string_view agent) const;  // by group id
   Result<uint64_t> current_step(std::string_view agent) const;
   std::vector<std::string> list_agents() const;  // sorted

@@ -4,10 +4,11 @@
 // writes only; writes mixed with updates and deletes; writes and updates with snapshots taken
 // (--snapshot-every 64). A final clean shutdown (SIGTERM: final snapshot) and restart closes it.
 //
-// Read path: retrieve(agent, query, k = 1024) returns every example plan plus the top-k others,
-// i.e. the complete listing of an agent while it holds <= 1024 other segments (the store clamps
-// k to max_retrieve_k = 1024, and retrieve embeds pending segments first). Writers therefore move
-// to a new agent every kIdsPerAgent ids. list_groups is not complete (embedded segments only).
+// Read path: list_memories, page by page, is the listing. retrieve(agent, query, k = 1024) must
+// return the same segments: every example plan plus the top-k others, i.e. all of an agent's
+// while it holds <= 1024 other segments (the store clamps k to max_retrieve_k = 1024, and
+// retrieve embeds pending segments first). Writers therefore move to a new agent every
+// kIdsPerAgent ids.
 //
 // The model: each writer thread owns its agents and issues one request at a time, so at most one
 // request per writer is unacknowledged when the manager dies ("uncertain"): its target may be in
@@ -39,6 +40,7 @@ constexpr int kWriters = 4;
 constexpr uint64_t kIdsPerAgent = 100;
 constexpr uint64_t kMaxPauseUs = 40000;  // a writer pauses 0..40 ms between requests
 constexpr uint32_t kListK = 1024;
+constexpr uint32_t kPage = 37;  // list_memories page
 
 struct Mem {
   std::string text;
@@ -200,17 +202,40 @@ void verify(const std::string& endpoint, std::vector<Writer>& writers, const std
     for (auto& [agent, model] : w.agents) {
       INFO("agent " << agent);
       std::map<uint64_t, Mem> actual;
-      auto r = c->retrieve(agent, "where is the red mug", kListK);
-      if (r.is_ok()) {
-        ++agents;
-        REQUIRE(r->size() < kListK);  // else the listing could be incomplete
-        for (const auto& s : *r) {
-          CHECK_MESSAGE(actual.count(s.id) == 0, "segment id " << s.id << " listed twice");
+      // The listing: list_memories' pages (37 at a time, so most agents take several).
+      bool found = true;
+      for (uint64_t after = 0;;) {
+        auto page = c->list_memories(agent, after, kPage);
+        if (!page.is_ok()) {
+          REQUIRE_MESSAGE(page.status().code() == Code::kNotFound, page.status().to_string());
+          REQUIRE(after == 0);
+          found = false;
+          break;
+        }
+        for (const auto& s : page->memories) {
+          CHECK_MESSAGE(s.id > after, "segment id " << s.id << " out of order after " << after);
           CHECK_MESSAGE(texts.insert(s.text).second, "text listed twice: " << s.text);
           actual[s.id] = Mem{s.text, s.kind, s.version};
         }
+        if (!page->more) break;
+        REQUIRE_FALSE(page->memories.empty());
+        after = page->memories.back().id;
+      }
+      agents += found;
+      // retrieve with a k over the agent's size returns the same segments (it embeds the pending
+      // ones first).
+      auto r = c->retrieve(agent, "where is the red mug", kListK);
+      if (found) {
+        REQUIRE_MESSAGE(r.is_ok(), r.status().to_string());
+        REQUIRE(r->size() < kListK);  // else the retrieval could be incomplete
+        std::map<uint64_t, Mem> retrieved;
+        for (const auto& s : *r) {
+          CHECK_MESSAGE(retrieved.count(s.id) == 0, "segment id " << s.id << " retrieved twice");
+          retrieved[s.id] = Mem{s.text, s.kind, s.version};
+        }
+        CHECK_MESSAGE(retrieved == actual, "retrieve and list_memories disagree");
       } else {
-        REQUIRE_MESSAGE(r.status().code() == Code::kNotFound, r.status().to_string());
+        CHECK(r.status().code() == Code::kNotFound);
       }
       total += actual.size();
       const Uncertain* u =
