@@ -141,8 +141,9 @@ class TestRegion : public km::KvRegionOps {
 // A whole manager: store + service + server on its own thread.
 struct Manager {
   explicit Manager(std::vector<std::string> endpoints = {"tcp://127.0.0.1:0"},
-                   size_t max_message_bytes = wire::kDefaultMaxMessageBytes)
-      : store(km::StoreOptions{}, &embedder, &counter),
+                   size_t max_message_bytes = wire::kDefaultMaxMessageBytes,
+                   km::StoreOptions store_options = {})
+      : store(store_options, &embedder, &counter),
         service(&store, &committer, &region, km::ServiceOptions{}) {
     wire::ServerOptions options;
     options.endpoints = std::move(endpoints);
@@ -533,6 +534,34 @@ TEST_CASE("a failed sync answers io_error and then refuses mutations") {
   CHECK(c->ping().is_ok());
   CHECK(c->list_groups("a").is_ok());
   CHECK(m.service.degraded());
+}
+
+TEST_CASE("a full embedding backlog answers resource_exhausted until retrieve embeds it") {
+  km::StoreOptions o;
+  o.max_pending_embeddings = 2;  // this harness has no background embedder
+  Manager m({"tcp://127.0.0.1:0"}, wire::kDefaultMaxMessageBytes, o);
+  auto c = m.client();
+  REQUIRE(
+      c->write({"robot", std::nullopt, "kitchen cup", kc::SegmentKind::kObjectState, {}}).is_ok());
+  REQUIRE(
+      c->write({"robot", std::nullopt, "hall lamp", kc::SegmentKind::kObjectState, {}}).is_ok());
+  auto logged = [&] {
+    std::lock_guard<std::mutex> lock(m.committer.mu);
+    return m.committer.records.size();
+  };
+  const size_t before = logged();
+  auto refused = c->write({"robot", std::nullopt, "desk pen", kc::SegmentKind::kObjectState, {}});
+  CHECK(refused.status().code() == Code::kResourceExhausted);
+  CHECK(refused.status().message().find("embedding backlog is full") != std::string::npos);
+  CHECK(logged() == before);                                  // nothing was logged for it
+  CHECK(c->update("robot", 1, "kitchen cup moved").is_ok());  // still pending: no growth
+  REQUIRE(c->retrieve("robot", "cup", 1).is_ok());            // embeds the agent's pending segments
+  auto w = c->write({"robot", std::nullopt, "desk pen", kc::SegmentKind::kObjectState, {}});
+  REQUIRE(w.is_ok());
+  CHECK(w->id == 3);
+  auto page = c->list_memories("robot");
+  REQUIRE(page.is_ok());
+  CHECK(page->memories.size() == 3);
 }
 
 TEST_CASE("keepctl drives the server as a separate process") {

@@ -611,6 +611,67 @@ TEST_CASE("list_memories pages an agent's memories by ascending id") {
   CHECK(e.store.list_memories("", 0, 10).status().code() == Code::kInvalidArgument);
 }
 
+TEST_CASE("a full embedding backlog refuses writes and updates, never replay") {
+  StoreOptions o = small_options();
+  o.max_pending_embeddings = 2;
+  Env e(o);
+  std::vector<std::string> log;  // the accepted changes' records
+  auto write = [&](const std::string& text) {
+    std::string rec;
+    auto r =
+        e.store.write({"a", std::nullopt, text, SegmentKind::kObjectState, std::nullopt}, &rec);
+    if (r.is_ok()) log.push_back(rec);
+    return r;
+  };
+  auto update = [&](uint64_t id, const std::string& text) {
+    std::string rec;
+    auto r = e.store.update({"a", id, text, std::nullopt, std::nullopt}, &rec);
+    if (r.is_ok() && !rec.empty()) log.push_back(rec);
+    return r;
+  };
+  REQUIRE(write("1,0,0,0|one").is_ok());
+  REQUIRE(write("0,1,0,0|two").is_ok());
+  std::string rec = "untouched";
+  auto full = e.store.write(
+      {"a", std::nullopt, "0,0,1,0|three", SegmentKind::kObjectState, std::nullopt}, &rec);
+  CHECK(full.status().code() == Code::kResourceExhausted);
+  CHECK(full.status().message().find("embedding backlog is full") != std::string::npos);
+  CHECK(rec.empty());  // nothing to log: the write did not happen
+  CHECK(e.store.stats().memories == 2);
+  // An update of a segment still waiting replaces its pending version: the backlog stays at 2.
+  auto up = update(1, "1,0,0,0|one again");
+  REQUIRE(up.is_ok());
+  CHECK(up->version == 2);
+  CHECK(e.store.stats().pending_embeddings == 2);
+  // A delete shrinks it.
+  REQUIRE(e.store.remove("a", 2, &rec).is_ok());
+  log.push_back(rec);
+  REQUIRE(write("0,0,1,0|three").is_ok());
+  CHECK(write("0,0,0,1|four").status().code() == Code::kResourceExhausted);
+  // Once embedded, writes go through again; an update of an embedded segment adds one.
+  CHECK(e.embed_all() == 2);
+  REQUIRE(write("0,0,0,1|four").is_ok());
+  REQUIRE(update(1, "1,0,0,0|one a third time").is_ok());
+  CHECK(e.store.stats().pending_embeddings == 2);
+  CHECK(update(3, "0,0,1,0|three moved").status().code() == Code::kResourceExhausted);
+  CHECK(e.store.get("a", 3)->version == 1);
+
+  // Replay applies every logged record whatever the limit (they were acknowledged).
+  StoreOptions tight = small_options();
+  tight.max_pending_embeddings = 1;
+  Env replay(tight);
+  for (const std::string& r : log) REQUIRE(replay.store.apply_record(r).is_ok());
+  CHECK(replay.store.stats().memories == 3);
+  CHECK(replay.store.stats().pending_embeddings == 3);
+  CHECK(replay.store.get("a", 1)->text == "1,0,0,0|one a third time");
+  // 0: no limit.
+  StoreOptions unlimited = small_options();
+  unlimited.max_pending_embeddings = 0;
+  Env free_env(unlimited);
+  for (int i = 0; i < 50; ++i) free_env.write("w" + std::to_string(i));
+  CHECK(free_env.store.stats().pending_embeddings == 50);
+}
+
 TEST_CASE("bad input gets clear codes and produces no record") {
   Env e;
   std::string rec;

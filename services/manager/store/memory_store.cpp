@@ -349,6 +349,18 @@ struct MemoryStore::Impl {
     s.awaiting = false;
   }
 
+  // Back-pressure of the API's writes and updates (never of replay): one more segment without an
+  // embedding would exceed max_pending_embeddings.
+  Status check_backlog() const {
+    if (opt.max_pending_embeddings == 0 || to_embed.size() < opt.max_pending_embeddings) {
+      return Status::ok();
+    }
+    return Status(Code::kResourceExhausted,
+                  "embedding backlog is full (" + std::to_string(to_embed.size()) +
+                      " segments wait for their embedding, limit " +
+                      std::to_string(opt.max_pending_embeddings) + "): retry later");
+  }
+
   // ---- mutations (shared by the API and replay) -------------------------------------------------
 
   Status apply_write(const WriteRecord& r) {
@@ -646,6 +658,7 @@ Result<WriteResult> MemoryStore::write(const WriteRequest& req, std::string* wal
   rec.step = req.step.value_or(a == nullptr ? 0 : a->step);
   rec.tokens = m.counter->count_tokens(req.text);
   rec.text = req.text;
+  KEEP_RETURN_IF_ERROR(m.check_backlog());
   KEEP_RETURN_IF_ERROR(m.apply_write(rec));
   if (wal_record != nullptr) *wal_record = encode_record(rec);
   return WriteResult{rec.id, 1, rec.step};
@@ -676,6 +689,8 @@ Result<WriteResult> MemoryStore::update(const UpdateRequest& req, std::string* w
   rec.step = req.step.value_or(a->step);
   rec.tokens = m.counter->count_tokens(req.text);
   rec.text = req.text;
+  // An update replaces the embedding: one more pending unless the old version was still pending.
+  if (m.to_embed.count(s->seq) == 0) KEEP_RETURN_IF_ERROR(m.check_backlog());
   KEEP_RETURN_IF_ERROR(m.apply_update(rec));
   if (wal_record != nullptr) *wal_record = encode_record(rec);
   return WriteResult{s->id, s->version, s->updated_step};

@@ -55,8 +55,11 @@ struct StoreOptions {
   size_t max_agents = 100'000;                // more -> kResourceExhausted
   uint32_t max_retrieve_k = 1024;             // larger k is clamped
   uint32_t max_list_limit = 1000;             // list_memories: a larger page is clamped
-  size_t query_cache_entries = 1024;          // LRU of query embeddings by exact text; 0 = off
-  uint32_t max_job_attempts = 3;              // fail_job drops a job after this many failures
+  // Segments waiting for an embedding: a write or update that would add one beyond this is
+  // refused with kResourceExhausted until the embedder catches up (0: no limit).
+  size_t max_pending_embeddings = 1'000'000;
+  size_t query_cache_entries = 1024;  // LRU of query embeddings by exact text; 0 = off
+  uint32_t max_job_attempts = 3;      // fail_job drops a job after this many failures
 };
 
 // Where a segment's KV lives in the shared region, as retrieve() returns it. Only valid

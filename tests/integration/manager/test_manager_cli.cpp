@@ -51,6 +51,7 @@ TEST_CASE("keep-manager --help prints every option with its default") {
                            "--static-after-steps",
                            "--max-text-bytes",
                            "--embed-batch",
+                           "--max-pending-embeddings",
                            "--shm-name",
                            "--shm-bytes",
                            "--shm-block-bytes",
