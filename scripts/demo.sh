@@ -77,6 +77,7 @@ say "kill -9 the manager and restart it: every acknowledged memory comes back fr
 kill -9 "$mgr_pid"; wait "$mgr_pid" 2>/dev/null || true
 start_manager
 k stats | grep -E "^(agents|memories|groups_)"
+k list robot1 --all
 k groups robot1
 grep -E "recovered" "$log" | tail -n 1
 say "done"
