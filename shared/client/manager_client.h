@@ -159,7 +159,8 @@ class ManagerClient {
                                                  uint32_t k);
   Result<std::vector<GroupInfo>> list_groups(std::string_view agent);
   // The agent's memories with id > after_id, ascending, at most `limit` (0: the server's default
-  // page, 100; the server clamps larger pages to its maximum, 1000).
+  // page, 100; the server clamps larger pages to its maximum, 1000, and ends a page early at
+  // 4 MiB of text). Follow `more` for the rest.
   Result<MemoryPage> list_memories(std::string_view agent, uint64_t after_id = 0,
                                    uint32_t limit = 0);
   Result<Stats> stats();

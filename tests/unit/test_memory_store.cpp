@@ -606,6 +606,31 @@ TEST_CASE("list_memories pages an agent's memories by ascending id") {
   CHECK(after7->memories[0].id == 19);
   CHECK(walk(100).first == std::vector<uint64_t>{1, 3, 19, 20, 40, 733});
 
+  // A page also stops at max_list_bytes of text, but always carries one memory.
+  StoreOptions small_pages = small_options();
+  small_pages.max_list_bytes = 25;
+  Env b(small_pages);
+  for (const char* t : {"1,0,0,0|ten chars.", "1,0,0,0|a",
+                        "1,0,0,0|a much longer text than 25 bytes", "1,0,0,0|b"}) {
+    b.write(t);
+  }
+  auto p1 = b.store.list_memories("a", 0, 10);  // 18 + 9 bytes > 25: one memory
+  REQUIRE(p1.is_ok());
+  CHECK(p1->memories.size() == 1);
+  CHECK(p1->more);
+  auto p2 = b.store.list_memories("a", 1, 10);  // 9 bytes, then 34 would pass 25
+  REQUIRE(p2.is_ok());
+  CHECK(p2->memories.size() == 1);
+  auto p3 = b.store.list_memories("a", 2, 10);  // over the budget alone: still listed
+  REQUIRE(p3.is_ok());
+  REQUIRE(p3->memories.size() == 1);
+  CHECK(p3->memories[0].id == 3);
+  CHECK(p3->more);
+  auto p4 = b.store.list_memories("a", 3, 10);
+  REQUIRE(p4.is_ok());
+  CHECK(p4->memories.size() == 1);
+  CHECK_FALSE(p4->more);
+
   CHECK(e.store.list_memories("nobody", 0, 10).status().code() == Code::kNotFound);
   CHECK(e.store.list_memories("bad name!", 0, 10).status().code() == Code::kInvalidArgument);
   CHECK(e.store.list_memories("", 0, 10).status().code() == Code::kInvalidArgument);

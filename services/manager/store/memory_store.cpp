@@ -123,6 +123,7 @@ struct MemoryStore::Impl {
     KEEP_CHECK(dim > 0);
     KEEP_CHECK(opt.static_after_steps >= 1);
     KEEP_CHECK(opt.tau >= -1.0f && opt.tau <= 1.0f);
+    KEEP_CHECK(opt.max_list_limit >= 1);
   }
 
   // ---- validation ------------------------------------------------------------------------------
@@ -982,8 +983,13 @@ Result<MemoryPage> MemoryStore::list_memories(std::string_view agent, uint64_t a
   if (limit == 0) limit = kDefaultListLimit;
   limit = std::min(limit, impl_->opt.max_list_limit);
   MemoryPage page;
+  size_t text_bytes = 0;
   auto it = a->segments.upper_bound(after_id);
   for (; it != a->segments.end() && page.memories.size() < limit; ++it) {
+    if (!page.memories.empty() && text_bytes + it->second.text.size() > impl_->opt.max_list_bytes) {
+      break;  // the page's answer stays well under a client's response limit
+    }
+    text_bytes += it->second.text.size();
     page.memories.push_back(impl_->segment_info(*a, it->second));
   }
   page.more = it != a->segments.end();

@@ -55,6 +55,7 @@ struct StoreOptions {
   size_t max_agents = 100'000;                // more -> kResourceExhausted
   uint32_t max_retrieve_k = 1024;             // larger k is clamped
   uint32_t max_list_limit = 1000;             // list_memories: a larger page is clamped
+  size_t max_list_bytes = size_t{4} << 20;    // list_memories: a page's texts, at least one
   // Segments waiting for an embedding: a write or update that would add one beyond this is
   // refused with kResourceExhausted until the embedder catches up (0: no limit).
   size_t max_pending_embeddings = 1'000'000;
@@ -292,8 +293,9 @@ class MemoryStore {
 
   Result<SegmentInfo> get(std::string_view agent, uint64_t id) const;
   // The agent's memories with id > after_id, ascending, at most `limit` (0: kDefaultListLimit;
-  // clamped to max_list_limit). Pages walk the id order, so a listing stays consistent across
-  // writes between pages: a memory is seen once, with the state of the page that carries it.
+  // clamped to max_list_limit) and, past the first, no more than max_list_bytes of text. Pages
+  // walk the id order, so a listing stays consistent across writes between pages: a memory is
+  // seen once, with the state of the page that carries it.
   // Errors: kNotFound (agent), kInvalidArgument (agent name).
   Result<MemoryPage> list_memories(std::string_view agent, uint64_t after_id, uint32_t limit) const;
   Result<std::vector<GroupInfo>> list_groups(std::string_view agent) const;  // by group id
