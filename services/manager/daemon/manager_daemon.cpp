@@ -469,6 +469,11 @@ void ManagerDaemon::Impl::register_metrics() {
   auto& groups = registry.gauge("keep_manager_groups", "Semantic groups by state", {"state"});
   auto& pending =
       registry.gauge("keep_manager_embeddings_pending", "Segments waiting for their embedding");
+  registry
+      .gauge("keep_manager_embeddings_pending_limit",
+             "Pending embeddings beyond which writes are refused (0: no limit)")
+      .get()
+      .set(static_cast<double>(config.store.max_pending_embeddings));
   auto& jobs = registry.gauge("keep_manager_kv_jobs", "KV jobs by state", {"state"});
   auto& transitions = registry.counter("keep_manager_group_transitions_total",
                                        "Group state transitions, by the state entered", {"to"});

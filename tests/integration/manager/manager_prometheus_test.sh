@@ -45,6 +45,7 @@ trap 'exit 1' INT TERM
 # static-after-steps 3: a group unchanged for 3 steps turns static.
 timeout --kill-after=5 120 "$manager" --data-dir "$workdir/data" --endpoint tcp://127.0.0.1:0 \
   --metrics-listen 127.0.0.1:0 --shm-name "$shm" --shm-bytes 16MiB --static-after-steps 3 \
+  --max-pending-embeddings 5000 \
   --encoder "$repo/models/all-MiniLM-L6-v2" \
   --tokenizer "$repo/models/qwen2.5-tokenizer/tokenizer.json" >"$workdir/manager.out" \
   2>"$workdir/manager.log" &
@@ -77,6 +78,7 @@ ctl retrieve robot "where is the mug" --k 4  # embeds and groups robot's memorie
 ctl retrieve b "box" --k 4
 ctl step robot --by 5                        # robot's groups turn static
 ctl step b --by 5
+ctl list robot --limit 3
 "$keepctl" --endpoint "$endpoint" --json stats
 
 # promtool: the exposition parses and passes the linter.
@@ -96,7 +98,7 @@ if [[ -n "$out" ]]; then
 fi
 echo "PASS: promtool check metrics accepted $(grep -vc '^#' <<<"$text") samples of keep-manager"
 
-# 12 writes, 1 update, 1 delete (11 memories), 2 retrieves, 2 steps.
+# 12 writes, 1 update, 1 delete (11 memories), 2 retrieves, 2 steps, 1 list.
 "$here/../prometheus/scrape_test.sh" --target "$metrics" --timeout 50 \
   --expect "keep_manager_memories == $n" \
   --expect 'keep_manager_agents == 2' \
@@ -106,6 +108,8 @@ echo "PASS: promtool check metrics accepted $(grep -vc '^#' <<<"$text") samples 
   --expect 'keep_manager_requests_total{type="delete",code="ok"} == 1' \
   --expect 'keep_manager_requests_total{type="retrieve",code="ok"} == 2' \
   --expect 'keep_manager_requests_total{type="advance_step",code="ok"} == 2' \
+  --expect 'keep_manager_requests_total{type="list_memories",code="ok"} == 1' \
+  --expect 'keep_manager_embeddings_pending_limit == 5000' \
   --expect 'keep_manager_group_transitions_total{to="static"} >= 1' \
   --expect 'keep_manager_wal_fsync_seconds_count > 0' \
   --expect 'keep_manager_wal_fsync_seconds_bucket{le="+Inf"} > 0' \
