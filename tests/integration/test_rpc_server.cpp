@@ -595,6 +595,7 @@ TEST_CASE("keepctl drives the server as a separate process") {
   CHECK(out.find("keepctl: not_found: ") == 0);
   out = run("write robot", &rc);
   CHECK(rc == 2);
+  CHECK(out.find("keepctl: usage: keepctl write <agent> <text>") == 0);  // one line, said once
   out = run("--json stats", &rc);
   CHECK(rc == 0);
   CHECK(out.find("\"memories\":1") != std::string::npos);

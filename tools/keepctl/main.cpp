@@ -138,7 +138,7 @@ uint64_t need_u64(const Args& a, const std::string& name) {
 }
 
 void need_positional(const Args& a, size_t n, const char* usage) {
-  if (a.positional.size() != n + 1) throw UsageError{std::string("usage: keepctl ") + usage};
+  if (a.positional.size() != n + 1) throw UsageError{std::string("keepctl ") + usage};
 }
 
 kc::SegmentKind kind_opt(const std::string& s) {
