@@ -496,6 +496,12 @@ TEST_CASE("retrieve: read-your-writes, example plans always, prompt order") {
   CHECK_FALSE(rec.empty());  // their embeddings, for the WAL
   CHECK(e.store.stats().pending_embeddings == 0);
   REQUIRE(r->size() == 4);  // the plan + top 3
+  for (const RetrievedSegment& x : *r) {
+    CHECK(x.embedded);
+    CHECK(x.group_id != 0);
+    CHECK(x.version == 1);
+    CHECK(x.text == e.store.get("a", x.id)->text);
+  }
   CHECK((*r)[0].id == p);
   CHECK((*r)[0].kind == SegmentKind::kExamplePlan);
   CHECK((*r)[1].id == s1);

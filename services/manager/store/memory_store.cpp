@@ -944,19 +944,12 @@ Result<std::vector<RetrievedSegment>> MemoryStore::retrieve(std::string_view age
   out.reserve(a->example_plans.size() + m.top.size());
   const auto emit = [&](const Segment& s, float score) {
     RetrievedSegment r;
-    r.id = s.id;
-    r.text = s.text;
-    r.kind = s.kind;
-    r.tokens = s.tokens;
-    r.version = s.version;
-    r.updated_step = s.updated_step;
-    r.group_id = s.group;
+    static_cast<SegmentInfo&>(r) = m.segment_info(*a, s);
     if (const Group* g = s.group == 0 ? nullptr : a->groups->find(s.group)) {
       r.group_state = g->state;
       r.group_version = g->version;
     }
     r.score = score;
-    r.kv = m.kv_ref(*a, s);
     out.push_back(std::move(r));
   };
   for (uint64_t id : a->example_plans) {

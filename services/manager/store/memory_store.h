@@ -106,20 +106,6 @@ struct WriteResult {
   uint64_t step = 0;     // the step the change was recorded at
 };
 
-struct RetrievedSegment {
-  uint64_t id = 0;
-  std::string text;
-  SegmentKind kind = SegmentKind::kObjectState;
-  uint32_t tokens = 0;
-  uint64_t version = 0;
-  uint64_t updated_step = 0;
-  uint64_t group_id = 0;  // 0: not grouped (cannot happen after retrieve's synchronous embed)
-  GroupState group_state = GroupState::kDynamic;
-  uint64_t group_version = 0;
-  float score = 0.0f;       // cosine to the query
-  std::optional<KvRef> kv;  // absent: no valid KV yet (the caller recomputes it)
-};
-
 struct SegmentInfo {
   uint64_t id = 0;
   std::string text;
@@ -127,9 +113,17 @@ struct SegmentInfo {
   uint32_t tokens = 0;
   uint64_t version = 0;
   uint64_t updated_step = 0;
-  uint64_t group_id = 0;  // 0 while awaiting its first embedding
-  bool embedded = false;  // an embedding for the current version is installed
-  std::optional<KvRef> kv;
+  uint64_t group_id = 0;    // 0 while awaiting its first embedding
+  bool embedded = false;    // an embedding for the current version is installed
+  std::optional<KvRef> kv;  // absent: no valid KV yet (a worker recomputes it)
+};
+
+// What retrieve returns of a segment: its SegmentInfo (group_id is never 0 and embedded always
+// true there, retrieve embeds first) and its group's state, with the score.
+struct RetrievedSegment : SegmentInfo {
+  GroupState group_state = GroupState::kDynamic;
+  uint64_t group_version = 0;
+  float score = 0.0f;  // cosine to the query
 };
 
 // One page of list_memories: ascending id; `more` when the agent holds larger ids.
