@@ -676,16 +676,102 @@ void test_misc_invalid_arguments() {
   }
 }
 
+// Median over 20 samples of one launch's time, each sample 10 launches back to back (as a model's
+// layers issue them: the host's launch work overlaps the GPU's), after 3 warm-up launches.
+template <typename F>
+double median_launch_us(F&& call) {
+  for (int i = 0; i < 3; ++i) CUDA_OK(call());
+  CUDA_OK(cudaDeviceSynchronize());
+  cudaEvent_t start, stop;
+  CUDA_OK(cudaEventCreate(&start));
+  CUDA_OK(cudaEventCreate(&stop));
+  std::vector<float> us;
+  for (int i = 0; i < 20; ++i) {
+    CUDA_OK(cudaEventRecord(start));
+    for (int rep = 0; rep < 10; ++rep) CUDA_OK(call());
+    CUDA_OK(cudaEventRecord(stop));
+    CUDA_OK(cudaEventSynchronize(stop));
+    float ms = 0;
+    CUDA_OK(cudaEventElapsedTime(&ms, start, stop));
+    us.push_back(ms * 100.0f);  // ms / 10 launches, in us
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(us.begin(), us.end());
+  return us[us.size() / 2];
+}
+
+// Informational timings, not checks: the per-layer element-wise kernels of a 1024-token prefill
+// (the norm-only add_rmsnorm before QKV and gate/up, and qkv_finish into a bf16 view) at the
+// Qwen2.5-7B and 14B shapes. Their operands stay in L2 between launches, as in the model (ncu:
+// RESULTS.md run 16). qkv_finish rotates Q in place on every launch; the values do not change its
+// path (the positions, and with them the sincosf branches, are fixed).
+void time_elementwise(std::mt19937& rng) {
+  struct Shape {
+    const char* name;
+    int64_t hidden;
+    int64_t heads;
+    int64_t kv_heads;
+  };
+  const int64_t rows = 1024;
+  const int64_t hd = 128;
+  for (const Shape& sh : {Shape{"7B", 3584, 28, 4}, Shape{"14B", 5120, 40, 8}}) {
+    const size_t nc = static_cast<size_t>(rows * sh.hidden);
+    Buf<float> d_res(random_vec<float>(rng, nc, -3.0f, 3.0f));
+    Buf<float> d_w(random_vec<float>(rng, static_cast<size_t>(sh.hidden), 0.5f, 1.5f));
+    Buf<Bf16> d_out(nan_vec<Bf16>(nc));
+    const double norm_us = median_launch_us([&] {
+      return keep::kernels::add_rmsnorm(d_out.dev(), d_res.dev(), nullptr, nullptr, d_w.dev(), rows,
+                                        sh.hidden, 1e-6f, nullptr);
+    });
+    std::printf("  timing add_rmsnorm (norm only) %s %lld x %lld: %.2f us median of 20 x 10\n",
+                sh.name, static_cast<long long>(rows), static_cast<long long>(sh.hidden), norm_us);
+
+    const int64_t qd = sh.heads * hd;
+    const int64_t kvd = sh.kv_heads * hd;
+    std::vector<float> inv_freq(static_cast<size_t>(hd / 2));
+    for (int64_t i = 0; i < hd / 2; ++i) {
+      inv_freq[i] = static_cast<float>(1.0 / std::pow(1e6, 2.0 * i / static_cast<double>(hd)));
+    }
+    std::vector<int32_t> positions(static_cast<size_t>(rows));
+    std::iota(positions.begin(), positions.end(), 0);
+    Buf<Bf16> d_qkv(random_vec<Bf16>(rng, static_cast<size_t>(rows * (qd + 2 * kvd)), -2.0f, 2.0f));
+    Buf<Bf16> d_k(nan_vec<Bf16>(static_cast<size_t>(rows * kvd)));
+    Buf<Bf16> d_v(nan_vec<Bf16>(static_cast<size_t>(rows * kvd)));
+    Buf<float> d_bq(random_vec<float>(rng, static_cast<size_t>(qd), -0.5f, 0.5f));
+    Buf<float> d_bk(random_vec<float>(rng, static_cast<size_t>(kvd), -0.5f, 0.5f));
+    Buf<float> d_bv(random_vec<float>(rng, static_cast<size_t>(kvd), -0.5f, 0.5f));
+    Buf<float> d_inv(inv_freq);
+    Buf<int32_t> d_pos(positions);
+    const double qkv_us = median_launch_us([&] {
+      return keep::kernels::qkv_finish(d_qkv.dev(), nullptr, nullptr, d_k.dev(), d_v.dev(),
+                                       d_bq.dev(), d_bk.dev(), d_bv.dev(),
+                                       d_pos.template dev<int32_t>(), d_pos.template dev<int32_t>(),
+                                       d_inv.dev(), rows, sh.heads, sh.kv_heads, hd, nullptr);
+    });
+    std::printf("  timing qkv_finish %s %lld rows, %lld/%lld hd%lld: %.2f us median of 20 x 10\n",
+                sh.name, static_cast<long long>(rows), static_cast<long long>(sh.heads),
+                static_cast<long long>(sh.kv_heads), static_cast<long long>(hd), qkv_us);
+  }
+}
+
 }  // namespace
 
 int main() {
   if (!keep::gputest::print_device()) return 2;
   std::mt19937 rng(1234);
+  // KEEP_GPU_TEST_ONLY=times: the element-wise timings alone, no checks (scripts/gpu-ab.sh).
+  const char* only = std::getenv("KEEP_GPU_TEST_ONLY");
+  if (only != nullptr && std::string(only) == "times") {
+    time_elementwise(rng);
+    return 0;
+  }
   run_all<float>(rng);
   run_all<Bf16>(rng);
   test_invalid_arguments();
   run_misc(rng);
   test_misc_invalid_arguments();
+  if (!keep::gputest::quick()) time_elementwise(rng);
   std::printf("test_kernels: %d checks, %d failures\n", g_checks, g_failures);
   return g_failures == 0 ? 0 : 1;
 }
