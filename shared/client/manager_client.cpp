@@ -72,6 +72,20 @@ EntryDescriptor entry_from_wire(proto::EntryDescriptor::Reader r) {
 
 std::string text(capnp::Text::Reader t) { return std::string(t.begin(), t.size()); }
 
+// The fields proto::RetrievedSegment and proto::MemoryInfo share (the server's twin is
+// set_segment_fields in manager_service.cpp).
+template <typename Reader>
+Status read_segment_fields(Reader s, SegmentFields* out) {
+  out->id = s.getId();
+  out->text = text(s.getText());
+  KEEP_ASSIGN_OR_RETURN(out->kind, kind_from_wire(s.getKind()));
+  out->tokens = s.getTokens();
+  out->version = s.getVersion();
+  out->updated_step = s.getUpdatedStep();
+  out->group_id = s.getGroupId();
+  return Status::ok();
+}
+
 }  // namespace
 
 const char* kind_name(SegmentKind kind) {
@@ -338,13 +352,7 @@ Result<std::vector<RetrievedSegment>> ManagerClient::retrieve(std::string_view a
       [&](proto::Response::Reader r) -> Status {
         for (auto s : r.getRetrieve().getSegments()) {
           RetrievedSegment seg;
-          seg.id = s.getId();
-          seg.text = text(s.getText());
-          KEEP_ASSIGN_OR_RETURN(seg.kind, kind_from_wire(s.getKind()));
-          seg.tokens = s.getTokens();
-          seg.version = s.getVersion();
-          seg.updated_step = s.getUpdatedStep();
-          seg.group_id = s.getGroupId();
+          if (Status st = read_segment_fields(s, &seg); !st.is_ok()) return st;
           KEEP_ASSIGN_OR_RETURN(seg.group_state, state_from_wire(s.getGroupState()));
           seg.group_version = s.getGroupVersion();
           seg.score = s.getScore();
@@ -398,13 +406,7 @@ Result<MemoryPage> ManagerClient::list_memories(std::string_view agent, uint64_t
         auto page = r.getListMemories();
         for (auto m : page.getMemories()) {
           MemoryInfo info;
-          info.id = m.getId();
-          info.text = text(m.getText());
-          KEEP_ASSIGN_OR_RETURN(info.kind, kind_from_wire(m.getKind()));
-          info.tokens = m.getTokens();
-          info.version = m.getVersion();
-          info.updated_step = m.getUpdatedStep();
-          info.group_id = m.getGroupId();
+          if (Status st = read_segment_fields(m, &info); !st.is_ok()) return st;
           info.embedded = m.getEmbedded();
           info.has_kv = m.getHasKv();
           out.memories.push_back(std::move(info));

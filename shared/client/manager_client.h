@@ -61,14 +61,18 @@ struct WriteResult {
   uint64_t step = 0;
 };
 
-struct RetrievedSegment {
+// What every answer that describes a segment carries (retrieve, listMemories).
+struct SegmentFields {
   uint64_t id = 0;
   std::string text;
   SegmentKind kind = SegmentKind::kObjectState;
   uint32_t tokens = 0;
   uint64_t version = 0;
   uint64_t updated_step = 0;
-  uint64_t group_id = 0;
+  uint64_t group_id = 0;  // 0: not in a group yet
+};
+
+struct RetrievedSegment : SegmentFields {
   GroupState group_state = GroupState::kDynamic;
   uint64_t group_version = 0;
   float score = 0;
@@ -84,14 +88,7 @@ struct GroupInfo {
   uint64_t last_change_step = 0;
 };
 
-struct MemoryInfo {
-  uint64_t id = 0;
-  std::string text;
-  SegmentKind kind = SegmentKind::kObjectState;
-  uint32_t tokens = 0;
-  uint64_t version = 0;
-  uint64_t updated_step = 0;
-  uint64_t group_id = 0;  // 0: not in a group yet
+struct MemoryInfo : SegmentFields {
   bool embedded = false;
   bool has_kv = false;
 };
