@@ -16,6 +16,7 @@
 #include <functional>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <nvtx3/nvToolsExt.h>
@@ -852,6 +853,20 @@ int main() {
   }
   // KEEP_GPU_TEST_ONLY=times: the products' timings at 1024 and 2048 rows alone, no checks (for
   // scripts/gpu-ab.sh).
+  // KEEP_GPU_TEST_ONLY=gemv_times: one-row gemv at Qwen2.5-14B's shapes (a decode step's products,
+  // lm_head in the backend's slices and whole) against cuBLAS, alone (for scripts/gpu-ab.sh).
+  if (only != nullptr && std::string(only) == "gemv_times") {
+    for (auto [out, in, acc] : {std::tuple<int64_t, int64_t, bool>{5120 + 2 * 1024, 5120, false},
+                                {5120, 5120, true},
+                                {2 * 13824, 5120, false},
+                                {5120, 13824, true},
+                                {19008, 5120, false},
+                                {152064, 5120, false}}) {
+      time_gemv(blas, 1, out, in, acc);
+    }
+    cudaFree(ws);
+    return 0;
+  }
   if (only != nullptr && std::string(only) == "times") {
     const keep::kernels::GemmScratch scratch = zeroed_scratch();
     if (scratch.ptr != nullptr) time_products(blas, scratch, {1024, 2048});
