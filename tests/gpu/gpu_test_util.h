@@ -1,7 +1,8 @@
 // What the GPU tests of tests/gpu (plain mains, no doctest: they build where only CUDA is
 // installed) share: the CUDA_OK macro, the check counters, a RAII device buffer, random and
-// NaN-filled host vectors, dtype names, the relative-norm formula, the KEEP_GPU_TEST_QUICK switch
-// and the device banner. Header-only; each test keeps its own checks, tolerances and messages.
+// NaN-filled host vectors, dtype names, the relative-norm formula, the KEEP_GPU_TEST_QUICK switch,
+// the device banner and the launch timer of the informational timings. Header-only; each test keeps
+// its own checks, tolerances and messages.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -111,6 +112,47 @@ inline double relative_norm(double diff2, double want2) {
 // KEEP_GPU_TEST_QUICK (set by scripts/gpu-check.sh under compute-sanitizer, which is 100x slower):
 // the tests run the same code paths on fewer and smaller cases, without their timings.
 inline bool quick() { return std::getenv("KEEP_GPU_TEST_QUICK") != nullptr; }
+
+// Per-launch times in ms, median and minimum over the samples.
+struct LaunchTimes {
+  double median_ms = 0.0;
+  double min_ms = 0.0;
+};
+
+// Times `launch` (a callable returning cudaError_t, or void where it checks its calls itself):
+// `warmup` launches, then `samples` samples of `per_sample` launches back to back between two
+// events on the legacy stream. Several launches a sample let one launch's host work (argument
+// checks, tensor-map encodes) overlap the previous launch's GPU time, as a model's layers issue
+// them. For informational timings, never for checks.
+template <typename F>
+LaunchTimes time_launches(F&& launch, int samples, int per_sample, int warmup) {
+  const auto once = [&] {
+    if constexpr (std::is_void_v<decltype(launch())>) {
+      launch();
+    } else {
+      CUDA_OK(launch());
+    }
+  };
+  for (int i = 0; i < warmup; ++i) once();
+  CUDA_OK(cudaDeviceSynchronize());
+  cudaEvent_t a, b;
+  CUDA_OK(cudaEventCreate(&a));
+  CUDA_OK(cudaEventCreate(&b));
+  std::vector<double> ms;
+  for (int i = 0; i < samples; ++i) {
+    CUDA_OK(cudaEventRecord(a));
+    for (int j = 0; j < per_sample; ++j) once();
+    CUDA_OK(cudaEventRecord(b));
+    CUDA_OK(cudaEventSynchronize(b));
+    float t = 0.0f;
+    CUDA_OK(cudaEventElapsedTime(&t, a, b));
+    ms.push_back(static_cast<double>(t) / per_sample);
+  }
+  CUDA_OK(cudaEventDestroy(a));
+  CUDA_OK(cudaEventDestroy(b));
+  std::sort(ms.begin(), ms.end());
+  return {ms[ms.size() / 2], ms.front()};
+}
 
 // Counts a failed check: `FAIL what: detail` on stderr.
 inline void fail(const std::string& what, const std::string& detail) {

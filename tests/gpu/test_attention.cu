@@ -267,34 +267,17 @@ void bench(std::mt19937& rng, const Layout& lay, const Shape& sh, kk::PrefillKer
                                  d_v.dev(), d_rows, d_sched, sh.heads, sh.kv_heads, sh.head_dim,
                                  scale, nullptr, kernel);
   };
-  for (int i = 0; i < 3; ++i) CUDA_OK(call());
-  CUDA_OK(cudaDeviceSynchronize());
-  cudaEvent_t start, stop;
-  CUDA_OK(cudaEventCreate(&start));
-  CUDA_OK(cudaEventCreate(&stop));
-  std::vector<float> ms;
   // 10 launches back to back a sample, as a model's layers issue them: the host's work before a
   // launch (the wide kernel encodes three tensor maps) then overlaps the GPU's, which a single
   // launch between two events would add to the kernel's time.
-  for (int i = 0; i < 20; ++i) {
-    CUDA_OK(cudaEventRecord(start));
-    for (int rep = 0; rep < 10; ++rep) CUDA_OK(call());
-    CUDA_OK(cudaEventRecord(stop));
-    CUDA_OK(cudaEventSynchronize(stop));
-    float t = 0;
-    CUDA_OK(cudaEventElapsedTime(&t, start, stop));
-    ms.push_back(t / 10);
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  std::sort(ms.begin(), ms.end());
-  const double median = ms[ms.size() / 2];
+  const keep::gputest::LaunchTimes times = keep::gputest::time_launches(call, 20, 10, 3);
+  const double median = times.median_ms;
   const double flops = 4.0 * static_cast<double>(lay.visible()) * sh.head_dim * sh.heads;
   std::printf(
       "  timing %-5s: %d rows causal, %d/%d hd%d kv %s: %.3f ms median of 20 x 10 (min %.3f), "
       "%.1f TFLOP/s\n",
       kk::prefill_kernel_name(kernel), rows, sh.heads, sh.kv_heads, sh.head_dim, dtype_name<KV>(),
-      median, ms.front(), flops / (median * 1e-3) / 1e12);
+      median, times.min_ms, flops / (median * 1e-3) / 1e12);
 
   // A sample of rows against the reference: a sub-layout of those rows with their Q.
   const auto got = d_out.host();

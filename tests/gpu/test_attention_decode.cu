@@ -528,26 +528,7 @@ void time_decode(int rows, int32_t n, Shape sh) {
                                  d_v.dev(), dr, sh.heads, sh.kv_heads, sh.head_dim, scale,
                                  d_ws.dev(), ws_floats, nullptr));
   };
-  for (int i = 0; i < 3; ++i) run();
-  CUDA_OK(cudaDeviceSynchronize());
-  cudaEvent_t a;
-  cudaEvent_t b;
-  CUDA_OK(cudaEventCreate(&a));
-  CUDA_OK(cudaEventCreate(&b));
-  std::vector<float> ms;
-  for (int i = 0; i < 20; ++i) {
-    CUDA_OK(cudaEventRecord(a));
-    run();
-    CUDA_OK(cudaEventRecord(b));
-    CUDA_OK(cudaEventSynchronize(b));
-    float t = 0.0f;
-    CUDA_OK(cudaEventElapsedTime(&t, a, b));
-    ms.push_back(t);
-  }
-  CUDA_OK(cudaEventDestroy(a));
-  CUDA_OK(cudaEventDestroy(b));
-  std::sort(ms.begin(), ms.end());
-  const double median_ms = ms[ms.size() / 2];
+  const double median_ms = keep::gputest::time_launches(run, 20, 1, 3).median_ms;
   // K and V bytes, each key counted once (causal: every row sees nearly all of them).
   const double bytes = 2.0 * static_cast<double>(n) * sh.kv_heads * sh.head_dim * sizeof(KV);
   std::printf("timing decode rows=%d keys=%d %d/%d hd%d %s: %.1f us, %.0f GB/s of K/V\n", rows, n,

@@ -248,28 +248,11 @@ void check_f32(keep::kernels::BlasHandle& blas, std::mt19937& rng, int64_t rows,
   cudaFree(dy);
 }
 
-// Median ms a launch of 20 timed samples after 3 warm-ups (events on the legacy stream). A sample
-// is kLaunches launches back to back, so that one launch's host work (argument checks, our
+// Median ms a launch: 20 samples of 5 launches back to back after 15 warm-up launches (events on
+// the legacy stream). Several a sample, so that one launch's host work (argument checks, our
 // products' tensor-map encodes) overlaps the previous launch instead of being timed.
 float median_ms(const std::function<void()>& launch) {
-  constexpr int kLaunches = 5;
-  cudaEvent_t a, b;
-  CUDA_OK(cudaEventCreate(&a));
-  CUDA_OK(cudaEventCreate(&b));
-  std::vector<float> ms;
-  for (int it = 0; it < 23; ++it) {
-    CUDA_OK(cudaEventRecord(a));
-    for (int l = 0; l < kLaunches; ++l) launch();
-    CUDA_OK(cudaEventRecord(b));
-    CUDA_OK(cudaEventSynchronize(b));
-    float t = 0;
-    CUDA_OK(cudaEventElapsedTime(&t, a, b));
-    if (it >= 3) ms.push_back(t / kLaunches);
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
+  return static_cast<float>(keep::gputest::time_launches(launch, 20, 5, 15).median_ms);
 }
 
 // gemv / gemv_accumulate against ref::gemv (double) on strided rows; bf16 output within one

@@ -676,29 +676,10 @@ void test_misc_invalid_arguments() {
   }
 }
 
-// Median over 20 samples of one launch's time, each sample 10 launches back to back (as a model's
-// layers issue them: the host's launch work overlaps the GPU's), after 3 warm-up launches.
+// Median of one launch's time, in us: 20 samples of 10 launches back to back after 3 warm-ups.
 template <typename F>
 double median_launch_us(F&& call) {
-  for (int i = 0; i < 3; ++i) CUDA_OK(call());
-  CUDA_OK(cudaDeviceSynchronize());
-  cudaEvent_t start, stop;
-  CUDA_OK(cudaEventCreate(&start));
-  CUDA_OK(cudaEventCreate(&stop));
-  std::vector<float> us;
-  for (int i = 0; i < 20; ++i) {
-    CUDA_OK(cudaEventRecord(start));
-    for (int rep = 0; rep < 10; ++rep) CUDA_OK(call());
-    CUDA_OK(cudaEventRecord(stop));
-    CUDA_OK(cudaEventSynchronize(stop));
-    float ms = 0;
-    CUDA_OK(cudaEventElapsedTime(&ms, start, stop));
-    us.push_back(ms * 100.0f);  // ms / 10 launches, in us
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  std::sort(us.begin(), us.end());
-  return us[us.size() / 2];
+  return keep::gputest::time_launches(call, 20, 10, 3).median_ms * 1e3;
 }
 
 // Informational timings, not checks: the per-layer element-wise kernels of a 1024-token prefill

@@ -387,27 +387,10 @@ void test_invalid_arguments() {
   if (!ok) fail("launcher argument checks", "unexpected return code");
 }
 
-// Median over 50 timings of 10 back-to-back launches (after a warm-up), per launch; informational.
+// Median per launch of 50 samples of 10 back-to-back launches after 5 warm-ups; informational.
 template <typename F>
 float median_ms(F launch) {
-  cudaEvent_t a, b;
-  CUDA_OK(cudaEventCreate(&a));
-  CUDA_OK(cudaEventCreate(&b));
-  for (int i = 0; i < 5; ++i) CUDA_OK(launch());
-  std::vector<float> ms;
-  for (int i = 0; i < 50; ++i) {
-    CUDA_OK(cudaEventRecord(a));
-    for (int j = 0; j < 10; ++j) CUDA_OK(launch());
-    CUDA_OK(cudaEventRecord(b));
-    CUDA_OK(cudaEventSynchronize(b));
-    float t = 0.0f;
-    CUDA_OK(cudaEventElapsedTime(&t, a, b));
-    ms.push_back(t / 10.0f);
-  }
-  CUDA_OK(cudaEventDestroy(a));
-  CUDA_OK(cudaEventDestroy(b));
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
+  return static_cast<float>(keep::gputest::time_launches(launch, 50, 10, 5).median_ms);
 }
 
 void timings(std::mt19937& rng) {
