@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstring>
 #include <exception>
+#include <mutex>
 #include <zmq.hpp>
 
 #include "shared/common/log.h"
@@ -29,10 +30,21 @@ void Call::fail(const Status& status) {
   set_error(response.initError(), status.is_ok() ? Status(Code::kInternal, "fail(ok)") : status);
 }
 
+std::unique_ptr<Call> Call::defer() {
+  KEEP_CHECK_MSG(!deferred_, "call deferred twice");
+  auto owned = std::make_unique<Call>(std::move(*this));
+  *this = Call();
+  deferred_ = true;
+  answered_ = true;  // nothing may answer what stays in the batch
+  return owned;
+}
+
 struct CallAccess {
-  static Call make(DecodedRequest decoded, uint64_t request_id) {
+  static Call make(DecodedRequest decoded, uint64_t request_id, std::string peer = {}) {
     Call call;
     call.request_id_ = request_id;
+    call.peer_ = std::move(peer);
+    call.received_ = std::chrono::steady_clock::now();
     call.request_ = decoded.request;
     call.owner_ = std::move(decoded.message);
     call.response_ = std::make_unique<capnp::MallocMessageBuilder>();
@@ -42,6 +54,7 @@ struct CallAccess {
     return call;
   }
   static capnp::MallocMessageBuilder& response(Call& call) { return *call.response_; }
+  static const std::string& peer(const Call& call) { return call.peer_; }
 };
 
 std::string dispatch_frame(std::span<const std::byte> payload, const WireLimits& limits,
@@ -57,6 +70,10 @@ std::string dispatch_frame(std::span<const std::byte> payload, const WireLimits&
   } catch (const std::exception& e) {
     if (!call.answered()) call.fail(Status(Code::kInternal, "handler failed"));
   }
+  if (call.deferred()) {
+    return encode_error_response(request_id,
+                                 Status(Code::kInternal, "call deferred without a server"));
+  }
   if (!call.answered()) call.fail(Status(Code::kInternal, "request left unanswered"));
   return encode(CallAccess::response(call));
 }
@@ -68,13 +85,18 @@ struct RpcServer::Impl {
   std::unique_ptr<zmq::socket_t> router;
   int wake_fd = -1;
   std::atomic<bool> stopping{false};
+  // Deferred calls given back (complete()), waiting for the I/O thread; done_fd wakes it.
+  int done_fd = -1;
+  std::mutex done_mu;
+  std::vector<std::unique_ptr<Call>> done;
 
   std::atomic<uint64_t> requests{0}, batches{0}, decode_errors{0}, max_batch_seen{0}, bytes_in{0},
-      bytes_out{0}, replies_dropped{0};
+      bytes_out{0}, replies_dropped{0}, deferred{0}, deferred_done{0};
 
   ~Impl() {
     router.reset();
     if (wake_fd >= 0) ::close(wake_fd);
+    if (done_fd >= 0) ::close(done_fd);
   }
 };
 
@@ -97,7 +119,8 @@ Result<std::unique_ptr<RpcServer>> RpcServer::create(ServerOptions options,
   impl->options = options;
   impl->handler = handler;
   impl->wake_fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  if (impl->wake_fd < 0) {
+  impl->done_fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (impl->wake_fd < 0 || impl->done_fd < 0) {
     return Status(Code::kIoError, std::string("rpc server: eventfd: ") + std::strerror(errno));
   }
   std::vector<std::string> bound;
@@ -151,6 +174,17 @@ void RpcServer::join() {
   if (thread_.joinable()) thread_.join();
 }
 
+void RpcServer::complete(std::unique_ptr<Call> call) {
+  if (call == nullptr) return;
+  {
+    std::lock_guard<std::mutex> lock(impl_->done_mu);
+    impl_->done.push_back(std::move(call));
+  }
+  const uint64_t one = 1;
+  ssize_t n = ::write(impl_->done_fd, &one, sizeof(one));
+  (void)n;
+}
+
 ServerStats RpcServer::stats() const {
   ServerStats s;
   s.requests = impl_->requests.load(std::memory_order_relaxed);
@@ -160,10 +194,24 @@ ServerStats RpcServer::stats() const {
   s.bytes_in = impl_->bytes_in.load(std::memory_order_relaxed);
   s.bytes_out = impl_->bytes_out.load(std::memory_order_relaxed);
   s.replies_dropped = impl_->replies_dropped.load(std::memory_order_relaxed);
+  s.deferred = impl_->deferred.load(std::memory_order_relaxed);
+  s.deferred_done = impl_->deferred_done.load(std::memory_order_relaxed);
   return s;
 }
 
 namespace {
+
+// The encoded answer of a handled call (one left unanswered is answered kInternal).
+std::string answer_of(Call& c) {
+  if (!c.answered()) c.fail(Status(Code::kInternal, "request left unanswered"));
+  try {
+    return encode(CallAccess::response(c));
+  } catch (const kj::Exception& e) {
+    return encode_error_response(
+        c.request_id(),
+        Status(Code::kInternal, std::string("encoding the answer: ") + e.getDescription().cStr()));
+  }
+}
 
 // One received message awaiting its reply: either a call for the handler or an error already.
 struct Pending {
@@ -177,6 +225,45 @@ struct Pending {
 void RpcServer::loop() {
   Impl& im = *impl_;
   zmq::socket_t& router = *im.router;
+  // Sends [identity][empty][payload] without blocking; a reply the peer's queue cannot take, or
+  // to a peer that is gone, is dropped and counted.
+  const auto send_reply = [&](zmq::message_t identity, const std::string& payload) {
+    try {
+      const size_t n = payload.size();
+      if (!router.send(std::move(identity), zmq::send_flags::sndmore | zmq::send_flags::dontwait) ||
+          !router.send(zmq::message_t(), zmq::send_flags::sndmore | zmq::send_flags::dontwait) ||
+          !router.send(zmq::message_t(payload.data(), n), zmq::send_flags::dontwait)) {
+        im.replies_dropped.fetch_add(1, std::memory_order_relaxed);
+      } else {
+        im.bytes_out.fetch_add(n, std::memory_order_relaxed);
+      }
+    } catch (const zmq::error_t& e) {
+      im.replies_dropped.fetch_add(1, std::memory_order_relaxed);
+      KEEP_LOG_DEBUG(kLog, "reply dropped: %s", e.what());
+    }
+  };
+  // Answers the deferred calls given back since the last time.
+  std::vector<std::unique_ptr<Call>> done;
+  const auto send_done = [&] {
+    {
+      std::lock_guard<std::mutex> lock(im.done_mu);
+      done.swap(im.done);
+    }
+    for (auto& c : done) {
+      try {
+        im.handler->on_deferred_done(*c);
+      } catch (const std::exception& e) {
+        KEEP_LOG_ERROR(kLog, "on_deferred_done threw: %s", e.what());
+      } catch (const kj::Exception& e) {
+        KEEP_LOG_ERROR(kLog, "on_deferred_done threw: %s", e.getDescription().cStr());
+      }
+      const std::string payload = answer_of(*c);
+      const std::string& peer = CallAccess::peer(*c);
+      send_reply(zmq::message_t(peer.data(), peer.size()), payload);
+      im.deferred_done.fetch_add(1, std::memory_order_relaxed);
+    }
+    done.clear();  // frees the calls on this thread
+  };
   const auto idle = std::chrono::milliseconds(std::max(1, im.options.idle_interval_ms));
   auto last_idle = std::chrono::steady_clock::now();
   std::vector<Pending> pending;
@@ -185,16 +272,23 @@ void RpcServer::loop() {
   calls.reserve(im.options.max_batch);
 
   while (!im.stopping.load(std::memory_order_acquire)) {
-    zmq::pollitem_t items[2] = {{static_cast<void*>(router), 0, ZMQ_POLLIN, 0},
-                                {nullptr, im.wake_fd, ZMQ_POLLIN, 0}};
+    zmq::pollitem_t items[3] = {{static_cast<void*>(router), 0, ZMQ_POLLIN, 0},
+                                {nullptr, im.wake_fd, ZMQ_POLLIN, 0},
+                                {nullptr, im.done_fd, ZMQ_POLLIN, 0}};
     try {
-      zmq::poll(items, 2, idle);
+      zmq::poll(items, 3, idle);
     } catch (const zmq::error_t& e) {
       if (e.num() == EINTR) continue;
       KEEP_LOG_ERROR(kLog, "poll failed: %s", e.what());
       break;
     }
     if (items[1].revents & ZMQ_POLLIN) break;
+    if (items[2].revents & ZMQ_POLLIN) {
+      uint64_t count = 0;
+      ssize_t n = ::read(im.done_fd, &count, sizeof(count));  // resets the eventfd
+      (void)n;
+      send_done();
+    }
 
     if (items[0].revents & ZMQ_POLLIN) {
       pending.clear();
@@ -243,7 +337,9 @@ void RpcServer::loop() {
           continue;
         }
         p.call = static_cast<int>(calls.size());
-        calls.push_back(CallAccess::make(std::move(decoded).value(), request_id));
+        calls.push_back(CallAccess::make(
+            std::move(decoded).value(), request_id,
+            std::string(static_cast<const char*>(p.identity.data()), p.identity.size())));
         pending.push_back(std::move(p));
       }
 
@@ -269,37 +365,20 @@ void RpcServer::loop() {
         }
       }
 
-      // ---- send every reply, in arrival order ----
+      // ---- send every reply, in arrival order (deferred calls are answered later) ----
       for (auto& p : pending) {
         std::string payload;
         if (p.call >= 0) {
           Call& c = calls[static_cast<size_t>(p.call)];
-          if (!c.answered()) c.fail(Status(Code::kInternal, "request left unanswered"));
-          try {
-            payload = encode(CallAccess::response(c));
-          } catch (const kj::Exception& e) {
-            payload = encode_error_response(
-                c.request_id(), Status(Code::kInternal, std::string("encoding the answer: ") +
-                                                            e.getDescription().cStr()));
+          if (c.deferred()) {
+            im.deferred.fetch_add(1, std::memory_order_relaxed);
+            continue;
           }
+          payload = answer_of(c);
         } else {
           payload = std::move(p.payload);
         }
-        try {
-          const size_t n = payload.size();
-          if (!router.send(std::move(p.identity),
-                           zmq::send_flags::sndmore | zmq::send_flags::dontwait) ||
-              !router.send(zmq::message_t(),
-                           zmq::send_flags::sndmore | zmq::send_flags::dontwait) ||
-              !router.send(zmq::message_t(payload.data(), n), zmq::send_flags::dontwait)) {
-            im.replies_dropped.fetch_add(1, std::memory_order_relaxed);
-          } else {
-            im.bytes_out.fetch_add(n, std::memory_order_relaxed);
-          }
-        } catch (const zmq::error_t& e) {
-          im.replies_dropped.fetch_add(1, std::memory_order_relaxed);
-          KEEP_LOG_DEBUG(kLog, "reply dropped: %s", e.what());
-        }
+        send_reply(std::move(p.identity), payload);
       }
       pending.clear();
       calls.clear();  // releases the request buffers and response builders

@@ -7,9 +7,16 @@
 // then answer — and then sends every reply. Requests that do not decode are answered with their
 // error (kTooLarge, kMalformed, kVersionMismatch) without reaching the handler. Bad input never
 // stops the loop. Frames: [identity][empty][payload] (DEALER or REQ peers).
+//
+// Deferred calls: a handler that cannot answer a call without blocking (work that takes long and
+// needs no I/O-thread state) takes it out of the batch with Call::defer() and hands it to another
+// thread, which fills the response and gives it back through RpcServer::complete(); the I/O thread
+// sends it when it next wakes and goes on serving other peers meanwhile. A deferred answer may
+// reach its peer after answers to requests that peer sent later (clients match request ids).
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -49,6 +56,14 @@ class Call {
   void fail(const Status& status);
   bool answered() const { return answered_; }
 
+  // Moves the call (request, response, peer) out of its batch into the returned object, to be
+  // answered later through RpcServer::complete(). What stays in the batch is an empty call marked
+  // deferred: the server sends nothing for it, and its request() must not be read.
+  std::unique_ptr<Call> defer();
+  bool deferred() const { return deferred_; }
+  // When the server received the request.
+  std::chrono::steady_clock::time_point received() const { return received_; }
+
  private:
   friend class RpcServer;
   friend struct CallAccess;
@@ -56,7 +71,10 @@ class Call {
   proto::Request::Reader request_;
   std::unique_ptr<DecodedMessage> owner_;
   std::unique_ptr<capnp::MallocMessageBuilder> response_;
+  std::string peer_;  // the ROUTER identity to answer
+  std::chrono::steady_clock::time_point received_;
   bool answered_ = false;
+  bool deferred_ = false;
 };
 
 class RequestHandler {
@@ -68,6 +86,9 @@ class RequestHandler {
   // Called on the I/O thread after each batch and every idle_interval_ms without requests
   // (lease expiry, housekeeping).
   virtual void on_idle() {}
+  // Called on the I/O thread with a deferred call given back through RpcServer::complete(), just
+  // before its answer is sent (metrics).
+  virtual void on_deferred_done(Call& /*call*/) {}
 };
 
 struct ServerStats {
@@ -78,6 +99,8 @@ struct ServerStats {
   uint64_t bytes_in = 0;
   uint64_t bytes_out = 0;
   uint64_t replies_dropped = 0;  // peer gone or its queue full
+  uint64_t deferred = 0;         // calls the handler deferred
+  uint64_t deferred_done = 0;    // deferred calls given back and answered
 };
 
 // The server's per-frame path without sockets: decode `payload` (limits, structure, version),
@@ -103,6 +126,10 @@ class RpcServer {
   // write(2) to an eventfd). Joins nothing: the destructor (or the caller of run()) does.
   void stop();
   void join();
+  // Gives back a call the handler deferred, its response filled (or failed; one left unanswered
+  // is answered kInternal): the I/O thread sends it. Thread-safe. After stop() the call is kept
+  // unsent and freed with the server; it must not be called once the server is destroyed.
+  void complete(std::unique_ptr<Call> call);
 
   // The endpoints as bound (a tcp port 0 resolved to the real port).
   const std::vector<std::string>& bound_endpoints() const { return bound_; }
