@@ -526,6 +526,100 @@ TEST_CASE("retrieve: read-your-writes, example plans always, prompt order") {
   CHECK(e.store.retrieve("a", "1,0.5,0,0|query", 3, nullptr).status().code() == Code::kUnavailable);
 }
 
+TEST_CASE("retrieve in steps (needs, embed outside, embedded) answers as retrieve does") {
+  // Two identical stores: one answers through retrieve(), the other through the steps the
+  // service's retrieve threads take.
+  Env whole, steps;
+  for (Env* e : {&whole, &steps}) {
+    e->write("0,0,0,1|plan one", SegmentKind::kExamplePlan);
+    e->write("1,0,0,0|static one");
+    e->write("1,0.1,0,0|static two");
+    e->embed_all();
+    e->advance(3);
+    e->write("0.7,0.7,0,0|dynamic");
+    e->write("0,0,1,0|far away");
+  }
+  const std::string query = "1,0.5,0,0|query";
+  auto want = whole.store.retrieve("a", query, 3, nullptr);
+  REQUIRE(want.is_ok());
+
+  MemoryStore& st = steps.store;
+  auto needs = st.retrieve_needs("a", query, 3);
+  REQUIRE(needs.is_ok());
+  CHECK(needs->k == 3);
+  CHECK(needs->embed_query);
+  CHECK(needs->query_embedding.empty());
+  REQUIRE(needs->segments.size() == 2);  // the two not yet embedded, in write order
+  CHECK(needs->segments[0].id == 4);
+  CHECK(needs->segments[1].id == 5);
+  CHECK(needs->segments[0].text == "0.7,0.7,0,0|dynamic");
+  const int calls = steps.emb.calls;
+  // Outside the lock: the embedder alone; the store is not touched.
+  std::vector<std::string> texts = {query};
+  for (const auto& p : needs->segments) texts.push_back(p.text);
+  auto vecs = st.embedder()->embed(texts);
+  REQUIRE(vecs.is_ok());
+  auto q = st.add_query_embedding(query, (*vecs)[0]);
+  REQUIRE(q.is_ok());
+  double norm = 0.0;
+  for (float x : *q) norm += double(x) * x;
+  CHECK(std::fabs(norm - 1.0) < 1e-6);
+  std::vector<SegmentEmbedding> embs;
+  for (size_t i = 0; i < needs->segments.size(); ++i) {
+    const auto& p = needs->segments[i];
+    embs.push_back({p.agent, p.id, p.version, (*vecs)[i + 1]});
+  }
+  std::string rec;
+  REQUIRE(st.apply_embeddings(embs, &rec).is_ok());
+  CHECK_FALSE(rec.empty());
+  auto got = st.retrieve_embedded("a", *q, 3);
+  REQUIRE(got.is_ok());
+  CHECK(steps.emb.calls == calls + 1);  // retrieve_embedded embeds nothing
+  REQUIRE(got->size() == want->size());
+  for (size_t i = 0; i < got->size(); ++i) {
+    CHECK((*got)[i].id == (*want)[i].id);
+    CHECK((*got)[i].score == doctest::Approx((*want)[i].score).epsilon(1e-6));
+    CHECK((*got)[i].group_state == (*want)[i].group_state);
+  }
+  // Now the query is cached and nothing waits: nothing to embed, the cached vector handed out.
+  auto cached = st.retrieve_needs("a", query, 3);
+  REQUIRE(cached.is_ok());
+  CHECK_FALSE(cached->embed_query);
+  CHECK(cached->query_embedding == *q);
+  CHECK(cached->segments.empty());
+  // k = 0 needs no query; the answer is the plans. A later write is not among the candidates of
+  // retrieve_embedded until it is embedded.
+  auto plans = st.retrieve_embedded("a", {}, 0);
+  REQUIRE(plans.is_ok());
+  REQUIRE(plans->size() == 1);
+  CHECK((*plans)[0].kind == SegmentKind::kExamplePlan);
+  steps.write("1,0.5,0,0|exactly the query");
+  auto without = st.retrieve_embedded("a", *q, 1);
+  REQUIRE(without.is_ok());
+  CHECK((*without)[1].id != 6);
+  // k beyond max_retrieve_k is clamped as retrieve() clamps it.
+  auto big = st.retrieve_needs("a", query, 1u << 30);
+  REQUIRE(big.is_ok());
+  CHECK(big->k == StoreOptions{}.max_retrieve_k);
+  CHECK(big->segments.size() == 1);
+}
+
+TEST_CASE("retrieve's steps refuse what retrieve refuses") {
+  Env e;
+  e.write("1,0,0,0|cup");
+  CHECK(e.store.retrieve_needs("nobody", "q", 1).status().code() == Code::kNotFound);
+  CHECK(e.store.retrieve_needs("a", "", 1).status().code() == Code::kInvalidArgument);
+  CHECK(e.store.retrieve_needs("a", std::string(201, 'x'), 1).status().code() == Code::kTooLarge);
+  CHECK(e.store.retrieve_needs("bad name", "q", 1).status().code() == Code::kInvalidArgument);
+  auto empty_ok = e.store.retrieve_needs("a", "", 0);  // k = 0: no query needed
+  REQUIRE(empty_ok.is_ok());
+  CHECK_FALSE(empty_ok->embed_query);
+  CHECK(e.store.add_query_embedding("q", {1.0f, 0.0f}).status().code() == Code::kInternal);
+  const std::vector<float> three = {1.0f, 0.0f, 0.0f};
+  CHECK(e.store.retrieve_embedded("a", three, 1).status().code() == Code::kInvalidArgument);
+  CHECK(e.store.retrieve_embedded("nobody", three, 0).status().code() == Code::kNotFound);
+}
+
 TEST_CASE("list_memories pages an agent's memories by ascending id") {
   StoreOptions o = small_options();
   o.max_list_limit = 4;

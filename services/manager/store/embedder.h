@@ -15,7 +15,9 @@
 namespace keep::manager {
 
 // Turns texts into fixed-size vectors. The store L2-normalises what it receives, so the embedder
-// need not (a zero vector is kept as zero: cosine 0 with everything).
+// need not (a zero vector is kept as zero: cosine 0 with everything). embed() may be called from
+// several threads at once (keep-manager's background embedder and its retrieve threads), without
+// the store's lock.
 class Embedder {
  public:
   virtual ~Embedder() = default;

@@ -580,23 +580,24 @@ struct MemoryStore::Impl {
   // ---- query cache
   // -------------------------------------------------------------------------------
 
-  Status query_embedding(std::string_view query) {
-    if (opt.query_cache_entries > 0) {
-      auto it = lru_index.find(query);
-      if (it != lru_index.end()) {
-        lru.splice(lru.begin(), lru, it->second);
-        query_vec = it->second->second;
-        counters.query_cache_hits += 1;
-        return Status::ok();
-      }
-    }
-    counters.query_cache_misses += 1;
-    auto r = embedder->embed({std::string(query)});
-    if (!r.is_ok()) return r.status().with_context("embedding the query");
-    if (r->size() != 1 || (*r)[0].size() != static_cast<size_t>(dim)) {
+  // The cached embedding of `query` into query_vec (a hit, most recently used now); false on a
+  // miss or with the cache off.
+  bool cached_query(std::string_view query) {
+    if (opt.query_cache_entries == 0) return false;
+    auto it = lru_index.find(query);
+    if (it == lru_index.end()) return false;
+    lru.splice(lru.begin(), lru, it->second);
+    query_vec = it->second->second;
+    counters.query_cache_hits += 1;
+    return true;
+  }
+
+  // An embedder's vector for `query`, normalised into query_vec and cached (a miss).
+  Status set_query_embedding(std::string_view query, std::vector<float> v) {
+    if (v.size() != static_cast<size_t>(dim)) {
       return Status(Code::kInternal, "embedder returned the wrong shape for the query");
     }
-    std::vector<float> v = std::move((*r)[0]);
+    counters.query_cache_misses += 1;
     double n = 0.0;
     for (float x : v) n += static_cast<double>(x) * x;
     n = std::sqrt(n);
@@ -614,6 +615,33 @@ struct MemoryStore::Impl {
     }
     return Status::ok();
   }
+
+  Status query_embedding(std::string_view query) {
+    if (cached_query(query)) return Status::ok();
+    auto r = embedder->embed({std::string(query)});
+    if (!r.is_ok()) return r.status().with_context("embedding the query");
+    if (r->size() != 1) {
+      return Status(Code::kInternal, "embedder returned the wrong shape for the query");
+    }
+    return set_query_embedding(query, std::move((*r)[0]));
+  }
+
+  // retrieve()'s checks; k clamped to max_retrieve_k.
+  Result<Agent*> check_retrieve(std::string_view agent, std::string_view query, uint32_t* k) {
+    KEEP_RETURN_IF_ERROR(check_agent_name(agent));
+    Agent* a = find_agent(agent);
+    if (a == nullptr) return not_found_agent(agent);
+    if (query.size() > opt.max_text_bytes) {
+      return Status(Code::kTooLarge, "query is " + std::to_string(query.size()) + " bytes, limit " +
+                                         std::to_string(opt.max_text_bytes));
+    }
+    if (query.empty() && *k > 0) return Status(Code::kInvalidArgument, "query is empty");
+    *k = std::min(*k, opt.max_retrieve_k);
+    return a;
+  }
+
+  // The answer of a retrieve for query_vec (k > 0) among a's embedded segments.
+  std::vector<RetrievedSegment> retrieve_rows(Agent* a, uint32_t k);
 
   void reset() {
     agents.clear();
@@ -890,15 +918,7 @@ Result<std::vector<RetrievedSegment>> MemoryStore::retrieve(std::string_view age
                                                             std::string* wal_record) {
   Impl& m = *impl_;
   if (wal_record != nullptr) wal_record->clear();
-  KEEP_RETURN_IF_ERROR(m.check_agent_name(agent));
-  Agent* a = m.find_agent(agent);
-  if (a == nullptr) return Impl::not_found_agent(agent);
-  if (query.size() > m.opt.max_text_bytes) {
-    return Status(Code::kTooLarge, "query is " + std::to_string(query.size()) + " bytes, limit " +
-                                       std::to_string(m.opt.max_text_bytes));
-  }
-  if (query.empty() && k > 0) return invalid("query is empty");
-  k = std::min(k, m.opt.max_retrieve_k);
+  KEEP_ASSIGN_OR_RETURN(Agent * a, m.check_retrieve(agent, query, &k));
 
   // The query first: nothing may fail after the pending embeddings below are applied (their
   // record must reach the WAL whenever the state changed).
@@ -927,8 +947,14 @@ Result<std::vector<RetrievedSegment>> MemoryStore::retrieve(std::string_view age
     }
   }
 
+  return m.retrieve_rows(a, k);
+}
+
+std::vector<RetrievedSegment> MemoryStore::Impl::retrieve_rows(Agent* a, uint32_t k) {
+  Impl& m = *this;
   // Exact top-k among the non-plan segments (int8 scan + fp32 rescoring, embedding_index.h).
-  a->index.top_k(m.query_vec.data(), k, &m.topk_scratch, &m.top);
+  m.top.clear();
+  if (k > 0) a->index.top_k(m.query_vec.data(), k, &m.topk_scratch, &m.top);
 
   // Prompt order: static groups, then dynamic, by group id, then member id; ungrouped last.
   const auto order_key = [&](const ScoredRow& r) {
@@ -960,6 +986,52 @@ Result<std::vector<RetrievedSegment>> MemoryStore::retrieve(std::string_view age
   for (const ScoredRow& r : m.top) emit(a->segments.at(a->index.key(r.row)), r.score);
   return out;
 }
+
+Result<MemoryStore::RetrieveNeeds> MemoryStore::retrieve_needs(std::string_view agent,
+                                                               std::string_view query, uint32_t k) {
+  Impl& m = *impl_;
+  KEEP_ASSIGN_OR_RETURN(Agent * a, m.check_retrieve(agent, query, &k));
+  RetrieveNeeds needs;
+  needs.k = k;
+  if (k > 0) {
+    if (m.cached_query(query)) {
+      needs.query_embedding = m.query_vec;
+    } else {
+      needs.embed_query = true;
+    }
+  }
+  for (const auto& [seq, id] : a->awaiting) {
+    const Segment& s = a->segments.at(id);
+    if (s.row >= 0) continue;
+    needs.segments.push_back(PendingEmbedding{a->name, id, s.version, s.text});
+  }
+  return needs;
+}
+
+Result<std::vector<float>> MemoryStore::add_query_embedding(std::string_view query,
+                                                            std::vector<float> embedding) {
+  KEEP_RETURN_IF_ERROR(impl_->set_query_embedding(query, std::move(embedding)));
+  return impl_->query_vec;
+}
+
+Result<std::vector<RetrievedSegment>> MemoryStore::retrieve_embedded(
+    std::string_view agent, std::span<const float> query_embedding, uint32_t k) {
+  Impl& m = *impl_;
+  KEEP_RETURN_IF_ERROR(m.check_agent_name(agent));
+  Agent* a = m.find_agent(agent);
+  if (a == nullptr) return Impl::not_found_agent(agent);
+  k = std::min(k, m.opt.max_retrieve_k);
+  if (k > 0) {
+    if (query_embedding.size() != static_cast<size_t>(m.dim)) {
+      return invalid("query embedding of " + std::to_string(query_embedding.size()) +
+                     " floats, the store's are " + std::to_string(m.dim));
+    }
+    m.query_vec.assign(query_embedding.begin(), query_embedding.end());
+  }
+  return m.retrieve_rows(a, k);
+}
+
+Embedder* MemoryStore::embedder() const { return impl_->embedder; }
 
 Result<SegmentInfo> MemoryStore::get(std::string_view agent, uint64_t id) const {
   Agent* a = nullptr;

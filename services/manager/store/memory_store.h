@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -284,6 +285,34 @@ class MemoryStore {
   // agent name), kTooLarge (query), the Embedder's error.
   Result<std::vector<RetrievedSegment>> retrieve(std::string_view agent, std::string_view query,
                                                  uint32_t k, std::string* wal_record);
+
+  // retrieve() in steps, so that the embedding runs without the store's lock (the service does
+  // it on a thread of its own, not the server's I/O thread):
+  //   1. retrieve_needs(): what retrieve() would embed (same errors as retrieve());
+  //   2. without the lock: embedder()->embed() of the query (unless it came from the cache) and of
+  //      the segments' texts;
+  //   3. with the lock: add_query_embedding(), apply_embeddings() of the segments (log its record
+  //      like the embedding thread's), then retrieve_embedded(), which embeds nothing: a segment
+  //      still pending then (written or updated meanwhile) is not among the candidates.
+  struct RetrieveNeeds {
+    uint32_t k = 0;                          // clamped to max_retrieve_k
+    bool embed_query = false;                // k > 0 and the query cache does not hold it
+    std::vector<float> query_embedding;      // k > 0 and cached: the normalised vector
+    std::vector<PendingEmbedding> segments;  // this agent's pending segments, by write order
+  };
+  Result<RetrieveNeeds> retrieve_needs(std::string_view agent, std::string_view query, uint32_t k);
+  // Normalises an embedder's vector for `query`, caches it (query cache on) and returns it.
+  // kInternal on a vector of another dimension.
+  Result<std::vector<float>> add_query_embedding(std::string_view query,
+                                                 std::vector<float> embedding);
+  // retrieve()'s answer for a normalised query embedding (empty when k == 0), without embedding
+  // anything. Errors: kNotFound (agent), kInvalidArgument (agent name, a vector of another
+  // dimension with k > 0).
+  Result<std::vector<RetrievedSegment>> retrieve_embedded(std::string_view agent,
+                                                          std::span<const float> query_embedding,
+                                                          uint32_t k);
+  // The embedder the store was given (thread-safe: see embedder.h).
+  Embedder* embedder() const;
 
   Result<SegmentInfo> get(std::string_view agent, uint64_t id) const;
   // The agent's memories with id > after_id, ascending, at most `limit` (0: kDefaultListLimit;
