@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <string>
@@ -33,10 +34,15 @@ using namespace std::chrono_literals;
 namespace {
 
 // Texts whose first word matches embed to the same direction (cosine 1), others are orthogonal.
+// `delay` makes every call take that long; `on_embed` runs at the start of each call (on the
+// calling thread, before the delay).
 class FirstWordEmbedder : public km::Embedder {
  public:
   int dim() const override { return 32; }
   Result<std::vector<std::vector<float>>> embed(const std::vector<std::string>& texts) override {
+    calls.fetch_add(1);
+    if (on_embed) on_embed(texts);
+    if (delay.load().count() > 0) std::this_thread::sleep_for(delay.load());
     std::vector<std::vector<float>> out;
     for (const auto& t : texts) {
       std::vector<float> v(32, 0.0f);
@@ -45,6 +51,9 @@ class FirstWordEmbedder : public km::Embedder {
     }
     return out;
   }
+  std::atomic<std::chrono::milliseconds> delay{std::chrono::milliseconds(0)};
+  std::function<void(const std::vector<std::string>&)> on_embed;
+  std::atomic<int> calls{0};
 };
 
 class WordCounter : public km::TokenCounter {
@@ -138,11 +147,12 @@ class TestRegion : public km::KvRegionOps {
   int released = 0;
 };
 
-// A whole manager: store + service + server on its own thread.
+// A whole manager: store + service + server on its own thread; retrieves that embed run on the
+// service's retrieve threads (deferred calls), as in keep-manager, unless `defer_retrieves` is off.
 struct Manager {
   explicit Manager(std::vector<std::string> endpoints = {"tcp://127.0.0.1:0"},
                    size_t max_message_bytes = wire::kDefaultMaxMessageBytes,
-                   km::StoreOptions store_options = {})
+                   km::StoreOptions store_options = {}, bool defer_retrieves = true)
       : store(store_options, &embedder, &counter),
         service(&store, &committer, &region, km::ServiceOptions{}) {
     wire::ServerOptions options;
@@ -151,9 +161,16 @@ struct Manager {
     auto s = wire::RpcServer::create(options, &service);
     REQUIRE(s.is_ok());
     server = std::move(s).value();
+    if (defer_retrieves) {
+      service.start_deferred_retrieves(
+          [this](std::unique_ptr<wire::Call> call) { server->complete(std::move(call)); });
+    }
     server->start();
   }
-  ~Manager() { server->stop(); }
+  ~Manager() {
+    server->stop();
+    service.stop_deferred_retrieves();  // while the server they complete into still exists
+  }
   std::string endpoint() const { return server->bound_endpoints().at(0); }
   std::unique_ptr<kc::ManagerClient> client(std::chrono::milliseconds timeout = 5000ms) {
     kc::ClientOptions o;
@@ -622,4 +639,96 @@ TEST_CASE("keepctl drives the server as a separate process") {
   CHECK(out.find("keepctl: not_found: ") == 0);
   out = run("list robot --after x", &rc);
   CHECK(rc == 2);
+}
+
+TEST_CASE("a retrieve that embeds does not hold the other clients") {
+  Manager m;
+  auto a = m.client();
+  REQUIRE(
+      a->write(
+           {"robot", std::nullopt, "kitchen apple on the table", kc::SegmentKind::kObjectState, {}})
+          .is_ok());
+  REQUIRE(a->write({"robot", std::nullopt, "hall lamp is off", kc::SegmentKind::kObjectState, {}})
+              .is_ok());
+  m.embedder.delay = 1500ms;  // the query and the two pending segments: one slow embed call
+  const auto t0 = std::chrono::steady_clock::now();
+  Result<std::vector<kc::RetrievedSegment>> found = Status(Code::kInternal, "not run");
+  std::thread retriever([&] { found = a->retrieve("robot", "kitchen apple", 1); });
+  while (m.embedder.calls.load() == 0) std::this_thread::sleep_for(1ms);
+  // Meanwhile another client is served: a ping, a write (acknowledged: applied and synced) and a
+  // listing that shows it, all long before the retrieve's embedding ends.
+  auto b = m.client();
+  CHECK(b->ping().is_ok());
+  auto w = b->write({"robot", std::nullopt, "desk pen", kc::SegmentKind::kObjectState, {}});
+  REQUIRE(w.is_ok());
+  auto page = b->list_memories("robot");
+  REQUIRE(page.is_ok());
+  CHECK(page->memories.size() == 3);
+  CHECK(std::chrono::steady_clock::now() - t0 < 1000ms);
+  retriever.join();
+  CHECK(std::chrono::steady_clock::now() - t0 >= 1500ms);
+  REQUIRE(found.is_ok());
+  REQUIRE(found->size() == 1);  // the two segments written before it were embedded for it
+  CHECK(found->at(0).text == "kitchen apple on the table");
+  CHECK(found->at(0).score > 0.99f);
+  const wire::ServerStats st = m.server->stats();
+  CHECK(st.deferred == 1);
+  CHECK(st.deferred_done == 1);
+  // The query is cached now and nothing of the agent's waits but the pen: deferred once more,
+  // for the pen, which the answer can then hold.
+  m.embedder.delay = 0ms;
+  auto again = a->retrieve("robot", "desk", 1);
+  REQUIRE(again.is_ok());
+  REQUIRE(again->size() == 1);
+  CHECK(again->at(0).text == "desk pen");
+  // Nothing left to embed and a cached query: answered on the request loop, not deferred.
+  const int calls = m.embedder.calls.load();
+  REQUIRE(a->retrieve("robot", "desk", 1).is_ok());
+  CHECK(m.embedder.calls.load() == calls);
+  CHECK(m.server->stats().deferred == 2);
+}
+
+TEST_CASE("a segment updated while its retrieve embeds is found with its new text") {
+  Manager m;
+  auto a = m.client();
+  REQUIRE(
+      a->write({"robot", std::nullopt, "kitchen cup is dirty", kc::SegmentKind::kObjectState, {}})
+          .is_ok());
+  auto b = m.client();
+  std::atomic<bool> updated{false};
+  // During the retrieve's first embedding (off the request loop) another client updates the
+  // segment: that embedding is stale and the retrieve embeds the new text before answering.
+  m.embedder.on_embed = [&](const std::vector<std::string>&) {
+    if (!updated.exchange(true)) CHECK(b->update("robot", 1, "kitchen cup is clean").is_ok());
+  };
+  auto r = a->retrieve("robot", "kitchen", 1);
+  REQUIRE(r.is_ok());
+  REQUIRE(r->size() == 1);
+  CHECK(r->at(0).text == "kitchen cup is clean");
+  CHECK(r->at(0).version == 2);
+  CHECK(m.embedder.calls.load() == 2);
+}
+
+TEST_CASE("retrieve answers alike inline and on the retrieve threads") {
+  std::vector<std::vector<std::pair<uint64_t, std::string>>> answers;
+  for (const bool defer : {false, true}) {
+    Manager m({"tcp://127.0.0.1:0"}, wire::kDefaultMaxMessageBytes, {}, defer);
+    auto c = m.client();
+    for (const char* t : {"kitchen apple", "kitchen knife", "hall lamp", "desk pen", "desk lamp"}) {
+      REQUIRE(c->write({"robot", std::nullopt, t, kc::SegmentKind::kObjectState, {}}).is_ok());
+    }
+    REQUIRE(c->write({"robot", std::nullopt, "plan: fetch", kc::SegmentKind::kExamplePlan, {}})
+                .is_ok());
+    std::vector<std::pair<uint64_t, std::string>> got;
+    for (const char* q : {"desk", "kitchen", "hall"}) {
+      auto r = c->retrieve("robot", q, 3);
+      REQUIRE(r.is_ok());
+      for (const auto& s : *r) got.emplace_back(s.id, s.text);
+    }
+    // Each new query is embedded off the request loop (the first one with the five segments).
+    CHECK(m.server->stats().deferred == (defer ? 3u : 0u));
+    answers.push_back(std::move(got));
+  }
+  CHECK(answers[0] == answers[1]);
+  CHECK(!answers[0].empty());
 }

@@ -23,6 +23,9 @@ void declare_manager_options(Options* o) {
   o->add("static-after-steps", "10", "t: a group unchanged for t steps turns static");
   o->add("max-text-bytes", "4096", "longest memory or query text accepted");
   o->add("embed-batch", "32", "segments embedded per background encoder call");
+  o->add("retrieve-threads", "2",
+         "threads that answer retrieves needing an embedding (the query, pending segments), off "
+         "the request loop");
   o->add("max-pending-embeddings", "1000000",
          "segments waiting for an embedding before writes and updates are refused "
          "(resource_exhausted, retry later); 0: no limit");
@@ -78,6 +81,10 @@ Result<ManagerConfig> read_manager_config(const Options& o) {
   KEEP_ASSIGN_OR_RETURN(uint64_t eb, o.uint64("embed-batch"));
   if (eb == 0 || eb > 4096) return Status(Code::kInvalidArgument, "--embed-batch: must be 1..4096");
   c.embed_batch = eb;
+  KEEP_ASSIGN_OR_RETURN(uint64_t rt, o.uint64("retrieve-threads"));
+  if (rt == 0 || rt > 64)
+    return Status(Code::kInvalidArgument, "--retrieve-threads: must be 1..64");
+  c.retrieve_threads = static_cast<int>(rt);
   KEEP_ASSIGN_OR_RETURN(uint64_t pending, o.uint64("max-pending-embeddings"));
   c.store.max_pending_embeddings = pending;
 

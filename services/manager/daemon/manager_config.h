@@ -25,6 +25,7 @@ struct ManagerConfig {
   std::string tokenizer_path;   // the planner model's tokenizer.json
   StoreOptions store;
   size_t embed_batch = 32;
+  int retrieve_threads = 2;  // ServiceOptions::retrieve_threads
   // The shared KV region.
   std::string shm_name;
   uint64_t shm_bytes = 0;  // arena bytes

@@ -213,7 +213,8 @@ const char* request_name(proto::Request::Which w) {
 }
 
 // Wraps the service: counts requests by type and outcome and times them. A call's latency is the
-// time of the batch it was handled in (apply + WAL append + fsync), which is what its client waits.
+// time of the batch it was handled in (apply + WAL append + fsync), which is what its client waits;
+// a deferred call's (a retrieve that embeds) runs from its arrival to its answer.
 class InstrumentedHandler final : public wire::RequestHandler {
  public:
   InstrumentedHandler(ManagerService* svc, metrics::Registry* reg)
@@ -232,21 +233,26 @@ class InstrumentedHandler final : public wire::RequestHandler {
     double dt = seconds_since(t0);
     batch_size_.get().observe(static_cast<double>(calls.size()));
     for (auto& call : calls) {
-      const char* type = request_name(call.request().which());
-      const char* code = "ok";
-      if (call.answered()) {
-        auto resp = call.reply().asReader();
-        if (resp.which() == proto::Response::ERROR) {
-          code = code_name(wire::from_wire(resp.getError().getCode()));
-        }
-      }
-      requests_.labels({type, code}).inc();
-      latency_.labels({type}).observe(dt);
+      if (!call.deferred()) count(call, dt);  // a deferred one counts when answered
     }
   }
   void on_idle() override { svc_->on_idle(); }
+  void on_deferred_done(wire::Call& call) override { count(call, seconds_since(call.received())); }
 
  private:
+  void count(wire::Call& call, double seconds) {
+    const char* type = request_name(call.request().which());
+    const char* code = "ok";
+    if (call.answered()) {
+      auto resp = call.reply().asReader();
+      if (resp.which() == proto::Response::ERROR) {
+        code = code_name(wire::from_wire(resp.getError().getCode()));
+      }
+    }
+    requests_.labels({type, code}).inc();
+    latency_.labels({type}).observe(seconds);
+  }
+
   ManagerService* svc_;
   metrics::CounterFamily& requests_;
   metrics::HistogramFamily& latency_;
@@ -488,11 +494,16 @@ void ManagerDaemon::Impl::register_metrics() {
       registry.counter("keep_manager_wal_bytes_total", "Bytes appended to the WAL since start");
   auto& cache = registry.counter("keep_manager_query_cache_total", "Query embedding cache lookups",
                                  {"result"});
+  auto& deferred = registry.counter(
+      "keep_manager_retrieves_deferred_total",
+      "Retrieves answered by the retrieve threads (they had a query or segments to embed)");
+  auto& waiting = registry.gauge("keep_manager_retrieves_waiting",
+                                 "Deferred retrieves not yet taken up by a retrieve thread");
 
   // Counters mirror monotonic totals kept by the components: add the delta at each scrape.
   struct Last {
     double to_static = 0, to_dynamic = 0, completed = 0, stale = 0, failed = 0, records = 0,
-           bytes = 0, hits = 0, misses = 0;
+           bytes = 0, hits = 0, misses = 0, deferred = 0;
   };
   auto last = std::make_shared<Last>();
   auto bump = [](metrics::Counter& c, double now, double* prev) {
@@ -500,8 +511,8 @@ void ManagerDaemon::Impl::register_metrics() {
     *prev = now;
   };
   registry.add_collect_hook([this, &agents, &memories, &groups, &pending, &jobs, &transitions,
-                             &jobs_done, &arena, &entries, &wal_records, &wal_bytes, &cache, last,
-                             bump] {
+                             &jobs_done, &arena, &entries, &wal_records, &wal_bytes, &cache,
+                             &deferred, &waiting, last, bump] {
     StoreStats s;
     {
       std::lock_guard<std::mutex> lock(service->store_mutex());
@@ -523,6 +534,9 @@ void ManagerDaemon::Impl::register_metrics() {
     bump(jobs_done.labels({"failed"}), static_cast<double>(s.jobs_failed), &last->failed);
     bump(cache.labels({"hit"}), static_cast<double>(s.query_cache_hits), &last->hits);
     bump(cache.labels({"miss"}), static_cast<double>(s.query_cache_misses), &last->misses);
+    const ManagerService::DeferredRetrieves dr = service->deferred_retrieves();
+    bump(deferred.get(), static_cast<double>(dr.total), &last->deferred);
+    waiting.get().set(static_cast<double>(dr.waiting));
     kv::RegionStats r = region->stats();
     arena.labels({"used"}).set(static_cast<double>(r.bytes_used));
     arena.labels({"free"}).set(static_cast<double>(r.bytes_free));
@@ -541,6 +555,8 @@ void ManagerDaemon::Impl::shutdown() {
   if (embed_thread.joinable()) embed_thread.join();
   if (housekeeping_thread.joinable()) housekeeping_thread.join();
   if (server) server->stop();
+  // The retrieve threads give their calls to the server: joined before it goes.
+  if (service) service->stop_deferred_retrieves();
   server.reset();  // joins the I/O thread if it runs one
   if (wal && service) {
     Status st = take_snapshot();
@@ -583,6 +599,7 @@ Result<std::unique_ptr<ManagerDaemon>> ManagerDaemon::start(const ManagerConfig&
   ServiceOptions so;
   so.lease = config.lease;
   so.server_version = "keep-manager 0.1.0";
+  so.retrieve_threads = config.retrieve_threads;
   d.service = std::make_unique<ManagerService>(d.store.get(), d.wal.get(), d.region_ops.get(), so);
   d.handler = std::make_unique<InstrumentedHandler>(d.service.get(), &d.registry);
 
@@ -591,6 +608,9 @@ Result<std::unique_ptr<ManagerDaemon>> ManagerDaemon::start(const ManagerConfig&
   wo.limits.max_message_bytes = config.max_message_bytes;
   wo.max_batch = config.max_batch;
   KEEP_ASSIGN_OR_RETURN(d.server, wire::RpcServer::create(std::move(wo), d.handler.get()));
+  d.service->start_deferred_retrieves([server = d.server.get()](std::unique_ptr<wire::Call> call) {
+    server->complete(std::move(call));
+  });
 
   if (!config.metrics_listen.empty()) {
     metrics::MetricsHttpServerOptions mo;

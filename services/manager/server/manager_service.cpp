@@ -3,6 +3,7 @@
 #include <kj/exception.h>
 
 #include <exception>
+#include <unordered_set>
 
 #include "shared/client/wire_codec.h"
 #include "shared/common/log.h"
@@ -92,7 +93,7 @@ ManagerService::ManagerService(MemoryStore* store, BatchCommitter* committer, Kv
   KEEP_CHECK(store_ != nullptr);
 }
 
-ManagerService::~ManagerService() = default;
+ManagerService::~ManagerService() { stop_deferred_retrieves(); }
 
 size_t ManagerService::jobs_in_flight() const {
   std::lock_guard<std::mutex> lock(mu_);
@@ -246,7 +247,28 @@ bool ManagerService::handle_one(wire::Call& call) {
 
     case proto::Request::RETRIEVE: {
       auto q = req.getRetrieve();
-      auto r = store_->retrieve(str(q.getAgent()), str(q.getQuery()), q.getK(), &record);
+      std::string agent = str(q.getAgent());
+      std::string query = str(q.getQuery());
+      if (complete_) {
+        auto needs = store_->retrieve_needs(agent, query, q.getK());
+        if (!needs.is_ok()) return call.fail(needs.status()), false;
+        if (needs->embed_query || !needs->segments.empty()) {
+          {
+            std::lock_guard<std::mutex> lock(retrieve_mu_);
+            retrieve_queue_.push_back(
+                RetrieveJob{call.defer(), std::move(agent), std::move(query), std::move(*needs)});
+            retrieves_deferred_ += 1;
+          }
+          retrieve_cv_.notify_one();
+          return false;
+        }
+        // Nothing to embed (the query came from the cache): answered here.
+        auto r = store_->retrieve_embedded(agent, needs->query_embedding, needs->k);
+        if (!r.is_ok()) return call.fail(r.status()), false;
+        fill_retrieve(call, *r);
+        return false;
+      }
+      auto r = store_->retrieve(agent, query, q.getK(), &record);
       if (!r.is_ok()) return call.fail(r.status()), false;
       // The embedding record is derived state; when the WAL is already broken it is dropped
       // (recovery recomputes embeddings) instead of failing a read.
@@ -255,26 +277,7 @@ bool ManagerService::handle_one(wire::Call& call) {
         if (Status st = append_locked(record); !st.is_ok()) return call.fail(st), false;
         logged = committer_ != nullptr;
       }
-      auto segs = call.reply().initRetrieve().initSegments(static_cast<unsigned>(r->size()));
-      for (size_t i = 0; i < r->size(); ++i) {
-        const RetrievedSegment& s = (*r)[i];
-        auto o = segs[static_cast<unsigned>(i)];
-        set_segment_fields(o, s);
-        o.setGroupState(state_to_wire(s.group_state));
-        o.setGroupVersion(s.group_version);
-        o.setScore(s.score);
-        if (s.kv && region_ != nullptr) {
-          auto loc = region_->locate(s.kv->entry_index, s.kv->entry_generation);
-          if (loc.is_ok()) {
-            o.setHasKv(true);
-            auto kv = o.initKv();
-            set_entry(kv.initEntry(), *loc);
-            kv.setTokenOffset(s.kv->token_offset);
-            kv.setTokens(s.kv->tokens);
-            kv.setJoint(s.kv->joint);
-          }
-        }
-      }
+      fill_retrieve(call, *r);
       return logged;
     }
 
@@ -544,6 +547,141 @@ size_t ManagerService::expire_jobs(std::chrono::steady_clock::time_point now) {
   }
   release_entries_locked();
   return n;
+}
+
+void ManagerService::fill_retrieve(wire::Call& call,
+                                   const std::vector<RetrievedSegment>& segments) {
+  auto segs = call.reply().initRetrieve().initSegments(static_cast<unsigned>(segments.size()));
+  for (size_t i = 0; i < segments.size(); ++i) {
+    const RetrievedSegment& s = segments[i];
+    auto o = segs[static_cast<unsigned>(i)];
+    set_segment_fields(o, s);
+    o.setGroupState(state_to_wire(s.group_state));
+    o.setGroupVersion(s.group_version);
+    o.setScore(s.score);
+    if (s.kv && region_ != nullptr) {
+      auto loc = region_->locate(s.kv->entry_index, s.kv->entry_generation);
+      if (loc.is_ok()) {
+        o.setHasKv(true);
+        auto kv = o.initKv();
+        set_entry(kv.initEntry(), *loc);
+        kv.setTokenOffset(s.kv->token_offset);
+        kv.setTokens(s.kv->tokens);
+        kv.setJoint(s.kv->joint);
+      }
+    }
+  }
+}
+
+// ---- deferred retrieves ----
+
+void ManagerService::start_deferred_retrieves(
+    std::function<void(std::unique_ptr<wire::Call>)> complete) {
+  KEEP_CHECK_MSG(!complete_ && retrieve_threads_.empty(), "deferred retrieves started twice");
+  KEEP_CHECK(complete != nullptr);
+  complete_ = std::move(complete);
+  retrieve_stop_ = false;
+  for (int i = 0; i < std::max(1, options_.retrieve_threads); ++i) {
+    retrieve_threads_.emplace_back([this] { retrieve_loop(); });
+  }
+}
+
+void ManagerService::stop_deferred_retrieves() {
+  {
+    std::lock_guard<std::mutex> lock(retrieve_mu_);
+    retrieve_stop_ = true;
+  }
+  retrieve_cv_.notify_all();
+  for (auto& t : retrieve_threads_) t.join();
+  retrieve_threads_.clear();
+}
+
+ManagerService::DeferredRetrieves ManagerService::deferred_retrieves() const {
+  std::lock_guard<std::mutex> lock(retrieve_mu_);
+  return {retrieves_deferred_, retrieve_queue_.size()};
+}
+
+void ManagerService::retrieve_loop() {
+  for (;;) {
+    RetrieveJob job;
+    {
+      std::unique_lock<std::mutex> lock(retrieve_mu_);
+      retrieve_cv_.wait(lock, [&] { return retrieve_stop_ || !retrieve_queue_.empty(); });
+      if (retrieve_queue_.empty()) return;  // stopping, nothing left to answer
+      job = std::move(retrieve_queue_.front());
+      retrieve_queue_.pop_front();
+    }
+    try {
+      run_retrieve(job);
+    } catch (const std::exception& e) {
+      job.call->fail(Status(Code::kInternal, std::string("retrieve: ") + e.what()));
+    } catch (const kj::Exception& e) {
+      job.call->fail(
+          Status(Code::kInternal, std::string("retrieve: ") + e.getDescription().cStr()));
+    }
+    complete_(std::move(job.call));
+  }
+}
+
+// Embeds what the retrieve needs without the mutex, then with it applies the embeddings (their
+// record appended like the embedding thread's: derived state, durable with the next batch's sync)
+// and answers. A segment that was pending when the retrieve arrived and is pending again (updated
+// meanwhile) is embedded once more, at most twice, so that every segment written before the
+// retrieve is among its candidates.
+void ManagerService::run_retrieve(RetrieveJob& job) {
+  wire::Call& call = *job.call;
+  Embedder* embedder = store_->embedder();
+  std::vector<float> query_embedding = std::move(job.needs.query_embedding);
+  bool embed_query = job.needs.embed_query;
+  std::vector<PendingEmbedding> segments = std::move(job.needs.segments);
+  std::unordered_set<uint64_t> arrived;
+  for (const auto& p : segments) arrived.insert(p.id);
+  for (int round = 0;; ++round) {
+    std::vector<std::string> texts;
+    if (embed_query) texts.push_back(job.query);
+    for (const auto& p : segments) texts.push_back(p.text);
+    auto vecs = embedder->embed(texts);
+    if (!vecs.is_ok()) {
+      return call.fail(vecs.status().with_context(embed_query ? "embedding the query"
+                                                              : "embedding pending segments"));
+    }
+    if (vecs->size() != texts.size()) {
+      return call.fail(Status(Code::kInternal, "embedder returned " + std::to_string(vecs->size()) +
+                                                   " vectors for " + std::to_string(texts.size())));
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    size_t at = 0;
+    if (embed_query) {
+      auto q = store_->add_query_embedding(job.query, std::move((*vecs)[at++]));
+      if (!q.is_ok()) return call.fail(q.status());
+      query_embedding = std::move(*q);
+      embed_query = false;
+    }
+    if (!segments.empty()) {
+      std::vector<SegmentEmbedding> embs;
+      embs.reserve(segments.size());
+      for (auto& p : segments) {
+        embs.push_back({std::move(p.agent), p.id, p.version, std::move((*vecs)[at++])});
+      }
+      std::string record;
+      auto n = store_->apply_embeddings(embs, &record);
+      if (!n.is_ok()) return call.fail(n.status().with_context("embedding pending segments"));
+      if (!degraded_ && !record.empty()) {
+        if (Status st = append_locked(record); !st.is_ok()) return call.fail(st);
+      }
+      release_entries_locked();
+    }
+    auto again = store_->retrieve_needs(job.agent, job.query, job.needs.k);
+    if (!again.is_ok()) return call.fail(again.status());  // e.g. the agent was removed
+    segments.clear();
+    for (auto& p : again->segments) {
+      if (arrived.count(p.id) != 0) segments.push_back(std::move(p));
+    }
+    if (!segments.empty() && round < 2) continue;
+    auto r = store_->retrieve_embedded(job.agent, query_embedding, job.needs.k);
+    if (!r.is_ok()) return call.fail(r.status());
+    return fill_retrieve(call, *r);
+  }
 }
 
 }  // namespace keep::manager

@@ -11,15 +11,27 @@
 // apply_embeddings) must take the same mutex AND append its record while holding it, so the WAL
 // order is the order mutations were applied. BatchCommitter::append is called with the mutex held;
 // sync() without it.
+//
+// Deferred retrieves (start_deferred_retrieves): a retrieve that has something to embed (its
+// query, when the query cache misses; its agent's segments still waiting for the background
+// embedder) is taken out of its batch (wire::Call::defer) and answered by one of the service's
+// retrieve threads, which embeds without the mutex, then applies the embeddings and answers with
+// it, and gives the call back to the server. The I/O thread meanwhile serves every other request:
+// one retrieve after a burst of writes no longer holds every client for the seconds its
+// embedding takes. Without it (tests of the handler alone) retrieve embeds inline.
 #pragma once
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <span>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -73,6 +85,7 @@ struct ServiceOptions {
   std::string server_version = "keep-manager";   // ping answer (protocol version appended)
   // Extra name/value pairs for the stats answer (region use, WAL position ...), optional.
   std::function<void(std::vector<std::pair<std::string, uint64_t>>*)> extra_stats;
+  int retrieve_threads = 2;  // start_deferred_retrieves' threads (at least 1)
 };
 
 class ManagerService : public wire::RequestHandler {
@@ -85,6 +98,20 @@ class ManagerService : public wire::RequestHandler {
 
   void handle_batch(std::span<wire::Call> calls) override;
   void on_idle() override;
+
+  // Answers retrieves that must embed on options.retrieve_threads threads of the service's own
+  // (see the top of this file), each answer handed to `complete` (RpcServer::complete). Call
+  // once, before the server starts.
+  void start_deferred_retrieves(std::function<void(std::unique_ptr<wire::Call>)> complete);
+  // Answers the retrieves still queued and joins the threads. Call before the server that
+  // `complete` reaches is destroyed; the destructor calls it too.
+  void stop_deferred_retrieves();
+  // Retrieves handed to the retrieve threads since the start, and those not yet taken up.
+  struct DeferredRetrieves {
+    uint64_t total = 0;
+    size_t waiting = 0;
+  };
+  DeferredRetrieves deferred_retrieves() const;
 
   std::mutex& store_mutex() { return mu_; }
   // After a failed append or sync the WAL no longer matches memory: mutations are refused with
@@ -112,6 +139,18 @@ class ManagerService : public wire::RequestHandler {
   Status mutation_allowed() const;
   Status append_locked(const std::string& record);
 
+  // A deferred retrieve: the call, its arguments, what it must embed.
+  struct RetrieveJob {
+    std::unique_ptr<wire::Call> call;
+    std::string agent;
+    std::string query;
+    MemoryStore::RetrieveNeeds needs;
+  };
+  void retrieve_loop();
+  void run_retrieve(RetrieveJob& job);
+  // The retrieve answer for `segments` (with the mutex held: the region's locations).
+  void fill_retrieve(wire::Call& call, const std::vector<RetrievedSegment>& segments);
+
   void do_fetch_jobs(wire::Call& call);
   void do_reserve(wire::Call& call);
   void do_commit(wire::Call& call);
@@ -126,6 +165,14 @@ class ManagerService : public wire::RequestHandler {
   mutable std::mutex mu_;
   bool degraded_ = false;
   std::unordered_map<uint64_t, JobState> jobs_;  // handed out and not finished
+
+  std::function<void(std::unique_ptr<wire::Call>)> complete_;  // set: retrieves may be deferred
+  mutable std::mutex retrieve_mu_;
+  uint64_t retrieves_deferred_ = 0;
+  std::condition_variable retrieve_cv_;
+  std::deque<RetrieveJob> retrieve_queue_;
+  bool retrieve_stop_ = false;
+  std::vector<std::thread> retrieve_threads_;
 };
 
 }  // namespace keep::manager

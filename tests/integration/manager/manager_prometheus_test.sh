@@ -107,6 +107,8 @@ echo "PASS: promtool check metrics accepted $(grep -vc '^#' <<<"$text") samples 
   --expect 'keep_manager_requests_total{type="update",code="ok"} == 1' \
   --expect 'keep_manager_requests_total{type="delete",code="ok"} == 1' \
   --expect 'keep_manager_requests_total{type="retrieve",code="ok"} == 2' \
+  --expect 'keep_manager_retrieves_deferred_total == 2' \
+  --expect 'keep_manager_retrieves_waiting == 0' \
   --expect 'keep_manager_requests_total{type="advance_step",code="ok"} == 2' \
   --expect 'keep_manager_requests_total{type="list_memories",code="ok"} == 1' \
   --expect 'keep_manager_embeddings_pending_limit == 5000' \
