@@ -1,6 +1,8 @@
 // bench_manager_retrieve: retrieve latency (k = 8) of a real keep-manager holding M memories of
 // one agent, with (a) a repeated query (its embedding is cached: the planner's instruction repeats
-// every step) and (b) fresh queries (the encoder is in the path).
+// every step) and (b) fresh queries (the encoder is in the path); and (c) what another client sees
+// meanwhile: the latency of its pings while (b) runs, against its pings on an idle server (a
+// retrieve that embeds runs on keep-manager's retrieve threads, so it should not hold them).
 //
 // Loading: the M memories are written with pipelined writes (window 256), then the benchmark
 // waits until the background embedder drained (stats pending_embeddings == 0) and reports how long
@@ -16,6 +18,7 @@
 //       [--repeated 2000] [--fresh 200] [--k 8] [--fsync true] [--manager-bin PATH]
 //       [--drain-timeout 600]
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <sstream>
 #include <thread>
@@ -77,6 +80,24 @@ struct Measured {
   keep::bench::LatencySummary lat;
   size_t segments = 0;  // returned by the last call
 };
+
+// A second client's pings, back to back, until `done` (or `count` of them when count > 0).
+keep::Result<keep::bench::LatencySummary> pings(const std::string& endpoint,
+                                                const std::atomic<bool>& done, uint64_t count) {
+  keep::client::ClientOptions co;
+  co.endpoint = endpoint;
+  co.timeout = std::chrono::seconds(60);
+  KEEP_ASSIGN_OR_RETURN(auto c, keep::client::ManagerClient::connect(co));
+  std::vector<double> us;
+  while (count > 0 ? us.size() < count : !done.load()) {
+    auto t0 = Clock::now();
+    auto r = c->ping();
+    if (!r.is_ok()) return r.status().with_context("ping");
+    us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+  }
+  if (us.empty()) return Status(Code::kInternal, "no ping finished");
+  return keep::bench::summarize(std::move(us));
+}
 
 keep::Result<Measured> measure(keep::client::ManagerClient& c, uint64_t iterations, uint32_t k,
                                bool fresh, keep::bench::TextGenerator* gen) {
@@ -232,8 +253,17 @@ int main(int argc, char** argv) {
     if (!warm.is_ok()) return fail(warm.status());
     auto a = measure(**c, n_repeated, static_cast<uint32_t>(*k), false, &gen);
     if (!a.is_ok()) return fail(a.status());
+    const std::atomic<bool> never{false};
+    auto idle = pings((*mgr)->endpoint(), never, 200);
+    if (!idle.is_ok()) return fail(idle.status());
+    std::atomic<bool> fresh_done{false};
+    keep::Result<keep::bench::LatencySummary> during = Status(Code::kInternal, "not run");
+    std::thread bystander([&] { during = pings((*mgr)->endpoint(), fresh_done, 0); });
     auto b = measure(**c, n_fresh, static_cast<uint32_t>(*k), true, &gen);
+    fresh_done = true;
+    bystander.join();
     if (!b.is_ok()) return fail(b.status());
+    if (!during.is_ok()) return fail(during.status());
     auto stats = (*c)->stats();
     const double rate = static_cast<double>(m) / embed_s;
     for (int row = 0; row < 2; ++row) {
@@ -252,6 +282,12 @@ int main(int argc, char** argv) {
       std::printf("%-8s %8.0f %8.0f %8.0f %8.0f %8.0f | %5zu\n", row == 0 ? "repeated" : "fresh",
                   r.lat.p50_us, r.lat.p90_us, r.lat.p99_us, r.lat.max_us, r.lat.mean_us,
                   r.segments);
+    }
+    for (int row = 0; row < 2; ++row) {
+      const keep::bench::LatencySummary& l = row == 0 ? *idle : *during;
+      std::printf("%-9s %7s %8s %9s | %-8s %8.0f %8.0f %8.0f %8.0f %8.0f | %5zu pings\n", "", "",
+                  "", "", row == 0 ? "ping" : "ping+", l.p50_us, l.p90_us, l.p99_us, l.max_us,
+                  l.mean_us, l.n);
     }
     if (stats.is_ok()) {
       std::printf(
