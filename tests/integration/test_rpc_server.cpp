@@ -42,6 +42,7 @@ class FirstWordEmbedder : public km::Embedder {
   Result<std::vector<std::vector<float>>> embed(const std::vector<std::string>& texts) override {
     calls.fetch_add(1);
     if (on_embed) on_embed(texts);
+    if (fail.load()) return Status(Code::kUnavailable, "encoder down");
     if (delay.load().count() > 0) std::this_thread::sleep_for(delay.load());
     std::vector<std::vector<float>> out;
     for (const auto& t : texts) {
@@ -54,6 +55,7 @@ class FirstWordEmbedder : public km::Embedder {
   std::atomic<std::chrono::milliseconds> delay{std::chrono::milliseconds(0)};
   std::function<void(const std::vector<std::string>&)> on_embed;
   std::atomic<int> calls{0};
+  std::atomic<bool> fail{false};
 };
 
 class WordCounter : public km::TokenCounter {
@@ -731,4 +733,25 @@ TEST_CASE("retrieve answers alike inline and on the retrieve threads") {
   }
   CHECK(answers[0] == answers[1]);
   CHECK(!answers[0].empty());
+}
+
+TEST_CASE("a failing embedder fails the deferred retrieve with its error; nothing else stops") {
+  Manager m;
+  auto c = m.client();
+  REQUIRE(
+      c->write({"robot", std::nullopt, "kitchen cup", kc::SegmentKind::kObjectState, {}}).is_ok());
+  m.embedder.fail = true;
+  auto r = c->retrieve("robot", "kitchen", 1);
+  CHECK(r.status().code() == Code::kUnavailable);
+  CHECK(r.status().message().find("encoder down") != std::string::npos);
+  CHECK(c->ping().is_ok());
+  auto page = c->list_memories("robot");
+  REQUIRE(page.is_ok());
+  CHECK_FALSE(page->memories.at(0).embedded);  // nothing was applied
+  m.embedder.fail = false;
+  auto ok = c->retrieve("robot", "kitchen", 1);
+  REQUIRE(ok.is_ok());
+  REQUIRE(ok->size() == 1);
+  CHECK(ok->at(0).text == "kitchen cup");
+  CHECK(m.server->stats().deferred_done == 2);
 }
