@@ -41,6 +41,10 @@ class FirstWordEmbedder : public km::Embedder {
   int dim() const override { return 32; }
   Result<std::vector<std::vector<float>>> embed(const std::vector<std::string>& texts) override {
     calls.fetch_add(1);
+    texts_seen.fetch_add(texts.size());
+    size_t most = largest.load();
+    while (texts.size() > most && !largest.compare_exchange_weak(most, texts.size())) {
+    }
     if (on_embed) on_embed(texts);
     if (fail.load()) return Status(Code::kUnavailable, "encoder down");
     if (delay.load().count() > 0) std::this_thread::sleep_for(delay.load());
@@ -55,6 +59,8 @@ class FirstWordEmbedder : public km::Embedder {
   std::atomic<std::chrono::milliseconds> delay{std::chrono::milliseconds(0)};
   std::function<void(const std::vector<std::string>&)> on_embed;
   std::atomic<int> calls{0};
+  std::atomic<size_t> texts_seen{0};
+  std::atomic<size_t> largest{0};  // the most texts in one call
   std::atomic<bool> fail{false};
 };
 
@@ -754,4 +760,56 @@ TEST_CASE("a failing embedder fails the deferred retrieve with its error; nothin
   REQUIRE(ok->size() == 1);
   CHECK(ok->at(0).text == "kitchen cup");
   CHECK(m.server->stats().deferred_done == 2);
+}
+
+TEST_CASE(
+    "a retrieve embeds a backlog in batches from the newest, leaving the rest to the encoder") {
+  Manager m;
+  auto c = m.client();
+  constexpr int kBacklog = 300;
+  for (int i = 0; i < kBacklog; ++i) {
+    REQUIRE(c->write({"robot",
+                      std::nullopt,
+                      "drawer item " + std::to_string(i),
+                      kc::SegmentKind::kObjectState,
+                      {}})
+                .is_ok());
+  }
+  REQUIRE(
+      c->write({"robot", std::nullopt, "kitchen cup", kc::SegmentKind::kObjectState, {}}).is_ok());
+  // The background encoder (this harness has none: the hook plays it) embeds the 120 oldest while
+  // the retrieve embeds its first batch.
+  FirstWordEmbedder background;
+  std::atomic<bool> once{false};
+  m.embedder.on_embed = [&](const std::vector<std::string>&) {
+    if (once.exchange(true)) return;
+    std::lock_guard<std::mutex> lock(m.service.store_mutex());
+    auto oldest = m.store.pending_embeddings(120);
+    std::vector<std::string> texts;
+    for (const auto& p : oldest) texts.push_back(p.text);
+    auto vecs = background.embed(texts);
+    REQUIRE(vecs.is_ok());
+    std::vector<km::SegmentEmbedding> embs;
+    for (size_t i = 0; i < oldest.size(); ++i) {
+      embs.push_back({oldest[i].agent, oldest[i].id, oldest[i].version, (*vecs)[i]});
+    }
+    REQUIRE(m.store.apply_embeddings(embs, nullptr).is_ok());
+  };
+  auto r = c->retrieve("robot", "kitchen", 1);
+  REQUIRE(r.is_ok());
+  REQUIRE(r->size() == 1);
+  CHECK(r->at(0).text == "kitchen cup");
+  CHECK(m.embedder.largest.load() <= 65);  // the query and 64 segments at most a call
+  // The retrieve embedded the query and the 181 newest; the encoder's 120 were not embedded again.
+  CHECK(m.embedder.texts_seen.load() == 1 + (kBacklog + 1 - 120));
+  auto st = c->stats();
+  REQUIRE(st.is_ok());
+  bool found = false;
+  for (const auto& [name, value] : st->counters) {
+    if (name == "pending_embeddings") {
+      found = true;
+      CHECK(value == 0);
+    }
+  }
+  CHECK(found);
 }

@@ -569,9 +569,15 @@ TEST_CASE("retrieve in steps (needs, embed outside, embedded) answers as retriev
     const auto& p = needs->segments[i];
     embs.push_back({p.agent, p.id, p.version, (*vecs)[i + 1]});
   }
+  CHECK(st.embedding_pending("a", 4, 1));
+  CHECK_FALSE(st.embedding_pending("a", 4, 2));       // another version
+  CHECK_FALSE(st.embedding_pending("a", 2, 1));       // embedded already
+  CHECK_FALSE(st.embedding_pending("a", 99, 1));      // no such segment
+  CHECK_FALSE(st.embedding_pending("nobody", 4, 1));  // no such agent
   std::string rec;
   REQUIRE(st.apply_embeddings(embs, &rec).is_ok());
   CHECK_FALSE(rec.empty());
+  CHECK_FALSE(st.embedding_pending("a", 4, 1));
   auto got = st.retrieve_embedded("a", *q, 3);
   REQUIRE(got.is_ok());
   CHECK(steps.emb.calls == calls + 1);  // retrieve_embedded embeds nothing

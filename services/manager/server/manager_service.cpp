@@ -2,7 +2,9 @@
 
 #include <kj/exception.h>
 
+#include <algorithm>
 #include <exception>
+#include <iterator>
 #include <unordered_set>
 
 #include "shared/client/wire_codec.h"
@@ -625,43 +627,56 @@ void ManagerService::retrieve_loop() {
 
 // Embeds what the retrieve needs without the mutex, then with it applies the embeddings (their
 // record appended like the embedding thread's: derived state, durable with the next batch's sync)
-// and answers. A segment that was pending when the retrieve arrived and is pending again (updated
-// meanwhile) is embedded once more, at most twice, so that every segment written before the
-// retrieve is among its candidates.
+// and answers. The pending segments go kRetrieveEmbedBatch at a time from the newest back, while
+// the background encoder works forward from the oldest: after each batch the ones it embedded
+// meanwhile are dropped, so the two do not embed the same texts and the lock is held briefly. A
+// segment pending when the retrieve arrived and pending again at the end (updated meanwhile) is
+// embedded once more, at most twice, so that every segment written before the retrieve is among
+// its candidates.
 void ManagerService::run_retrieve(RetrieveJob& job) {
+  constexpr size_t kRetrieveEmbedBatch = 64;
   wire::Call& call = *job.call;
   Embedder* embedder = store_->embedder();
   std::vector<float> query_embedding = std::move(job.needs.query_embedding);
   bool embed_query = job.needs.embed_query;
-  std::vector<PendingEmbedding> segments = std::move(job.needs.segments);
+  std::vector<PendingEmbedding> todo = std::move(job.needs.segments);  // write order
   std::unordered_set<uint64_t> arrived;
-  for (const auto& p : segments) arrived.insert(p.id);
-  for (int round = 0;; ++round) {
+  for (const auto& p : todo) arrived.insert(p.id);
+  for (int rechecks = 0;;) {
+    const size_t take = std::min(todo.size(), kRetrieveEmbedBatch);
+    std::vector<PendingEmbedding> batch(std::make_move_iterator(todo.end() - take),
+                                        std::make_move_iterator(todo.end()));
+    todo.resize(todo.size() - take);
     std::vector<std::string> texts;
     if (embed_query) texts.push_back(job.query);
-    for (const auto& p : segments) texts.push_back(p.text);
-    auto vecs = embedder->embed(texts);
-    if (!vecs.is_ok()) {
-      return call.fail(vecs.status().with_context(embed_query ? "embedding the query"
-                                                              : "embedding pending segments"));
-    }
-    if (vecs->size() != texts.size()) {
-      return call.fail(Status(Code::kInternal, "embedder returned " + std::to_string(vecs->size()) +
-                                                   " vectors for " + std::to_string(texts.size())));
+    for (const auto& p : batch) texts.push_back(p.text);
+    std::vector<std::vector<float>> vecs;
+    if (!texts.empty()) {
+      auto r = embedder->embed(texts);
+      if (!r.is_ok()) {
+        return call.fail(r.status().with_context(embed_query ? "embedding the query"
+                                                             : "embedding pending segments"));
+      }
+      if (r->size() != texts.size()) {
+        return call.fail(Status(Code::kInternal, "embedder returned " + std::to_string(r->size()) +
+                                                     " vectors for " +
+                                                     std::to_string(texts.size())));
+      }
+      vecs = std::move(*r);
     }
     std::lock_guard<std::mutex> lock(mu_);
     size_t at = 0;
     if (embed_query) {
-      auto q = store_->add_query_embedding(job.query, std::move((*vecs)[at++]));
+      auto q = store_->add_query_embedding(job.query, std::move(vecs[at++]));
       if (!q.is_ok()) return call.fail(q.status());
       query_embedding = std::move(*q);
       embed_query = false;
     }
-    if (!segments.empty()) {
+    if (!batch.empty()) {
       std::vector<SegmentEmbedding> embs;
-      embs.reserve(segments.size());
-      for (auto& p : segments) {
-        embs.push_back({std::move(p.agent), p.id, p.version, std::move((*vecs)[at++])});
+      embs.reserve(batch.size());
+      for (auto& p : batch) {
+        embs.push_back({std::move(p.agent), p.id, p.version, std::move(vecs[at++])});
       }
       std::string record;
       auto n = store_->apply_embeddings(embs, &record);
@@ -671,13 +686,16 @@ void ManagerService::run_retrieve(RetrieveJob& job) {
       }
       release_entries_locked();
     }
+    std::erase_if(todo, [&](const PendingEmbedding& p) {
+      return !store_->embedding_pending(job.agent, p.id, p.version);
+    });
+    if (!todo.empty()) continue;
     auto again = store_->retrieve_needs(job.agent, job.query, job.needs.k);
     if (!again.is_ok()) return call.fail(again.status());  // e.g. the agent was removed
-    segments.clear();
     for (auto& p : again->segments) {
-      if (arrived.count(p.id) != 0) segments.push_back(std::move(p));
+      if (arrived.count(p.id) != 0) todo.push_back(std::move(p));
     }
-    if (!segments.empty() && round < 2) continue;
+    if (!todo.empty() && rechecks++ < 2) continue;
     auto r = store_->retrieve_embedded(job.agent, query_embedding, job.needs.k);
     if (!r.is_ok()) return call.fail(r.status());
     return fill_retrieve(call, *r);

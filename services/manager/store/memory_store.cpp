@@ -1033,6 +1033,13 @@ Result<std::vector<RetrievedSegment>> MemoryStore::retrieve_embedded(
 
 Embedder* MemoryStore::embedder() const { return impl_->embedder; }
 
+bool MemoryStore::embedding_pending(std::string_view agent, uint64_t id, uint64_t version) const {
+  const Agent* a = impl_->find_agent(agent);
+  if (a == nullptr) return false;
+  auto it = a->segments.find(id);
+  return it != a->segments.end() && it->second.version == version && it->second.row < 0;
+}
+
 Result<SegmentInfo> MemoryStore::get(std::string_view agent, uint64_t id) const {
   Agent* a = nullptr;
   Segment* s = nullptr;

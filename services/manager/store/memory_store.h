@@ -313,6 +313,9 @@ class MemoryStore {
                                                           uint32_t k);
   // The embedder the store was given (thread-safe: see embedder.h).
   Embedder* embedder() const;
+  // Whether the agent's segment `id` is at `version` and still waits for its embedding (false for
+  // an unknown agent or segment, another version, or one embedded meanwhile).
+  bool embedding_pending(std::string_view agent, uint64_t id, uint64_t version) const;
 
   Result<SegmentInfo> get(std::string_view agent, uint64_t id) const;
   // The agent's memories with id > after_id, ascending, at most `limit` (0: kDefaultListLimit;
