@@ -131,6 +131,9 @@ int main(int argc, char** argv) {
   o.add("drain-timeout", "600", "seconds to wait for the background embedder to drain");
   keep::bench::add_manager_options(&o);
   o.add("smoke", "false", "100 memories, a few retrieves; exit 1 unless retrieve returned k");
+  o.add("burst-retrieve", "false",
+        "--load writes: one retrieve (fresh query) right after the writes, before the background "
+        "embedder drained: it embeds the agent's backlog first");
   Status st = o.parse(argc, argv);
   if (!st.is_ok()) {
     std::fprintf(stderr, "bench_manager_retrieve: %s\n", st.message().c_str());
@@ -151,8 +154,9 @@ int main(int argc, char** argv) {
   auto drain_timeout = o.number("drain-timeout");
   auto mo_or = keep::bench::manager_options_from(o);
   auto smoke = o.boolean("smoke");
+  auto burst = o.boolean("burst-retrieve");
   for (const Status& s : {sizes.status(), repeated.status(), fresh.status(), k.status(),
-                          mo_or.status(), drain_timeout.status(), smoke.status()}) {
+                          mo_or.status(), drain_timeout.status(), smoke.status(), burst.status()}) {
     if (!s.is_ok()) return fail(s);
   }
   const std::string load_mode = o.str("load");
@@ -218,6 +222,20 @@ int main(int argc, char** argv) {
       if (!ls.is_ok()) return fail(ls);
     }
     const double load_s = seconds_since(t0);
+    if (*burst && load_mode == "writes") {
+      auto s0 = (*c)->stats();
+      if (!s0.is_ok()) return fail(s0.status());
+      auto tb = Clock::now();
+      auto r = (*c)->retrieve(kAgent, "Where did I leave the red umbrella after the walk?",
+                              static_cast<uint32_t>(*k));
+      if (!r.is_ok()) return fail(r.status().with_context("burst retrieve"));
+      std::printf(
+          "# retrieve right after the writes: %.1f ms (%llu embeddings pending just "
+          "before it), %zu segments\n",
+          1e3 * seconds_since(tb),
+          static_cast<unsigned long long>(counter(*s0, "pending_embeddings")), r->size());
+      std::fflush(stdout);
+    }
 
     // Wait for the background embedder.
     auto t1 = Clock::now();
