@@ -682,6 +682,11 @@ TEST_CASE("a retrieve that embeds does not hold the other clients") {
   const wire::ServerStats st = m.server->stats();
   CHECK(st.deferred == 1);
   CHECK(st.deferred_done == 1);
+  auto stats = b->stats();  // the service's count, as keepctl stats shows it
+  REQUIRE(stats.is_ok());
+  std::map<std::string, uint64_t> counters(stats->counters.begin(), stats->counters.end());
+  CHECK(counters.at("retrieves_deferred") == 1);
+  CHECK(counters.at("retrieves_waiting") == 0);
   // The query is cached now and nothing of the agent's waits but the pen: deferred once more,
   // for the pen, which the answer can then hold.
   m.embedder.delay = 0ms;

@@ -337,6 +337,9 @@ bool ManagerService::handle_one(wire::Call& call) {
           {"query_cache_misses", s.query_cache_misses},
           {"degraded", degraded_ ? 1u : 0u},
       };
+      const DeferredRetrieves dr = deferred_retrieves();
+      counters.emplace_back("retrieves_deferred", dr.total);
+      counters.emplace_back("retrieves_waiting", dr.waiting);
       if (options_.extra_stats) options_.extra_stats(&counters);
       auto o = call.reply().initStats();
       o.setAgents(s.agents);
