@@ -724,6 +724,7 @@ TEST_CASE("a segment updated while its retrieve embeds is found with its new tex
 
 TEST_CASE("retrieve answers alike inline and on the retrieve threads") {
   std::vector<std::vector<std::pair<uint64_t, std::string>>> answers;
+  std::vector<std::map<std::string, uint64_t>> counters;
   for (const bool defer : {false, true}) {
     Manager m({"tcp://127.0.0.1:0"}, wire::kDefaultMaxMessageBytes, {}, defer);
     auto c = m.client();
@@ -740,10 +741,20 @@ TEST_CASE("retrieve answers alike inline and on the retrieve threads") {
     }
     // Each new query is embedded off the request loop (the first one with the five segments).
     CHECK(m.server->stats().deferred == (defer ? 3u : 0u));
+    REQUIRE(c->retrieve("robot", "desk", 3).is_ok());  // a cached query: one hit either way
     answers.push_back(std::move(got));
+    auto st = c->stats();
+    REQUIRE(st.is_ok());
+    counters.emplace_back(st->counters.begin(), st->counters.end());
   }
   CHECK(answers[0] == answers[1]);
   CHECK(!answers[0].empty());
+  for (const char* name : {"query_cache_hits", "query_cache_misses", "pending_embeddings"}) {
+    CAPTURE(name);
+    CHECK(counters[0].at(name) == counters[1].at(name));
+  }
+  CHECK(counters[1].at("query_cache_hits") == 1);
+  CHECK(counters[1].at("query_cache_misses") == 3);
 }
 
 TEST_CASE("a failing embedder fails the deferred retrieve with its error; nothing else stops") {

@@ -693,7 +693,9 @@ void ManagerService::run_retrieve(RetrieveJob& job) {
       return !store_->embedding_pending(job.agent, p.id, p.version);
     });
     if (!todo.empty()) continue;
-    auto again = store_->retrieve_needs(job.agent, job.query, job.needs.k);
+    // k = 0: the agent's pending segments only (the query is embedded; a lookup would count a
+    // second query-cache hit for this retrieve).
+    auto again = store_->retrieve_needs(job.agent, job.query, 0);
     if (!again.is_ok()) return call.fail(again.status());  // e.g. the agent was removed
     for (auto& p : again->segments) {
       if (arrived.count(p.id) != 0) todo.push_back(std::move(p));
