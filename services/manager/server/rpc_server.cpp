@@ -57,6 +57,20 @@ struct CallAccess {
   static const std::string& peer(const Call& call) { return call.peer_; }
 };
 
+namespace {
+// The encoded answer of a handled call (one left unanswered is answered kInternal).
+std::string answer_of(Call& c) {
+  if (!c.answered()) c.fail(Status(Code::kInternal, "request left unanswered"));
+  try {
+    return encode(CallAccess::response(c));
+  } catch (const kj::Exception& e) {
+    return encode_error_response(
+        c.request_id(),
+        Status(Code::kInternal, std::string("encoding the answer: ") + e.getDescription().cStr()));
+  }
+}
+}  // namespace
+
 std::string dispatch_frame(std::span<const std::byte> payload, const WireLimits& limits,
                            RequestHandler& handler) {
   uint64_t request_id = 0;
@@ -74,8 +88,7 @@ std::string dispatch_frame(std::span<const std::byte> payload, const WireLimits&
     return encode_error_response(request_id,
                                  Status(Code::kInternal, "call deferred without a server"));
   }
-  if (!call.answered()) call.fail(Status(Code::kInternal, "request left unanswered"));
-  return encode(CallAccess::response(call));
+  return answer_of(call);
 }
 
 struct RpcServer::Impl {
@@ -200,18 +213,6 @@ ServerStats RpcServer::stats() const {
 }
 
 namespace {
-
-// The encoded answer of a handled call (one left unanswered is answered kInternal).
-std::string answer_of(Call& c) {
-  if (!c.answered()) c.fail(Status(Code::kInternal, "request left unanswered"));
-  try {
-    return encode(CallAccess::response(c));
-  } catch (const kj::Exception& e) {
-    return encode_error_response(
-        c.request_id(),
-        Status(Code::kInternal, std::string("encoding the answer: ") + e.getDescription().cStr()));
-  }
-}
 
 // One received message awaiting its reply: either a call for the handler or an error already.
 struct Pending {
