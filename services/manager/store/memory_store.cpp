@@ -400,10 +400,16 @@ struct MemoryStore::Impl {
     return Status::ok();
   }
 
-  Status lookup(std::string_view agent, uint64_t id, Agent** a, Segment** s) const {
+  // The agent named `agent`: kInvalidArgument for a bad name, kNotFound for none.
+  Result<Agent*> existing_agent(std::string_view agent) const {
     KEEP_RETURN_IF_ERROR(check_agent_name(agent));
-    *a = find_agent(agent);
-    if (*a == nullptr) return not_found_agent(agent);
+    Agent* a = find_agent(agent);
+    if (a == nullptr) return not_found_agent(agent);
+    return a;
+  }
+
+  Status lookup(std::string_view agent, uint64_t id, Agent** a, Segment** s) const {
+    KEEP_ASSIGN_OR_RETURN(*a, existing_agent(agent));
     *s = (*a)->find(id);
     if (*s == nullptr) return not_found_segment(agent, id);
     return Status::ok();
@@ -628,9 +634,7 @@ struct MemoryStore::Impl {
 
   // retrieve()'s checks; k clamped to max_retrieve_k.
   Result<Agent*> check_retrieve(std::string_view agent, std::string_view query, uint32_t* k) {
-    KEEP_RETURN_IF_ERROR(check_agent_name(agent));
-    Agent* a = find_agent(agent);
-    if (a == nullptr) return not_found_agent(agent);
+    KEEP_ASSIGN_OR_RETURN(Agent * a, existing_agent(agent));
     if (query.size() > opt.max_text_bytes) {
       return Status(Code::kTooLarge, "query is " + std::to_string(query.size()) + " bytes, limit " +
                                          std::to_string(opt.max_text_bytes));
@@ -638,6 +642,16 @@ struct MemoryStore::Impl {
     if (query.empty() && *k > 0) return Status(Code::kInvalidArgument, "query is empty");
     *k = std::min(*k, opt.max_retrieve_k);
     return a;
+  }
+
+  // The agent's segments whose current version waits for an embedding, in write order.
+  std::vector<PendingEmbedding> pending_of(const Agent& a) const {
+    std::vector<PendingEmbedding> out;
+    for (const auto& [seq, id] : a.awaiting) {
+      const Segment& s = a.segments.at(id);
+      if (s.row < 0) out.push_back(PendingEmbedding{a.name, id, s.version, s.text});
+    }
+    return out;
   }
 
   // The answer of a retrieve for query_vec (k > 0) among a's embedded segments.
@@ -925,26 +939,22 @@ Result<std::vector<RetrievedSegment>> MemoryStore::retrieve(std::string_view age
   if (k > 0) KEEP_RETURN_IF_ERROR(m.query_embedding(query));
 
   // Read-your-writes: embed this agent's pending segments now.
-  if (!a->awaiting.empty()) {
+  if (std::vector<PendingEmbedding> pending = m.pending_of(*a); !pending.empty()) {
     std::vector<std::string> texts;
     std::vector<EmbeddingEntry> entries;
-    for (const auto& [seq, id] : a->awaiting) {
-      const Segment& s = a->segments.at(id);
-      if (s.row >= 0) continue;
-      texts.push_back(s.text);
-      entries.push_back(EmbeddingEntry{a->name, id, s.version, {}});
+    for (auto& p : pending) {
+      texts.push_back(std::move(p.text));
+      entries.push_back(EmbeddingEntry{std::move(p.agent), p.id, p.version, {}});
     }
-    if (!texts.empty()) {
-      auto r = m.embedder->embed(texts);
-      if (!r.is_ok()) return r.status().with_context("embedding pending segments");
-      if (r->size() != texts.size()) {
-        return Status(Code::kInternal, "embedder returned " + std::to_string(r->size()) +
-                                           " vectors for " + std::to_string(texts.size()));
-      }
-      for (size_t i = 0; i < entries.size(); ++i) entries[i].embedding = std::move((*r)[i]);
-      auto applied = m.apply_embedding_entries(entries, wal_record);
-      if (!applied.is_ok()) return applied.status().with_context("embedding pending segments");
+    auto r = m.embedder->embed(texts);
+    if (!r.is_ok()) return r.status().with_context("embedding pending segments");
+    if (r->size() != texts.size()) {
+      return Status(Code::kInternal, "embedder returned " + std::to_string(r->size()) +
+                                         " vectors for " + std::to_string(texts.size()));
     }
+    for (size_t i = 0; i < entries.size(); ++i) entries[i].embedding = std::move((*r)[i]);
+    auto applied = m.apply_embedding_entries(entries, wal_record);
+    if (!applied.is_ok()) return applied.status().with_context("embedding pending segments");
   }
 
   return m.retrieve_rows(a, k);
@@ -1000,11 +1010,7 @@ Result<MemoryStore::RetrieveNeeds> MemoryStore::retrieve_needs(std::string_view 
       needs.embed_query = true;
     }
   }
-  for (const auto& [seq, id] : a->awaiting) {
-    const Segment& s = a->segments.at(id);
-    if (s.row >= 0) continue;
-    needs.segments.push_back(PendingEmbedding{a->name, id, s.version, s.text});
-  }
+  needs.segments = m.pending_of(*a);
   return needs;
 }
 
@@ -1017,9 +1023,7 @@ Result<std::vector<float>> MemoryStore::add_query_embedding(std::string_view que
 Result<std::vector<RetrievedSegment>> MemoryStore::retrieve_embedded(
     std::string_view agent, std::span<const float> query_embedding, uint32_t k) {
   Impl& m = *impl_;
-  KEEP_RETURN_IF_ERROR(m.check_agent_name(agent));
-  Agent* a = m.find_agent(agent);
-  if (a == nullptr) return Impl::not_found_agent(agent);
+  KEEP_ASSIGN_OR_RETURN(Agent * a, m.existing_agent(agent));
   k = std::min(k, m.opt.max_retrieve_k);
   if (k > 0) {
     if (query_embedding.size() != static_cast<size_t>(m.dim)) {
@@ -1049,9 +1053,7 @@ Result<SegmentInfo> MemoryStore::get(std::string_view agent, uint64_t id) const 
 
 Result<MemoryPage> MemoryStore::list_memories(std::string_view agent, uint64_t after_id,
                                               uint32_t limit) const {
-  KEEP_RETURN_IF_ERROR(impl_->check_agent_name(agent));
-  const Agent* a = impl_->find_agent(agent);
-  if (a == nullptr) return Impl::not_found_agent(agent);
+  KEEP_ASSIGN_OR_RETURN(const Agent* a, impl_->existing_agent(agent));
   if (limit == 0) limit = kDefaultListLimit;
   limit = std::min(limit, impl_->opt.max_list_limit);
   MemoryPage page;
@@ -1069,9 +1071,7 @@ Result<MemoryPage> MemoryStore::list_memories(std::string_view agent, uint64_t a
 }
 
 Result<std::vector<GroupInfo>> MemoryStore::list_groups(std::string_view agent) const {
-  KEEP_RETURN_IF_ERROR(impl_->check_agent_name(agent));
-  const Agent* a = impl_->find_agent(agent);
-  if (a == nullptr) return Impl::not_found_agent(agent);
+  KEEP_ASSIGN_OR_RETURN(const Agent* a, impl_->existing_agent(agent));
   std::vector<GroupInfo> out;
   for (const auto& [gid, g] : a->groups->groups()) {
     out.push_back(GroupInfo{gid, g.state, g.version, g.members, g.tokens, g.last_change_step,
@@ -1081,9 +1081,7 @@ Result<std::vector<GroupInfo>> MemoryStore::list_groups(std::string_view agent) 
 }
 
 Result<uint64_t> MemoryStore::current_step(std::string_view agent) const {
-  KEEP_RETURN_IF_ERROR(impl_->check_agent_name(agent));
-  const Agent* a = impl_->find_agent(agent);
-  if (a == nullptr) return Impl::not_found_agent(agent);
+  KEEP_ASSIGN_OR_RETURN(const Agent* a, impl_->existing_agent(agent));
   return a->step;
 }
 
