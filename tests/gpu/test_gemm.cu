@@ -834,8 +834,6 @@ int main() {
     cudaFree(ws);
     return 0;
   }
-  // KEEP_GPU_TEST_ONLY=times: the products' timings at 1024 and 2048 rows alone, no checks (for
-  // scripts/gpu-ab.sh).
   // KEEP_GPU_TEST_ONLY=gemv_times: one-row gemv at Qwen2.5-14B's shapes (a decode step's products,
   // lm_head in the backend's slices and whole) against cuBLAS, alone (for scripts/gpu-ab.sh).
   if (only != nullptr && std::string(only) == "gemv_times") {
@@ -850,6 +848,8 @@ int main() {
     cudaFree(ws);
     return 0;
   }
+  // KEEP_GPU_TEST_ONLY=times: the products' timings at 1024 and 2048 rows alone, no checks (for
+  // scripts/gpu-ab.sh).
   if (only != nullptr && std::string(only) == "times") {
     const keep::kernels::GemmScratch scratch = zeroed_scratch();
     if (scratch.ptr != nullptr) time_products(blas, scratch, {1024, 2048});

@@ -117,15 +117,20 @@ void test_rmsnorm(std::mt19937& rng, int64_t rows, int64_t cols, bool with_x) {
   check(s + " residual", d_res.host(), want_res);
 }
 
+// RoPE's inverse frequencies theta^(-2i / head_dim), i < head_dim / 2, as the engine computes them.
+std::vector<float> rope_inv_freq(double theta, int64_t head_dim) {
+  std::vector<float> inv_freq(static_cast<size_t>(head_dim / 2));
+  for (int64_t i = 0; i < head_dim / 2; ++i) {
+    inv_freq[i] =
+        static_cast<float>(1.0 / std::pow(theta, 2.0 * i / static_cast<double>(head_dim)));
+  }
+  return inv_freq;
+}
+
 template <typename T>
 void test_rope(std::mt19937& rng, int64_t n, int64_t heads, int64_t head_dim, int64_t extra) {
-  const int64_t half = head_dim / 2;
   const int64_t stride = heads * head_dim + extra;  // extra > 0: rows of a wider fused tensor
-  std::vector<float> inv_freq(half);
-  for (int64_t i = 0; i < half; ++i) {
-    inv_freq[i] =
-        static_cast<float>(1.0 / std::pow(1000000.0, 2.0 * i / static_cast<double>(head_dim)));
-  }
+  const std::vector<float> inv_freq = rope_inv_freq(1000000.0, head_dim);
   std::uniform_int_distribution<int32_t> pos(0, 40000);
   std::vector<int32_t> positions(n);
   for (auto& p : positions) p = pos(rng);
@@ -370,7 +375,6 @@ template <typename KV>
 void test_qkv_finish(std::mt19937& rng, int64_t rows, const QkvCase& c, int variant,
                      bool misalign_kpre = false) {
   const int64_t hd = c.head_dim;
-  const int64_t half = hd / 2;
   const int64_t qd = c.heads * hd;
   const int64_t kvd = c.kv_heads * hd;
   const int64_t capacity = 2 * rows + 5;
@@ -379,10 +383,7 @@ void test_qkv_finish(std::mt19937& rng, int64_t rows, const QkvCase& c, int vari
   const bool bias_v = variant == 0;
   const bool with_kpre = variant == 0 || (misalign_kpre && variant != 1);
   const bool with_vout = variant == 0 || variant == 2;
-  std::vector<float> inv_freq(static_cast<size_t>(half));
-  for (int64_t i = 0; i < half; ++i) {
-    inv_freq[i] = static_cast<float>(1.0 / std::pow(c.theta, 2.0 * i / static_cast<double>(hd)));
-  }
+  const std::vector<float> inv_freq = rope_inv_freq(c.theta, hd);
   std::uniform_int_distribution<int32_t> pos(0, 40000);
   std::vector<int32_t> positions(rows);
   for (auto& p : positions) p = pos(rng);
@@ -710,10 +711,7 @@ void time_elementwise(std::mt19937& rng) {
 
     const int64_t qd = sh.heads * hd;
     const int64_t kvd = sh.kv_heads * hd;
-    std::vector<float> inv_freq(static_cast<size_t>(hd / 2));
-    for (int64_t i = 0; i < hd / 2; ++i) {
-      inv_freq[i] = static_cast<float>(1.0 / std::pow(1e6, 2.0 * i / static_cast<double>(hd)));
-    }
+    const std::vector<float> inv_freq = rope_inv_freq(1e6, hd);
     std::vector<int32_t> positions(static_cast<size_t>(rows));
     std::iota(positions.begin(), positions.end(), 0);
     Buf<Bf16> d_qkv(random_vec<Bf16>(rng, static_cast<size_t>(rows * (qd + 2 * kvd)), -2.0f, 2.0f));
