@@ -820,12 +820,7 @@ TEST_CASE(
   CHECK(m.embedder.texts_seen.load() == 1 + (kBacklog + 1 - 120));
   auto st = c->stats();
   REQUIRE(st.is_ok());
-  bool found = false;
-  for (const auto& [name, value] : st->counters) {
-    if (name == "pending_embeddings") {
-      found = true;
-      CHECK(value == 0);
-    }
-  }
-  CHECK(found);
+  const std::map<std::string, uint64_t> counters(st->counters.begin(), st->counters.end());
+  REQUIRE(counters.count("pending_embeddings") == 1);
+  CHECK(counters.at("pending_embeddings") == 0);
 }
