@@ -24,6 +24,7 @@
 // benchmarks/prefill/run.sh runs this and HF transformers (hf_prefill.py) in one go and prints the
 // ratios.
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -168,6 +169,16 @@ int main(int argc, char** argv) {
     if (n < 1 || n > 32768) return usage("--tokens must be in [1, 32768]");
   }
   const int64_t max_len = std::max(*std::max_element(lens.begin(), lens.end()), decode_context);
+  // The results file before the weights: a path that cannot be written fails at once, in one line.
+  std::ofstream out;
+  if (!json.empty()) {
+    out.open(json, std::ios::app);
+    if (!out) {
+      std::fprintf(stderr, "bench_prefill: cannot open --json %s for appending: %s\n", json.c_str(),
+                   std::strerror(errno));
+      return 1;
+    }
+  }
 
   const auto t_load = Clock::now();
   auto backend = CudaBackend::create_random(*cfg, 20261129, options);
@@ -186,8 +197,6 @@ int main(int argc, char** argv) {
   std::vector<int32_t> ids(static_cast<size_t>(max_len));
   for (auto& t : ids) t = tok(rng);
 
-  std::ofstream out;
-  if (!json.empty()) out.open(json, std::ios::app);
   auto& cuda = static_cast<CudaBackend&>(e.backend());
 
   // TTFTs of prefills of n tokens; with --pdl ab, each rep times both settings, in turn first

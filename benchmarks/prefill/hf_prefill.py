@@ -91,8 +91,6 @@ def main():
     if "--check-shapes" in sys.argv[1:]:
         check_shapes()
         return
-    import torch
-    import transformers
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen2.5-7b", choices=qwen2_shapes())
     ap.add_argument("--tokens", default="1024,2048,4096")
@@ -104,6 +102,14 @@ def main():
     ap.add_argument("--gap-ms", type=int, default=0)
     a = ap.parse_args()
     lens = [int(x) for x in a.tokens.split(",")]
+    # The results file first: a path that cannot be written fails in one line, before minutes of
+    # model building (and before torch, so that this check runs where torch is not installed).
+    try:
+        out = open(a.json, "a") if a.json else None
+    except OSError as e:
+        sys.exit(f"hf_prefill: cannot open --json {a.json}: {e.strerror}")
+    import torch
+    import transformers
     t0 = time.perf_counter()
     model, cfg = build(a.shape)
     print(f"# {a.shape} | HF transformers {transformers.__version__} sdpa bf16, torch "
@@ -111,7 +117,6 @@ def main():
           f"{time.perf_counter() - t0:.1f} s", flush=True)
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(0, cfg.vocab_size, (1, max(lens + [a.decode_context])), generator=g).cuda()
-    out = open(a.json, "a") if a.json else None
     print(f"{'shape':14s} {'tokens':>7s} {'ttft_ms':>10s} {'min_ms':>10s} {'tok/s':>10s} "
           f"{'TFLOP/s':>9s}")
     with torch.inference_mode():

@@ -2,8 +2,9 @@
 # One call on the GPU machine: KEEP's bench_prefill and the HF transformers baseline for each
 # shape, then the ratios. Usage:
 #   benchmarks/prefill/run.sh BENCH_PREFILL_BINARY [shapes...]   (default: qwen2.5-7b qwen2.5-14b)
-# Env: TOKENS (1024,2048,4096), REPS (10), DECODE (64), OUT (a folder for results.jsonl),
-#      GRAPHS (both: KEEP also with CUDA graphs; off; on), PROFILE (1: per-stage GPU times),
+# Env: TOKENS (1024,2048,4096), REPS (10), DECODE (64), OUT (the folder for prefill-results.jsonl,
+#      made if missing; /tmp), GRAPHS (both: KEEP also with CUDA graphs; off; on), PROFILE (1:
+#      per-stage GPU times),
 #      GAP_MS (0: runs back to back; G: the GPU idles G ms before each timed prefill, both engines).
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -19,7 +20,10 @@ profile=()
 [[ "${PROFILE:-0}" == 1 ]] && profile=(--profile)
 gap="${GAP_MS:-0}"
 out="${OUT:-/tmp}/prefill-results.jsonl"
-: >"$out"
+if ! { mkdir -p "$(dirname "$out")" && : >"$out"; }; then
+  echo "run.sh: cannot write $out" >&2
+  exit 1
+fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.limit --format=csv,noheader
 for s in "${shapes[@]}"; do
   "$bin" --shape "$s" --tokens "$tokens" --reps "$reps" --decode "$decode" --json "$out" \

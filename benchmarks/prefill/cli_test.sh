@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# CTest bench_prefill_cli: bench_prefill and hf_prefill.py refuse a --json path they cannot open
+# with exit status 1, nothing on stdout and one line on stderr naming the path, before any weights
+# are made (so no GPU and no torch are needed), and they create nothing.
+#
+#   cli_test.sh <bench_prefill>
+set -uo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+bench="${1:?usage: $0 <bench_prefill>}"
+tmp="$(mktemp -d "${TMPDIR:-/tmp}/keep-bench-cli.XXXXXX")"
+trap 'rm -rf "$tmp"' EXIT
+bad="$tmp/missing/results.jsonl"
+failures=0
+
+# expect_refusal NAME PREFIX COMMAND...: runs COMMAND, checks the refusal described above.
+expect_refusal() {
+  local name="$1" prefix="$2"
+  shift 2
+  local rc=0
+  "$@" >"$tmp/out" 2>"$tmp/err" || rc=$?
+  local problems=()
+  [[ "$rc" -eq 1 ]] || problems+=("exit status $rc, not 1")
+  [[ ! -s "$tmp/out" ]] || problems+=("stdout not empty: $(head -c 200 "$tmp/out")")
+  [[ "$(wc -l <"$tmp/err")" -eq 1 ]] || problems+=("$(wc -l <"$tmp/err") stderr lines, not 1")
+  grep -q "^$prefix: cannot open --json $bad" "$tmp/err" || problems+=("no '$prefix: cannot open --json' line")
+  [[ ! -e "$tmp/missing" ]] || problems+=("created $tmp/missing")
+  if ((${#problems[@]})); then
+    echo "FAIL $name: ${problems[*]}; stderr: $(cat "$tmp/err")" >&2
+    failures=$((failures + 1))
+  else
+    echo "ok   $name: $(cat "$tmp/err")"
+  fi
+}
+
+expect_refusal bench_prefill bench_prefill \
+  "$bench" --shape qwen2.5-7b --tokens 16 --decode 0 --json "$bad"
+expect_refusal hf_prefill hf_prefill \
+  python3 "$here/hf_prefill.py" --shape qwen2.5-7b --tokens 16 --decode 0 --json "$bad"
+exit $((failures > 0))
