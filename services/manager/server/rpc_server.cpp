@@ -260,8 +260,9 @@ void RpcServer::loop() {
       }
       const std::string payload = answer_of(*c);
       const std::string& peer = CallAccess::peer(*c);
-      send_reply(zmq::message_t(peer.data(), peer.size()), payload);
+      // Counted before the reply leaves: a client that has its answer finds it in the stats.
       im.deferred_done.fetch_add(1, std::memory_order_relaxed);
+      send_reply(zmq::message_t(peer.data(), peer.size()), payload);
     }
     done.clear();  // frees the calls on this thread
   };
