@@ -65,15 +65,30 @@ class Counter final : public manager::TokenCounter {
 
 }  // namespace
 
-Result<PreloadInfo> preload_snapshot(const std::string& data_dir, const PreloadOptions& o) {
+struct PreloadedStore::Impl {
+  Impl(tok::BpeTokenizer t, int dim)
+      : counter(std::move(t)), embedder(dim), store(manager::StoreOptions{}, &embedder, &counter) {}
+  Counter counter;
+  HashedBowEmbedder embedder;
+  manager::MemoryStore store;  // the manager's defaults (tau, token budget, t)
+  double build_s = 0;
+  uint64_t groups = 0;
+};
+
+PreloadedStore::PreloadedStore() = default;
+PreloadedStore::~PreloadedStore() = default;
+manager::MemoryStore& PreloadedStore::store() { return impl_->store; }
+double PreloadedStore::build_s() const { return impl_->build_s; }
+uint64_t PreloadedStore::groups() const { return impl_->groups; }
+
+Result<std::unique_ptr<PreloadedStore>> build_store(const PreloadOptions& o) {
   using C = std::chrono::steady_clock;
-  PreloadInfo info;
   auto t0 = C::now();
   KEEP_ASSIGN_OR_RETURN(auto tok, tok::BpeTokenizer::from_json_file(o.tokenizer_path));
-  Counter counter(std::move(tok));
-  HashedBowEmbedder embedder(o.dim);
-  manager::StoreOptions so;  // the manager's defaults (tau, token budget, t)
-  manager::MemoryStore store(so, &embedder, &counter);
+  std::unique_ptr<PreloadedStore> pre(new PreloadedStore());
+  pre->impl_ = std::make_unique<PreloadedStore::Impl>(std::move(tok), o.dim);
+  manager::MemoryStore& store = pre->impl_->store;
+  HashedBowEmbedder& embedder = pre->impl_->embedder;
   TextGenerator gen(12345);
   std::string rec;
   for (uint64_t i = 0; i < o.memories; ++i) {
@@ -102,10 +117,19 @@ Result<PreloadInfo> preload_snapshot(const std::string& data_dir, const PreloadO
   if (st.pending_embeddings != 0) {
     return Status(Code::kInternal, std::to_string(st.pending_embeddings) + " embeddings left");
   }
-  info.groups = st.groups_static + st.groups_dynamic;
-  info.build_s = std::chrono::duration<double>(C::now() - t0).count();
+  pre->impl_->groups = st.groups_static + st.groups_dynamic;
+  pre->impl_->build_s = std::chrono::duration<double>(C::now() - t0).count();
+  return pre;
+}
+
+Result<PreloadInfo> preload_snapshot(const std::string& data_dir, const PreloadOptions& o) {
+  using C = std::chrono::steady_clock;
+  KEEP_ASSIGN_OR_RETURN(auto pre, build_store(o));
+  PreloadInfo info;
+  info.groups = pre->groups();
+  info.build_s = pre->build_s();
   auto t1 = C::now();
-  const std::string payload = store.serialize();
+  const std::string payload = pre->store().serialize();
   const std::string dir = data_dir + "/snapshots";
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);

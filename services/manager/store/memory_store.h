@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "services/manager/store/embedder.h"
+#include "services/manager/store/record_codec.h"
 #include "shared/common/status.h"
 
 namespace keep::manager {
@@ -262,7 +263,10 @@ class MemoryStore {
   Status apply_record(std::string_view record);
 
   // Everything durable plus embeddings and groups. Deterministic: equal states give equal bytes.
+  // serialize() is encode_snapshot(capture()): a caller that holds a lock around the store need
+  // hold it only for capture(), a copy, and encode outside it (keep-manager's snapshots do).
   std::string serialize() const;
+  StoreSnapshot capture() const;
   // Replaces the whole state (the store must hold no agents). kCorrupt on any inconsistency,
   // kVersionMismatch for another format version or embedding dimension. Queues KV jobs for every
   // static group and every member of a dynamic group.
