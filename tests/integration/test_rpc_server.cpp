@@ -6,6 +6,7 @@
 #include <unistd.h>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -176,8 +177,8 @@ struct Manager {
     server->start();
   }
   ~Manager() {
-    server->stop();
-    service.stop_deferred_retrieves();  // while the server they complete into still exists
+    service.stop_deferred_retrieves();  // while the server still sends their answers
+    if (server) server->stop();
   }
   std::string endpoint() const { return server->bound_endpoints().at(0); }
   std::unique_ptr<kc::ManagerClient> client(std::chrono::milliseconds timeout = 5000ms) {
@@ -776,6 +777,101 @@ TEST_CASE("a failing embedder fails the deferred retrieve with its error; nothin
   REQUIRE(ok->size() == 1);
   CHECK(ok->at(0).text == "kitchen cup");
   CHECK(m.server->stats().deferred_done == 2);
+}
+
+// Three retrieves, each with a new query, on separate clients, while every embed call waits for
+// release(): the service's two retrieve threads each hold one, the third waits in the queue.
+struct HeldRetrieves {
+  using Found = Result<std::vector<kc::RetrievedSegment>>;
+  explicit HeldRetrieves(Manager& m) {
+    auto w = m.client();
+    REQUIRE(w->write({"robot", std::nullopt, "kitchen cup", kc::SegmentKind::kObjectState, {}})
+                .is_ok());
+    m.embedder.on_embed = [this](const std::vector<std::string>&) {
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait(lock, [this] { return released; });
+    };
+    for (int i = 0; i < 3; ++i) clients.push_back(m.client());
+    const char* queries[] = {"kitchen", "cup", "table"};
+    for (int i = 0; i < 3; ++i) {
+      threads.emplace_back(
+          [this, i, q = queries[i]] { found[i] = clients[i]->retrieve("robot", q, 1); });
+      // In order: the first two start embedding, the third is queued behind them.
+      while (m.embedder.calls.load() < std::min(i + 1, 2) ||
+             (i == 2 && m.service.deferred_retrieves().waiting == 0)) {
+        std::this_thread::sleep_for(1ms);
+      }
+    }
+  }
+  ~HeldRetrieves() {
+    release();
+    for (auto& t : threads) t.join();
+  }
+  void release() {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      released = true;
+    }
+    cv.notify_all();
+  }
+  // The two that ran found the segment; the queued one was refused as shutting down.
+  void check_answers() {
+    for (auto& t : threads) t.join();
+    threads.clear();
+    for (int i = 0; i < 2; ++i) {
+      CAPTURE(i);
+      REQUIRE(found[i].is_ok());
+      REQUIRE(found[i]->size() == 1);
+      CHECK(found[i]->at(0).text == "kitchen cup");
+    }
+    CHECK(found[2].status().code() == Code::kUnavailable);
+    CHECK(found[2].status().message().find("shutting down") != std::string::npos);
+  }
+
+  std::mutex mu;
+  std::condition_variable cv;
+  bool released = false;
+  std::vector<std::unique_ptr<kc::ManagerClient>> clients;
+  Found found[3] = {Status(Code::kInternal, "not run"), Status(Code::kInternal, "not run"),
+                    Status(Code::kInternal, "not run")};
+  std::vector<std::thread> threads;
+};
+
+TEST_CASE("at shutdown the running retrieves finish, the queued and later ones are refused") {
+  Manager m;
+  HeldRetrieves held(m);
+  std::thread stopper([&] { m.service.stop_deferred_retrieves(); });
+  // The queued one is answered at once, while the running two still embed.
+  held.threads[2].join();
+  CHECK(held.found[2].status().code() == Code::kUnavailable);
+  // A retrieve that would be deferred now is refused; other requests are served.
+  auto c = m.client();
+  CHECK(c->retrieve("robot", "hall", 1).status().code() == Code::kUnavailable);
+  CHECK(c->ping().is_ok());
+  held.release();
+  stopper.join();
+  held.threads.erase(held.threads.begin() + 2);
+  held.threads[0].join();
+  held.threads[1].join();
+  held.threads.clear();
+  for (int i = 0; i < 2; ++i) REQUIRE(held.found[i].is_ok());
+  CHECK(held.found[2].status().message().find("shutting down") != std::string::npos);
+  CHECK(m.server->stats().deferred_done == 3);
+}
+
+TEST_CASE("retrieves given back after the server's loop stopped are answered as it closes") {
+  // keep-manager's order on a signal: the loop stops first, then the retrieves are stopped.
+  Manager m;
+  HeldRetrieves held(m);
+  m.server->stop();
+  m.server->join();
+  std::thread stopper([&] { m.service.stop_deferred_retrieves(); });
+  // The queued one is refused (taken out of the queue) before the running two may finish.
+  while (m.service.deferred_retrieves().waiting != 0) std::this_thread::sleep_for(1ms);
+  held.release();
+  stopper.join();
+  m.server.reset();  // answers what was given back, then closes
+  held.check_answers();
 }
 
 TEST_CASE(

@@ -558,9 +558,10 @@ void ManagerDaemon::Impl::shutdown() {
   bg_cv.notify_all();
   if (embed_thread.joinable()) embed_thread.join();
   if (housekeeping_thread.joinable()) housekeeping_thread.join();
-  if (server) server->stop();
-  // The retrieve threads give their calls to the server: joined before it goes.
+  // The retrieves still deferred are answered (the queued ones kUnavailable) while the server
+  // still sends; then it stops, flushing the last of them.
   if (service) service->stop_deferred_retrieves();
+  if (server) server->stop();
   server.reset();  // joins the I/O thread if it runs one
   if (wal && service) {
     Status st = take_snapshot();

@@ -257,6 +257,7 @@ bool ManagerService::handle_one(wire::Call& call) {
         if (needs->embed_query || !needs->segments.empty()) {
           {
             std::lock_guard<std::mutex> lock(retrieve_mu_);
+            if (retrieve_stop_) return call.fail(shutting_down()), false;
             retrieve_queue_.push_back(
                 RetrieveJob{call.defer(), std::move(agent), std::move(query), std::move(*needs)});
             retrieves_deferred_ += 1;
@@ -580,6 +581,10 @@ void ManagerService::fill_retrieve(wire::Call& call,
 
 // ---- deferred retrieves ----
 
+Status ManagerService::shutting_down() {
+  return Status(Code::kUnavailable, "keep-manager is shutting down: retrieve not run");
+}
+
 void ManagerService::start_deferred_retrieves(
     std::function<void(std::unique_ptr<wire::Call>)> complete) {
   KEEP_CHECK_MSG(!complete_ && retrieve_threads_.empty(), "deferred retrieves started twice");
@@ -592,11 +597,18 @@ void ManagerService::start_deferred_retrieves(
 }
 
 void ManagerService::stop_deferred_retrieves() {
+  std::deque<RetrieveJob> queued;
   {
     std::lock_guard<std::mutex> lock(retrieve_mu_);
     retrieve_stop_ = true;
+    queued.swap(retrieve_queue_);
   }
   retrieve_cv_.notify_all();
+  // Not embedded for: a client waits for none of the seconds that could take.
+  for (RetrieveJob& job : queued) {
+    job.call->fail(shutting_down());
+    complete_(std::move(job.call));
+  }
   for (auto& t : retrieve_threads_) t.join();
   retrieve_threads_.clear();
 }

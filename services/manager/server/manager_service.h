@@ -103,8 +103,11 @@ class ManagerService : public wire::RequestHandler {
   // (see the top of this file), each answer handed to `complete` (RpcServer::complete). Call
   // once, before the server starts.
   void start_deferred_retrieves(std::function<void(std::unique_ptr<wire::Call>)> complete);
-  // Answers the retrieves still queued and joins the threads. Call before the server that
-  // `complete` reaches is destroyed; the destructor calls it too.
+  // Shutting down: the retrieves still queued are answered kUnavailable at once, the running
+  // ones finish with their results, and a retrieve that would be deferred from now on is answered
+  // kUnavailable; returns once every one was handed to `complete`, the threads joined. Call while
+  // the server still sends answers, before RpcServer::stop (its last answers are flushed then);
+  // the destructor calls it too.
   void stop_deferred_retrieves();
   // Retrieves handed to the retrieve threads since the start, and those not yet taken up.
   struct DeferredRetrieves {
@@ -147,6 +150,7 @@ class ManagerService : public wire::RequestHandler {
     MemoryStore::RetrieveNeeds needs;
   };
   void retrieve_loop();
+  static Status shutting_down();  // a retrieve refused by stop_deferred_retrieves
   void run_retrieve(RetrieveJob& job);
   // The retrieve answer for `segments` (with the mutex held: the region's locations).
   void fill_retrieve(wire::Call& call, const std::vector<RetrievedSegment>& segments);

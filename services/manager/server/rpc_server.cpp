@@ -18,7 +18,9 @@ namespace keep::wire {
 
 namespace {
 constexpr const char* kLog = "rpc";
-}
+// How long the socket may hold the last answers after stop() before it closes.
+constexpr int kStopLingerMs = 500;
+}  // namespace
 
 proto::Response::Builder Call::reply() {
   answered_ = true;
@@ -106,6 +108,13 @@ struct RpcServer::Impl {
   std::atomic<uint64_t> requests{0}, batches{0}, decode_errors{0}, max_batch_seen{0}, bytes_in{0},
       bytes_out{0}, replies_dropped{0}, deferred{0}, deferred_done{0};
 
+  // Sends [identity][empty][payload] without blocking; a reply the peer's queue cannot take, or
+  // to a peer that is gone, is dropped and counted. On the thread that owns the socket: the I/O
+  // loop's, or the destructor's once the loop is over.
+  void send_reply(zmq::message_t identity, const std::string& payload);
+  // Answers the deferred calls given back since the last time (same thread rule).
+  void send_done();
+
   ~Impl() {
     router.reset();
     if (wake_fd >= 0) ::close(wake_fd);
@@ -118,6 +127,15 @@ RpcServer::RpcServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 RpcServer::~RpcServer() {
   stop();
   join();
+  // The loop is over: calls given back since its last pass (ManagerService::
+  // stop_deferred_retrieves after a signal stopped the loop) are answered from here, and the
+  // socket lingers a moment so that those answers leave before it closes.
+  impl_->send_done();
+  try {
+    impl_->router->set(zmq::sockopt::linger, kStopLingerMs);
+  } catch (const zmq::error_t& e) {
+    KEEP_LOG_WARN(kLog, "linger: %s", e.what());
+  }
 }
 
 Result<std::unique_ptr<RpcServer>> RpcServer::create(ServerOptions options,
@@ -223,49 +241,51 @@ struct Pending {
 
 }  // namespace
 
+void RpcServer::Impl::send_reply(zmq::message_t identity, const std::string& payload) {
+  try {
+    const size_t n = payload.size();
+    if (!router->send(std::move(identity), zmq::send_flags::sndmore | zmq::send_flags::dontwait) ||
+        !router->send(zmq::message_t(), zmq::send_flags::sndmore | zmq::send_flags::dontwait) ||
+        !router->send(zmq::message_t(payload.data(), n), zmq::send_flags::dontwait)) {
+      replies_dropped.fetch_add(1, std::memory_order_relaxed);
+    } else {
+      bytes_out.fetch_add(n, std::memory_order_relaxed);
+    }
+  } catch (const zmq::error_t& e) {
+    replies_dropped.fetch_add(1, std::memory_order_relaxed);
+    KEEP_LOG_DEBUG(kLog, "reply dropped: %s", e.what());
+  }
+}
+
+void RpcServer::Impl::send_done() {
+  std::vector<std::unique_ptr<Call>> calls;
+  {
+    std::lock_guard<std::mutex> lock(done_mu);
+    calls.swap(done);
+  }
+  for (auto& c : calls) {
+    try {
+      handler->on_deferred_done(*c);
+    } catch (const std::exception& e) {
+      KEEP_LOG_ERROR(kLog, "on_deferred_done threw: %s", e.what());
+    } catch (const kj::Exception& e) {
+      KEEP_LOG_ERROR(kLog, "on_deferred_done threw: %s", e.getDescription().cStr());
+    }
+    const std::string payload = answer_of(*c);
+    const std::string& peer = CallAccess::peer(*c);
+    // Counted before the reply leaves: a client that has its answer finds it in the stats.
+    deferred_done.fetch_add(1, std::memory_order_relaxed);
+    send_reply(zmq::message_t(peer.data(), peer.size()), payload);
+  }
+}
+
 void RpcServer::loop() {
   Impl& im = *impl_;
   zmq::socket_t& router = *im.router;
-  // Sends [identity][empty][payload] without blocking; a reply the peer's queue cannot take, or
-  // to a peer that is gone, is dropped and counted.
-  const auto send_reply = [&](zmq::message_t identity, const std::string& payload) {
-    try {
-      const size_t n = payload.size();
-      if (!router.send(std::move(identity), zmq::send_flags::sndmore | zmq::send_flags::dontwait) ||
-          !router.send(zmq::message_t(), zmq::send_flags::sndmore | zmq::send_flags::dontwait) ||
-          !router.send(zmq::message_t(payload.data(), n), zmq::send_flags::dontwait)) {
-        im.replies_dropped.fetch_add(1, std::memory_order_relaxed);
-      } else {
-        im.bytes_out.fetch_add(n, std::memory_order_relaxed);
-      }
-    } catch (const zmq::error_t& e) {
-      im.replies_dropped.fetch_add(1, std::memory_order_relaxed);
-      KEEP_LOG_DEBUG(kLog, "reply dropped: %s", e.what());
-    }
+  const auto send_reply = [&im](zmq::message_t identity, const std::string& payload) {
+    im.send_reply(std::move(identity), payload);
   };
-  // Answers the deferred calls given back since the last time.
-  std::vector<std::unique_ptr<Call>> done;
-  const auto send_done = [&] {
-    {
-      std::lock_guard<std::mutex> lock(im.done_mu);
-      done.swap(im.done);
-    }
-    for (auto& c : done) {
-      try {
-        im.handler->on_deferred_done(*c);
-      } catch (const std::exception& e) {
-        KEEP_LOG_ERROR(kLog, "on_deferred_done threw: %s", e.what());
-      } catch (const kj::Exception& e) {
-        KEEP_LOG_ERROR(kLog, "on_deferred_done threw: %s", e.getDescription().cStr());
-      }
-      const std::string payload = answer_of(*c);
-      const std::string& peer = CallAccess::peer(*c);
-      // Counted before the reply leaves: a client that has its answer finds it in the stats.
-      im.deferred_done.fetch_add(1, std::memory_order_relaxed);
-      send_reply(zmq::message_t(peer.data(), peer.size()), payload);
-    }
-    done.clear();  // frees the calls on this thread
-  };
+  const auto send_done = [&im] { im.send_done(); };
   const auto idle = std::chrono::milliseconds(std::max(1, im.options.idle_interval_ms));
   auto last_idle = std::chrono::steady_clock::now();
   std::vector<Pending> pending;
@@ -398,6 +418,7 @@ void RpcServer::loop() {
       }
     }
   }
+  send_done();  // what was given back before stop()
   KEEP_LOG_INFO(kLog, "stopped after %llu requests",
                 static_cast<unsigned long long>(im.requests.load()));
 }
