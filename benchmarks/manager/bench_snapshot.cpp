@@ -8,7 +8,6 @@
 // and checks that encode_snapshot(capture()) gives serialize()'s bytes.
 //
 //   build/bin/bench_snapshot [--memories 10000,30000] [--reps 5] [--models-dir DIR]
-#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <string>
@@ -26,11 +25,6 @@ using Clock = std::chrono::steady_clock;
 
 double ms_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 }  // namespace
@@ -95,10 +89,12 @@ int main(int argc, char** argv) {
       }
       bytes = whole.size();
     }
-    const double s = median(serialize_ms), c = median(capture_ms);
+    // Medians (summarize's percentiles do not care that these are ms).
+    const double s = keep::bench::summarize(serialize_ms).p50_us;
+    const double c = keep::bench::summarize(capture_ms).p50_us;
     std::printf("%10llu %10.1f %8.1f %14.2f %12.2f %12.2f %7.2fx\n",
                 static_cast<unsigned long long>(m), bytes / 1e6, (*pre)->build_s(), s, c,
-                median(encode_ms), s / c);
+                keep::bench::summarize(encode_ms).p50_us, s / c);
   }
   return 0;
 }

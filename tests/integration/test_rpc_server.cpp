@@ -805,7 +805,9 @@ struct HeldRetrieves {
   }
   ~HeldRetrieves() {
     release();
-    for (auto& t : threads) t.join();
+    for (auto& t : threads) {
+      if (t.joinable()) t.join();
+    }
   }
   void release() {
     {
@@ -816,8 +818,9 @@ struct HeldRetrieves {
   }
   // The two that ran found the segment; the queued one was refused as shutting down.
   void check_answers() {
-    for (auto& t : threads) t.join();
-    threads.clear();
+    for (auto& t : threads) {
+      if (t.joinable()) t.join();
+    }
     for (int i = 0; i < 2; ++i) {
       CAPTURE(i);
       REQUIRE(found[i].is_ok());
@@ -850,12 +853,7 @@ TEST_CASE("at shutdown the running retrieves finish, the queued and later ones a
   CHECK(c->ping().is_ok());
   held.release();
   stopper.join();
-  held.threads.erase(held.threads.begin() + 2);
-  held.threads[0].join();
-  held.threads[1].join();
-  held.threads.clear();
-  for (int i = 0; i < 2; ++i) REQUIRE(held.found[i].is_ok());
-  CHECK(held.found[2].status().message().find("shutting down") != std::string::npos);
+  held.check_answers();
   CHECK(m.server->stats().deferred_done == 3);
 }
 

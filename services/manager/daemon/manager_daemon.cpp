@@ -558,8 +558,8 @@ void ManagerDaemon::Impl::shutdown() {
   bg_cv.notify_all();
   if (embed_thread.joinable()) embed_thread.join();
   if (housekeeping_thread.joinable()) housekeeping_thread.join();
-  // The retrieves still deferred are answered (the queued ones kUnavailable) while the server
-  // still sends; then it stops, flushing the last of them.
+  // The retrieves still deferred are answered (the queued ones kUnavailable) before the server
+  // goes: its destructor sends the last of them.
   if (service) service->stop_deferred_retrieves();
   if (server) server->stop();
   server.reset();  // joins the I/O thread if it runs one

@@ -105,9 +105,9 @@ class ManagerService : public wire::RequestHandler {
   void start_deferred_retrieves(std::function<void(std::unique_ptr<wire::Call>)> complete);
   // Shutting down: the retrieves still queued are answered kUnavailable at once, the running
   // ones finish with their results, and a retrieve that would be deferred from now on is answered
-  // kUnavailable; returns once every one was handed to `complete`, the threads joined. Call while
-  // the server still sends answers, before RpcServer::stop (its last answers are flushed then);
-  // the destructor calls it too.
+  // kUnavailable; returns once every one was handed to `complete`, the threads joined. Call
+  // before the server is destroyed (it sends what it was given back, also after stop()); the
+  // destructor calls it too.
   void stop_deferred_retrieves();
   // Retrieves handed to the retrieve threads since the start, and those not yet taken up.
   struct DeferredRetrieves {

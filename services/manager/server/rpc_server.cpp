@@ -127,9 +127,9 @@ RpcServer::RpcServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 RpcServer::~RpcServer() {
   stop();
   join();
-  // The loop is over: calls given back since its last pass (ManagerService::
-  // stop_deferred_retrieves after a signal stopped the loop) are answered from here, and the
-  // socket lingers a moment so that those answers leave before it closes.
+  // The loop is over: calls given back since its last pass (just before stop(), or after it:
+  // ManagerService::stop_deferred_retrieves once a signal stopped the loop) are answered from
+  // here, and the socket lingers a moment so that those answers leave before it closes.
   impl_->send_done();
   try {
     impl_->router->set(zmq::sockopt::linger, kStopLingerMs);
@@ -282,10 +282,6 @@ void RpcServer::Impl::send_done() {
 void RpcServer::loop() {
   Impl& im = *impl_;
   zmq::socket_t& router = *im.router;
-  const auto send_reply = [&im](zmq::message_t identity, const std::string& payload) {
-    im.send_reply(std::move(identity), payload);
-  };
-  const auto send_done = [&im] { im.send_done(); };
   const auto idle = std::chrono::milliseconds(std::max(1, im.options.idle_interval_ms));
   auto last_idle = std::chrono::steady_clock::now();
   std::vector<Pending> pending;
@@ -309,7 +305,7 @@ void RpcServer::loop() {
       uint64_t count = 0;
       ssize_t n = ::read(im.done_fd, &count, sizeof(count));  // resets the eventfd
       (void)n;
-      send_done();
+      im.send_done();
     }
 
     if (items[0].revents & ZMQ_POLLIN) {
@@ -400,7 +396,7 @@ void RpcServer::loop() {
         } else {
           payload = std::move(p.payload);
         }
-        send_reply(std::move(p.identity), payload);
+        im.send_reply(std::move(p.identity), payload);
       }
       pending.clear();
       calls.clear();  // releases the request buffers and response builders
@@ -418,7 +414,6 @@ void RpcServer::loop() {
       }
     }
   }
-  send_done();  // what was given back before stop()
   KEEP_LOG_INFO(kLog, "stopped after %llu requests",
                 static_cast<unsigned long long>(im.requests.load()));
 }

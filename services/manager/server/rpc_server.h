@@ -127,8 +127,9 @@ class RpcServer {
   void stop();
   void join();
   // Gives back a call the handler deferred, its response filled (or failed; one left unanswered
-  // is answered kInternal): the I/O thread sends it. Thread-safe. After stop() the call is kept
-  // unsent and freed with the server; it must not be called once the server is destroyed.
+  // is answered kInternal): the I/O thread sends it. Thread-safe. One given back after the loop's
+  // last pass (after stop()) is sent when the server is destroyed; it must not be called once
+  // the server is destroyed.
   void complete(std::unique_ptr<Call> call);
 
   // The endpoints as bound (a tcp port 0 resolved to the real port).
