@@ -408,6 +408,27 @@ TEST_CASE("CUDA graphs: the captured layer loop gives bit-identical results; pro
   CHECK(gen[0] == gen[1]);
   CHECK(gen[2] == gen[1]);
 
+  // With graphs off a plan uploads its arrays at its first use, which a capture cannot hold: a
+  // layer loop captured after graphs were turned on refuses that plan, and it works once they are
+  // off again.
+  {
+    cuda.set_graphs(false);
+    auto cache = KvCache::create(e.backend(), 16);
+    auto hidden = e.allocate_hidden(8);
+    REQUIRE(hidden.is_ok());
+    REQUIRE(e.embed(*hidden, std::span<const int32_t>(prompt).first(8)).is_ok());
+    auto plan = e.plan(AttentionLayout::causal(8, 0));
+    REQUIRE(plan.is_ok());
+    cuda.set_graphs(true);
+    {
+      Backend::Capture capture(e.backend());
+      const keep::Status st = e.prefill_layer(0, *hidden, cache->layer(0), **plan, LayerExtras{});
+      CHECK(st.code() == keep::Code::kInternal);
+    }
+    cuda.set_graphs(false);
+    CHECK(e.prefill_layer(0, *hidden, cache->layer(0), **plan, LayerExtras{}).is_ok());
+  }
+
   // Profiling: every stage of every layer call is timed once per call, and the prefill's embedding,
   // logits and logits copy once each.
   cuda.set_profiling(true);

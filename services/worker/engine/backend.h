@@ -143,8 +143,10 @@ class Backend {
   virtual void embed(float* hidden, const int32_t* tokens, int32_t n) = 0;
   // One transformer block for the plan's rows. Writes each row's rotated K and V into kv at its
   // slot, attends per the plan, fills `out`. hidden_in (rows, C) (device); out.hidden may alias it.
-  virtual void layer_forward(const LayerOutputs& out, const float* hidden_in, int32_t layer,
-                             const KvView& kv, const AttentionPlan& plan) = 0;
+  // An error (the plan's device arrays could not be made) leaves out.hidden and kv's computed
+  // slots undefined.
+  virtual Status layer_forward(const LayerOutputs& out, const float* hidden_in, int32_t layer,
+                               const KvView& kv, const AttentionPlan& plan) = 0;
   // Fills view slots [first_slot, first_slot + n): K = RoPE(k_pre) at positions (host), V = v,
   // both converted to the view's type. k_pre, v: (n, kv_heads, head_dim) fp32, host memory (the
   // shared KV region, registered or not) or device memory.

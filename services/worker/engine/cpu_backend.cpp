@@ -306,8 +306,8 @@ void CpuBackend::attention_tiled(const LayerOutputs& out, const float* q, const 
   }
 }
 
-void CpuBackend::layer_forward(const LayerOutputs& out, const float* hidden_in, int32_t layer,
-                               const KvView& kv, const AttentionPlan& plan) {
+Status CpuBackend::layer_forward(const LayerOutputs& out, const float* hidden_in, int32_t layer,
+                                 const KvView& kv, const AttentionPlan& plan) {
   const ModelConfig& c = weights_->config;
   const AttentionLayout& layout = plan.layout();
   const int32_t n = layout.num_rows();
@@ -342,9 +342,9 @@ void CpuBackend::layer_forward(const LayerOutputs& out, const float* hidden_in, 
   // pooled are wanted, else only when some row's output is.
   const int32_t keep = out.out_rows < 0 ? n : std::min(out.out_rows, n);
   const int32_t first = n - keep;
-  if (keep == 0 && out.lse == nullptr && out.pooled == nullptr) return;
+  if (keep == 0 && out.lse == nullptr && out.pooled == nullptr) return Status::ok();
   attention(out, q_.data(), kv, layout);
-  if (keep == 0) return;
+  if (keep == 0) return Status::ok();
   const int64_t off = static_cast<int64_t>(first) * C;
   float* hid = out.hidden + off;
   linear(proj_.data(), att_.data() + static_cast<int64_t>(first) * qd, w.wo.ptr(), bias(w.bo), keep,
@@ -366,6 +366,7 @@ void CpuBackend::layer_forward(const LayerOutputs& out, const float* hidden_in, 
   });
   linear(proj_.data(), g, w.w_down.ptr(), nullptr, keep, C, I);
   for (int64_t i = 0; i < nc; ++i) hid[i] += proj_[i];
+  return Status::ok();
 }
 
 void CpuBackend::load_kv(const KvView& kv, int32_t first_slot, const float* k_pre, const float* v,

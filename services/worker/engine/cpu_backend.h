@@ -41,8 +41,8 @@ class CpuBackend final : public Backend {
   Result<std::unique_ptr<AttentionPlan>> plan(const AttentionLayout& layout) override;
 
   void embed(float* hidden, const int32_t* tokens, int32_t n) override;
-  void layer_forward(const LayerOutputs& out, const float* hidden_in, int32_t layer,
-                     const KvView& kv, const AttentionPlan& plan) override;
+  Status layer_forward(const LayerOutputs& out, const float* hidden_in, int32_t layer,
+                       const KvView& kv, const AttentionPlan& plan) override;
   void load_kv(const KvView& kv, int32_t first_slot, const float* k_pre, const float* v,
                const int32_t* positions, int32_t n) override;
   void final_logits(float* logits, const float* hidden, const int32_t* rows, int32_t n) override;

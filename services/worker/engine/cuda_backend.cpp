@@ -47,26 +47,88 @@ size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 void free_pool_floats(float* p) { cudaFreeAsync(p, nullptr); }
 
 // The device form of an AttentionLayout: one int32 block in stream-ordered memory holding every
-// array the kernels read.
+// array the kernels read. The block is made at the plan's first use (upload(), from layer_forward
+// after the QKV product's launch), not when the plan is: the host then builds the schedule and
+// uploads while the GPU runs the first norm and product, which in an isolated 14B request of 1024
+// tokens start 50-85 us earlier (benchmarks/RESULTS.md, run 20). With graphs on, plan() uploads
+// (a capture cannot).
 class CudaPlan final : public AttentionPlan {
  public:
-  CudaPlan(AttentionLayout layout, cudaStream_t stream)
-      : layout_(std::move(layout)), stream_(stream) {}
+  CudaPlan(AttentionLayout layout, cudaStream_t stream, bool prefill_kernel)
+      : layout_(std::move(layout)), stream_(stream), tiled(prefill_kernel) {
+    rows.rows = layout_.num_rows();
+    rows.num_keys = layout_.num_keys;
+  }
   ~CudaPlan() override {
     if (block_ != nullptr) cudaFreeAsync(block_, stream_);
   }
   const AttentionLayout& layout() const override { return layout_; }
+  bool uploaded() const { return block_ != nullptr; }
+  // Builds the block on the host and enqueues its upload on the stream, once; sets the pointers
+  // below. (const: the device copy is a cache of the layout, made where it is first needed.)
+  Status upload() const;
 
   AttentionLayout layout_;
   cudaStream_t stream_;
-  int32_t* block_ = nullptr;
-  const int32_t* slots = nullptr;      // (rows)
-  const int32_t* positions = nullptr;  // (rows)
-  const int32_t* key_group = nullptr;  // (num_keys) or null
-  kernels::AttentionRows rows;
-  kernels::PrefillSchedule schedule;
+  mutable int32_t* block_ = nullptr;
+  mutable const int32_t* slots = nullptr;      // (rows)
+  mutable const int32_t* positions = nullptr;  // (rows)
+  mutable const int32_t* key_group = nullptr;  // (num_keys) or null
+  mutable kernels::AttentionRows rows;  // rows, num_keys from the start; arrays once uploaded
+  mutable kernels::PrefillSchedule schedule;
   bool tiled = false;  // prefill kernel (else the decode kernel)
 };
+
+Status CudaPlan::upload() const {
+  if (uploaded()) return Status::ok();
+  const AttentionLayout& l = layout_;
+  kernels::PrefillScheduleHost sched;
+  if (tiled) {
+    kernels::AttentionRows host_rows;
+    host_rows.row_offsets = l.span_offsets.data();
+    host_rows.spans = reinterpret_cast<const kernels::KeyRange*>(l.spans.data());
+    host_rows.rows = rows.rows;
+    host_rows.num_keys = l.num_keys;
+    sched = kernels::build_prefill_schedule(host_rows);
+  }
+  static_assert(sizeof(KeySpan) == sizeof(kernels::KeyRange), "spans upload as is");
+  // One block: slots, positions, row offsets, spans, key groups, schedule.
+  std::vector<int32_t> block;
+  auto append = [&](const int32_t* v, size_t n) {
+    const size_t at = block.size();
+    block.insert(block.end(), v, v + n);
+    while (block.size() % 4 != 0) block.push_back(0);  // 16-byte aligned arrays
+    return at;
+  };
+  const size_t a_slots = append(l.row_slot.data(), l.row_slot.size());
+  const size_t a_pos = append(l.row_position.data(), l.row_position.size());
+  const size_t a_offs = append(l.span_offsets.data(), l.span_offsets.size());
+  const size_t a_spans =
+      append(reinterpret_cast<const int32_t*>(l.spans.data()), l.spans.size() * 2);
+  const size_t a_groups = append(l.key_group.data(), l.key_group.size());
+  const size_t a_toffs = append(sched.tile_offsets.data(), sched.tile_offsets.size());
+  const size_t a_tiles = append(sched.tiles.data(), sched.tiles.size());
+  void* dev = nullptr;
+  KEEP_RETURN_IF_ERROR(cuda_status(
+      cudaMallocAsync(&dev, std::max<size_t>(block.size(), 1) * 4, stream_), "plan upload"));
+  // The host vector is pageable: cudaMemcpyAsync has staged it before returning.
+  const cudaError_t err =
+      cudaMemcpyAsync(dev, block.data(), block.size() * 4, cudaMemcpyHostToDevice, stream_);
+  if (err != cudaSuccess) {
+    cudaFreeAsync(dev, stream_);
+    return cuda_status(err, "plan upload");
+  }
+  block_ = static_cast<int32_t*>(dev);
+  const int32_t* d = block_;
+  slots = d + a_slots;
+  positions = d + a_pos;
+  key_group = l.key_group.empty() ? nullptr : d + a_groups;
+  rows.row_offsets = d + a_offs;
+  rows.spans = reinterpret_cast<const kernels::KeyRange*>(d + a_spans);
+  schedule.tile_offsets = d + a_toffs;
+  schedule.tiles = d + a_tiles;
+  return Status::ok();
+}
 
 }  // namespace
 
@@ -468,7 +530,7 @@ Status CudaBackend::reserve(int32_t max_rows, int32_t max_keys) {
                o_proj = take(R * C * 2), o_gu = take(R * 2 * I * 2), o_act = take(R * I * 2),
                o_lse = take(R * H * 4), o_rows = take(R * C * 4), o_normed = take(R * C * 4),
                o_dec = take(dec * 4), o_blas = take(kBlasWorkspace), o_sc = take(R * 4),
-               o_scf = take(R * 4);
+               o_scf = take(R * 4), o_ids = take(R * 4);
   // Our products' stream-K scratch (partial tiles and flags), where they run.
   const size_t scratch_bytes = kernels::wgmma_available() ? kernels::gemm_wgmma_scratch_bytes() : 0;
   const size_t o_gemm = take(scratch_bytes);
@@ -495,6 +557,7 @@ Status CudaBackend::reserve(int32_t max_rows, int32_t max_keys) {
   blas_ws_ = base + o_blas;
   scalars_ = reinterpret_cast<int32_t*>(base + o_sc);
   scalars_f_ = reinterpret_cast<float*>(base + o_scf);
+  ids_ = reinterpret_cast<int32_t*>(base + o_ids);
   gemm_scratch_ = kernels::GemmScratch{scratch_bytes > 0 ? base + o_gemm : nullptr, scratch_bytes};
   if (scratch_bytes > 0) {
     KEEP_CUDA_CHECK(cudaMemsetAsync(gemm_scratch_.ptr, 0, scratch_bytes, stream_));
@@ -571,54 +634,9 @@ Status CudaBackend::tune_products(int32_t rows) {
 }
 
 Result<std::unique_ptr<AttentionPlan>> CudaBackend::plan(const AttentionLayout& layout) {
-  auto p = std::make_unique<CudaPlan>(layout, stream_);
-  const AttentionLayout& l = p->layout_;
-  const int32_t rows = l.num_rows();
-  p->tiled = rows > options_.decode_rows;
-  kernels::PrefillScheduleHost sched;
-  if (p->tiled) {
-    kernels::AttentionRows host_rows;
-    host_rows.row_offsets = l.span_offsets.data();
-    host_rows.spans = reinterpret_cast<const kernels::KeyRange*>(l.spans.data());
-    host_rows.rows = rows;
-    host_rows.num_keys = l.num_keys;
-    sched = kernels::build_prefill_schedule(host_rows);
-  }
-  static_assert(sizeof(KeySpan) == sizeof(kernels::KeyRange), "spans upload as is");
-  // One block: slots, positions, row offsets, spans, key groups, schedule.
-  std::vector<int32_t> block;
-  auto append = [&](const int32_t* v, size_t n) {
-    const size_t at = block.size();
-    block.insert(block.end(), v, v + n);
-    while (block.size() % 4 != 0) block.push_back(0);  // 16-byte aligned arrays
-    return at;
-  };
-  const size_t a_slots = append(l.row_slot.data(), l.row_slot.size());
-  const size_t a_pos = append(l.row_position.data(), l.row_position.size());
-  const size_t a_offs = append(l.span_offsets.data(), l.span_offsets.size());
-  const size_t a_spans =
-      append(reinterpret_cast<const int32_t*>(l.spans.data()), l.spans.size() * 2);
-  const size_t a_groups = append(l.key_group.data(), l.key_group.size());
-  const size_t a_toffs = append(sched.tile_offsets.data(), sched.tile_offsets.size());
-  const size_t a_tiles = append(sched.tiles.data(), sched.tiles.size());
-  void* dev = nullptr;
-  KEEP_RETURN_IF_ERROR(cuda_status(
-      cudaMallocAsync(&dev, std::max<size_t>(block.size(), 1) * 4, stream_), "plan upload"));
-  p->block_ = static_cast<int32_t*>(dev);
-  KEEP_RETURN_IF_ERROR(cuda_status(
-      cudaMemcpyAsync(dev, block.data(), block.size() * 4, cudaMemcpyHostToDevice, stream_),
-      "plan upload"));
-  const int32_t* d = p->block_;
-  p->slots = d + a_slots;
-  p->positions = d + a_pos;
-  p->key_group = l.key_group.empty() ? nullptr : d + a_groups;
-  p->rows.row_offsets = d + a_offs;
-  p->rows.spans = reinterpret_cast<const kernels::KeyRange*>(d + a_spans);
-  p->rows.rows = rows;
-  p->rows.num_keys = l.num_keys;
-  p->schedule.tile_offsets = d + a_toffs;
-  p->schedule.tiles = d + a_tiles;
-  // The host vector is pageable: cudaMemcpyAsync has staged it before returning.
+  auto p = std::make_unique<CudaPlan>(layout, stream_, layout.num_rows() > options_.decode_rows);
+  // A captured layer loop may not upload: with graphs on, the block is made now.
+  if (options_.graphs) KEEP_RETURN_IF_ERROR(p->upload());
   return std::unique_ptr<AttentionPlan>(std::move(p));
 }
 
@@ -626,16 +644,26 @@ Result<std::unique_ptr<AttentionPlan>> CudaBackend::plan(const AttentionLayout& 
 
 void CudaBackend::embed(float* hidden, const int32_t* tokens, int32_t n) {
   mark(-1);
-  int32_t* ids = upload_ints(tokens, static_cast<size_t>(n));
+  // A request's first GPU work: the ids into the workspace when they fit (no stream-ordered
+  // allocation and free around the kernel: on a host idle before the request each call takes tens
+  // of us), else through stream-ordered memory (embed may come before the first reserve()).
+  const bool reserved = n <= reserved_rows_ && ids_ != nullptr;
+  int32_t* ids = ids_;
+  if (reserved) {
+    KEEP_CUDA_CHECK(
+        cudaMemcpyAsync(ids, tokens, static_cast<size_t>(n) * 4, cudaMemcpyHostToDevice, stream_));
+  } else {
+    ids = upload_ints(tokens, static_cast<size_t>(n));
+  }
   KEEP_CUDA_CHECK(kernels::embedding(hidden, static_cast<const bf16*>(embed_), ids, n,
                                      config_.hidden_size, config_.vocab_size, stream_));
-  release_ints(ids);
+  if (!reserved) release_ints(ids);
   mark(kEmbed);
 }
 
-void CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_in, int32_t layer,
-                                const KvView& kv, const AttentionPlan& plan_base) {
-  const auto& plan = static_cast<const CudaPlan&>(plan_base);
+Status CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_in, int32_t layer,
+                                  const KvView& kv, const AttentionPlan& plan_base) {
+  const auto& plan = static_cast<const CudaPlan&>(plan_base);  // uploaded below, before its use
   const ModelConfig& c = config_;
   const Layer& w = layers_[static_cast<size_t>(layer)];
   const int64_t rows = plan.rows.rows;
@@ -699,7 +727,7 @@ void CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_in,
   auto norm_fused = [&](int64_t m) {
     return few_rows(m) && static_cast<size_t>(m * C * 2) <= kernels::kGemvNormMaxSmem;
   };
-  const bool pool = out.pooled != nullptr && plan.key_group != nullptr;
+  const bool pool = out.pooled != nullptr && !plan.layout().key_group.empty();
   float* lse = out.lse != nullptr ? out.lse : (pool ? lse_ : nullptr);
   // Attention for every row when lse/pooled are wanted; else for the kept rows only, which the
   // split-key kernel serves as a suffix of the plan's rows when they are few.
@@ -728,11 +756,19 @@ void CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_in,
     }
   }
   mark(kQkv);
+  if (!plan.uploaded()) {
+    // Not inside a capture (plan() uploads when graphs are on; graphs turned on after it: refused).
+    if (capturing_) {
+      return Status(Code::kInternal,
+                    "cuda backend: a plan made with graphs off, used in a captured layer loop");
+    }
+    KEEP_RETURN_IF_ERROR(plan.upload());
+  }
   KEEP_CUDA_CHECK(kernels::qkv_finish(qkv, out.k_pre, out.v, view_k, view_v, w.b_q, w.b_k, w.b_v,
                                       plan.positions, plan.slots, inv_freq_, rows, heads, kv_heads,
                                       hd, stream_));
   mark(kQkvFinish);
-  if (keep == 0 && lse == nullptr) return;  // K/V only
+  if (keep == 0 && lse == nullptr) return Status::ok();  // K/V only
   // The kept rows' attention output.
   const bf16* att_kept = att;
   if (tail_only) {
@@ -761,7 +797,7 @@ void CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_in,
                                             kv_heads, hd, scale, stream_));
     mark(kPool);
   }
-  if (keep == 0) return;
+  if (keep == 0) return Status::ok();
   float* res_kept = res + skip * C;
   // residual += o_proj: accumulated by the product itself in fp32 (no bf16 rounding of the
   // projection, no add kernel); with an o_proj bias through the add kernel instead.
@@ -797,6 +833,7 @@ void CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_in,
   mark(kSwiglu);
   accumulate(res_kept, C, act, I, w.w_down, keep, C, I);
   mark(kDown);
+  return Status::ok();
 }
 
 // ---- graphs ----

@@ -13,7 +13,8 @@
 // Memory. All weights live in one device allocation made at creation; the workspace (activations
 // of one layer call, the decode-attention scratch, the cuBLAS workspace) is allocated by reserve()
 // and only grows there. A request's plan uploads its index arrays (slots, positions, spans, the
-// prefill tile schedule) once into stream-ordered pool memory; the layer loop then only launches.
+// prefill tile schedule) once into stream-ordered pool memory, at its first use (after the first
+// layer's QKV launch); the layer loop then only launches.
 // One stream for all work, and a second one only for final_logits_to_host's copies. Every launcher
 // is asynchronous except copy_to_host, final_logits_to_host, argmax, token_logprob and
 // synchronize.
@@ -134,8 +135,8 @@ class CudaBackend final : public Backend {
   Result<std::unique_ptr<AttentionPlan>> plan(const AttentionLayout& layout) override;
 
   void embed(float* hidden, const int32_t* tokens, int32_t n) override;
-  void layer_forward(const LayerOutputs& out, const float* hidden_in, int32_t layer,
-                     const KvView& kv, const AttentionPlan& plan) override;
+  Status layer_forward(const LayerOutputs& out, const float* hidden_in, int32_t layer,
+                       const KvView& kv, const AttentionPlan& plan) override;
   void load_kv(const KvView& kv, int32_t first_slot, const float* k_pre, const float* v,
                const int32_t* positions, int32_t n) override;
   void final_logits(float* logits, const float* hidden, const int32_t* rows, int32_t n) override;
@@ -223,6 +224,7 @@ class CudaBackend final : public Backend {
   kernels::GemmScratch gemm_scratch_;  // in workspace_, zeroed when allocated
   int32_t* scalars_ = nullptr;         // (rows) device ints for argmax results
   float* scalars_f_ = nullptr;         // (rows) device floats for log-probs
+  int32_t* ids_ = nullptr;             // (rows) token ids for embed
 
   // CUDA graphs: instantiated layer loops, keyed by their node count (a decode step and a prefill
   // chunk differ; steps of one kind update the same executable in place).

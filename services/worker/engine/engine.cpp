@@ -195,8 +195,7 @@ Status Engine::prefill_layer(int32_t layer, DeviceBuffer& hidden, const KvView& 
   out.lse = extras.lse ? extras.lse->data() : nullptr;
   out.pooled = extras.pooled ? extras.pooled->data() : nullptr;
   out.out_rows = extras.out_rows;
-  backend_->layer_forward(out, hidden.data(), layer, kv, plan);
-  return Status::ok();
+  return backend_->layer_forward(out, hidden.data(), layer, kv, plan);
 }
 
 Result<std::vector<float>> Engine::logits(const DeviceBuffer& hidden,
