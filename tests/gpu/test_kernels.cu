@@ -281,7 +281,9 @@ std::vector<T> slice(const std::vector<T>& v, size_t from) {
   return std::vector<T>(v.begin() + static_cast<std::ptrdiff_t>(from), v.end());
 }
 
-void test_embedding_f32(std::mt19937& rng, int64_t n, int64_t hidden, int64_t vocab) {
+// host_ids: embedding_host_ids (the ids in the kernel's parameters) instead of device ids.
+void test_embedding_f32(std::mt19937& rng, int64_t n, int64_t hidden, int64_t vocab,
+                        bool host_ids = false) {
   const auto table = random_vec<Bf16>(rng, static_cast<size_t>(vocab * hidden), -2.0f, 2.0f);
   std::uniform_int_distribution<int32_t> id(-2, static_cast<int32_t>(vocab) + 1);  // some off-range
   std::vector<int32_t> ids(n);
@@ -291,10 +293,17 @@ void test_embedding_f32(std::mt19937& rng, int64_t n, int64_t hidden, int64_t vo
   Buf<Bf16> d_table(table);
   Buf<int32_t> d_ids(ids);
   Buf<float> d_out(nan_vec<float>(want.size()));
-  CUDA_OK(keep::kernels::embedding(d_out.dev(), d_table.dev(), d_ids.template dev<int32_t>(), n,
-                                   hidden, vocab, nullptr));
+  if (host_ids) {
+    CUDA_OK(keep::kernels::embedding_host_ids(d_out.dev(), d_table.dev(), ids.data(), n, hidden,
+                                              vocab, nullptr));
+  } else {
+    CUDA_OK(keep::kernels::embedding(d_out.dev(), d_table.dev(), d_ids.template dev<int32_t>(), n,
+                                     hidden, vocab, nullptr));
+  }
   CUDA_OK(cudaDeviceSynchronize());
-  check_bits("embedding bf16->fp32 " + shape({n, hidden, vocab}), d_out.host(), want);
+  check_bits(std::string("embedding bf16->fp32") + (host_ids ? " (host ids) " : " ") +
+                 shape({n, hidden, vocab}),
+             d_out.host(), want);
 }
 
 // offset > 0 shifts every pointer by one element (no 16-byte alignment: the scalar path).
@@ -528,6 +537,24 @@ void run_misc(std::mt19937& rng) {
     for (int64_t h : cols) test_embedding_f32(rng, n, h, 37);
   }
   test_embedding_f32(rng, 4096, 3584, 1000);
+  // The ids in the kernel's parameters: each parameter block size, its edges, then refused past it.
+  for (int64_t n : {1, 3, 16, 17, 733, 1024, 1025, 4096}) {
+    for (int64_t h : {7, 576, 5120}) test_embedding_f32(rng, n, h, 37, true);
+  }
+  {
+    ++g_checks;
+    std::vector<int32_t> ids(keep::kernels::kEmbedParamIds + 1, 0);
+    float* p = nullptr;
+    CUDA_OK(cudaMalloc(&p, 64));
+    const cudaError_t err =
+        keep::kernels::embedding_host_ids(p, reinterpret_cast<const __nv_bfloat16*>(p), ids.data(),
+                                          static_cast<int64_t>(ids.size()), 8, 4, nullptr);
+    if (err != cudaErrorInvalidValue) {
+      ++g_failures;
+      std::fprintf(stderr, "FAIL embedding_host_ids: %zu ids accepted\n", ids.size());
+    }
+    cudaFree(p);
+  }
 
   for (int64_t rows : odd) {
     for (int64_t c : cols) {

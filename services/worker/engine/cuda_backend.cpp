@@ -530,7 +530,7 @@ Status CudaBackend::reserve(int32_t max_rows, int32_t max_keys) {
                o_proj = take(R * C * 2), o_gu = take(R * 2 * I * 2), o_act = take(R * I * 2),
                o_lse = take(R * H * 4), o_rows = take(R * C * 4), o_normed = take(R * C * 4),
                o_dec = take(dec * 4), o_blas = take(kBlasWorkspace), o_sc = take(R * 4),
-               o_scf = take(R * 4), o_ids = take(R * 4);
+               o_scf = take(R * 4);
   // Our products' stream-K scratch (partial tiles and flags), where they run.
   const size_t scratch_bytes = kernels::wgmma_available() ? kernels::gemm_wgmma_scratch_bytes() : 0;
   const size_t o_gemm = take(scratch_bytes);
@@ -557,7 +557,6 @@ Status CudaBackend::reserve(int32_t max_rows, int32_t max_keys) {
   blas_ws_ = base + o_blas;
   scalars_ = reinterpret_cast<int32_t*>(base + o_sc);
   scalars_f_ = reinterpret_cast<float*>(base + o_scf);
-  ids_ = reinterpret_cast<int32_t*>(base + o_ids);
   gemm_scratch_ = kernels::GemmScratch{scratch_bytes > 0 ? base + o_gemm : nullptr, scratch_bytes};
   if (scratch_bytes > 0) {
     KEEP_CUDA_CHECK(cudaMemsetAsync(gemm_scratch_.ptr, 0, scratch_bytes, stream_));
@@ -644,20 +643,18 @@ Result<std::unique_ptr<AttentionPlan>> CudaBackend::plan(const AttentionLayout& 
 
 void CudaBackend::embed(float* hidden, const int32_t* tokens, int32_t n) {
   mark(-1);
-  // A request's first GPU work: the ids into the workspace when they fit (no stream-ordered
-  // allocation and free around the kernel: on a host idle before the request each call takes tens
-  // of us), else through stream-ordered memory (embed may come before the first reserve()).
-  const bool reserved = n <= reserved_rows_ && ids_ != nullptr;
-  int32_t* ids = ids_;
-  if (reserved) {
-    KEEP_CUDA_CHECK(
-        cudaMemcpyAsync(ids, tokens, static_cast<size_t>(n) * 4, cudaMemcpyHostToDevice, stream_));
+  const auto* table = static_cast<const bf16*>(embed_);
+  const int64_t C = config_.hidden_size, V = config_.vocab_size;
+  // A request's first GPU work, in as few API calls as possible (on a host idle before the request
+  // each takes tens of us): up to kEmbedParamIds ids travel in the kernel's parameters, one launch
+  // and no copy; more go through stream-ordered memory.
+  if (n <= kernels::kEmbedParamIds) {
+    KEEP_CUDA_CHECK(kernels::embedding_host_ids(hidden, table, tokens, n, C, V, stream_));
   } else {
-    ids = upload_ints(tokens, static_cast<size_t>(n));
+    int32_t* ids = upload_ints(tokens, static_cast<size_t>(n));
+    KEEP_CUDA_CHECK(kernels::embedding(hidden, table, ids, n, C, V, stream_));
+    release_ints(ids);
   }
-  KEEP_CUDA_CHECK(kernels::embedding(hidden, static_cast<const bf16*>(embed_), ids, n,
-                                     config_.hidden_size, config_.vocab_size, stream_));
-  if (!reserved) release_ints(ids);
   mark(kEmbed);
 }
 

@@ -224,7 +224,6 @@ class CudaBackend final : public Backend {
   kernels::GemmScratch gemm_scratch_;  // in workspace_, zeroed when allocated
   int32_t* scalars_ = nullptr;         // (rows) device ints for argmax results
   float* scalars_f_ = nullptr;         // (rows) device floats for log-probs
-  int32_t* ids_ = nullptr;             // (rows) token ids for embed
 
   // CUDA graphs: instantiated layer loops, keyed by their node count (a decode step and a prefill
   // chunk differ; steps of one kind update the same executable in place).

@@ -63,6 +63,12 @@ cudaError_t swiglu(__nv_bfloat16* out, const __nv_bfloat16* gate, const __nv_bfl
 // rows.
 cudaError_t embedding(float* out, const __nv_bfloat16* table, const int32_t* ids, int64_t n,
                       int64_t hidden, int64_t vocab, cudaStream_t stream);
+// The same with the ids on the host, carried in the kernel's parameters (no copy before the
+// launch: a request's first GPU work is one API call): n <= kEmbedParamIds, else
+// cudaErrorInvalidValue (copy the ids and use the form above).
+constexpr int64_t kEmbedParamIds = 4096;  // 16 KB of parameters (the limit is 32 KB)
+cudaError_t embedding_host_ids(float* out, const __nv_bfloat16* table, const int32_t* host_ids,
+                               int64_t n, int64_t hidden, int64_t vocab, cudaStream_t stream);
 
 // residual (rows, cols) fp32 += float(x) + bias, x (rows, cols) bf16, bias (cols) fp32 or null, in
 // fp32 with no rounding (skipped when x is null); then, unless out is null,

@@ -11,6 +11,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include <cstring>
+
 #include "services/worker/kernels/common.cuh"
 #include "services/worker/kernels/kernels.h"
 
@@ -151,6 +153,36 @@ __global__ void embedding_kernel(float* __restrict__ out,                  // (n
   const int64_t chunks = hidden / W;
   for (int64_t t = blockIdx.x; t < n; t += gridDim.x) {
     const int64_t id = ids[t];
+    const bool in = id >= 0 && id < vocab;
+    float* o = out + t * hidden;
+    const __nv_bfloat16* row = table + (in ? id : 0) * hidden;
+    for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
+      float v[W];
+      if (in) {
+        ld<W>(row + c * W, v);
+      } else {
+#pragma unroll
+        for (int k = 0; k < W; ++k) v[k] = 0.0f;
+      }
+      st<W>(o + c * W, v);
+    }
+  }
+}
+
+// embedding_kernel with the ids in its parameters (embedding_host_ids): kMax of them, n used.
+template <int kMax>
+struct ParamIds {
+  int32_t v[kMax];
+};
+
+template <int W, int kMax>
+__global__ void embedding_param_kernel(float* __restrict__ out,                  // (n, hidden)
+                                       const __nv_bfloat16* __restrict__ table,  // (vocab, hidden)
+                                       const ParamIds<kMax> ids, int64_t n, int64_t hidden,
+                                       int64_t vocab) {
+  const int64_t chunks = hidden / W;
+  for (int64_t t = blockIdx.x; t < n; t += gridDim.x) {
+    const int64_t id = ids.v[t];
     const bool in = id >= 0 && id < vocab;
     float* o = out + t * hidden;
     const __nv_bfloat16* row = table + (in ? id : 0) * hidden;
@@ -683,6 +715,38 @@ cudaError_t embedding(float* out, const __nv_bfloat16* table, const int32_t* ids
         <<<row_blocks(n), threads_for(hidden, 256), 0, stream>>>(out, table, ids, n, hidden, vocab);
   }
   return cudaGetLastError();
+}
+
+namespace {
+template <int kMax>
+cudaError_t launch_embedding_param(float* out, const __nv_bfloat16* table, const int32_t* host_ids,
+                                   int64_t n, int64_t hidden, int64_t vocab, cudaStream_t stream) {
+  ParamIds<kMax> ids;
+  std::memcpy(ids.v, host_ids, static_cast<size_t>(n) * sizeof(int32_t));
+  if (hidden % 8 == 0 && aligned16(out) && aligned16(table)) {
+    embedding_param_kernel<8, kMax><<<row_blocks(n), threads_for(hidden / 8, 256), 0, stream>>>(
+        out, table, ids, n, hidden, vocab);
+  } else {
+    embedding_param_kernel<1, kMax>
+        <<<row_blocks(n), threads_for(hidden, 256), 0, stream>>>(out, table, ids, n, hidden, vocab);
+  }
+  return cudaGetLastError();
+}
+}  // namespace
+
+cudaError_t embedding_host_ids(float* out, const __nv_bfloat16* table, const int32_t* host_ids,
+                               int64_t n, int64_t hidden, int64_t vocab, cudaStream_t stream) {
+  if (n < 0 || hidden < 0 || vocab < 0 || n > kEmbedParamIds) return cudaErrorInvalidValue;
+  if (n == 0 || hidden == 0) return cudaSuccess;
+  if (out == nullptr || host_ids == nullptr || (vocab > 0 && table == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
+  // The smallest parameter block that holds the ids (a decode step's launch carries 64 bytes).
+  if (n <= 16) return launch_embedding_param<16>(out, table, host_ids, n, hidden, vocab, stream);
+  if (n <= 1024) {
+    return launch_embedding_param<1024>(out, table, host_ids, n, hidden, vocab, stream);
+  }
+  return launch_embedding_param<kEmbedParamIds>(out, table, host_ids, n, hidden, vocab, stream);
 }
 
 cudaError_t add_rmsnorm(__nv_bfloat16* out, float* residual, const __nv_bfloat16* x,
