@@ -144,45 +144,23 @@ __device__ __forceinline__ float warp_sum(float v) {
 
 // ---- embedding: bf16 table -> fp32 rows ----
 
-// One block per token (grid-strided); threads stride over the row's W-chunks.
-template <int W>
+// The ids of embedding_host_ids, carried in the kernel's parameters: kMax of them, n used.
+template <int kMax>
+struct ParamIds {
+  int32_t v[kMax];
+  __device__ int32_t operator[](int64_t t) const { return v[t]; }
+};
+
+// One block per token (grid-strided); threads stride over the row's W-chunks. Ids: a device
+// pointer (embedding) or a ParamIds (embedding_host_ids).
+template <int W, typename Ids>
 __global__ void embedding_kernel(float* __restrict__ out,                  // (n, hidden)
                                  const __nv_bfloat16* __restrict__ table,  // (vocab, hidden)
-                                 const int32_t* __restrict__ ids,          // (n)
+                                 const Ids ids,                            // (n)
                                  int64_t n, int64_t hidden, int64_t vocab) {
   const int64_t chunks = hidden / W;
   for (int64_t t = blockIdx.x; t < n; t += gridDim.x) {
     const int64_t id = ids[t];
-    const bool in = id >= 0 && id < vocab;
-    float* o = out + t * hidden;
-    const __nv_bfloat16* row = table + (in ? id : 0) * hidden;
-    for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
-      float v[W];
-      if (in) {
-        ld<W>(row + c * W, v);
-      } else {
-#pragma unroll
-        for (int k = 0; k < W; ++k) v[k] = 0.0f;
-      }
-      st<W>(o + c * W, v);
-    }
-  }
-}
-
-// embedding_kernel with the ids in its parameters (embedding_host_ids): kMax of them, n used.
-template <int kMax>
-struct ParamIds {
-  int32_t v[kMax];
-};
-
-template <int W, int kMax>
-__global__ void embedding_param_kernel(float* __restrict__ out,                  // (n, hidden)
-                                       const __nv_bfloat16* __restrict__ table,  // (vocab, hidden)
-                                       const ParamIds<kMax> ids, int64_t n, int64_t hidden,
-                                       int64_t vocab) {
-  const int64_t chunks = hidden / W;
-  for (int64_t t = blockIdx.x; t < n; t += gridDim.x) {
-    const int64_t id = ids.v[t];
     const bool in = id >= 0 && id < vocab;
     float* o = out + t * hidden;
     const __nv_bfloat16* row = table + (in ? id : 0) * hidden;
@@ -708,10 +686,10 @@ cudaError_t embedding(float* out, const __nv_bfloat16* table, const int32_t* ids
     return cudaErrorInvalidValue;
   }
   if (hidden % 8 == 0 && aligned16(out) && aligned16(table)) {
-    embedding_kernel<8><<<row_blocks(n), threads_for(hidden / 8, 256), 0, stream>>>(
+    embedding_kernel<8, const int32_t*><<<row_blocks(n), threads_for(hidden / 8, 256), 0, stream>>>(
         out, table, ids, n, hidden, vocab);
   } else {
-    embedding_kernel<1>
+    embedding_kernel<1, const int32_t*>
         <<<row_blocks(n), threads_for(hidden, 256), 0, stream>>>(out, table, ids, n, hidden, vocab);
   }
   return cudaGetLastError();
@@ -724,10 +702,10 @@ cudaError_t launch_embedding_param(float* out, const __nv_bfloat16* table, const
   ParamIds<kMax> ids;
   std::memcpy(ids.v, host_ids, static_cast<size_t>(n) * sizeof(int32_t));
   if (hidden % 8 == 0 && aligned16(out) && aligned16(table)) {
-    embedding_param_kernel<8, kMax><<<row_blocks(n), threads_for(hidden / 8, 256), 0, stream>>>(
+    embedding_kernel<8, ParamIds<kMax>><<<row_blocks(n), threads_for(hidden / 8, 256), 0, stream>>>(
         out, table, ids, n, hidden, vocab);
   } else {
-    embedding_param_kernel<1, kMax>
+    embedding_kernel<1, ParamIds<kMax>>
         <<<row_blocks(n), threads_for(hidden, 256), 0, stream>>>(out, table, ids, n, hidden, vocab);
   }
   return cudaGetLastError();
