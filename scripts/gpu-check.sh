@@ -6,7 +6,9 @@
 #   scripts/gpu-check.sh [--bench] [--skip-sanitizer] [build-dir]     (default build-dir: build-gpu)
 #
 # Env: BENCH_SHAPES (the benchmark's model shapes), BENCH_GAP_MS (with --bench: also time isolated
-# requests, that many ms of idle GPU before each prefill), OUT (where results go), PROFILE=1.
+# requests, that many ms of idle GPU before each prefill), OUT (where results go), PROFILE=1,
+# TRACE=1 (with --bench: each shape's 1024-token isolated prefill traced with CUPTI,
+# benchmarks/prefill/trace.sh, results in $OUT/trace-SHAPE).
 #
 # The whole repository is configured when its Debian dependencies are there (boost, zmq, capnp,
 # doctest, ...), and everything is built here. Otherwise -- GPU machines usually lack them and
@@ -132,6 +134,16 @@ if ((bench)) && [[ -x "$bench_bin" ]]; then
     mkdir -p "${OUT:-$build}/isolated"
     OUT="${OUT:-$build}/isolated" GAP_MS="$BENCH_GAP_MS" GRAPHS=off DECODE=0 PROFILE=0 \
       "$root/benchmarks/prefill/run.sh" "$bench_bin" "${shapes[@]}" || mark bench_prefill_isolated
+  fi
+  if [[ "${TRACE:-0}" == 1 ]]; then
+    for s in "${shapes[@]:-qwen2.5-7b qwen2.5-14b}"; do
+      for one in $s; do
+        step "benchmarks/prefill/trace.sh $one (CUPTI)"
+        OUT="${OUT:-$build}/trace-$one" "$root/benchmarks/prefill/trace.sh" "$bench_bin" \
+          --shape "$one" --tokens 1024 --reps 3 --warmup 2 --decode 0 --gap-ms 200 ||
+          mark "trace-$one"
+      done
+    done
   fi
 fi
 

@@ -35,5 +35,10 @@ so="$out/libkernel_trace.so"
 g++ -std=c++17 -O2 -shared -fPIC -DKREC="$krec" -DMREC="$mrec" -I"$inc" -I"$cuda/include" \
   "$here/kernel_trace.cpp" -o "$so" -L"$libdir" -lcupti -Wl,-rpath,"$libdir"
 log="$out/trace-bench.log"
+rm -f "$out/trace.csv"
 CUDA_INJECTION64_PATH="$so" KEEP_TRACE_OUT="$out/trace.csv" "$bin" "${args[@]}" | tee "$log"
+if [[ ! -s "$out/trace.csv" ]]; then
+  echo "trace.sh: $bin wrote no trace to $out/trace.csv (no CUDA work, or CUPTI did not load)" >&2
+  exit 1
+fi
 python3 "$here/trace_summary.py" "$out/trace.csv" "$log"
