@@ -140,7 +140,7 @@ def main():
                   f"{tf:9.1f}", flush=True)
             if out:
                 out.write(json.dumps(dict(engine="hf", shape=a.shape, tokens=n, ttft_ms=med,
-                                          tflops=tf)) + "\n")
+                                          min_ms=min(ms), tflops=tf)) + "\n")
         if a.decode > 0:
             x = ids[:, :a.decode_context]
             per = []

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: KEEP's bench_prefill and the HF transformers baseline for each
-# shape, then the ratios. Usage:
+# shape, then the ratios (summary.py: on the medians, and on HF's minimum beside them). Usage:
 #   benchmarks/prefill/run.sh BENCH_PREFILL_BINARY [shapes...]   (default: qwen2.5-7b qwen2.5-14b)
 # Env: TOKENS (1024,2048,4096), REPS (10), DECODE (64), OUT (the folder for prefill-results.jsonl,
 #      made if missing; /tmp), GRAPHS (both: KEEP also with CUDA graphs; off; on), PROFILE (1:
@@ -31,31 +31,4 @@ for s in "${shapes[@]}"; do
   python3 "$here/hf_prefill.py" --shape "$s" --tokens "$tokens" --reps "$reps" --decode "$decode" \
     --json "$out" --gap-ms "$gap" || exit 1
 done
-python3 - "$out" <<'PY'
-import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1])]
-def find(engine, shape, key, val=None):
-    for x in rows:
-        if x["engine"] == engine and x["shape"] == shape and key in x and (val is None or x[key] == val):
-            return x
-    return None
-print("\nshape          tokens  keep_ms    hf_ms  speedup  keep_TFLOP/s  graphs_ms")
-for r in rows:
-    if r["engine"] != "keep" or "tokens" not in r:
-        continue
-    h = find("hf", r["shape"], "tokens", r["tokens"])
-    ng = find("keep-graphs", r["shape"], "tokens", r["tokens"])
-    if h:
-        print(f"{r['shape']:14s} {r['tokens']:6d} {r['ttft_ms']:8.2f} {h['ttft_ms']:8.2f} "
-              f"{h['ttft_ms'] / r['ttft_ms']:7.2f}x {r['tflops']:10.1f}"
-              + (f"  {ng['ttft_ms']:10.2f}" if ng else ""))
-for r in rows:
-    if r["engine"] == "keep" and "decode_ms_per_token" in r:
-        h = find("hf", r["shape"], "decode_ms_per_token")
-        ng = find("keep-graphs", r["shape"], "decode_ms_per_token")
-        if h:
-            print(f"{r['shape']:14s} decode: keep {1000 / r['decode_ms_per_token']:.1f} tok/s, "
-                  f"hf {1000 / h['decode_ms_per_token']:.1f} tok/s "
-                  f"({h['decode_ms_per_token'] / r['decode_ms_per_token']:.2f}x)"
-                  + (f", keep with graphs {1000 / ng['decode_ms_per_token']:.1f} tok/s" if ng else ""))
-PY
+python3 "$here/summary.py" "$out"
