@@ -4,7 +4,8 @@
 The last prefill runs from the host-to-device copies before the trace's last embedding kernel to
 the trace's end (bench_prefill with --decode 0, as trace.sh runs it). For every kind of kernel it
 prints what the kind adds to the GPU's timeline -- each record's end past the latest end before
-it -- so the figures sum to the prefill's GPU span; "own" is the records' mean duration, which
+it -- so the figures sum to the prefill's GPU span; a product is named with the kernel before it
+("... after attention" is o_proj, "... after gate/up + SwiGLU" down); "own" is the records' mean duration, which
 counts the time a dependent launch waits for the kernel before it. Idle is the span not covered
 by any record. With the bench log, the host's share is the median TTFT less the GPU span.
 """
@@ -65,9 +66,15 @@ def summarize(seg):
     own = collections.defaultdict(list)
     idle = 0
     last = t0
+    before = "start"  # the kernel before: names a product's place in the layer (o_proj, down)
     for r in seg:
         s, e = int(r["start_ns"]), int(r["end_ns"])
         k = kind(r)
+        if r["what"] == "kernel":
+            if k.startswith("product"):
+                k, before = f"{k} after {before.split(' (')[0]}", k
+            else:
+                before = k
         own[k].append(e - s)
         if s > last:
             idle += s - last
@@ -94,7 +101,8 @@ def self_test():
     span, idle, adds, own = summarize(seg)
     assert span == 75 and idle == 4 + 10, (span, idle)
     assert sum(adds.values()) == span, (adds, span)  # an idle gap counts for the record after it
-    assert adds["product, fp32 += (cuBLAS)"] == 40 and adds["add_rmsnorm"] == 0, adds
+    assert adds["product, fp32 += (cuBLAS) after embedding"] == 40, adds
+    assert adds["add_rmsnorm"] == 0, adds
     assert adds["embedding"] == 4 + 5 and adds["qkv_finish"] == 10 + 10, adds
     assert adds["copy to the host"] == 5 and own["embedding"] == [5], (adds, own)
     print("trace_summary.py: self-test passed")
@@ -113,10 +121,10 @@ def main():
     span, idle, adds, own = summarize(seg)
     print(f"\nlast prefill on the GPU: {span / 1e3:.1f} us from its first copy to its last record, "
           f"{len(seg)} records, idle {idle / 1e3:.1f} us")
-    print(f"{'kind':28s} {'adds us':>9s} {'share':>6s} {'count':>6s} {'adds/each':>10s} {'own/each':>9s}")
+    print(f"{'kind':50s} {'adds us':>9s} {'share':>6s} {'count':>6s} {'adds/each':>10s} {'own/each':>9s}")
     for k, v in sorted(adds.items(), key=lambda x: -x[1]):
         n = len(own[k])
-        print(f"{k:28s} {v / 1e3:9.1f} {100 * v / span:5.1f}% {n:6d} {v / 1e3 / n:10.1f} "
+        print(f"{k:50s} {v / 1e3:9.1f} {100 * v / span:5.1f}% {n:6d} {v / 1e3 / n:10.1f} "
               f"{statistics.mean(own[k]) / 1e3:9.1f}")
     if len(sys.argv) > 2:
         for line in open(sys.argv[2]):
