@@ -136,13 +136,12 @@ if ((bench)) && [[ -x "$bench_bin" ]]; then
       "$root/benchmarks/prefill/run.sh" "$bench_bin" "${shapes[@]}" || mark bench_prefill_isolated
   fi
   if [[ "${TRACE:-0}" == 1 ]]; then
-    for s in "${shapes[@]:-qwen2.5-7b qwen2.5-14b}"; do
-      for one in $s; do
-        step "benchmarks/prefill/trace.sh $one (CUPTI)"
-        OUT="${OUT:-$build}/trace-$one" "$root/benchmarks/prefill/trace.sh" "$bench_bin" \
-          --shape "$one" --tokens 1024 --reps 3 --warmup 2 --decode 0 --gap-ms 200 ||
-          mark "trace-$one"
-      done
+    read -ra traced <<<"${BENCH_SHAPES:-qwen2.5-7b qwen2.5-14b}"  # run.sh's default shapes
+    for one in "${traced[@]}"; do
+      step "benchmarks/prefill/trace.sh $one (CUPTI)"
+      OUT="${OUT:-$build}/trace-$one" "$root/benchmarks/prefill/trace.sh" "$bench_bin" \
+        --shape "$one" --tokens 1024 --reps 3 --warmup 2 --decode 0 --gap-ms 200 ||
+        mark "trace-$one"
     done
   fi
 fi
