@@ -5,7 +5,8 @@
 //       [--decode 64] [--decode-context 1024] [--json out.jsonl] [--graphs on|off|both]
 //       [--profile] [--logits f32rows|f32|bf16] [--attention auto|mma|wgmma|wgmma1k|wide]
 //       [--gap-ms G]
-//       [--fused-swiglu-rows R] [--gemm-autotune-rows R] [--own-gemm on|off] [--pdl on|off|ab]
+//       [--fused-swiglu-rows R] [--gemm-autotune-rows R] [--own-gemm on|off|only]
+//       [--pdl on|off|ab]
 //
 // TTFT = wall time of Engine::prefill (embedding, every layer, final norm + lm_head of the last
 // row, logits copied to the host), the prompt in one chunk; median of --reps after --warmup runs.
@@ -18,7 +19,8 @@
 // tensor-core instructions (CudaBackendOptions::prefill_attention); --fused-swiglu-rows sets
 // CudaBackendOptions::fused_swiglu_rows (0: cuBLAS + swiglu_rows always); --gemm-autotune-rows
 // sets CudaBackendOptions::gemm_autotune_rows (0: cuBLAS's default algorithms only); --own-gemm off
-// keeps our own product out of that tuning (CudaBackendOptions::gemm_own_products); --pdl off
+// keeps our own product out of that tuning (CudaBackendOptions::gemm_own_products), --own-gemm
+// only takes it for every product it fits whatever it times (gemm_own_only); --pdl off
 // launches every kernel plainly (kernels::set_dependent_launch), --pdl ab times the prefills with
 // and without programmatic dependent launch in alternation ("keep" and "keep-nopdl").
 // benchmarks/prefill/run.sh runs this and HF transformers (hf_prefill.py) in one go and prints the
@@ -53,7 +55,8 @@ int usage(const char* msg) {
       "usage: bench_prefill --shape NAME --tokens N[,N...] [--reps R] [--warmup W] "
       "[--decode T] [--decode-context N] [--json FILE] [--graphs on|off|both] [--profile]\n"
       "  [--logits f32rows|f32|bf16] [--attention auto|mma|wgmma|wgmma1k|wide] [--gap-ms G]\n"
-      "  [--fused-swiglu-rows R] [--gemm-autotune-rows R] [--own-gemm on|off] [--pdl on|off|ab]\n"
+      "  [--fused-swiglu-rows R] [--gemm-autotune-rows R] [--own-gemm on|off|only]\n"
+      "  [--pdl on|off|ab]\n"
       "  shapes:");
   for (const auto& n : keep::bench::model_shape_names()) std::fprintf(stderr, " %s", n.c_str());
   std::fprintf(stderr, "\n");
@@ -146,13 +149,16 @@ int main(int argc, char** argv) {
     return usage("bad sizes");
   }
   if (graphs != "on" && graphs != "off" && graphs != "both") return usage("--graphs on|off|both");
-  if (own_gemm != "on" && own_gemm != "off") return usage("--own-gemm on|off");
+  if (own_gemm != "on" && own_gemm != "off" && own_gemm != "only") {
+    return usage("--own-gemm on|off|only");
+  }
   if (pdl != "on" && pdl != "off" && pdl != "ab") return usage("--pdl on|off|ab");
   keep::kernels::set_dependent_launch(pdl != "off");
   CudaBackendOptions options;
   options.fused_swiglu_rows = fused_swiglu_rows;
   options.gemm_autotune_rows = gemm_autotune_rows;
-  options.gemm_own_products = own_gemm == "on";
+  options.gemm_own_products = own_gemm != "off";
+  options.gemm_own_only = own_gemm == "only";
   if (logits == "f32rows") {
     options.logits = CudaBackendOptions::Logits::kF32Rows;
   } else if (logits == "f32") {

@@ -563,7 +563,7 @@ Status CudaBackend::reserve(int32_t max_rows, int32_t max_keys) {
   }
   cublasStatus_t st = blas_.init(stream_, blas_ws_, kBlasWorkspace);
   if (st == CUBLAS_STATUS_SUCCESS) st = tuner_.init(stream_, blas_ws_, kBlasWorkspace);
-  if (options_.gemm_own_products) tuner_.use_own_products(gemm_scratch_);
+  if (options_.gemm_own_products) tuner_.use_own_products(gemm_scratch_, options_.gemm_own_only);
   if (st != CUBLAS_STATUS_SUCCESS) {
     return Status(Code::kUnavailable,
                   std::string("cuda backend: cublas: ") + kernels::blas_status_name(st));
@@ -611,7 +611,8 @@ Status CudaBackend::tune_products(int32_t rows) {
       if (j.w == w.w_gate_up && fused_swiglu_ && r >= options_.fused_swiglu_rows) continue;
       kernels::GemmTuner::TuneResult res;
       const cublasStatus_t st =
-          tuner_.tune(blas_.get(), j.shape, r, j.y, j.x, j.w, options_.gemm_autotune_margin, &res);
+          tuner_.tune(blas_.get(), j.shape, r, j.y, j.x, j.w,
+                      options_.gemm_own_only ? -1.0 : options_.gemm_autotune_margin, &res);
       if (st != CUBLAS_STATUS_SUCCESS) {
         return Status(Code::kUnavailable, std::string("cuda backend: gemm autotune (") + j.name +
                                               "): " + kernels::blas_status_name(st));

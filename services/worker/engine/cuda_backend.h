@@ -94,6 +94,10 @@ struct CudaBackendOptions {
   // where whole tiles leave part of the GPU idle) for QKV, o_proj and down where the shape fits
   // (outputs a multiple of 256: Qwen2.5 1.5B and up) and keeps it where it wins the same way.
   bool gemm_own_products = true;
+  // With gemm_own_products: our product for every tuned product it fits, however it times (no
+  // cuBLASLt candidates, no margin): A/B timing of our kernel in the model (bench_prefill
+  // --own-gemm only).
+  bool gemm_own_only = false;
 };
 
 // Where the GPU time goes (CudaBackend::profile): one entry per stage of layer_forward, then
