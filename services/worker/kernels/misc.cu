@@ -10,7 +10,6 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-
 #include <cstring>
 
 #include "services/worker/kernels/common.cuh"
@@ -175,6 +174,29 @@ __global__ void embedding_kernel(float* __restrict__ out,                  // (n
       st<W>(o + c * W, v);
     }
   }
+}
+
+// Both embedding entry points: the vector form where the row width and pointers allow it.
+template <typename Ids>
+cudaError_t launch_embedding(float* out, const __nv_bfloat16* table, const Ids& ids, int64_t n,
+                             int64_t hidden, int64_t vocab, cudaStream_t stream) {
+  if (hidden % 8 == 0 && aligned16(out) && aligned16(table)) {
+    embedding_kernel<8, Ids><<<row_blocks(n), threads_for(hidden / 8, 256), 0, stream>>>(
+        out, table, ids, n, hidden, vocab);
+  } else {
+    embedding_kernel<1, Ids>
+        <<<row_blocks(n), threads_for(hidden, 256), 0, stream>>>(out, table, ids, n, hidden, vocab);
+  }
+  return cudaGetLastError();
+}
+
+// The host's ids copied into the smallest parameter block that holds them.
+template <int kMax>
+cudaError_t launch_embedding_param(float* out, const __nv_bfloat16* table, const int32_t* host_ids,
+                                   int64_t n, int64_t hidden, int64_t vocab, cudaStream_t stream) {
+  ParamIds<kMax> ids;
+  std::memcpy(ids.v, host_ids, static_cast<size_t>(n) * sizeof(int32_t));
+  return launch_embedding(out, table, ids, n, hidden, vocab, stream);
 }
 
 // ---- gather_rows: fp32 rows by index ----
@@ -685,32 +707,8 @@ cudaError_t embedding(float* out, const __nv_bfloat16* table, const int32_t* ids
   if (out == nullptr || ids == nullptr || (vocab > 0 && table == nullptr)) {
     return cudaErrorInvalidValue;
   }
-  if (hidden % 8 == 0 && aligned16(out) && aligned16(table)) {
-    embedding_kernel<8, const int32_t*><<<row_blocks(n), threads_for(hidden / 8, 256), 0, stream>>>(
-        out, table, ids, n, hidden, vocab);
-  } else {
-    embedding_kernel<1, const int32_t*>
-        <<<row_blocks(n), threads_for(hidden, 256), 0, stream>>>(out, table, ids, n, hidden, vocab);
-  }
-  return cudaGetLastError();
+  return launch_embedding(out, table, ids, n, hidden, vocab, stream);
 }
-
-namespace {
-template <int kMax>
-cudaError_t launch_embedding_param(float* out, const __nv_bfloat16* table, const int32_t* host_ids,
-                                   int64_t n, int64_t hidden, int64_t vocab, cudaStream_t stream) {
-  ParamIds<kMax> ids;
-  std::memcpy(ids.v, host_ids, static_cast<size_t>(n) * sizeof(int32_t));
-  if (hidden % 8 == 0 && aligned16(out) && aligned16(table)) {
-    embedding_kernel<8, ParamIds<kMax>><<<row_blocks(n), threads_for(hidden / 8, 256), 0, stream>>>(
-        out, table, ids, n, hidden, vocab);
-  } else {
-    embedding_kernel<1, ParamIds<kMax>>
-        <<<row_blocks(n), threads_for(hidden, 256), 0, stream>>>(out, table, ids, n, hidden, vocab);
-  }
-  return cudaGetLastError();
-}
-}  // namespace
 
 cudaError_t embedding_host_ids(float* out, const __nv_bfloat16* table, const int32_t* host_ids,
                                int64_t n, int64_t hidden, int64_t vocab, cudaStream_t stream) {
