@@ -22,7 +22,9 @@
 // keeps our own product out of that tuning (CudaBackendOptions::gemm_own_products), --own-gemm
 // only takes it for every product it fits whatever it times (gemm_own_only); --pdl off
 // launches every kernel plainly (kernels::set_dependent_launch), --pdl ab times the prefills with
-// and without programmatic dependent launch in alternation ("keep" and "keep-nopdl").
+// and without programmatic dependent launch in alternation ("keep" and "keep-nopdl"). Back to back
+// (--gap-ms 0, the default) a line after each length gives the energy of a prefill from the GPU's
+// energy counter (NVML, where the driver's library loads).
 // benchmarks/prefill/run.sh runs this and HF transformers (hf_prefill.py) in one go and prints the
 // ratios.
 #include <algorithm>
@@ -38,6 +40,9 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <cuda_runtime.h>
+#include <dlfcn.h>
 
 #include "benchmarks/model_shapes.h"
 #include "services/worker/engine/cuda_backend.h"
@@ -82,6 +87,46 @@ double prefill_flops(const ModelConfig& c, int64_t n) {
       4.0 * double(c.head_dim) * double(c.num_heads) * L * (double(n) * (n + 1) / 2);
   return linear + attention + 2.0 * C * double(c.vocab_size);
 }
+
+// The GPU's energy counter (NVML's total energy since the driver loaded, in mJ), through the
+// driver's libnvidia-ml loaded at run time: none where it is missing. Read around the timed
+// prefills; back to back (--gap-ms 0) its difference over the reps is what a prefill costs in
+// energy, the figure a power-capped GPU's speed follows. (Its clock and power readings refresh
+// every ~100 ms on the H200s we use, too coarse for one 40 ms prefill; the counter integrates.)
+class GpuEnergy {
+ public:
+  explicit GpuEnergy(int cuda_device) {
+    lib_ = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (lib_ == nullptr) return;
+    using Init = int (*)();
+    using ByBus = int (*)(const char*, void**);
+    auto init = reinterpret_cast<Init>(dlsym(lib_, "nvmlInit_v2"));
+    auto by_bus = reinterpret_cast<ByBus>(dlsym(lib_, "nvmlDeviceGetHandleByPciBusId_v2"));
+    energy_ = reinterpret_cast<Energy>(dlsym(lib_, "nvmlDeviceGetTotalEnergyConsumption"));
+    char bus[32] = {};
+    if (init == nullptr || by_bus == nullptr || energy_ == nullptr || init() != 0 ||
+        cudaDeviceGetPCIBusId(bus, sizeof(bus), cuda_device) != cudaSuccess ||
+        by_bus(bus, &device_) != 0) {
+      energy_ = nullptr;
+    }
+  }
+  ~GpuEnergy() {
+    if (lib_ != nullptr) dlclose(lib_);
+  }
+  GpuEnergy(const GpuEnergy&) = delete;
+  GpuEnergy& operator=(const GpuEnergy&) = delete;
+  // Millijoules, or -1 where the counter cannot be read.
+  double millijoules() const {
+    unsigned long long mj = 0;
+    return energy_ != nullptr && energy_(device_, &mj) == 0 ? static_cast<double>(mj) : -1.0;
+  }
+
+ private:
+  using Energy = int (*)(void*, unsigned long long*);
+  void* lib_ = nullptr;
+  void* device_ = nullptr;
+  Energy energy_ = nullptr;
+};
 
 std::vector<int64_t> parse_list(const char* s) {
   std::vector<int64_t> out;
@@ -206,13 +251,18 @@ int main(int argc, char** argv) {
   auto& cuda = static_cast<CudaBackend&>(e.backend());
 
   // TTFTs of prefills of n tokens; with --pdl ab, each rep times both settings, in turn first
-  // (ms_off gets the runs without programmatic dependent launch).
+  // (ms_off gets the runs without programmatic dependent launch). Back to back, the energy of the
+  // timed prefills goes to joules (per prefill; -1 where it cannot be read).
   const bool ab = pdl == "ab";
+  const GpuEnergy energy(options.device);
+  double joules = -1.0;
   auto time_prefill = [&](int64_t n, std::vector<double>& ms,
                           std::vector<double>* ms_off = nullptr) -> keep::Status {
     ms.clear();
     if (ms_off != nullptr) ms_off->clear();
+    double mj0 = -1.0;
     for (int r = 0; r < warmup + reps; ++r) {
+      if (r == warmup) mj0 = energy.millijoules();
       for (int pass = 0; pass < (ms_off != nullptr ? 2 : 1); ++pass) {
         const bool off = ms_off != nullptr && (pass + r) % 2 == 1;
         if (ms_off != nullptr) keep::kernels::set_dependent_launch(!off);
@@ -226,6 +276,10 @@ int main(int argc, char** argv) {
       }
     }
     if (ms_off != nullptr) keep::kernels::set_dependent_launch(true);
+    const double mj1 = energy.millijoules();
+    joules = gap_ms == 0 && ms_off == nullptr && mj0 >= 0.0 && mj1 >= mj0
+                 ? (mj1 - mj0) / 1000.0 / static_cast<double>(reps)
+                 : -1.0;
     return keep::Status::ok();
   };
   // Per-token decode time: generate(decode + 1) minus generate(1), medians of 3.
@@ -276,6 +330,10 @@ int main(int argc, char** argv) {
       };
       report(tag, ms);
       if (ab) report(tag + "-nopdl", ms_off);
+      if (joules > 0.0) {
+        std::printf("%-14s %-14s %7lld energy %.2f J a prefill back to back (NVML), %.0f W\n",
+                    shape.c_str(), tag.c_str(), (long long)n, joules, joules / (median(ms) * 1e-3));
+      }
     }
     if (decode > 0) {
       double per_token = 0.0;

@@ -87,6 +87,34 @@ def check_shapes():
         print(f"{name}: {json.dumps(kw)}")
 
 
+class GpuEnergy:
+    """The GPU's energy counter (NVML's total energy since the driver loaded, mJ) through the
+    driver's libnvidia-ml, as bench_prefill reads it; millijoules() is None where it cannot."""
+
+    def __init__(self, torch):
+        import ctypes
+        self.read = None
+        try:
+            lib = ctypes.CDLL("libnvidia-ml.so.1")
+            bus = torch.cuda.get_device_properties(torch.cuda.current_device())
+            bus_id = f"{bus.pci_domain_id:08x}:{bus.pci_bus_id:02x}:{bus.pci_device_id:02x}.0"
+            dev = ctypes.c_void_p()
+            if lib.nvmlInit_v2() != 0 or lib.nvmlDeviceGetHandleByPciBusId_v2(
+                    bus_id.encode(), ctypes.byref(dev)) != 0:
+                return
+            mj = ctypes.c_ulonglong()
+
+            def read():
+                ok = lib.nvmlDeviceGetTotalEnergyConsumption(dev, ctypes.byref(mj)) == 0
+                return float(mj.value) if ok else None
+            self.read = read
+        except (OSError, AttributeError):
+            self.read = None
+
+    def millijoules(self):
+        return self.read() if self.read else None
+
+
 def main():
     if "--check-shapes" in sys.argv[1:]:
         check_shapes()
@@ -119,11 +147,16 @@ def main():
     ids = torch.randint(0, cfg.vocab_size, (1, max(lens + [a.decode_context])), generator=g).cuda()
     print(f"{'shape':14s} {'tokens':>7s} {'ttft_ms':>10s} {'min_ms':>10s} {'tok/s':>10s} "
           f"{'TFLOP/s':>9s}")
+    energy = GpuEnergy(torch)
     with torch.inference_mode():
         for n in lens:
             x = ids[:, :n]
             ms = []
+            mj0 = None
             for r in range(a.warmup + a.reps):
+                if r == a.warmup:
+                    torch.cuda.synchronize()
+                    mj0 = energy.millijoules()
                 torch.cuda.synchronize()
                 if a.gap_ms > 0:
                     time.sleep(a.gap_ms / 1000.0)
@@ -134,10 +167,16 @@ def main():
                 del o
                 if r >= a.warmup:
                     ms.append(ms_r)
+            torch.cuda.synchronize()
+            mj1 = energy.millijoules()
             med = statistics.median(ms)
             tf = flops(cfg, n) / (med * 1e-3) / 1e12
             print(f"{a.shape:14s} {n:7d} {med:10.2f} {min(ms):10.2f} {n / (med * 1e-3):10.0f} "
                   f"{tf:9.1f}", flush=True)
+            if a.gap_ms == 0 and mj0 is not None and mj1 is not None and mj1 >= mj0:
+                j = (mj1 - mj0) / 1000.0 / a.reps  # back to back: the energy of a prefill
+                print(f"{a.shape:14s} {n:7d} energy {j:.2f} J a prefill back to back (NVML), "
+                      f"{j / (med * 1e-3):.0f} W", flush=True)
             if out:
                 out.write(json.dumps(dict(engine="hf", shape=a.shape, tokens=n, ttft_ms=med,
                                           min_ms=min(ms), tflops=tf)) + "\n")
