@@ -324,8 +324,9 @@ int main(int argc, char** argv) {
                     (long long)n, med, least, n / (med * 1e-3), tflops);
         if (out) {
           out << "{\"engine\":\"" << who << "\",\"shape\":\"" << shape << "\",\"tokens\":" << n
-              << ",\"ttft_ms\":" << med << ",\"min_ms\":" << least << ",\"tflops\":" << tflops
-              << "}\n";
+              << ",\"ttft_ms\":" << med << ",\"min_ms\":" << least << ",\"tflops\":" << tflops;
+          if (joules > 0.0 && who == tag) out << ",\"joules\":" << joules;
+          out << "}\n";
         }
       };
       report(tag, ms);

@@ -173,13 +173,14 @@ def main():
             tf = flops(cfg, n) / (med * 1e-3) / 1e12
             print(f"{a.shape:14s} {n:7d} {med:10.2f} {min(ms):10.2f} {n / (med * 1e-3):10.0f} "
                   f"{tf:9.1f}", flush=True)
+            rec = dict(engine="hf", shape=a.shape, tokens=n, ttft_ms=med, min_ms=min(ms), tflops=tf)
             if a.gap_ms == 0 and mj0 is not None and mj1 is not None and mj1 >= mj0:
                 j = (mj1 - mj0) / 1000.0 / a.reps  # back to back: the energy of a prefill
+                rec["joules"] = j
                 print(f"{a.shape:14s} {n:7d} energy {j:.2f} J a prefill back to back (NVML), "
                       f"{j / (med * 1e-3):.0f} W", flush=True)
             if out:
-                out.write(json.dumps(dict(engine="hf", shape=a.shape, tokens=n, ttft_ms=med,
-                                          min_ms=min(ms), tflops=tf)) + "\n")
+                out.write(json.dumps(rec) + "\n")
         if a.decode > 0:
             x = ids[:, :a.decode_context]
             per = []

@@ -2,7 +2,8 @@
 """run.sh's closing table: KEEP against HF per shape and prompt length from prefill-results.jsonl
 (bench_prefill's and hf_prefill.py's lines), the speed-up on the medians and, beside it, HF's
 median and minimum: HF's median on some machines jumps by 5-10 % for a run (Python-side work), so
-a ratio is read with HF's minimum next to it (benchmarks/RESULTS.md, run 20). Then decode.
+a ratio is read with HF's minimum next to it (benchmarks/RESULTS.md, run 20). Then the energy of a
+prefill where both measured it (back to back, NVML), then decode.
 
   summary.py RESULTS_JSONL | --self-test
 """
@@ -35,6 +36,14 @@ def table(rows):
             + f" {r['tflops']:12.1f}"
             + (f"  {ng['ttft_ms']:9.2f}" if ng else ""))
     for r in rows:
+        if r["engine"] != "keep" or "joules" not in r:
+            continue
+        h = find(rows, "hf", r["shape"], "tokens", r["tokens"])
+        if h and "joules" in h:
+            lines.append(
+                f"{r['shape']:14s} {r['tokens']:6d} energy a prefill: keep {r['joules']:.2f} J, "
+                f"hf {h['joules']:.2f} J ({r['joules'] / h['joules']:.2f} of HF's)")
+    for r in rows:
         if r["engine"] == "keep" and "decode_ms_per_token" in r:
             h = find(rows, "hf", r["shape"], "decode_ms_per_token")
             ng = find(rows, "keep-graphs", r["shape"], "decode_ms_per_token")
@@ -49,19 +58,23 @@ def table(rows):
 
 def self_test():
     rows = [
-        {"engine": "keep", "shape": "s", "tokens": 1024, "ttft_ms": 40.0, "min_ms": 39.5, "tflops": 700.0},
-        {"engine": "hf", "shape": "s", "tokens": 1024, "ttft_ms": 64.0, "min_ms": 58.0, "tflops": 450.0},
-        {"engine": "keep", "shape": "s", "tokens": 2048, "ttft_ms": 80.0, "tflops": 700.0},
+        {"engine": "keep", "shape": "s", "tokens": 1024, "ttft_ms": 40.0, "min_ms": 39.5, "tflops": 700.0,
+         "joules": 30.0},
+        {"engine": "hf", "shape": "s", "tokens": 1024, "ttft_ms": 64.0, "min_ms": 58.0, "tflops": 450.0,
+         "joules": 40.0},
+        {"engine": "keep", "shape": "s", "tokens": 2048, "ttft_ms": 80.0, "tflops": 700.0,
+         "joules": 60.0},  # HF's energy missing: no energy line
         {"engine": "hf", "shape": "s", "tokens": 2048, "ttft_ms": 100.0, "tflops": 560.0},  # no min
         {"engine": "keep", "shape": "s", "tokens": 4096, "ttft_ms": 90.0, "tflops": 700.0},  # no HF
         {"engine": "keep", "shape": "s", "decode_ms_per_token": 5.0},
         {"engine": "hf", "shape": "s", "decode_ms_per_token": 20.0},
     ]
     lines = table(rows)
-    assert len(lines) == 4, lines
+    assert len(lines) == 5, lines
     assert "1.600x" in lines[1] and "1.450x" in lines[1] and "58.00" in lines[1], lines[1]
     assert "1.250x" in lines[2] and lines[2].count(" - ") + lines[2].count("-  ") >= 1, lines[2]
-    assert "keep 200.0 tok/s, hf 50.0 tok/s (4.00x)" in lines[3], lines[3]
+    assert "keep 30.00 J, hf 40.00 J (0.75 of HF's)" in lines[3] and "1024" in lines[3], lines[3]
+    assert "keep 200.0 tok/s, hf 50.0 tok/s (4.00x)" in lines[4], lines[4]
     print("summary.py: self-test passed")
 
 
