@@ -5,7 +5,8 @@
 # Env: TOKENS (1024,2048,4096), REPS (10), DECODE (64), OUT (the folder for prefill-results.jsonl,
 #      made if missing; /tmp), GRAPHS (both: KEEP also with CUDA graphs; off; on), PROFILE (1:
 #      per-stage GPU times),
-#      GAP_MS (0: runs back to back; G: the GPU idles G ms before each timed prefill, both engines).
+#      GAP_MS (0: runs back to back, and both engines report the energy of a prefill from the
+#      GPU's energy counter where NVML loads; G: the GPU idles G ms before each timed prefill).
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 bin="$1"
