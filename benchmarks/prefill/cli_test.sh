@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # CTest bench_prefill_cli: bench_prefill and hf_prefill.py refuse a --json path they cannot open
 # with exit status 1, nothing on stdout and one line on stderr naming the path, before any weights
-# are made (so no GPU and no torch are needed), and they create nothing.
+# are made (so no GPU and no torch are needed), and they create nothing; pairings.sh refuses a bad
+# pairing count the same way (exit status 2).
 #
 #   cli_test.sh <bench_prefill>
 set -uo pipefail
@@ -36,4 +37,15 @@ expect_refusal bench_prefill bench_prefill \
   "$bench" --shape qwen2.5-7b --tokens 16 --decode 0 --json "$bad"
 expect_refusal hf_prefill hf_prefill \
   python3 "$here/hf_prefill.py" --shape qwen2.5-7b --tokens 16 --decode 0 --json "$bad"
+# pairings.sh: a pairing count that is not a positive integer is refused with exit status 2 and
+# one line, before anything runs.
+rc=0
+"$here/pairings.sh" "$bench" qwen2.5-7b 0 >"$tmp/out" 2>"$tmp/err" || rc=$?
+if [[ "$rc" -eq 2 && ! -s "$tmp/out" && "$(wc -l <"$tmp/err")" -eq 1 ]] &&
+  grep -q "^pairings.sh: N must be a positive integer" "$tmp/err"; then
+  echo "ok   pairings.sh: $(cat "$tmp/err")"
+else
+  echo "FAIL pairings.sh: exit status $rc; stdout: $(head -c 200 "$tmp/out"); stderr: $(cat "$tmp/err")" >&2
+  failures=$((failures + 1))
+fi
 exit $((failures > 0))

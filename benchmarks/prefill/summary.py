@@ -5,7 +5,11 @@ median and minimum: HF's median on some machines jumps by 5-10 % for a run (Pyth
 a ratio is read with HF's minimum next to it (benchmarks/RESULTS.md, run 20). Then the energy of a
 prefill where both measured it (back to back, NVML), then decode.
 
-  summary.py RESULTS_JSONL | --self-test
+  summary.py RESULTS_JSONL | --pairings RESULTS_JSONL... | --self-test
+
+--pairings: one results file per pairing (pairings.sh runs run.sh that many times); per shape and
+length, each pairing's speed-up on the medians and on HF's minimum, then their median, minimum and
+maximum. A target read off one pairing is read off HF's noise; these say how far it holds.
 """
 import json
 import sys
@@ -56,6 +60,36 @@ def table(rows):
     return lines
 
 
+def pairings(runs):
+    """runs: one list of result rows per pairing. Lines: per (shape, tokens) and pairing, then the
+    spread of the speed-ups."""
+    ratios = {}  # (shape, tokens) -> [(keep_ms, hf_ms, on_medians, on_hf_min or None)]
+    for rows in runs:
+        for r in rows:
+            if r["engine"] != "keep" or "tokens" not in r:
+                continue
+            h = find(rows, "hf", r["shape"], "tokens", r["tokens"])
+            if not h:
+                continue
+            hmin = h.get("min_ms")
+            ratios.setdefault((r["shape"], r["tokens"]), []).append(
+                (r["ttft_ms"], h["ttft_ms"], h["ttft_ms"] / r["ttft_ms"],
+                 hmin / r["ttft_ms"] if hmin is not None else None))
+    lines = []
+    for (shape, tokens), xs in ratios.items():
+        for i, (k, h, on_med, on_min) in enumerate(xs, 1):
+            lines.append(f"{shape:14s} {tokens:6d} pairing {i}: keep {k:.2f} ms, hf {h:.2f} ms, "
+                         f"{on_med:.3f}x" + (f" ({on_min:.3f}x on hf's minimum)" if on_min else ""))
+        meds = sorted(x[2] for x in xs)
+        mins = sorted(x[3] for x in xs if x[3] is not None)
+        line = (f"{shape:14s} {tokens:6d} {len(xs)} pairings: on the medians median "
+                f"{meds[len(meds) // 2]:.3f}x, {meds[0]:.3f}-{meds[-1]:.3f}x")
+        if mins:
+            line += f"; on hf's minimum median {mins[len(mins) // 2]:.3f}x, {mins[0]:.3f}-{mins[-1]:.3f}x"
+        lines.append(line)
+    return lines
+
+
 def self_test():
     rows = [
         {"engine": "keep", "shape": "s", "tokens": 1024, "ttft_ms": 40.0, "min_ms": 39.5, "tflops": 700.0,
@@ -75,12 +109,30 @@ def self_test():
     assert "1.250x" in lines[2] and lines[2].count(" - ") + lines[2].count("-  ") >= 1, lines[2]
     assert "keep 30.00 J, hf 40.00 J (0.75 of HF's)" in lines[3] and "1024" in lines[3], lines[3]
     assert "keep 200.0 tok/s, hf 50.0 tok/s (4.00x)" in lines[4], lines[4]
+    runs = [
+        [{"engine": "keep", "shape": "s", "tokens": 1024, "ttft_ms": 40.0, "tflops": 1.0},
+         {"engine": "hf", "shape": "s", "tokens": 1024, "ttft_ms": 60.0, "min_ms": 58.0, "tflops": 1.0}],
+        [{"engine": "keep", "shape": "s", "tokens": 1024, "ttft_ms": 40.0, "tflops": 1.0},
+         {"engine": "hf", "shape": "s", "tokens": 1024, "ttft_ms": 56.0, "min_ms": 56.0, "tflops": 1.0}],
+        [{"engine": "keep", "shape": "s", "tokens": 1024, "ttft_ms": 50.0, "tflops": 1.0},
+         {"engine": "hf", "shape": "s", "tokens": 1024, "ttft_ms": 80.0, "tflops": 1.0}],  # no min
+    ]
+    lines = pairings(runs)
+    assert len(lines) == 4, lines
+    assert "pairing 1: keep 40.00 ms, hf 60.00 ms, 1.500x (1.450x on hf's minimum)" in lines[0], lines[0]
+    assert "pairing 3:" in lines[2] and "minimum" not in lines[2], lines[2]
+    assert "3 pairings: on the medians median 1.500x, 1.400-1.600x" in lines[3], lines[3]
+    assert "on hf's minimum median 1.450x, 1.400-1.450x" in lines[3], lines[3]
     print("summary.py: self-test passed")
 
 
 def main():
+    if len(sys.argv) >= 3 and sys.argv[1] == "--pairings":
+        runs = [[json.loads(line) for line in open(f) if line.strip()] for f in sys.argv[2:]]
+        print("\n" + "\n".join(pairings(runs)))
+        return
     if len(sys.argv) != 2:
-        sys.exit("usage: summary.py RESULTS_JSONL | --self-test")
+        sys.exit("usage: summary.py RESULTS_JSONL | --pairings RESULTS_JSONL... | --self-test")
     if sys.argv[1] == "--self-test":
         self_test()
         return
