@@ -154,10 +154,9 @@ def main():
             ms = []
             mj0 = None
             for r in range(a.warmup + a.reps):
-                if r == a.warmup:
-                    torch.cuda.synchronize()
-                    mj0 = energy.millijoules()
                 torch.cuda.synchronize()
+                if r == a.warmup:
+                    mj0 = energy.millijoules()
                 if a.gap_ms > 0:
                     time.sleep(a.gap_ms / 1000.0)
                 t = time.perf_counter()
