@@ -222,13 +222,12 @@ __global__ void gather_rows_kernel(float* __restrict__ out,           // (n, col
 
 constexpr int kNormMaxThreads = 512;  // a multiple of 32
 constexpr int kNormMaxWarps = kNormMaxThreads / 32;
-// Blocks per SM the register budget must allow: 4 x 512 threads caps a thread at 32 registers,
-// which the norm-only form holding up to two chunks fits. So 1024 rows of a 7B model (1024 blocks
-// of 224 threads) run in one wave of 9 blocks per SM instead of 1.55 waves of 5 (54 registers):
-// 8.6-9.6 -> 7.7 us per norm on the H200 (ncu); and a 14B row (640 chunks) takes 320 threads of
-// two chunks at 32 registers rather than 160 threads of four at 67 (ncu 12.1 us).
-template <int kHeld, bool kAdd>
-constexpr int kNormMinBlocks = !kAdd && kHeld >= 1 && kHeld <= 2 ? 4 : 1;
+// No register cap: with kHeld > 0 the norm's weights load with the residual, before the sum of
+// squares, so a block's path has one load round trip less (the weights were read after the
+// reduction, which let 32 registers hold the norm-only form and 4 blocks of 512 threads share an
+// SM). Two held chunks now take 54 registers (a 14B row: 3 blocks of 320 threads an SM). H200,
+// 1024 rows with the residual in L2, back to back: 14B 8.3 -> 7.6 us, 7B 5.55 -> 5.4 us
+// (benchmarks/RESULTS.md run 22).
 
 // One block per row (grid-strided over rows). Thread tid owns the W-chunks tid + j * blockDim.x
 // of the row. kHeld > 0: the launcher sized the block so that every chunk is owned with
@@ -238,7 +237,7 @@ constexpr int kNormMinBlocks = !kAdd && kHeld >= 1 && kHeld <= 2 ? 4 : 1;
 // wrote. No thread reads another's residual elements, so only the reduction needs barriers.
 // out may equal x: each thread reads its chunks of x before writing the same chunks of out.
 template <int W, int kHeld, bool kAdd>
-__global__ void __launch_bounds__(kNormMaxThreads, kNormMinBlocks<kHeld, kAdd>)
+__global__ void __launch_bounds__(kNormMaxThreads)
     add_rmsnorm_kernel(__nv_bfloat16* out,                // (rows, cols) or null
                        float* __restrict__ residual,      // (rows, cols)
                        const __nv_bfloat16* x,            // (rows, cols) or null
@@ -258,6 +257,7 @@ __global__ void __launch_bounds__(kNormMaxThreads, kNormMinBlocks<kHeld, kAdd>)
     const __nv_bfloat16* xr = kAdd ? x + r * cols : nullptr;
     float ss = 0.0f;
     float held[kSlots][W];
+    float wt[kSlots][W];  // kHeld > 0: the norm's weights, loaded with the residual
     if constexpr (kHeld > 0) {
       float xs[kSlots][W];
 #pragma unroll
@@ -266,6 +266,7 @@ __global__ void __launch_bounds__(kNormMaxThreads, kNormMinBlocks<kHeld, kAdd>)
         if (c < chunks) {
           ld<W>(res + c * W, held[j]);
           if constexpr (kAdd) ld<W>(xr + c * W, xs[j]);
+          if (out != nullptr) ld<W>(weight + c * W, wt[j]);
         }
       }
 #pragma unroll
@@ -326,11 +327,9 @@ __global__ void __launch_bounds__(kNormMaxThreads, kNormMinBlocks<kHeld, kAdd>)
       for (int j = 0; j < kHeld; ++j) {
         const int64_t c = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
         if (c < chunks) {
-          float w[W];
-          ld<W>(weight + c * W, w);
 #pragma unroll
-          for (int k = 0; k < W; ++k) w[k] = w[k] * (held[j][k] * inv);
-          st<W>(o + c * W, w);
+          for (int k = 0; k < W; ++k) wt[j][k] = wt[j][k] * (held[j][k] * inv);
+          st<W>(o + c * W, wt[j]);
         }
       }
     } else {
