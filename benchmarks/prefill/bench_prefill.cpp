@@ -6,7 +6,7 @@
 //       [--profile] [--logits f32rows|f32|bf16] [--attention auto|mma|wgmma|wgmma1k|wide]
 //       [--gap-ms G]
 //       [--fused-swiglu-rows R] [--gemm-autotune-rows R] [--own-gemm on|off|only]
-//       [--pdl on|off|ab]
+//       [--pdl on|off|ab] [--l2-persist on|off]
 //
 // TTFT = wall time of Engine::prefill (embedding, every layer, final norm + lm_head of the last
 // row, logits copied to the host), the prompt in one chunk; median of --reps after --warmup runs.
@@ -22,7 +22,8 @@
 // keeps our own product out of that tuning (CudaBackendOptions::gemm_own_products), --own-gemm
 // only takes it for every product it fits whatever it times (gemm_own_only); --pdl off
 // launches every kernel plainly (kernels::set_dependent_launch), --pdl ab times the prefills with
-// and without programmatic dependent launch in alternation ("keep" and "keep-nopdl"). Back to back
+// and without programmatic dependent launch in alternation ("keep" and "keep-nopdl"); --l2-persist
+// sets CudaBackendOptions::l2_persist_residual. Back to back
 // (--gap-ms 0, the default) a line after each length gives the energy of a prefill from the GPU's
 // energy counter (NVML, where the driver's library loads).
 // benchmarks/prefill/run.sh runs this and HF transformers (hf_prefill.py) in one go and prints the
@@ -61,7 +62,7 @@ int usage(const char* msg) {
       "[--decode T] [--decode-context N] [--json FILE] [--graphs on|off|both] [--profile]\n"
       "  [--logits f32rows|f32|bf16] [--attention auto|mma|wgmma|wgmma1k|wide] [--gap-ms G]\n"
       "  [--fused-swiglu-rows R] [--gemm-autotune-rows R] [--own-gemm on|off|only]\n"
-      "  [--pdl on|off|ab]\n"
+      "  [--pdl on|off|ab] [--l2-persist on|off]\n"
       "  shapes:");
   for (const auto& n : keep::bench::model_shape_names()) std::fprintf(stderr, " %s", n.c_str());
   std::fprintf(stderr, "\n");
@@ -146,6 +147,7 @@ int main(int argc, char** argv) {
   int fused_swiglu_rows = CudaBackendOptions{}.fused_swiglu_rows;
   int gemm_autotune_rows = CudaBackendOptions{}.gemm_autotune_rows;
   std::string own_gemm = CudaBackendOptions{}.gemm_own_products ? "on" : "off";
+  std::string l2_persist = CudaBackendOptions{}.l2_persist_residual ? "on" : "off";
   std::string pdl = "on";
   int64_t decode_context = 1024;
   for (int i = 1; i < argc; ++i) {
@@ -184,6 +186,8 @@ int main(int argc, char** argv) {
       own_gemm = v;
     else if (!std::strcmp(a, "--pdl") && (v = next()))
       pdl = v;
+    else if (!std::strcmp(a, "--l2-persist") && (v = next()))
+      l2_persist = v;
     else
       return usage((std::string("bad argument: ") + a).c_str());
   }
@@ -198,12 +202,14 @@ int main(int argc, char** argv) {
     return usage("--own-gemm on|off|only");
   }
   if (pdl != "on" && pdl != "off" && pdl != "ab") return usage("--pdl on|off|ab");
+  if (l2_persist != "on" && l2_persist != "off") return usage("--l2-persist on|off");
   keep::kernels::set_dependent_launch(pdl != "off");
   CudaBackendOptions options;
   options.fused_swiglu_rows = fused_swiglu_rows;
   options.gemm_autotune_rows = gemm_autotune_rows;
   options.gemm_own_products = own_gemm != "off";
   options.gemm_own_only = own_gemm == "only";
+  options.l2_persist_residual = l2_persist == "on";
   if (logits == "f32rows") {
     options.logits = CudaBackendOptions::Logits::kF32Rows;
   } else if (logits == "f32") {

@@ -264,6 +264,48 @@ TEST_CASE("CUDA layer API: chunked and token-by-token prefill equal one causal p
   }
 }
 
+// The persisting L2 window over the residual (CudaBackendOptions::l2_persist_residual) is a cache
+// policy only: with and without it, a prefill's logits, generation and cached K are bit-identical,
+// also when an engine's layer calls move to another hidden buffer (the window follows it).
+TEST_CASE("CUDA l2_persist_residual: bit-identical results with and without the window") {
+  const TinyShape& s = kShapes[0];  // no o_proj bias: o_proj and down accumulate into the residual
+  auto w = make_tiny_model(s, 17);
+  const auto tokens = random_tokens(150, s.vocab, 5);
+  GenerateOptions g;
+  g.max_tokens = 6;
+  g.stop_at_eos = false;
+  std::vector<std::vector<float>> logits, k0, moved;
+  std::vector<std::vector<int32_t>> gen;
+  for (const bool persist : {true, false}) {
+    CAPTURE(persist);
+    CudaBackendOptions o;
+    o.l2_persist_residual = persist;
+    auto e = cuda_engine(*w, 256, o);
+    auto cache = KvCache::create(e->backend(), 160);
+    auto lg = e->prefill(*cache, tokens);
+    REQUIRE(lg.is_ok());
+    logits.push_back(*lg);
+    k0.push_back(
+        view_to_host(e->backend(), cache->layer(0).k, tokens.size() * e->config().kv_dim()));
+    auto out = e->generate(tokens, g);
+    REQUIRE(out.is_ok());
+    gen.push_back(*out);
+    // Layer calls on a buffer of the caller's: the first layer's output rows.
+    auto hidden = e->allocate_hidden(40);
+    REQUIRE(hidden.is_ok());
+    REQUIRE(e->embed(*hidden, std::span<const int32_t>(tokens).first(40)).is_ok());
+    auto plan = e->plan(AttentionLayout::causal(40, 0));
+    REQUIRE(plan.is_ok());
+    auto c2 = KvCache::create(e->backend(), 40);
+    REQUIRE(e->prefill_layer(0, *hidden, c2->layer(0), **plan, LayerExtras{}).is_ok());
+    moved.push_back(to_host(e->backend(), hidden->data(), hidden->size()));
+  }
+  CHECK(logits[0] == logits[1]);
+  CHECK(k0[0] == k0[1]);
+  CHECK(gen[0] == gen[1]);
+  CHECK(moved[0] == moved[1]);
+}
+
 TEST_CASE("CUDA layer API: recomputing a subset against loaded KV equals the full prefill") {
   for (const TinyShape& s : kShapes) {
     auto w = make_tiny_model(s, 12);

@@ -238,6 +238,15 @@ Status CudaBackend::init_device() {
   cudaDeviceProp prop{};
   KEEP_RETURN_IF_ERROR(cuda_status(cudaGetDeviceProperties(&prop, options_.device), "properties"));
   device_name_ = prop.name;
+  int persist = 0, window = 0;
+  KEEP_RETURN_IF_ERROR(cuda_status(
+      cudaDeviceGetAttribute(&persist, cudaDevAttrMaxPersistingL2CacheSize, options_.device),
+      "attribute"));
+  KEEP_RETURN_IF_ERROR(cuda_status(
+      cudaDeviceGetAttribute(&window, cudaDevAttrMaxAccessPolicyWindowSize, options_.device),
+      "attribute"));
+  l2_persist_max_ = static_cast<size_t>(persist);
+  l2_window_max_ = static_cast<size_t>(window);
   // Stream-ordered allocations (plans, small index uploads, engine buffers) come from the default
   // pool; keep what it has so a steady state never returns to the driver.
   cudaMemPool_t pool;
@@ -568,6 +577,13 @@ Status CudaBackend::reserve(int32_t max_rows, int32_t max_keys) {
     return Status(Code::kUnavailable,
                   std::string("cuda backend: cublas: ") + kernels::blas_status_name(st));
   }
+  if (options_.l2_persist_residual && l2_persist_max_ > 0) {
+    const size_t want = std::min(l2_persist_max_, R * C * 4);
+    KEEP_RETURN_IF_ERROR(cuda_status(cudaDeviceSetLimit(cudaLimitPersistingL2CacheSize, want),
+                                     "persisting L2 set-aside"));
+    l2_set_aside_ = want;
+    l2_window_ = nullptr;  // the next window's hit ratio follows the new set-aside
+  }
   KEEP_RETURN_IF_ERROR(tune_products(rows));
   reserved_rows_ = rows;
   reserved_keys_ = keys;
@@ -717,6 +733,7 @@ Status CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_i
   const int64_t keep = out.out_rows < 0 ? rows : std::min<int64_t>(out.out_rows, rows);
   const int64_t skip = rows - keep;
   float* res = out.hidden;
+  if (options_.l2_persist_residual) persist_in_l2(res, static_cast<size_t>(rows * C) * 4);
   if (res != hidden_in) {
     KEEP_CUDA_CHECK(
         cudaMemcpyAsync(res, hidden_in, rows * C * 4, cudaMemcpyDeviceToDevice, stream_));
@@ -832,6 +849,25 @@ Status CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_i
   accumulate(res_kept, C, act, I, w.w_down, keep, C, I);
   mark(kDown);
   return Status::ok();
+}
+
+// The stream's L2 access policy: `bytes` from p persisting, as much of it as the set-aside holds
+// (the rest normal). Set again only when the window moves or changes size, and not inside a
+// capture (a later call outside one sets it).
+void CudaBackend::persist_in_l2(const void* p, size_t bytes) {
+  if (l2_set_aside_ == 0 || l2_window_max_ == 0 || capturing_) return;
+  bytes = std::min(bytes, l2_window_max_);
+  if (p == l2_window_ && bytes == l2_window_bytes_) return;
+  cudaStreamAttrValue v{};
+  v.accessPolicyWindow.base_ptr = const_cast<void*>(p);
+  v.accessPolicyWindow.num_bytes = bytes;
+  v.accessPolicyWindow.hitRatio =
+      std::min(1.0f, static_cast<float>(l2_set_aside_) / static_cast<float>(bytes));
+  v.accessPolicyWindow.hitProp = cudaAccessPropertyPersisting;
+  v.accessPolicyWindow.missProp = cudaAccessPropertyNormal;
+  KEEP_CUDA_CHECK(cudaStreamSetAttribute(stream_, cudaStreamAttributeAccessPolicyWindow, &v));
+  l2_window_ = p;
+  l2_window_bytes_ = bytes;
 }
 
 // ---- graphs ----
