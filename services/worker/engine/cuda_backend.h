@@ -101,13 +101,14 @@ struct CudaBackendOptions {
   // Keep a layer call's residual rows (fp32, rows x hidden x 4 bytes: read and written by o_proj's
   // and down's accumulation and read by both norms) in a persisting share of the L2 cache while
   // the weights stream past (cudaAccessPolicyWindow on the stream; reserve() sets aside up to
-  // cudaDevAttrMaxPersistingL2CacheSize, 37.5 MiB of the H200's 60). Without it each norm reads the
-  // whole residual back from DRAM (ncu, 14B at 1024 rows: 21.0 MB a norm; with it 0.03 MB, and
-  // down reads 174 instead of 191 MB). H200, 14B at 1024 tokens: 0.5-1.3 % less energy a prefill
-  // back to back, TTFT 0.04-0.14 ms lower (benchmarks/RESULTS.md run 22). Where the device has no
-  // persisting L2 nothing changes; inside a graph capture the window is not set (a later call
-  // outside one sets it).
-  bool l2_persist_residual = true;
+  // cudaDevAttrMaxPersistingL2CacheSize, 37.5 MiB of the H200's 60). Off by default: it keeps the
+  // residual out of DRAM (ncu, 14B at 1024 rows: a norm reads 0.03 MB from DRAM instead of 21.0,
+  // down 174 MB instead of 191) but the L2 it sets aside costs the products more than that saves
+  // beyond 1024 rows. H200, isolated prefills, on against off: 14B 1024 tokens -0.04 to -0.14 ms
+  // (0.5-1.3 % less energy back to back), 2048 +1.8 %, 4096 +3.3 %; 7B 2048 +0.0-1.1 %
+  // (benchmarks/RESULTS.md runs 13 and 22). Where the device has no persisting L2 nothing changes;
+  // inside a graph capture the window is not set (a later call outside one sets it).
+  bool l2_persist_residual = false;
 };
 
 // Where the GPU time goes (CudaBackend::profile): one entry per stage of layer_forward, then

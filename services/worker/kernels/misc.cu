@@ -226,7 +226,7 @@ constexpr int kNormMaxWarps = kNormMaxThreads / 32;
 // squares, so a block's path has one load round trip less (the weights were read after the
 // reduction, which let 32 registers hold the norm-only form and 4 blocks of 512 threads share an
 // SM). Two held chunks now take 54 registers (a 14B row: 3 blocks of 320 threads an SM). H200,
-// 1024 rows with the residual in L2, back to back: 14B 8.3 -> 7.6 us, 7B 5.55 -> 5.4 us
+// test_kernels (1024 rows, back to back): 14B 7.86 -> 7.53 us, 7B 5.72 -> 5.63 us
 // (benchmarks/RESULTS.md run 22).
 
 // One block per row (grid-strided over rows). Thread tid owns the W-chunks tid + j * blockDim.x
