@@ -161,6 +161,12 @@ CudaBackend::~CudaBackend() {
   if (copies_done_ != nullptr) cudaEventDestroy(copies_done_);
   if (copy_stream_ != nullptr) cudaStreamDestroy(copy_stream_);
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  if (l2_set_aside_ > 0) {
+    // The set-aside is the device's, not the stream's: persisting lines left behind would keep
+    // shrinking the L2 of whatever runs next in this process (RESULTS.md run 13).
+    cudaCtxResetPersistingL2Cache();
+    cudaDeviceSetLimit(cudaLimitPersistingL2CacheSize, 0);
+  }
 }
 
 static const char* logits_name(CudaBackendOptions::Logits l) {

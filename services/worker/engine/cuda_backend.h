@@ -107,7 +107,8 @@ struct CudaBackendOptions {
   // beyond 1024 rows. H200, isolated prefills, on against off: 14B 1024 tokens -0.04 to -0.14 ms
   // (0.5-1.3 % less energy back to back), 2048 +1.8 %, 4096 +3.3 %; 7B 2048 +0.0-1.1 %
   // (benchmarks/RESULTS.md runs 13 and 22). Where the device has no persisting L2 nothing changes;
-  // inside a graph capture the window is not set (a later call outside one sets it).
+  // inside a graph capture the window is not set (a later call outside one sets it). The set-aside
+  // is the process's (one backend with the option at a time); the backend's destructor resets it.
   bool l2_persist_residual = false;
 };
 
