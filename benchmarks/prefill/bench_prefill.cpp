@@ -23,7 +23,8 @@
 // only takes it for every product it fits whatever it times (gemm_own_only); --pdl off
 // launches every kernel plainly (kernels::set_dependent_launch), --pdl ab times the prefills with
 // and without programmatic dependent launch in alternation ("keep" and "keep-nopdl"); --l2-persist
-// sets CudaBackendOptions::l2_persist_residual. Back to back
+// sets CudaBackendOptions::l2_persist_residual. --help prints the options; a bad one is refused in
+// one line on stderr with exit status 2 (benchmarks/prefill/cli_test.sh). Back to back
 // (--gap-ms 0, the default) a line after each length gives the energy of a prefill from the GPU's
 // energy counter (NVML, where the driver's library loads).
 // benchmarks/prefill/run.sh runs this and HF transformers (hf_prefill.py) in one go and prints the
@@ -35,6 +36,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <random>
 #include <sstream>
@@ -54,19 +56,57 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-int usage(const char* msg) {
-  std::fprintf(stderr, "bench_prefill: %s\n", msg);
-  std::fprintf(
-      stderr,
-      "usage: bench_prefill --shape NAME --tokens N[,N...] [--reps R] [--warmup W] "
-      "[--decode T] [--decode-context N] [--json FILE] [--graphs on|off|both] [--profile]\n"
-      "  [--logits f32rows|f32|bf16] [--attention auto|mma|wgmma|wgmma1k|wide] [--gap-ms G]\n"
-      "  [--fused-swiglu-rows R] [--gemm-autotune-rows R] [--own-gemm on|off|only]\n"
-      "  [--pdl on|off|ab] [--l2-persist on|off]\n"
-      "  shapes:");
-  for (const auto& n : keep::bench::model_shape_names()) std::fprintf(stderr, " %s", n.c_str());
-  std::fprintf(stderr, "\n");
+constexpr const char* kUsage =
+    "usage: bench_prefill --shape NAME --tokens N[,N...] [--reps R] [--warmup W] [--decode T]\n"
+    "  [--decode-context N] [--json FILE] [--graphs on|off|both] [--profile]\n"
+    "  [--logits f32rows|f32|bf16] [--attention auto|mma|wgmma|wgmma1k|wide] [--gap-ms G]\n"
+    "  [--fused-swiglu-rows R] [--gemm-autotune-rows R] [--own-gemm on|off|only]\n"
+    "  [--pdl on|off|ab] [--l2-persist on|off]\n";
+
+// A refused command line: one line on stderr, exit status 2.
+int refuse(const std::string& msg) {
+  std::fprintf(stderr, "bench_prefill: %s (--help lists the options)\n", msg.c_str());
   return 2;
+}
+
+// The whole of s as an integer in [lo, hi].
+bool parse_int(const std::string& s, int64_t lo, int64_t hi, int64_t* out) {
+  if (s.empty()) return false;
+  errno = 0;
+  char* end = nullptr;
+  const long long v = std::strtoll(s.c_str(), &end, 10);
+  if (errno != 0 || *end != '\0' || v < lo || v > hi) return false;
+  *out = v;
+  return true;
+}
+
+// One option of the command line: its flag, what its value may be (empty: a switch, no value) and
+// how the value is taken (false: refused).
+struct Option {
+  std::string flag;
+  std::string accepts;
+  std::function<bool(const char*)> take;
+};
+
+template <typename T>
+Option integer_option(const char* flag, int64_t lo, int64_t hi, T* dst) {
+  return {flag, "an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]",
+          [=](const char* v) {
+            int64_t x = 0;
+            if (!parse_int(v, lo, hi, &x)) return false;
+            *dst = static_cast<T>(x);
+            return true;
+          }};
+}
+
+Option choice_option(const char* flag, const std::vector<std::string>& values, std::string* dst) {
+  std::string accepts;
+  for (const auto& v : values) accepts += (accepts.empty() ? "" : "|") + v;
+  return {flag, "one of " + accepts, [=](const char* v) {
+            if (std::find(values.begin(), values.end(), v) == values.end()) return false;
+            *dst = v;
+            return true;
+          }};
 }
 
 int fail(const keep::Status& st) {
@@ -129,12 +169,19 @@ class GpuEnergy {
   Energy energy_ = nullptr;
 };
 
-std::vector<int64_t> parse_list(const char* s) {
-  std::vector<int64_t> out;
+// N[,N...], each in [1, 32768]; false for anything else.
+bool parse_lengths(const char* s, std::vector<int64_t>* out) {
+  std::vector<int64_t> lens;
   std::stringstream ss(s);
   std::string item;
-  while (std::getline(ss, item, ',')) out.push_back(std::atoll(item.c_str()));
-  return out;
+  while (std::getline(ss, item, ',')) {
+    int64_t n = 0;
+    if (!parse_int(item, 1, 32768, &n)) return false;
+    lens.push_back(n);
+  }
+  if (lens.empty() || s[std::strlen(s) - 1] == ',') return false;
+  *out = std::move(lens);
+  return true;
 }
 
 }  // namespace
@@ -150,59 +197,55 @@ int main(int argc, char** argv) {
   std::string l2_persist = CudaBackendOptions{}.l2_persist_residual ? "on" : "off";
   std::string pdl = "on";
   int64_t decode_context = 1024;
+  const std::vector<Option> opts = {
+      choice_option("--shape", keep::bench::model_shape_names(), &shape),
+      {"--tokens", "N[,N...] with each N in [1, 32768]",
+       [&](const char* v) { return parse_lengths(v, &lens); }},
+      integer_option("--reps", 1, 1000000, &reps),
+      integer_option("--warmup", 0, 1000000, &warmup),
+      integer_option("--decode", 0, 32768, &decode),
+      integer_option("--decode-context", 1, 32768, &decode_context),
+      {"--json", "a file name",
+       [&](const char* v) {
+         json = v;
+         return !json.empty();
+       }},
+      choice_option("--graphs", {"on", "off", "both"}, &graphs),
+      {"--profile", "",
+       [&](const char*) {
+         profile = true;
+         return true;
+       }},
+      choice_option("--logits", {"f32rows", "f32", "bf16"}, &logits),
+      choice_option("--attention", {"auto", "mma", "wgmma", "wgmma1k", "wide"}, &attention),
+      integer_option("--gap-ms", 0, 3600000, &gap_ms),
+      integer_option("--fused-swiglu-rows", 0, 1 << 30, &fused_swiglu_rows),
+      integer_option("--gemm-autotune-rows", 0, 1 << 30, &gemm_autotune_rows),
+      choice_option("--own-gemm", {"on", "off", "only"}, &own_gemm),
+      choice_option("--pdl", {"on", "off", "ab"}, &pdl),
+      choice_option("--l2-persist", {"on", "off"}, &l2_persist),
+  };
   for (int i = 1; i < argc; ++i) {
-    auto next = [&]() -> const char* { return i + 1 < argc ? argv[++i] : nullptr; };
-    const char* a = argv[i];
-    const char* v = nullptr;
-    if (!std::strcmp(a, "--shape") && (v = next()))
-      shape = v;
-    else if (!std::strcmp(a, "--tokens") && (v = next()))
-      lens = parse_list(v);
-    else if (!std::strcmp(a, "--reps") && (v = next()))
-      reps = std::atoi(v);
-    else if (!std::strcmp(a, "--warmup") && (v = next()))
-      warmup = std::atoi(v);
-    else if (!std::strcmp(a, "--decode") && (v = next()))
-      decode = std::atoi(v);
-    else if (!std::strcmp(a, "--decode-context") && (v = next()))
-      decode_context = std::atoll(v);
-    else if (!std::strcmp(a, "--json") && (v = next()))
-      json = v;
-    else if (!std::strcmp(a, "--graphs") && (v = next()))
-      graphs = v;
-    else if (!std::strcmp(a, "--profile"))
-      profile = true;
-    else if (!std::strcmp(a, "--logits") && (v = next()))
-      logits = v;
-    else if (!std::strcmp(a, "--attention") && (v = next()))
-      attention = v;
-    else if (!std::strcmp(a, "--gap-ms") && (v = next()))
-      gap_ms = std::atoi(v);
-    else if (!std::strcmp(a, "--fused-swiglu-rows") && (v = next()))
-      fused_swiglu_rows = std::atoi(v);
-    else if (!std::strcmp(a, "--gemm-autotune-rows") && (v = next()))
-      gemm_autotune_rows = std::atoi(v);
-    else if (!std::strcmp(a, "--own-gemm") && (v = next()))
-      own_gemm = v;
-    else if (!std::strcmp(a, "--pdl") && (v = next()))
-      pdl = v;
-    else if (!std::strcmp(a, "--l2-persist") && (v = next()))
-      l2_persist = v;
-    else
-      return usage((std::string("bad argument: ") + a).c_str());
+    const std::string a = argv[i];
+    if (a == "--help" || a == "-h") {
+      std::printf("%s  shapes:", kUsage);
+      for (const auto& n : keep::bench::model_shape_names()) std::printf(" %s", n.c_str());
+      std::printf("\n");
+      return 0;
+    }
+    const auto o =
+        std::find_if(opts.begin(), opts.end(), [&](const Option& x) { return x.flag == a; });
+    if (o == opts.end()) return refuse("unknown argument '" + a + "'");
+    if (o->accepts.empty()) {
+      o->take(nullptr);
+      continue;
+    }
+    if (i + 1 >= argc) return refuse(a + " needs a value: " + o->accepts);
+    const char* v = argv[++i];
+    if (!o->take(v)) return refuse(a + " '" + v + "': not " + o->accepts);
   }
   const auto cfg = keep::bench::model_shape(shape);
-  if (!cfg.is_ok()) return usage(cfg.status().to_string().c_str());
-  if (lens.empty() || reps < 1 || warmup < 0 || decode < 0 || gap_ms < 0 || fused_swiglu_rows < 0 ||
-      gemm_autotune_rows < 0) {
-    return usage("bad sizes");
-  }
-  if (graphs != "on" && graphs != "off" && graphs != "both") return usage("--graphs on|off|both");
-  if (own_gemm != "on" && own_gemm != "off" && own_gemm != "only") {
-    return usage("--own-gemm on|off|only");
-  }
-  if (pdl != "on" && pdl != "off" && pdl != "ab") return usage("--pdl on|off|ab");
-  if (l2_persist != "on" && l2_persist != "off") return usage("--l2-persist on|off");
+  if (!cfg.is_ok()) return fail(cfg.status());
   keep::kernels::set_dependent_launch(pdl != "off");
   CudaBackendOptions options;
   options.fused_swiglu_rows = fused_swiglu_rows;
@@ -214,17 +257,10 @@ int main(int argc, char** argv) {
     options.logits = CudaBackendOptions::Logits::kF32Rows;
   } else if (logits == "f32") {
     options.logits = CudaBackendOptions::Logits::kF32;
-  } else if (logits == "bf16") {
+  } else {  // bf16
     options.logits = CudaBackendOptions::Logits::kBF16;
-  } else {
-    return usage("--logits f32rows|f32|bf16");
   }
-  if (!keep::kernels::parse_prefill_kernel(attention.c_str(), &options.prefill_attention)) {
-    return usage("--attention auto|mma|wgmma|wgmma1k|wide");
-  }
-  for (int64_t n : lens) {
-    if (n < 1 || n > 32768) return usage("--tokens must be in [1, 32768]");
-  }
+  keep::kernels::parse_prefill_kernel(attention.c_str(), &options.prefill_attention);
   const int64_t max_len = std::max(*std::max_element(lens.begin(), lens.end()), decode_context);
   // The results file before the weights: a path that cannot be written fails at once, in one line.
   std::ofstream out;

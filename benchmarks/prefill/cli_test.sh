@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # CTest bench_prefill_cli: bench_prefill and hf_prefill.py refuse a --json path they cannot open
 # with exit status 1, nothing on stdout and one line on stderr naming the path, before any weights
-# are made (so no GPU and no torch are needed), and they create nothing; pairings.sh refuses a bad
-# pairing count the same way (exit status 2).
+# are made (so no GPU and no torch are needed), and they create nothing; bench_prefill refuses a bad
+# option, and pairings.sh a bad pairing count, the same way with exit status 2.
 #
 #   cli_test.sh <bench_prefill>
 set -uo pipefail
@@ -37,6 +37,42 @@ expect_refusal bench_prefill bench_prefill \
   "$bench" --shape qwen2.5-7b --tokens 16 --decode 0 --json "$bad"
 expect_refusal hf_prefill hf_prefill \
   python3 "$here/hf_prefill.py" --shape qwen2.5-7b --tokens 16 --decode 0 --json "$bad"
+# bench_prefill's own options: a bad one is refused before anything else, with exit status 2,
+# nothing on stdout and one line on stderr that names the option and what it takes; --help prints
+# the options on stdout and exits 0.
+expect_bad_option() {  # EXPECTED-SUBSTRING ARGS...
+  local want="$1"
+  shift
+  local rc=0
+  "$bench" "$@" >"$tmp/out" 2>"$tmp/err" || rc=$?
+  if [[ "$rc" -eq 2 && ! -s "$tmp/out" && "$(wc -l <"$tmp/err")" -eq 1 ]] &&
+    grep -qF "bench_prefill: $want" "$tmp/err"; then
+    echo "ok   bench_prefill $*: $(cat "$tmp/err")"
+  else
+    echo "FAIL bench_prefill $*: exit status $rc; stdout: $(head -c 200 "$tmp/out"); stderr: $(cat "$tmp/err")" >&2
+    failures=$((failures + 1))
+  fi
+}
+expect_bad_option "unknown argument '--frobnicate'" --shape qwen2.5-7b --frobnicate
+expect_bad_option "--reps 'abc': not an integer in [1, 1000000]" --reps abc
+expect_bad_option "--reps '0': not an integer" --reps 0
+expect_bad_option "--warmup '-1': not an integer" --warmup -1
+expect_bad_option "--tokens '16,x': not N[,N...]" --tokens 16,x
+expect_bad_option "--tokens '40000': not N[,N...]" --tokens 40000
+expect_bad_option "--tokens '16,': not N[,N...]" --tokens 16,
+expect_bad_option "--graphs 'maybe': not one of on|off|both" --graphs maybe
+expect_bad_option "--shape 'nope': not one of" --shape nope
+expect_bad_option "--reps needs a value" --shape qwen2.5-7b --reps
+expect_bad_option "--json '': not a file name" --json ""
+rc=0
+"$bench" --help >"$tmp/out" 2>"$tmp/err" || rc=$?
+if [[ "$rc" -eq 0 && ! -s "$tmp/err" ]] && grep -q "^usage: bench_prefill" "$tmp/out" &&
+  grep -q "shapes:.*qwen2.5-14b" "$tmp/out"; then
+  echo "ok   bench_prefill --help"
+else
+  echo "FAIL bench_prefill --help: exit status $rc; stderr: $(cat "$tmp/err")" >&2
+  failures=$((failures + 1))
+fi
 # pairings.sh: a pairing count that is not a positive integer is refused with exit status 2 and
 # one line, before anything runs.
 rc=0
