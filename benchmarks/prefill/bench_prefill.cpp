@@ -187,7 +187,8 @@ bool parse_lengths(const char* s, std::vector<int64_t>* out) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string shape = "qwen2.5-7b", json, graphs = "off", logits = "f32rows", attention = "auto";
+  std::string shape = "qwen2.5-7b", json, graphs = "off", logits = "f32rows";
+  keep::kernels::PrefillKernel attention = CudaBackendOptions{}.prefill_attention;
   bool profile = false;
   std::vector<int64_t> lens = {1024, 2048, 4096};
   int reps = 10, warmup = 3, decode = 64, gap_ms = 0;
@@ -217,7 +218,8 @@ int main(int argc, char** argv) {
          return true;
        }},
       choice_option("--logits", {"f32rows", "f32", "bf16"}, &logits),
-      choice_option("--attention", {"auto", "mma", "wgmma", "wgmma1k", "wide"}, &attention),
+      {"--attention", "one of auto|mma|wgmma|wgmma1k|wide",
+       [&](const char* v) { return keep::kernels::parse_prefill_kernel(v, &attention); }},
       integer_option("--gap-ms", 0, 3600000, &gap_ms),
       integer_option("--fused-swiglu-rows", 0, 1 << 30, &fused_swiglu_rows),
       integer_option("--gemm-autotune-rows", 0, 1 << 30, &gemm_autotune_rows),
@@ -260,7 +262,7 @@ int main(int argc, char** argv) {
   } else {  // bf16
     options.logits = CudaBackendOptions::Logits::kBF16;
   }
-  keep::kernels::parse_prefill_kernel(attention.c_str(), &options.prefill_attention);
+  options.prefill_attention = attention;
   const int64_t max_len = std::max(*std::max_element(lens.begin(), lens.end()), decode_context);
   // The results file before the weights: a path that cannot be written fails at once, in one line.
   std::ofstream out;

@@ -40,18 +40,24 @@ expect_refusal hf_prefill hf_prefill \
 # bench_prefill's own options: a bad one is refused before anything else, with exit status 2,
 # nothing on stdout and one line on stderr that names the option and what it takes; --help prints
 # the options on stdout and exits 0.
-expect_bad_option() {  # EXPECTED-SUBSTRING ARGS...
-  local want="$1"
-  shift
+# expect_usage_error NAME LINE-START COMMAND...: COMMAND exits 2 with nothing on stdout and one
+# line on stderr that starts with LINE-START.
+expect_usage_error() {
+  local name="$1" start="$2"
+  shift 2
   local rc=0
-  "$bench" "$@" >"$tmp/out" 2>"$tmp/err" || rc=$?
-  if [[ "$rc" -eq 2 && ! -s "$tmp/out" && "$(wc -l <"$tmp/err")" -eq 1 ]] &&
-    grep -qF "bench_prefill: $want" "$tmp/err"; then
-    echo "ok   bench_prefill $*: $(cat "$tmp/err")"
+  "$@" >"$tmp/out" 2>"$tmp/err" || rc=$?
+  if [[ "$rc" -eq 2 && ! -s "$tmp/out" && "$(wc -l <"$tmp/err")" -eq 1 && "$(cat "$tmp/err")" == "$start"* ]]; then
+    echo "ok   $name: $(cat "$tmp/err")"
   else
-    echo "FAIL bench_prefill $*: exit status $rc; stdout: $(head -c 200 "$tmp/out"); stderr: $(cat "$tmp/err")" >&2
+    echo "FAIL $name: exit status $rc; stdout: $(head -c 200 "$tmp/out"); stderr: $(cat "$tmp/err")" >&2
     failures=$((failures + 1))
   fi
+}
+expect_bad_option() {  # EXPECTED-START (after "bench_prefill: ") ARGS...
+  local want="$1"
+  shift
+  expect_usage_error "bench_prefill $*" "bench_prefill: $want" "$bench" "$@"
 }
 expect_bad_option "unknown argument '--frobnicate'" --shape qwen2.5-7b --frobnicate
 expect_bad_option "--reps 'abc': not an integer in [1, 1000000]" --reps abc
@@ -61,6 +67,7 @@ expect_bad_option "--tokens '16,x': not N[,N...]" --tokens 16,x
 expect_bad_option "--tokens '40000': not N[,N...]" --tokens 40000
 expect_bad_option "--tokens '16,': not N[,N...]" --tokens 16,
 expect_bad_option "--graphs 'maybe': not one of on|off|both" --graphs maybe
+expect_bad_option "--attention 'fast': not one of auto|mma|wgmma|wgmma1k|wide" --attention fast
 expect_bad_option "--shape 'nope': not one of" --shape nope
 expect_bad_option "--reps needs a value" --shape qwen2.5-7b --reps
 expect_bad_option "--json '': not a file name" --json ""
@@ -75,13 +82,6 @@ else
 fi
 # pairings.sh: a pairing count that is not a positive integer is refused with exit status 2 and
 # one line, before anything runs.
-rc=0
-"$here/pairings.sh" "$bench" qwen2.5-7b 0 >"$tmp/out" 2>"$tmp/err" || rc=$?
-if [[ "$rc" -eq 2 && ! -s "$tmp/out" && "$(wc -l <"$tmp/err")" -eq 1 ]] &&
-  grep -q "^pairings.sh: N must be a positive integer" "$tmp/err"; then
-  echo "ok   pairings.sh: $(cat "$tmp/err")"
-else
-  echo "FAIL pairings.sh: exit status $rc; stdout: $(head -c 200 "$tmp/out"); stderr: $(cat "$tmp/err")" >&2
-  failures=$((failures + 1))
-fi
+expect_usage_error pairings.sh "pairings.sh: N must be a positive integer" \
+  "$here/pairings.sh" "$bench" qwen2.5-7b 0
 exit $((failures > 0))
