@@ -21,6 +21,7 @@
 #include "services/worker/engine/cuda_backend.h"
 #include "services/worker/engine/engine.h"
 #include "services/worker/engine/model_weights.h"
+#include "services/worker/kernels/kernels.h"
 #include "tests/engine_fixture.h"
 #include "tests/unit/engine_test_model.h"
 
@@ -420,16 +421,19 @@ TEST_CASE("CUDA out_rows: kept rows' output and all K/V equal the full layer cal
   }
 }
 
-TEST_CASE("CUDA graphs: the captured layer loop gives bit-identical results; profile adds up") {
+TEST_CASE("CUDA graphs: replayed prefill chunks give bit-identical results; profile adds up") {
   const TinyShape& s = kShapes[0];
   auto w = make_tiny_model(s, 16);
   auto backend = CudaBackend::create(*w);
   REQUIRE(backend.is_ok());
   CudaBackend& cuda = **backend;
+  CHECK(CudaBackendOptions{}.graphs);  // on by default
   auto engine = Engine::create(std::move(backend).value(), 64);
   REQUIRE(engine.is_ok());
   Engine& e = **engine;
-  const auto prompt = random_tokens(150, s.vocab, 8);  // 3 chunks of 64: graphs of two shapes
+  // Chunks of 64, 64 and 22 rows: the first two are kept on their second run (the second after
+  // 64 cached tokens), the last runs launch by launch.
+  const auto prompt = random_tokens(150, s.vocab, 8);
   GenerateOptions g;
   g.max_tokens = 10;
   g.stop_at_eos = false;
@@ -438,37 +442,51 @@ TEST_CASE("CUDA graphs: the captured layer loop gives bit-identical results; pro
   for (const bool graphs : {true, false, true}) {
     cuda.set_graphs(graphs);
     auto cache = KvCache::create(e.backend(), 160);
-    auto lg = e.prefill(*cache, prompt);
-    REQUIRE(lg.is_ok());
-    logits.push_back(*lg);
+    const uint64_t replays = cuda.replays();
+    for (int run = 0; run < 3; ++run) {  // seen, recorded, replayed
+      cache->set_size(0);
+      auto lg = e.prefill(*cache, prompt);
+      REQUIRE(lg.is_ok());
+      logits.push_back(*lg);
+    }
+    CHECK(cuda.replays() - replays == (graphs ? 2u : 0u));
     auto out = e.generate(prompt, g);
     REQUIRE(out.is_ok());
     gen.push_back(*out);
   }
-  CHECK(logits[0] == logits[1]);
-  CHECK(logits[2] == logits[1]);
+  for (const auto& l : logits) CHECK(l == logits[3]);
   CHECK(gen[0] == gen[1]);
   CHECK(gen[2] == gen[1]);
 
-  // With graphs off a plan uploads its arrays at its first use, which a capture cannot hold: a
-  // layer loop captured after graphs were turned on refuses that plan, and it works once they are
-  // off again.
+  // A plan uploads its arrays at its first use, which a capture cannot hold: a captured layer loop
+  // refuses a plan not prepared (Backend::prepare), and takes it once prepared; outside a capture
+  // it works either way.
   {
-    cuda.set_graphs(false);
+    cuda.set_graphs(true);
     auto cache = KvCache::create(e.backend(), 16);
     auto hidden = e.allocate_hidden(8);
     REQUIRE(hidden.is_ok());
     REQUIRE(e.embed(*hidden, std::span<const int32_t>(prompt).first(8)).is_ok());
     auto plan = e.plan(AttentionLayout::causal(8, 0));
     REQUIRE(plan.is_ok());
-    cuda.set_graphs(true);
     {
       Backend::Capture capture(e.backend());
       const keep::Status st = e.prefill_layer(0, *hidden, cache->layer(0), **plan, LayerExtras{});
       CHECK(st.code() == keep::Code::kInternal);
     }
-    cuda.set_graphs(false);
-    CHECK(e.prefill_layer(0, *hidden, cache->layer(0), **plan, LayerExtras{}).is_ok());
+    auto ref = e.allocate_hidden(8);
+    REQUIRE(ref.is_ok());
+    e.backend().copy_on_device(ref->data(), hidden->data(), 8 * e.config().hidden_size);
+    REQUIRE(e.backend().prepare(**plan).is_ok());
+    {
+      Backend::Capture capture(e.backend());
+      CHECK(e.prefill_layer(0, *hidden, cache->layer(0), **plan, LayerExtras{}).is_ok());
+      capture.finish();
+    }
+    // The same layer launch by launch on the same input: the same output, bit for bit.
+    CHECK(e.prefill_layer(0, *ref, cache->layer(0), **plan, LayerExtras{}).is_ok());
+    const size_t n = 8 * static_cast<size_t>(e.config().hidden_size);
+    CHECK(to_host(e.backend(), hidden->data(), n) == to_host(e.backend(), ref->data(), n));
   }
 
   // Profiling: every stage of every layer call is timed once per call, and the prefill's embedding,
@@ -491,6 +509,124 @@ TEST_CASE("CUDA graphs: the captured layer loop gives bit-identical results; pro
     CHECK(t.ms >= 0.0);
   }
   CHECK(total > 0.0);
+}
+
+// A prefill chunk of a recurring key (cache, size before it, length, last or not) runs launch by
+// launch the first time, is recorded and kept the second, and from the third replays the kept
+// sequence with the new tokens embedded: bit for bit what an eager prefill of those tokens gives
+// (logits and every layer's K/V). Another key is another sequence; at most Engine::kKeptPrefills
+// are kept; a moved workspace, graphs off or another dependent-launch setting make the backend
+// refuse the replay, and the engine runs the chunk afresh.
+TEST_CASE("CUDA graphs: a recurring prefill replays its kept sequence with new tokens") {
+  TinyShape s = kShapes[1];
+  s.layers = Engine::kKeptSplitLayer + 2;  // the first layer, then the kept sequence's two parts
+  auto w = make_tiny_model(s, 17);
+  auto backend = CudaBackend::create(*w);
+  REQUIRE(backend.is_ok());
+  CudaBackend& cuda = **backend;
+  auto engine = Engine::create(std::move(backend).value(), 128);
+  REQUIRE(engine.is_ok());
+  Engine& e = **engine;
+  const ModelConfig& c = e.config();
+  const int32_t n = 100;  // one chunk, >= Engine::kKeptMinRows
+  REQUIRE(n >= Engine::kKeptMinRows);
+  const auto t1 = random_tokens(n, s.vocab, 21);
+  const auto t2 = random_tokens(n, s.vocab, 22);
+  const size_t kv_elems = static_cast<size_t>(n) * c.kv_dim();
+  auto kv_of = [&](const KvCache& cache) {
+    std::vector<std::vector<float>> kv;
+    for (int32_t l = 0; l < c.num_layers; ++l) {
+      kv.push_back(view_to_host(e.backend(), cache.layer(l).k, kv_elems));
+      kv.push_back(view_to_host(e.backend(), cache.layer(l).v, kv_elems));
+    }
+    return kv;
+  };
+  // Eager references: t1's logits, t2's logits and K/V.
+  cuda.set_graphs(false);
+  auto eager = KvCache::create(e.backend(), 2 * n);
+  REQUIRE(eager.is_ok());
+  auto ref1 = e.prefill(*eager, t1);
+  REQUIRE(ref1.is_ok());
+  eager->set_size(0);
+  auto ref2 = e.prefill(*eager, t2);
+  REQUIRE(ref2.is_ok());
+  const auto ref2_kv = kv_of(*eager);
+  eager->set_size(0);
+  REQUIRE(e.prefill(*eager, t2).is_ok());
+  CHECK(e.kept_prefills() == 0);  // graphs off: nothing recorded, nothing kept
+  CHECK(cuda.kept_sequences() == 0);
+
+  cuda.set_graphs(true);
+  auto cache = KvCache::create(e.backend(), 2 * n);
+  REQUIRE(cache.is_ok());
+  auto run = [&](KvCache& kc, int32_t past, const std::vector<int32_t>& t) {
+    kc.set_size(past);
+    auto r = e.prefill(kc, std::span<const int32_t>(t).first(static_cast<size_t>(n - past)));
+    REQUIRE_MESSAGE(r.is_ok(), r.status().to_string());
+    return *r;
+  };
+  CHECK(run(*cache, 0, t1) == *ref1);  // first sighting: launch by launch
+  CHECK(e.kept_prefills() == 0);
+  CHECK(run(*cache, 0, t1) == *ref1);  // second: recorded and kept
+  CHECK(e.kept_prefills() == 1);
+  CHECK(cuda.kept_sequences() == 1);
+  CHECK(cuda.replays() == 0);
+  CHECK(run(*cache, 0, t2) == *ref2);  // third: replayed with t2's embedding
+  CHECK(cuda.replays() == 1);
+  CHECK(cuda.kept_sequences() == 1);
+  CHECK(kv_of(*cache) == ref2_kv);
+  // Another cache is another key, even of the same shape; so is another size before the chunk.
+  auto other = KvCache::create(e.backend(), 2 * n);
+  REQUIRE(other.is_ok());
+  CHECK(run(*other, 0, t2) == *ref2);
+  CHECK(run(*other, 0, t2) == *ref2);
+  CHECK(run(*cache, 10, t2) == run(*cache, 10, t2));
+  CHECK(cuda.replays() == 1);
+  CHECK(e.kept_prefills() == 3);
+  CHECK(cuda.kept_sequences() == 3);
+  // More keys than are kept: the least recently used go, on both sides.
+  for (int32_t past = 1; past <= 3; ++past) {
+    run(*cache, past, t1);
+    run(*cache, past, t1);
+  }
+  CHECK(e.kept_prefills() == Engine::kKeptPrefills);
+  CHECK(cuda.kept_sequences() == Engine::kKeptPrefills);
+  CHECK(cuda.replays() == 1);
+  // (cache, 0, n) was the least recently used: run twice more before it replays again.
+  CHECK(run(*cache, 0, t1) == *ref1);
+  CHECK(run(*cache, 0, t1) == *ref1);
+  CHECK(cuda.replays() == 1);
+  CHECK(run(*cache, 0, t2) == *ref2);
+  CHECK(cuda.replays() == 2);
+
+  // A workspace moved by reserve() drops every kept sequence: the chunk runs afresh.
+  REQUIRE(cuda.reserve(e.max_rows() * 2, 4 * n).is_ok());
+  CHECK(cuda.kept_sequences() == 0);
+  CHECK(run(*cache, 0, t2) == *ref2);
+  CHECK(run(*cache, 0, t2) == *ref2);
+  CHECK(cuda.kept_sequences() == 1);
+  CHECK(run(*cache, 0, t2) == *ref2);
+  CHECK(cuda.replays() == 3);
+  CHECK(kv_of(*cache) == ref2_kv);
+  // Under another dependent-launch setting, and with graphs off, the kept sequence is not
+  // replayed (the chunk runs launch by launch) but stays kept: back as it was recorded, it replays.
+  keep::kernels::set_dependent_launch(false);
+  const auto nopdl = run(*cache, 0, t2);
+  keep::kernels::set_dependent_launch(true);
+  CHECK(nopdl == *ref2);
+  cuda.set_graphs(false);
+  CHECK(run(*cache, 0, t2) == *ref2);
+  CHECK(run(*cache, 0, t2) == *ref2);
+  CHECK(cuda.replays() == 3);
+  CHECK(cuda.kept_sequences() == 1);
+  cuda.set_graphs(true);
+  CHECK(run(*cache, 0, t1) == *ref1);
+  CHECK(cuda.replays() == 4);
+  // Profiling times every launch: no replay while it is on.
+  cuda.set_profiling(true);
+  CHECK(run(*cache, 0, t2) == *ref2);
+  cuda.set_profiling(false);
+  CHECK(cuda.replays() == 4);
 }
 
 TEST_CASE("CUDA: batched candidate scoring equals scoring each candidate by a full prefill") {

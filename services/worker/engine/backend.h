@@ -137,6 +137,12 @@ class Backend {
   int32_t reserved_keys() const { return reserved_keys_; }
   // `layout` must have passed validate().
   virtual Result<std::unique_ptr<AttentionPlan>> plan(const AttentionLayout& layout) = 0;
+  // Makes a plan's device form now rather than at its first use, so that a capture can use it
+  // (begin_capture: no planning inside one). Default: nothing to make.
+  virtual Status prepare(const AttentionPlan& plan) {
+    (void)plan;
+    return Status::ok();
+  }
 
   // ---- launchers (outputs first) ----
   // hidden (n, C) = embed[tokens[i]]; tokens (host) already range-checked.
@@ -176,6 +182,31 @@ class Backend {
   // what was recorded (an error stopped the sequence). Default: launches run as called.
   virtual void begin_capture() {}
   virtual void end_capture(bool run) { (void)run; }
+  // Kept sequences, for a sequence that will recur with the same arguments (a prefill chunk of a
+  // recurring shape into the same buffers): end_capture_kept() runs the recorded sequence as
+  // end_capture(true) does and keeps it, returning a handle (> 0) for replay(); 0 when nothing was
+  // recorded (no capture was open: the launches already ran). A kept sequence holds the pointers,
+  // sizes and plan it was recorded with, so the caller replays it only where those are unchanged,
+  // the plan still alive. kept_state(): kReplayable, or kNotNow while the backend would not
+  // capture (graphs off, profiling) or runs another dependent-launch setting than the sequence was
+  // recorded under (it stays kept), or kGone for a handle dropped or unknown (reserve() moving the
+  // workspace drops them all). replay() runs a kReplayable one again (anything else: a bug).
+  // drop_kept() releases one; the backend's destruction, all.
+  enum class KeptState : uint8_t { kReplayable, kNotNow, kGone };
+  virtual uint64_t end_capture_kept() {
+    end_capture(true);
+    return 0;
+  }
+  virtual KeptState kept_state(uint64_t handle) const {
+    (void)handle;
+    return KeptState::kGone;
+  }
+  virtual void replay(uint64_t handle) { (void)handle; }
+  virtual void drop_kept(uint64_t handle) { (void)handle; }
+  // Inside a capture: the recorded sequence may be cut here into parts that run one after
+  // another, so that the GPU starts on the first while the host still submits the next (a
+  // graph's launch costs host time per node). No effect outside a capture.
+  virtual void capture_split() {}
 
   // begin_capture() on construction; finish() runs the sequence; leaving scope without finish()
   // (an early error return) drops it.
@@ -188,6 +219,11 @@ class Backend {
     void finish() {
       open_ = false;
       b_.end_capture(true);
+    }
+    // finish(), keeping the sequence: Backend::end_capture_kept's handle (0: none kept).
+    uint64_t finish_kept() {
+      open_ = false;
+      return b_.end_capture_kept();
     }
     Capture(const Capture&) = delete;
     Capture& operator=(const Capture&) = delete;

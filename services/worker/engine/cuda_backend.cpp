@@ -50,8 +50,8 @@ void free_pool_floats(float* p) { cudaFreeAsync(p, nullptr); }
 // array the kernels read. The block is made at the plan's first use (upload(), from layer_forward
 // after the QKV product's launch), not when the plan is: the host then builds the schedule and
 // uploads while the GPU runs the first norm and product, which in an isolated 14B request of 1024
-// tokens start 50-85 us earlier (benchmarks/RESULTS.md, run 20). With graphs on, plan() uploads
-// (a capture cannot).
+// tokens start 50-85 us earlier (benchmarks/RESULTS.md, run 20). A plan that a capture will use is
+// uploaded before it, by prepare() (a capture cannot upload).
 class CudaPlan final : public AttentionPlan {
  public:
   CudaPlan(AttentionLayout layout, cudaStream_t stream, bool prefill_kernel)
@@ -151,6 +151,7 @@ CudaBackend::CudaBackend(const ModelConfig& config, const CudaBackendOptions& op
 CudaBackend::~CudaBackend() {
   if (stream_ != nullptr) cudaStreamSynchronize(stream_);
   for (auto& e : graph_execs_) cudaGraphExecDestroy(e.second);
+  drop_all_kept();
   for (cudaEvent_t e : events_) cudaEventDestroy(e);
   blas_ = kernels::BlasHandle();
   cudaFree(workspace_);
@@ -550,6 +551,7 @@ Status CudaBackend::reserve(int32_t max_rows, int32_t max_keys) {
   const size_t scratch_bytes = kernels::wgmma_available() ? kernels::gemm_wgmma_scratch_bytes() : 0;
   const size_t o_gemm = take(scratch_bytes);
   synchronize();
+  drop_all_kept();  // they point into the workspace and at the old cuBLAS handle's
   blas_ = kernels::BlasHandle();
   cudaFree(workspace_);
   workspace_ = nullptr;
@@ -657,9 +659,12 @@ Status CudaBackend::tune_products(int32_t rows) {
 
 Result<std::unique_ptr<AttentionPlan>> CudaBackend::plan(const AttentionLayout& layout) {
   auto p = std::make_unique<CudaPlan>(layout, stream_, layout.num_rows() > options_.decode_rows);
-  // A captured layer loop may not upload: with graphs on, the block is made now.
-  if (options_.graphs) KEEP_RETURN_IF_ERROR(p->upload());
   return std::unique_ptr<AttentionPlan>(std::move(p));
+}
+
+Status CudaBackend::prepare(const AttentionPlan& plan) {
+  KEEP_CHECK(!capturing_);
+  return static_cast<const CudaPlan&>(plan).upload();
 }
 
 // ---- launchers ----
@@ -778,10 +783,10 @@ Status CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_i
   }
   mark(kQkv);
   if (!plan.uploaded()) {
-    // Not inside a capture (plan() uploads when graphs are on; graphs turned on after it: refused).
+    // Not inside a capture: a plan a capture uses is prepared before it (Backend::prepare).
     if (capturing_) {
       return Status(Code::kInternal,
-                    "cuda backend: a plan made with graphs off, used in a captured layer loop");
+                    "cuda backend: a plan used in a captured layer loop before prepare()");
     }
     KEEP_RETURN_IF_ERROR(plan.upload());
   }
@@ -890,6 +895,17 @@ void CudaBackend::end_capture(bool run) {
   capturing_ = false;
   cudaGraph_t graph = nullptr;
   KEEP_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+  // Parts cut off by capture_split() run (or are dropped) first, each instantiated for this run.
+  for (cudaGraph_t g : captured_parts_) {
+    if (run) {
+      cudaGraphExec_t exec = nullptr;
+      KEEP_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+      KEEP_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
+      cudaGraphExecDestroy(exec);  // freed once the launch completes
+    }
+    cudaGraphDestroy(g);
+  }
+  captured_parts_.clear();
   if (!run) {
     cudaGraphDestroy(graph);
     return;
@@ -915,6 +931,73 @@ void CudaBackend::end_capture(bool run) {
   }
   KEEP_CUDA_CHECK(cudaGraphLaunch(it->second, stream_));
   KEEP_CUDA_CHECK(cudaGraphDestroy(graph));
+}
+
+uint64_t CudaBackend::end_capture_kept() {
+  if (!capturing_) return 0;
+  capturing_ = false;
+  cudaGraph_t last = nullptr;
+  KEEP_CUDA_CHECK(cudaStreamEndCapture(stream_, &last));
+  captured_parts_.push_back(last);
+  Kept k;
+  k.handle = ++next_kept_;
+  k.dependent_launch = kernels::dependent_launch();
+  // Each part is launched as soon as it is instantiated, so the GPU starts on the first while the
+  // next ones are instantiated.
+  for (cudaGraph_t g : captured_parts_) {
+    cudaGraphExec_t exec = nullptr;
+    KEEP_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+    KEEP_CUDA_CHECK(cudaGraphDestroy(g));
+    KEEP_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
+    k.parts.push_back(exec);
+  }
+  captured_parts_.clear();
+  kept_.push_back(std::move(k));
+  return kept_.back().handle;
+}
+
+void CudaBackend::capture_split() {
+  if (!capturing_) return;
+  cudaGraph_t g = nullptr;
+  KEEP_CUDA_CHECK(cudaStreamEndCapture(stream_, &g));
+  captured_parts_.push_back(g);
+  KEEP_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+}
+
+Backend::KeptState CudaBackend::kept_state(uint64_t handle) const {
+  for (const Kept& k : kept_) {
+    if (k.handle != handle) continue;
+    const bool now = options_.graphs && !profiling_ && !capturing_ &&
+                     k.dependent_launch == kernels::dependent_launch();
+    return now ? KeptState::kReplayable : KeptState::kNotNow;
+  }
+  return KeptState::kGone;
+}
+
+void CudaBackend::replay(uint64_t handle) {
+  KEEP_CHECK(kept_state(handle) == KeptState::kReplayable);
+  for (const Kept& k : kept_) {
+    if (k.handle != handle) continue;
+    for (cudaGraphExec_t exec : k.parts) KEEP_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
+    ++replays_;
+    return;
+  }
+}
+
+void CudaBackend::drop_kept(uint64_t handle) {
+  for (size_t i = 0; i < kept_.size(); ++i) {
+    if (kept_[i].handle != handle) continue;
+    for (cudaGraphExec_t exec : kept_[i].parts) cudaGraphExecDestroy(exec);
+    kept_.erase(kept_.begin() + static_cast<std::ptrdiff_t>(i));
+    return;
+  }
+}
+
+void CudaBackend::drop_all_kept() {
+  for (const Kept& k : kept_) {
+    for (cudaGraphExec_t exec : k.parts) cudaGraphExecDestroy(exec);
+  }
+  kept_.clear();
 }
 
 // ---- profiling ----

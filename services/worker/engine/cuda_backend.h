@@ -57,14 +57,16 @@ struct CudaBackendOptions {
   // the H200 (Qwen2.5-7B products) gemv wins at 1 and 2 rows (o_proj 10.3 vs 16.7 us, QKV 12.1 vs
   // 17.8, gate|up 68.9 vs 77.3, down 41.7 vs 44.6 at one row) and loses from 4.
   int32_t gemv_rows = 2;
-  // Capture layer loops (Backend::begin_capture) into CUDA graphs: one launch per loop instead of
-  // ~11 per layer; a graph is re-instantiated only when the loop's topology changes, otherwise
-  // updated in place (cudaGraphExecUpdate) with the new pointers and sizes. Off by default: the
-  // loop is re-captured on every call, and nothing runs until the capture ends, so the capture's
-  // CPU time no longer overlaps the GPU's work. Measured on the H200 (Qwen2.5-7B shapes): prefill
-  // of 1024 tokens 23.50 ms with vs 22.85 ms without, decode 5.85 vs 5.48 ms/token
-  // (benchmarks/RESULTS.md). Graphs pay once a step can be replayed without capturing again.
-  bool graphs = false;
+  // CUDA graphs for recurring prefill chunks (Engine::prefill: a chunk of 64 rows or more whose
+  // key -- cache, size before it, length -- comes again is recorded on its second run and replayed
+  // from its third: its first layer kernel by kernel, the others as two graph launches, instead of
+  // ~10 launches a layer). Everything else runs kernel by kernel either way. On the H200, isolated
+  // 1024-token prefills of Qwen2.5-14B, the two in alternation in one process: 37.69 / 37.70 ms
+  // replayed against 38.12 / 37.99 kernel by kernel (benchmarks/RESULTS.md run 23). A layer loop
+  // captured through Backend::Capture::finish() (not kept) is captured again on every call and
+  // updated into an instantiated graph of the same topology; that never paid (run 3), and the
+  // engine no longer does it.
+  bool graphs = true;
   // The tiled prefill attention kernel (kernels.h PrefillKernel): kAuto = wgmma on Hopper (an
   // sm_90a build; one K buffer and three blocks an SM for launches of kPrefillOneKMinBlocksPerSm
   // blocks an SM or more, the two-warpgroup kernel from kPrefillWideMinKeys keys on), mma.sync
@@ -149,6 +151,7 @@ class CudaBackend final : public Backend {
 
   Status reserve(int32_t max_rows, int32_t max_keys) override;
   Result<std::unique_ptr<AttentionPlan>> plan(const AttentionLayout& layout) override;
+  Status prepare(const AttentionPlan& plan) override;
 
   void embed(float* hidden, const int32_t* tokens, int32_t n) override;
   Status layer_forward(const LayerOutputs& out, const float* hidden_in, int32_t layer,
@@ -168,6 +171,13 @@ class CudaBackend final : public Backend {
 
   void begin_capture() override;
   void end_capture(bool run) override;
+  uint64_t end_capture_kept() override;
+  KeptState kept_state(uint64_t handle) const override;
+  void replay(uint64_t handle) override;
+  void drop_kept(uint64_t handle) override;
+  void capture_split() override;
+  size_t kept_sequences() const { return kept_.size(); }
+  uint64_t replays() const { return replays_; }  // kept sequences run again since creation
 
   // Profiling: while on, layer_forward records a CUDA event after each stage (and captures are not
   // made into graphs, so every launch is timed on its own). profile() waits for the stream, returns
@@ -245,6 +255,18 @@ class CudaBackend final : public Backend {
   // chunk differ; steps of one kind update the same executable in place).
   bool capturing_ = false;
   std::vector<std::pair<size_t, cudaGraphExec_t>> graph_execs_;
+  // Kept sequences (end_capture_kept): handle, executable, and the dependent-launch setting they
+  // were recorded under. Dropped when reserve() moves the workspace.
+  struct Kept {
+    uint64_t handle = 0;
+    std::vector<cudaGraphExec_t> parts;  // launched in order
+    bool dependent_launch = true;
+  };
+  std::vector<cudaGraph_t> captured_parts_;  // the open capture's parts before capture_split()s
+  std::vector<Kept> kept_;
+  uint64_t next_kept_ = 0;
+  uint64_t replays_ = 0;
+  void drop_all_kept();
 
   // l2_persist_residual: the device's limits (0: none), the set-aside reserve() asked for, and the
   // window the stream has now.

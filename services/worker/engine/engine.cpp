@@ -1,6 +1,7 @@
 #include "services/worker/engine/engine.h"
 
 #include <algorithm>
+#include <atomic>
 #include <string>
 
 namespace keep::engine {
@@ -71,7 +72,9 @@ float* KvView::v_f32() const {
 Result<KvCache> KvCache::create(Backend& backend, int32_t capacity) {
   if (capacity <= 0) return invalid("kv cache: capacity must be positive");
   const ModelConfig& c = backend.config();
+  static std::atomic<uint64_t> next_id{0};
   KvCache cache;
+  cache.id_ = ++next_id;
   cache.capacity_ = capacity;
   cache.type_ = backend.kv_type();
   // DeviceBuffers count floats: a bf16 view takes half as many.
@@ -227,25 +230,84 @@ Result<int32_t> Engine::run_prefill(KvCache& cache, std::span<const int32_t> tok
                    std::to_string(cache.capacity()));
   }
   int32_t last_row = 0;
-  const int32_t layers = config().num_layers;
   for (size_t a = 0; a < tokens.size(); a += static_cast<size_t>(max_rows_)) {
     const auto n = static_cast<int32_t>(std::min<size_t>(max_rows_, tokens.size() - a));
     const bool last_chunk = a + static_cast<size_t>(n) == tokens.size();
     KEEP_RETURN_IF_ERROR(embed(hidden_, tokens.subspan(a, n)));
-    KEEP_ASSIGN_OR_RETURN(auto p, plan(AttentionLayout::causal(n, cache.size())));
-    // The last layer's output matters for the last token only: earlier chunks need just its K/V.
-    LayerExtras last_layer;
-    last_layer.out_rows = last_chunk ? 1 : 0;
-    Backend::Capture capture(*backend_);  // the layer loop as one CUDA graph where supported
-    for (int32_t l = 0; l < layers; ++l) {
-      KEEP_RETURN_IF_ERROR(prefill_layer(l, hidden_, cache.layer(l), *p,
-                                         l + 1 == layers ? last_layer : LayerExtras{}));
-    }
-    capture.finish();
+    KEEP_RETURN_IF_ERROR(prefill_chunk(cache, n, last_chunk));
     cache.set_size(cache.size() + n);
     last_row = n - 1;
   }
   return last_row;
+}
+
+Status Engine::prefill_chunk(KvCache& cache, int32_t n, bool last_chunk) {
+  const ChunkKey key{cache.id(), cache.size(), n, last_chunk, hidden_.data()};
+  // Chunks of kKeptMinRows rows or more: replayed where kept; recorded and kept when seen before;
+  // otherwise run kernel by kernel and remembered as seen. Shorter ones (decode steps, whose key
+  // moves with every token) run kernel by kernel.
+  bool record = false;
+  KeptPrefill* kept = nullptr;
+  if (n >= kKeptMinRows && config().num_layers > 1) {  // one layer: nothing to keep past the first
+    auto hit = std::find_if(kept_.begin(), kept_.end(),
+                            [&](const KeptPrefill& k) { return k.key == key; });
+    const Backend::KeptState state =
+        hit != kept_.end() ? backend_->kept_state(hit->handle) : Backend::KeptState::kGone;
+    if (state == Backend::KeptState::kReplayable) {
+      std::rotate(hit, hit + 1, kept_.end());  // most recently used last
+      kept = &kept_.back();
+    } else if (state == Backend::KeptState::kGone) {
+      if (hit != kept_.end()) kept_.erase(hit);  // dropped on the backend's side
+      auto seen = std::find(seen_.begin(), seen_.end(), key);
+      if (seen != seen_.end()) {
+        seen_.erase(seen);
+        record = true;
+      } else {
+        if (seen_.size() == kSeenPrefills) seen_.erase(seen_.begin());
+        seen_.push_back(key);
+      }
+    }
+    // Otherwise kept but not replayable under the backend's present settings: run as it is.
+  }
+  std::unique_ptr<AttentionPlan> fresh;
+  if (kept == nullptr) {
+    KEEP_ASSIGN_OR_RETURN(fresh, plan(AttentionLayout::causal(n, key.past)));
+  }
+  const AttentionPlan& p = kept != nullptr ? *kept->plan : *fresh;
+  // The last layer's output matters for the last token only: earlier chunks need just its K/V.
+  LayerExtras last_layer;
+  last_layer.out_rows = last_chunk ? 1 : 0;
+  const int32_t layers = config().num_layers;
+  auto run_layers = [&](int32_t from, int32_t to) -> Status {
+    for (int32_t l = from; l < to; ++l) {
+      KEEP_RETURN_IF_ERROR(prefill_layer(l, hidden_, cache.layer(l), p,
+                                         l + 1 == layers ? last_layer : LayerExtras{}));
+      if (record && l + 1 == kKeptSplitLayer) backend_->capture_split();
+    }
+    return Status::ok();
+  };
+  if (kept == nullptr && !record) return run_layers(0, layers);  // kernel by kernel
+  // A kept chunk: the first layer kernel by kernel, the others as the kept sequence, in two parts
+  // (layers 1 to kKeptSplitLayer - 1, then the rest). A graph's launch costs the host time per node
+  // (~0.7 ms for a 14B model's 48 layers on the H200's host after an idle gap, ~0.12 ms for one
+  // layer): the GPU starts on the first layer at once, and runs it and the small first part while
+  // the host submits the large one (benchmarks/RESULTS.md run 23).
+  KEEP_RETURN_IF_ERROR(run_layers(0, 1));
+  if (kept != nullptr) {
+    backend_->replay(kept->handle);
+    return Status::ok();
+  }
+  KEEP_RETURN_IF_ERROR(backend_->prepare(p));  // no planning inside the capture
+  Backend::Capture capture(*backend_);  // layers 1.. as CUDA graphs where the backend keeps them
+  KEEP_RETURN_IF_ERROR(run_layers(1, layers));
+  const uint64_t handle = capture.finish_kept();
+  if (handle == 0) return Status::ok();  // the backend keeps nothing (graphs off): it ran
+  if (kept_.size() == kKeptPrefills) {
+    backend_->drop_kept(kept_.front().handle);
+    kept_.erase(kept_.begin());
+  }
+  kept_.push_back(KeptPrefill{key, std::move(fresh), handle});
+  return Status::ok();
 }
 
 Result<std::vector<float>> Engine::prefill(KvCache& cache, std::span<const int32_t> tokens) {
@@ -335,11 +397,9 @@ Result<std::vector<CandidateScore>> Engine::score_candidates(
   KEEP_RETURN_IF_ERROR(ensure_rows(rows));
   KEEP_RETURN_IF_ERROR(embed(hidden_, tokens));
   KEEP_ASSIGN_OR_RETURN(auto pl, plan(layout));
-  Backend::Capture capture(*backend_);
   for (int32_t l = 0; l < config().num_layers; ++l) {
     KEEP_RETURN_IF_ERROR(prefill_layer(l, hidden_, cache.layer(l), *pl));
   }
-  capture.finish();
   // Rows predicting candidate tokens 1..len-1 are the rows of tokens 0..len-2; their log-probs are
   // taken on the backend, kLogitRows rows at a time.
   for (const auto& c : candidates) {
