@@ -132,7 +132,7 @@ if ((bench)) && [[ -x "$bench_bin" ]]; then
   if [[ -n "${BENCH_GAP_MS:-}" ]]; then
     step "benchmarks/prefill, isolated requests (GAP_MS=$BENCH_GAP_MS)"
     mkdir -p "${OUT:-$build}/isolated"
-    OUT="${OUT:-$build}/isolated" GAP_MS="$BENCH_GAP_MS" GRAPHS=off DECODE=0 PROFILE=0 \
+    OUT="${OUT:-$build}/isolated" GAP_MS="$BENCH_GAP_MS" GRAPHS=both DECODE=0 PROFILE=0 \
       "$root/benchmarks/prefill/run.sh" "$bench_bin" "${shapes[@]}" || mark bench_prefill_isolated
   fi
   if [[ "${TRACE:-0}" == 1 ]]; then
@@ -140,7 +140,7 @@ if ((bench)) && [[ -x "$bench_bin" ]]; then
     for one in "${traced[@]}"; do
       step "benchmarks/prefill/trace.sh $one (CUPTI)"
       OUT="${OUT:-$build}/trace-$one" "$root/benchmarks/prefill/trace.sh" "$bench_bin" \
-        --shape "$one" --tokens 1024 --reps 3 --warmup 2 --decode 0 --gap-ms 200 ||
+        --shape "$one" --tokens 1024 --reps 3 --warmup 2 --decode 0 --gap-ms 200 --graphs on ||
         mark "trace-$one"
     done
   fi

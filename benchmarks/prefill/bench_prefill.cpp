@@ -2,7 +2,7 @@
 // CUDA backend, random bf16 weights of a real model's shape made on the GPU.
 //
 //   build/bin/bench_prefill --shape qwen2.5-7b --tokens 1024,2048,4096 [--reps 10] [--warmup 3]
-//       [--decode 64] [--decode-context 1024] [--json out.jsonl] [--graphs on|off|both]
+//       [--decode 64] [--decode-context 1024] [--json out.jsonl] [--graphs both|on|off|ab]
 //       [--profile] [--logits f32rows|f32|bf16] [--attention auto|mma|wgmma|wgmma1k|wide]
 //       [--gap-ms G]
 //       [--fused-swiglu-rows R] [--gemm-autotune-rows R] [--own-gemm on|off|only]
@@ -13,9 +13,12 @@
 // --gap-ms G leaves the GPU idle for G ms before each run: a planner's request arrives after the
 // agent acted, not back to back (back to back, an H200 at its 700 W limit lowers its clocks).
 // Decode: greedy generation of --decode tokens after a --decode-context prompt, minus the same
-// prompt's one-token generation, per token. --graphs both also times everything with each layer
-// loop captured into a CUDA graph (CudaBackendOptions::graphs); --profile prints the GPU time of
-// each stage of the layers (CudaBackend::profile); --attention picks the prefill attention's
+// prompt's one-token generation, per token. --graphs both (the default) times everything launch
+// by launch ("keep") and then with CUDA graphs on (CudaBackendOptions::graphs, "keep-graphs": the
+// timed prefills, whose shape recurs, replay from their third run, warm-up included); on and off
+// time one of them, ab the two in alternation within each rep (give it 2 warm-up runs or more);
+// --profile prints the GPU time of each stage of the layers (CudaBackend::profile, launch by
+// launch); --attention picks the prefill attention's
 // tensor-core instructions (CudaBackendOptions::prefill_attention); --fused-swiglu-rows sets
 // CudaBackendOptions::fused_swiglu_rows (0: cuBLAS + swiglu_rows always); --gemm-autotune-rows
 // sets CudaBackendOptions::gemm_autotune_rows (0: cuBLAS's default algorithms only); --own-gemm off
@@ -58,7 +61,7 @@ namespace {
 
 constexpr const char* kUsage =
     "usage: bench_prefill --shape NAME --tokens N[,N...] [--reps R] [--warmup W] [--decode T]\n"
-    "  [--decode-context N] [--json FILE] [--graphs on|off|both] [--profile]\n"
+    "  [--decode-context N] [--json FILE] [--graphs both|on|off|ab] [--profile]\n"
     "  [--logits f32rows|f32|bf16] [--attention auto|mma|wgmma|wgmma1k|wide] [--gap-ms G]\n"
     "  [--fused-swiglu-rows R] [--gemm-autotune-rows R] [--own-gemm on|off|only]\n"
     "  [--pdl on|off|ab] [--l2-persist on|off]\n";
@@ -187,7 +190,7 @@ bool parse_lengths(const char* s, std::vector<int64_t>* out) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string shape = "qwen2.5-7b", json, graphs = "off", logits = "f32rows";
+  std::string shape = "qwen2.5-7b", json, graphs = "both", logits = "f32rows";
   keep::kernels::PrefillKernel attention = CudaBackendOptions{}.prefill_attention;
   bool profile = false;
   std::vector<int64_t> lens = {1024, 2048, 4096};
@@ -211,7 +214,7 @@ int main(int argc, char** argv) {
          json = v;
          return !json.empty();
        }},
-      choice_option("--graphs", {"on", "off", "both"}, &graphs),
+      choice_option("--graphs", {"both", "on", "off", "ab"}, &graphs),
       {"--profile", "",
        [&](const char*) {
          profile = true;
@@ -246,6 +249,7 @@ int main(int argc, char** argv) {
     const char* v = argv[++i];
     if (!o->take(v)) return refuse(a + " '" + v + "': not " + o->accepts);
   }
+  if (pdl == "ab" && graphs == "ab") return refuse("--pdl ab and --graphs ab: one A/B at a time");
   const auto cfg = keep::bench::model_shape(shape);
   if (!cfg.is_ok()) return fail(cfg.status());
   keep::kernels::set_dependent_launch(pdl != "off");
@@ -294,10 +298,15 @@ int main(int argc, char** argv) {
 
   auto& cuda = static_cast<CudaBackend&>(e.backend());
 
-  // TTFTs of prefills of n tokens; with --pdl ab, each rep times both settings, in turn first
-  // (ms_off gets the runs without programmatic dependent launch). Back to back, the energy of the
-  // timed prefills goes to joules (per prefill; -1 where it cannot be read).
-  const bool ab = pdl == "ab";
+  // TTFTs of prefills of n tokens; with --pdl ab or --graphs ab, each rep times both settings, in
+  // turn first (ms_off gets the runs without programmatic dependent launch, or without graphs).
+  // Back to back, the energy of the timed prefills goes to joules (per prefill; -1 where it cannot
+  // be read).
+  const bool ab = pdl == "ab" || graphs == "ab";
+  auto set_b = [&](bool on) {
+    if (pdl == "ab") keep::kernels::set_dependent_launch(on);
+    if (graphs == "ab") cuda.set_graphs(on);
+  };
   const GpuEnergy energy(options.device);
   double joules = -1.0;
   auto time_prefill = [&](int64_t n, std::vector<double>& ms,
@@ -309,7 +318,7 @@ int main(int argc, char** argv) {
       if (r == warmup) mj0 = energy.millijoules();
       for (int pass = 0; pass < (ms_off != nullptr ? 2 : 1); ++pass) {
         const bool off = ms_off != nullptr && (pass + r) % 2 == 1;
-        if (ms_off != nullptr) keep::kernels::set_dependent_launch(!off);
+        if (ms_off != nullptr) set_b(!off);
         cache->set_size(0);
         if (gap_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(gap_ms));
         const auto t0 = Clock::now();
@@ -319,7 +328,7 @@ int main(int argc, char** argv) {
         if (r >= warmup) (off ? *ms_off : ms).push_back(t);
       }
     }
-    if (ms_off != nullptr) keep::kernels::set_dependent_launch(true);
+    if (ms_off != nullptr) set_b(true);
     const double mj1 = energy.millijoules();
     joules = gap_ms == 0 && ms_off == nullptr && mj0 >= 0.0 && mj1 >= mj0
                  ? (mj1 - mj0) / 1000.0 / static_cast<double>(reps)
@@ -348,9 +357,11 @@ int main(int argc, char** argv) {
     return keep::Status::ok();
   };
 
-  // The backend's default (graphs off) is "keep"; --graphs on|both times "keep-graphs".
+  // Launch by launch (graphs off) is "keep"; graphs on (the backend's default: a prefill whose
+  // shape recurs, as every timed one here does, replays as CUDA graphs from its third run) is
+  // "keep-graphs". --graphs ab times both in alternation in one mode ("keep-graphs" and "keep").
   std::vector<bool> modes;
-  if (graphs != "on") modes.push_back(false);
+  if (graphs == "off" || graphs == "both") modes.push_back(false);
   if (graphs != "off") modes.push_back(true);
   for (bool on : modes) {
     cuda.set_graphs(on);
@@ -374,7 +385,7 @@ int main(int argc, char** argv) {
         }
       };
       report(tag, ms);
-      if (ab) report(tag + "-nopdl", ms_off);
+      if (ab) report(graphs == "ab" ? std::string("keep") : tag + "-nopdl", ms_off);
       if (joules > 0.0) {
         std::printf("%-14s %-14s %7lld energy %.2f J a prefill back to back (NVML), %.0f W\n",
                     shape.c_str(), tag.c_str(), (long long)n, joules, joules / (median(ms) * 1e-3));

@@ -66,7 +66,8 @@ expect_bad_option "--warmup '-1': not an integer" --warmup -1
 expect_bad_option "--tokens '16,x': not N[,N...]" --tokens 16,x
 expect_bad_option "--tokens '40000': not N[,N...]" --tokens 40000
 expect_bad_option "--tokens '16,': not N[,N...]" --tokens 16,
-expect_bad_option "--graphs 'maybe': not one of on|off|both" --graphs maybe
+expect_bad_option "--graphs 'maybe': not one of both|on|off|ab" --graphs maybe
+expect_bad_option "--pdl ab and --graphs ab: one A/B at a time" --shape qwen2.5-7b --pdl ab --graphs ab
 expect_bad_option "--attention 'fast': not one of auto|mma|wgmma|wgmma1k|wide" --attention fast
 expect_bad_option "--shape 'nope': not one of" --shape nope
 expect_bad_option "--reps needs a value" --shape qwen2.5-7b --reps

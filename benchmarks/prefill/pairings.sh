@@ -5,7 +5,8 @@
 # read off several pairings, not one (benchmarks/RESULTS.md runs 20-21). Usage:
 #   benchmarks/prefill/pairings.sh BENCH_PREFILL_BINARY SHAPE [N]        (N: 5)
 # Env: as run.sh, with isolated requests of 1024 tokens by default here (TOKENS 1024, REPS 15,
-# DECODE 0, GRAPHS off, GAP_MS 200); OUT (the pairings' folders go under it; /tmp).
+# DECODE 0, GRAPHS both: KEEP launch by launch and with graphs replayed, GAP_MS 200); OUT (the
+# pairings' folders go under it; /tmp).
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 if [[ $# -lt 2 || $# -gt 3 ]]; then
@@ -23,7 +24,7 @@ base="${OUT:-/tmp}/pairings-$shape"
 files=()
 for i in $(seq 1 "$n"); do
   echo "== pairing $i of $n ($(date +%T))"
-  TOKENS="${TOKENS:-1024}" REPS="${REPS:-15}" DECODE="${DECODE:-0}" GRAPHS="${GRAPHS:-off}" \
+  TOKENS="${TOKENS:-1024}" REPS="${REPS:-15}" DECODE="${DECODE:-0}" GRAPHS="${GRAPHS:-both}" \
     GAP_MS="${GAP_MS:-200}" OUT="$base/$i" "$here/run.sh" "$bin" "$shape" || exit 1
   files+=("$base/$i/prefill-results.jsonl")
 done

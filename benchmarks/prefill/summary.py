@@ -61,28 +61,29 @@ def table(rows):
 
 
 def pairings(runs):
-    """runs: one list of result rows per pairing. Lines: per (shape, tokens) and pairing, then the
-    spread of the speed-ups."""
-    ratios = {}  # (shape, tokens) -> [(keep_ms, hf_ms, on_medians, on_hf_min or None)]
+    """runs: one list of result rows per pairing. Lines: per KEEP engine (keep: launch by launch;
+    keep-graphs: a recurring prefill replayed as CUDA graphs), shape and tokens, each pairing, then
+    the spread of the speed-ups."""
+    ratios = {}  # (engine, shape, tokens) -> [(keep_ms, hf_ms, on_medians, on_hf_min or None)]
     for rows in runs:
         for r in rows:
-            if r["engine"] != "keep" or "tokens" not in r:
+            if r["engine"] not in ("keep", "keep-graphs") or "tokens" not in r:
                 continue
             h = find(rows, "hf", r["shape"], "tokens", r["tokens"])
             if not h:
                 continue
             hmin = h.get("min_ms")
-            ratios.setdefault((r["shape"], r["tokens"]), []).append(
+            ratios.setdefault((r["engine"], r["shape"], r["tokens"]), []).append(
                 (r["ttft_ms"], h["ttft_ms"], h["ttft_ms"] / r["ttft_ms"],
                  hmin / r["ttft_ms"] if hmin is not None else None))
     lines = []
-    for (shape, tokens), xs in ratios.items():
+    for (engine, shape, tokens), xs in ratios.items():
         for i, (k, h, on_med, on_min) in enumerate(xs, 1):
-            lines.append(f"{shape:14s} {tokens:6d} pairing {i}: keep {k:.2f} ms, hf {h:.2f} ms, "
+            lines.append(f"{shape:14s} {tokens:6d} pairing {i}: {engine} {k:.2f} ms, hf {h:.2f} ms, "
                          f"{on_med:.3f}x" + (f" ({on_min:.3f}x on hf's minimum)" if on_min else ""))
         meds = sorted(x[2] for x in xs)
         mins = sorted(x[3] for x in xs if x[3] is not None)
-        line = (f"{shape:14s} {tokens:6d} {len(xs)} pairings: on the medians median "
+        line = (f"{shape:14s} {tokens:6d} {engine}, {len(xs)} pairings: on the medians median "
                 f"{meds[len(meds) // 2]:.3f}x, {meds[0]:.3f}-{meds[-1]:.3f}x")
         if mins:
             line += f"; on hf's minimum median {mins[len(mins) // 2]:.3f}x, {mins[0]:.3f}-{mins[-1]:.3f}x"
@@ -117,12 +118,16 @@ def self_test():
         [{"engine": "keep", "shape": "s", "tokens": 1024, "ttft_ms": 50.0, "tflops": 1.0},
          {"engine": "hf", "shape": "s", "tokens": 1024, "ttft_ms": 80.0, "tflops": 1.0}],  # no min
     ]
+    runs[0].append({"engine": "keep-graphs", "shape": "s", "tokens": 1024, "ttft_ms": 30.0,
+                    "tflops": 1.0})
     lines = pairings(runs)
-    assert len(lines) == 4, lines
+    assert len(lines) == 6, lines
     assert "pairing 1: keep 40.00 ms, hf 60.00 ms, 1.500x (1.450x on hf's minimum)" in lines[0], lines[0]
     assert "pairing 3:" in lines[2] and "minimum" not in lines[2], lines[2]
     assert "3 pairings: on the medians median 1.500x, 1.400-1.600x" in lines[3], lines[3]
     assert "on hf's minimum median 1.450x, 1.400-1.450x" in lines[3], lines[3]
+    assert "pairing 1: keep-graphs 30.00 ms, hf 60.00 ms, 2.000x (1.933x on hf's minimum)" in lines[4], lines[4]
+    assert "keep-graphs, 1 pairings: on the medians median 2.000x" in lines[5], lines[5]
     print("summary.py: self-test passed")
 
 

@@ -7,16 +7,17 @@
 # less the GPU's span from the first copy to the last). No CUDA events, so no profile overhead.
 # On the GPU machine:
 #   benchmarks/prefill/trace.sh BENCH_PREFILL_BINARY [bench_prefill args]
-#   (default args: --shape qwen2.5-14b --tokens 1024 --reps 3 --warmup 2 --decode 0 --gap-ms 200;
-#   keep --decode 0 and one --tokens value: the summary takes the trace's last embedding as the
-#   start of the last timed prefill)
+#   (default args: --shape qwen2.5-14b --tokens 1024 --reps 3 --warmup 2 --decode 0 --gap-ms 200
+#   --graphs on; keep --decode 0, one --tokens value and one --graphs mode (on or off): the summary
+#   takes the trace's last embedding as the start of the last timed prefill)
 # Env: OUT (folder for trace.csv; /tmp).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 bin="$1"
 shift
 args=("$@")
-((${#args[@]})) || args=(--shape qwen2.5-14b --tokens 1024 --reps 3 --warmup 2 --decode 0 --gap-ms 200)
+((${#args[@]})) || args=(--shape qwen2.5-14b --tokens 1024 --reps 3 --warmup 2 --decode 0 --gap-ms 200
+  --graphs on)
 out="${OUT:-/tmp}"
 mkdir -p "$out"
 cuda="${CUDA_HOME:-/usr/local/cuda}"

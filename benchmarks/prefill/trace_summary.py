@@ -127,13 +127,15 @@ def main():
         print(f"{k:50s} {v / 1e3:9.1f} {100 * v / span:5.1f}% {n:6d} {v / 1e3 / n:10.1f} "
               f"{statistics.mean(own[k]) / 1e3:9.1f}")
     if len(sys.argv) > 2:
+        ttft_ns = None  # the log's last KEEP line: the mode the last prefill ran in
         for line in open(sys.argv[2]):
             f = line.split()
-            if len(f) >= 4 and f[1] == "keep" and f[2].isdigit():
+            if len(f) >= 4 and f[1] in ("keep", "keep-graphs") and f[2].isdigit():
                 ttft_ns = float(f[3]) * 1e6
-                print(f"median TTFT {ttft_ns / 1e6:.2f} ms, the last prefill's GPU span "
-                      f"{span / 1e6:.2f} ms: ~{(ttft_ns - span) / 1e3:.0f} us of host time before "
-                      f"its first copy and after its last")
+        if ttft_ns is not None:
+            print(f"median TTFT {ttft_ns / 1e6:.2f} ms, the last prefill's GPU span "
+                  f"{span / 1e6:.2f} ms: ~{(ttft_ns - span) / 1e3:.0f} us of host time before "
+                  f"its first copy and after its last")
 
 
 if __name__ == "__main__":
