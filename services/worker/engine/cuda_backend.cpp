@@ -892,24 +892,16 @@ void CudaBackend::begin_capture() {
 
 void CudaBackend::end_capture(bool run) {
   if (!capturing_) return;
-  capturing_ = false;
-  cudaGraph_t graph = nullptr;
-  KEEP_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
-  // Parts cut off by capture_split() run (or are dropped) first, each instantiated for this run.
-  for (cudaGraph_t g : captured_parts_) {
-    if (run) {
-      cudaGraphExec_t exec = nullptr;
-      KEEP_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
-      KEEP_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
-      cudaGraphExecDestroy(exec);  // freed once the launch completes
-    }
-    cudaGraphDestroy(g);
-  }
-  captured_parts_.clear();
+  std::vector<cudaGraph_t> parts = end_capture_parts();
   if (!run) {
-    cudaGraphDestroy(graph);
+    for (cudaGraph_t g : parts) cudaGraphDestroy(g);
     return;
   }
+  if (parts.size() > 1) {  // cut by capture_split(): each part instantiated for this run only
+    for (cudaGraphExec_t exec : launch_parts(parts)) cudaGraphExecDestroy(exec);  // freed once done
+    return;
+  }
+  cudaGraph_t graph = parts.front();
   size_t nodes = 0;
   KEEP_CUDA_CHECK(cudaGraphGetNodes(graph, nullptr, &nodes));
   auto it = std::find_if(graph_execs_.begin(), graph_execs_.end(),
@@ -933,25 +925,36 @@ void CudaBackend::end_capture(bool run) {
   KEEP_CUDA_CHECK(cudaGraphDestroy(graph));
 }
 
-uint64_t CudaBackend::end_capture_kept() {
-  if (!capturing_) return 0;
+std::vector<cudaGraph_t> CudaBackend::end_capture_parts() {
   capturing_ = false;
   cudaGraph_t last = nullptr;
   KEEP_CUDA_CHECK(cudaStreamEndCapture(stream_, &last));
-  captured_parts_.push_back(last);
-  Kept k;
-  k.handle = ++next_kept_;
-  k.dependent_launch = kernels::dependent_launch();
+  std::vector<cudaGraph_t> parts = std::move(captured_parts_);
+  captured_parts_.clear();
+  parts.push_back(last);
+  return parts;
+}
+
+std::vector<cudaGraphExec_t> CudaBackend::launch_parts(const std::vector<cudaGraph_t>& parts) {
   // Each part is launched as soon as it is instantiated, so the GPU starts on the first while the
   // next ones are instantiated.
-  for (cudaGraph_t g : captured_parts_) {
+  std::vector<cudaGraphExec_t> execs;
+  for (cudaGraph_t g : parts) {
     cudaGraphExec_t exec = nullptr;
     KEEP_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
     KEEP_CUDA_CHECK(cudaGraphDestroy(g));
     KEEP_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
-    k.parts.push_back(exec);
+    execs.push_back(exec);
   }
-  captured_parts_.clear();
+  return execs;
+}
+
+uint64_t CudaBackend::end_capture_kept() {
+  if (!capturing_) return 0;
+  Kept k;
+  k.handle = ++next_kept_;
+  k.dependent_launch = kernels::dependent_launch();
+  k.parts = launch_parts(end_capture_parts());
   kept_.push_back(std::move(k));
   return kept_.back().handle;
 }
@@ -964,33 +967,32 @@ void CudaBackend::capture_split() {
   KEEP_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
 }
 
+std::vector<CudaBackend::Kept>::const_iterator CudaBackend::find_kept(uint64_t handle) const {
+  return std::find_if(kept_.begin(), kept_.end(),
+                      [&](const Kept& k) { return k.handle == handle; });
+}
+
 Backend::KeptState CudaBackend::kept_state(uint64_t handle) const {
-  for (const Kept& k : kept_) {
-    if (k.handle != handle) continue;
-    const bool now = options_.graphs && !profiling_ && !capturing_ &&
-                     k.dependent_launch == kernels::dependent_launch();
-    return now ? KeptState::kReplayable : KeptState::kNotNow;
-  }
-  return KeptState::kGone;
+  const auto k = find_kept(handle);
+  if (k == kept_.end()) return KeptState::kGone;
+  const bool now = options_.graphs && !profiling_ && !capturing_ &&
+                   k->dependent_launch == kernels::dependent_launch();
+  return now ? KeptState::kReplayable : KeptState::kNotNow;
 }
 
 void CudaBackend::replay(uint64_t handle) {
   KEEP_CHECK(kept_state(handle) == KeptState::kReplayable);
-  for (const Kept& k : kept_) {
-    if (k.handle != handle) continue;
-    for (cudaGraphExec_t exec : k.parts) KEEP_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
-    ++replays_;
-    return;
+  for (cudaGraphExec_t exec : find_kept(handle)->parts) {
+    KEEP_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
   }
+  ++replays_;
 }
 
 void CudaBackend::drop_kept(uint64_t handle) {
-  for (size_t i = 0; i < kept_.size(); ++i) {
-    if (kept_[i].handle != handle) continue;
-    for (cudaGraphExec_t exec : kept_[i].parts) cudaGraphExecDestroy(exec);
-    kept_.erase(kept_.begin() + static_cast<std::ptrdiff_t>(i));
-    return;
-  }
+  const auto k = find_kept(handle);
+  if (k == kept_.end()) return;
+  for (cudaGraphExec_t exec : k->parts) cudaGraphExecDestroy(exec);
+  kept_.erase(k);
 }
 
 void CudaBackend::drop_all_kept() {

@@ -266,6 +266,11 @@ class CudaBackend final : public Backend {
   std::vector<Kept> kept_;
   uint64_t next_kept_ = 0;
   uint64_t replays_ = 0;
+  // Ends the open capture: the parts capture_split() cut off, then the last, in order.
+  std::vector<cudaGraph_t> end_capture_parts();
+  // Instantiates and launches each part (destroying the graphs); returns the executables.
+  std::vector<cudaGraphExec_t> launch_parts(const std::vector<cudaGraph_t>& parts);
+  std::vector<Kept>::const_iterator find_kept(uint64_t handle) const;
   void drop_all_kept();
 
   // l2_persist_residual: the device's limits (0: none), the set-aside reserve() asked for, and the
