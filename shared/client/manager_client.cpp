@@ -262,12 +262,14 @@ Result<WriteResult> ManagerClient::write(const WriteArgs& args) {
       *impl_, options_, proto::Response::WRITE_MEMORY,
       [&](proto::Request::Builder req) {
         auto w = req.initWriteMemory();
-        w.setAgent(args.agent);
+        // Sized readers: Text::Reader's implicit conversion from std::string goes through
+        // c_str() and would cut the text at an embedded NUL, silently.
+        w.setAgent(capnp::Text::Reader(args.agent.data(), args.agent.size()));
         if (args.id) {
           w.setHasId(true);
           w.setId(*args.id);
         }
-        w.setText(args.text);
+        w.setText(capnp::Text::Reader(args.text.data(), args.text.size()));
         w.setKind(kind_to_wire(args.kind));
         if (args.step) {
           w.setHasStep(true);

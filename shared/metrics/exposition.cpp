@@ -4,33 +4,12 @@
 #include <charconv>
 #include <cmath>
 
+#include "shared/common/utf8.h"
+
 namespace keep::metrics {
 namespace {
 
 constexpr std::string_view kReplacement = "\xEF\xBF\xBD";  // U+FFFD
-
-// Length of the valid UTF-8 sequence at s[i], or 0 when it is not one (overlong forms,
-// surrogates and code points above U+10FFFF are invalid, as in RFC 3629).
-size_t utf8_sequence_length(std::string_view s, size_t i) {
-  const auto b = [&](size_t k) { return static_cast<unsigned char>(s[i + k]); };
-  const auto cont = [&](size_t k) { return i + k < s.size() && (b(k) & 0xC0) == 0x80; };
-  const unsigned char c = b(0);
-  if (c < 0x80) return 1;
-  if (c >= 0xC2 && c <= 0xDF) return cont(1) ? 2 : 0;
-  if (c >= 0xE0 && c <= 0xEF) {
-    if (!cont(1) || !cont(2)) return 0;
-    if (c == 0xE0 && b(1) < 0xA0) return 0;   // overlong
-    if (c == 0xED && b(1) >= 0xA0) return 0;  // surrogate
-    return 3;
-  }
-  if (c >= 0xF0 && c <= 0xF4) {
-    if (!cont(1) || !cont(2) || !cont(3)) return 0;
-    if (c == 0xF0 && b(1) < 0x90) return 0;   // overlong
-    if (c == 0xF4 && b(1) >= 0x90) return 0;  // > U+10FFFF
-    return 4;
-  }
-  return 0;
-}
 
 template <bool kQuote>
 void append_escaped(std::string* out, std::string_view s) {

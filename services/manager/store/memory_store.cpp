@@ -13,6 +13,7 @@
 #include "services/manager/store/group_tracker.h"
 #include "services/manager/store/kv_jobs.h"
 #include "services/manager/store/record_codec.h"
+#include "shared/common/utf8.h"
 
 namespace keep::manager {
 
@@ -35,6 +36,10 @@ const char* group_state_name(GroupState state) {
 namespace {
 
 constexpr uint64_t kMaxId = (uint64_t{1} << 63) - 1;
+// Steps a client may set or reach. Far beyond any agent's life, and far enough below 2^64 that the
+// group tracker's step + t arithmetic cannot wrap (a step of 2^64-1 once made every later advance
+// of its agent fail).
+constexpr uint64_t kMaxStep = (uint64_t{1} << 62);
 
 struct OwnKv {
   uint32_t index = 0;
@@ -136,7 +141,7 @@ struct MemoryStore::Impl {
     }
     for (char c : name) {
       if (!valid_name_char(c)) {
-        return invalid("agent name '" + std::string(name) +
+        return invalid("agent name '" + printable(name) +
                        "' has a character outside [A-Za-z0-9_.:@/-]");
       }
     }
@@ -148,6 +153,29 @@ struct MemoryStore::Impl {
     if (text.size() > opt.max_text_bytes) {
       return Status(Code::kTooLarge, std::string(what) + " is " + std::to_string(text.size()) +
                                          " bytes, limit " + std::to_string(opt.max_text_bytes));
+    }
+    return check_encoding(text, what);
+  }
+
+  // Stored text is echoed to every client (Cap'n Proto Text, keepctl's JSON): refuse what they
+  // cannot decode at the door. NUL is valid UTF-8 but ends C strings, so it is refused too.
+  static Status check_encoding(std::string_view text, const char* what) {
+    const size_t bad = utf8_invalid_offset(text);
+    if (bad < text.size()) {
+      return invalid(std::string(what) + " is not valid UTF-8 (byte " + std::to_string(bad) + ": " +
+                     printable(text.substr(bad, 1)) + ")");
+    }
+    if (text.find('\0') != std::string_view::npos) {
+      return invalid(std::string(what) + " contains a NUL byte (at " +
+                     std::to_string(text.find('\0')) + ")");
+    }
+    return Status::ok();
+  }
+
+  static Status check_step(uint64_t step) {
+    if (step > kMaxStep) {
+      return invalid("step " + std::to_string(step) + " is beyond the largest step " +
+                     std::to_string(kMaxStep));
     }
     return Status::ok();
   }
@@ -640,6 +668,7 @@ struct MemoryStore::Impl {
                                          std::to_string(opt.max_text_bytes));
     }
     if (query.empty() && *k > 0) return Status(Code::kInvalidArgument, "query is empty");
+    KEEP_RETURN_IF_ERROR(check_encoding(query, "query"));
     *k = std::min(*k, opt.max_retrieve_k);
     return a;
   }
@@ -682,6 +711,7 @@ Result<WriteResult> MemoryStore::write(const WriteRequest& req, std::string* wal
   if (wal_record != nullptr) wal_record->clear();
   KEEP_RETURN_IF_ERROR(m.check_agent_name(req.agent));
   KEEP_RETURN_IF_ERROR(m.check_text(req.text, "text"));
+  if (req.step) KEEP_RETURN_IF_ERROR(m.check_step(*req.step));
   if (static_cast<uint8_t>(req.kind) >= kSegmentKindCount) {
     return invalid("segment kind " + std::to_string(static_cast<int>(req.kind)));
   }
@@ -714,6 +744,7 @@ Result<WriteResult> MemoryStore::update(const UpdateRequest& req, std::string* w
   Segment* s = nullptr;
   KEEP_RETURN_IF_ERROR(m.lookup(req.agent, req.id, &a, &s));
   KEEP_RETURN_IF_ERROR(m.check_text(req.text, "text"));
+  if (req.step) KEEP_RETURN_IF_ERROR(m.check_step(*req.step));
   if (req.kind && static_cast<uint8_t>(*req.kind) >= kSegmentKindCount) {
     return invalid("segment kind " + std::to_string(static_cast<int>(*req.kind)));
   }
@@ -751,6 +782,12 @@ Result<uint64_t> MemoryStore::advance_step(std::string_view agent, uint64_t by,
                                            std::string* wal_record) {
   if (wal_record != nullptr) wal_record->clear();
   AdvanceStepRecord rec{std::string(agent), by};
+  // At the door only: a log written before the bound existed must still replay.
+  if (const Agent* a = impl_->find_agent(agent); a != nullptr && by <= kMaxStep) {
+    KEEP_RETURN_IF_ERROR(Impl::check_step(a->step + by));
+  } else if (by > kMaxStep) {
+    KEEP_RETURN_IF_ERROR(Impl::check_step(by));
+  }
   uint64_t step = 0;
   KEEP_RETURN_IF_ERROR(impl_->apply_advance(rec, &step));
   if (wal_record != nullptr) *wal_record = encode_record(rec);

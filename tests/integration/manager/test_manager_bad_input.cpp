@@ -11,6 +11,7 @@
 
 #include "shared/client/manager_client.h"
 #include "shared/client/wire_codec.h"
+#include "shared/common/utf8.h"
 #include "tests/integration/manager/manager_process.h"
 
 namespace {
@@ -172,10 +173,37 @@ TEST_CASE("the keep-manager process answers bad input with its error code and ke
   CHECK(c.write({"a", 1, "a duplicate id", {}, {}}).status().code() == Code::kAlreadyExists);
   still_serving("a duplicate id");
 
-  // The state is intact: exactly the one good write.
+  // Text clients cannot decode is refused at the door, and no error echoes its raw bytes.
+  auto refused_cleanly = [](const Status& st) {
+    CHECK(st.code() == Code::kInvalidArgument);
+    CHECK_MESSAGE(keep::utf8_valid(st.message()), st.message());
+    CHECK(st.message().find('\xff') == std::string::npos);
+  };
+  const std::vector<std::string> bad_texts = {"the mug \xff is here", "\xc0\xafoverlong",
+                                              "\xed\xa0\x80surrogate",
+                                              std::string("a NUL\0byte", 11)};
+  for (const std::string& bad : bad_texts) {
+    refused_cleanly(c.write({"a", {}, bad, {}, {}}).status());
+    refused_cleanly(c.update("a", 1, bad).status());
+    refused_cleanly(c.retrieve("a", bad, 3).status());
+  }
+  refused_cleanly(c.write({"robot\xff", {}, "the mug", {}, {}}).status());
+  refused_cleanly(c.list_memories("robot\xff\xfe").status());
+  CHECK(c.write({"a", {}, "caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x8d\x8e", {}, {}}).is_ok());
+  still_serving("invalid UTF-8");
+
+  // A step beyond the largest one is refused; the agent's steps still advance afterwards.
+  refused_cleanly(c.write({"a", {}, "far future", {}, UINT64_MAX}).status());
+  refused_cleanly(c.advance_step("a", UINT64_MAX).status());
+  auto stepped = c.advance_step("a", 1);
+  CHECK_MESSAGE(stepped.is_ok(), stepped.status().to_string());
+  still_serving("a step beyond the largest");
+
+  // The state is intact: exactly the good writes.
   auto r = c.retrieve("a", "mug", 10);
   REQUIRE(r.is_ok());
-  REQUIRE(r->size() == 1);
-  CHECK((*r)[0].text == "the red mug is in the sink");
+  REQUIRE(r->size() == 2);
+  CHECK(((*r)[0].text == "the red mug is in the sink" ||
+         (*r)[1].text == "the red mug is in the sink"));
   CHECK(m.terminate() == 0);
 }
