@@ -1,6 +1,7 @@
 #include "shared/kvregion/kv_region.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -280,6 +281,63 @@ Result<std::unique_ptr<detail::Mapping>> open_existing(const std::string& name, 
 }
 }  // namespace
 
+namespace {
+// ---- ownership ---------------------------------------------------------------------------------
+// The owner of a region holds an exclusive flock(2) on its shm object for as long as it lives; the
+// kernel drops it when the owner dies, kill -9 included. So "is the owner alive?" is answered by
+// trying the lock, not by the header's pid (a recycled pid would look alive). The pid is what the
+// refusal names.
+
+// True when /dev/shm/<name> is the object open as `fd`.
+bool names_object(const std::string& name, int fd) {
+  struct stat mine {};
+  struct stat named {};
+  return fstat(fd, &mine) == 0 && stat(shm_path(name).c_str(), &named) == 0 &&
+         mine.st_dev == named.st_dev && mine.st_ino == named.st_ino;
+}
+
+// The owner pid recorded in the header of the object open as `fd` (0 when unreadable).
+int64_t recorded_owner(int fd) {
+  RegionHeader h{};
+  if (pread(fd, &h, sizeof(h), 0) != static_cast<ssize_t>(sizeof(h))) return 0;
+  return std::atomic_ref<int64_t>(h.owner_pid).load(std::memory_order_relaxed);
+}
+
+Status lock_owner(int fd, const std::string& name, const std::string& ctx) {
+  if (flock(fd, LOCK_EX | LOCK_NB) == 0) return Status::ok();
+  if (errno != EWOULDBLOCK) {
+    return Status(Code::kIoError, ctx + ": flock " + shm_path(name) + ": " + errno_text(errno));
+  }
+  return Status(Code::kAlreadyExists, ctx + ": " + shm_path(name) +
+                                          " is owned by a running process (pid " +
+                                          std::to_string(recorded_owner(fd)) +
+                                          " per its header): another keep-manager uses this "
+                                          "--shm-name; stop it or choose another name");
+}
+
+// Removes /dev/shm/<name> when no live owner holds it; ok when there is none. kAlreadyExists when
+// the owner is alive.
+Status remove_if_abandoned(const std::string& name, const std::string& ctx) {
+  for (int attempt = 0; attempt < 8; ++attempt) {
+    const int fd = ::open(shm_path(name).c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+      if (errno == ENOENT) return Status::ok();
+      return Status(Code::kIoError, ctx + ": opening " + shm_path(name) + ": " + errno_text(errno));
+    }
+    Status st = lock_owner(fd, name, ctx);
+    // Holding the dead owner's lock, remove the name only while it still names that object: a
+    // contender that held the lock before us may have replaced it with its own, live one.
+    const bool same = st.is_ok() && names_object(name, fd);
+    if (same) bip::shared_memory_object::remove(name.c_str());
+    ::close(fd);
+    if (!st.is_ok() || same) return st;
+  }
+  return Status(Code::kAlreadyExists,
+                ctx + ": " + shm_path(name) + " keeps being replaced by another process");
+}
+
+}  // namespace
+
 // ---- KvRegion (owner) -----------------------------------------------------------------------
 
 size_t KvRegion::KeyHash::operator()(const EntryKey& k) const {
@@ -311,7 +369,7 @@ Result<std::unique_ptr<KvRegion>> KvRegion::create(RegionOptions options) {
     return Status(Code::kInvalidArgument, ctx + ": mode must be within 0777");
   }
 
-  if (options.replace) bip::shared_memory_object::remove(options.name.c_str());
+  if (options.replace) KEEP_RETURN_IF_ERROR(remove_if_abandoned(options.name, ctx));
 
   auto m = std::make_unique<detail::Mapping>();
   try {
@@ -359,6 +417,19 @@ Result<std::unique_ptr<KvRegion>> KvRegion::create(RegionOptions options) {
     return from_interprocess(e, ctx + ": mmap");
   }
   m->size = geo->region_bytes;
+  // Owned from here on. A contender that opened the object between our create and this lock
+  // found it unlocked and may have removed its name: then it is no longer ours to serve.
+  st = lock_owner(m->fd(), options.name, ctx);
+  if (!st.is_ok()) {
+    guard.armed = false;  // whatever the name refers to now is not ours to remove
+    return st;
+  }
+  if (!names_object(options.name, m->fd())) {
+    guard.armed = false;
+    return Status(Code::kAlreadyExists,
+                  ctx + ": another process replaced " + shm_path(options.name) +
+                      " while it was being created (two keep-managers starting on one name?)");
+  }
 
   // The object is zero-filled by ftruncate: every directory entry is free, generation 0, seq 0.
   auto* h = reinterpret_cast<RegionHeader*>(m->base());
@@ -397,6 +468,7 @@ Result<std::unique_ptr<KvRegion>> KvRegion::adopt(RegionOptions options) {
   auto* h = reinterpret_cast<RegionHeader*>(m->base());
   Status st = validate_header(*h, m->size);
   if (!st.is_ok()) return st.with_context(ctx);
+  KEEP_RETURN_IF_ERROR(lock_owner(m->fd(), options.name, ctx));
   st = check_fingerprint(h->fingerprint, options.fingerprint);
   if (!st.is_ok()) return st.with_context(ctx);
   if (h->block_bytes != options.block_bytes || h->num_blocks != options.num_blocks ||
@@ -469,13 +541,12 @@ Result<std::unique_ptr<KvRegion>> KvRegion::adopt(RegionOptions options) {
 KvRegion::~KvRegion() {
   if (!mapping_ || options_.keep_on_destroy) return;
   // Remove the name only if it still refers to our object (a successor may have replaced it).
-  struct stat mine {};
-  struct stat named {};
-  if (fstat(mapping_->fd(), &mine) == 0 && stat(shm_path(options_.name).c_str(), &named) == 0 &&
-      mine.st_dev == named.st_dev && mine.st_ino == named.st_ino) {
+  if (names_object(options_.name, mapping_->fd())) {
     bip::shared_memory_object::remove(options_.name.c_str());
   }
 }
+
+bool KvRegion::linked() const { return names_object(options_.name, mapping_->fd()); }
 
 int64_t KvRegion::now() const { return options_.clock ? options_.clock() : monotonic_now_ns(); }
 

@@ -57,7 +57,8 @@ struct RegionOptions {
   uint64_t block_bytes = 64 * 1024;  // multiple of kBlockAlignment, <= kMaxBlockBytes
   uint64_t num_blocks = 0;           // > 0
   uint32_t max_entries = 0;          // 1..kMaxEntries
-  bool replace = false;              // remove an existing object of that name first
+  bool replace = false;              // remove an existing object of that name first, unless its
+                                     // owner is alive (kAlreadyExists then)
   bool keep_on_destroy = false;      // leave the shm object in place when the owner goes away
   mode_t mode = 0600;                // permissions of /dev/shm/<name> (umask does not apply)
   bool preallocate = true;           // posix_fallocate the object: a full /dev/shm fails here
@@ -114,13 +115,16 @@ struct Mapping;  // Boost.Interprocess shm object + mapped region
 
 class KvRegion {
  public:
-  // Creates and initialises the region. kAlreadyExists when the name is taken and !replace;
+  // Creates and initialises the region and becomes its owner: an exclusive flock(2) on the object,
+  // held while this object lives, tells later creators the owner is alive. kAlreadyExists when the
+  // name is taken and !replace, or when its owner is alive (the message names the owner's pid);
   // kInvalidArgument for bad options; kResourceExhausted when /dev/shm cannot hold it.
   static Result<std::unique_ptr<KvRegion>> create(RegionOptions options);
 
   // Takes over an existing region (a restarted manager): validates it like attach(), requires the
   // same fingerprint and geometry, and rebuilds the allocator and key index from the directory.
   // Reserved entries keep their leases. options.replace is ignored; the mode is not changed.
+  // kAlreadyExists while the previous owner is alive.
   static Result<std::unique_ptr<KvRegion>> adopt(RegionOptions options);
 
   ~KvRegion();  // removes the shm object unless keep_on_destroy
@@ -149,6 +153,9 @@ class KvRegion {
   std::optional<EntryDescriptor> lookup(const EntryKey& key) const;
   RegionStats stats() const;
 
+  // False once /dev/shm/<name> no longer names this object (removed by hand, or replaced): workers
+  // can no longer attach to it, and a restart of the manager is the way back.
+  bool linked() const;
   const std::string& name() const { return options_.name; }
   const ModelFingerprint& fingerprint() const { return options_.fingerprint; }
   std::byte* base() const;

@@ -2,6 +2,7 @@
 // The cross-process behaviour (concurrent readers, a killed writer, fstat of the mode) is in
 // tests/integration/test_kv_region_processes.cpp.
 #include <doctest/doctest.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -152,7 +153,7 @@ TEST_CASE("create lays out header, directory and an aligned arena; attach sees t
   CHECK((*view)->fingerprint() == smol_fingerprint());
 }
 
-TEST_CASE("create refuses an existing name unless replace; destruction removes the object") {
+TEST_CASE("create refuses an existing name; replace takes over only an abandoned region") {
   ShmName n;
   {
     auto first = KvRegion::create(small_options(n.name));
@@ -163,23 +164,44 @@ TEST_CASE("create refuses an existing name unless replace; destruction removes t
     CHECK(second.status().code() == Code::kAlreadyExists);
     CHECK(second.status().message().find("/dev/shm/" + n.name + " already exists") !=
           std::string::npos);
+    // The owner is alive: replace must neither remove nor overwrite its region.
     RegionOptions o = small_options(n.name);
     o.replace = true;
     auto third = KvRegion::create(o);
-    REQUIRE_MESSAGE(third.is_ok(), third.status().to_string());
-    first.value().reset();  // the replaced owner must not remove its successor's object
-    CHECK(n.exists());
+    REQUIRE_FALSE(third.is_ok());
+    CHECK(third.status().code() == Code::kAlreadyExists);
+    CHECK(third.status().message().find("owned by a running process (pid " +
+                                        std::to_string(getpid())) != std::string::npos);
+    CHECK(KvRegion::adopt(small_options(n.name)).status().code() == Code::kAlreadyExists);
+    CHECK((*first)->linked());
     auto v = KvRegionView::attach(n.name, smol_fingerprint());
     CHECK(v.is_ok());
   }
   CHECK_FALSE(n.exists());
-  {
-    RegionOptions o = small_options(n.name);
-    o.keep_on_destroy = true;
-    auto kept = KvRegion::create(o);
-    REQUIRE(kept.is_ok());
-  }
+  RegionOptions o = small_options(n.name);
+  o.keep_on_destroy = true;
+  REQUIRE(KvRegion::create(o).is_ok());  // an owner that went away and left its object behind
   CHECK(n.exists());
+  o.keep_on_destroy = false;
+  o.replace = true;
+  auto next = KvRegion::create(o);
+  REQUIRE_MESSAGE(next.is_ok(), next.status().to_string());
+  CHECK((*next)->linked());
+}
+
+TEST_CASE("a removed name is noticed; the old owner never removes its successor's object") {
+  ShmName n;
+  auto first = KvRegion::create(small_options(n.name));
+  REQUIRE(first.is_ok());
+  REQUIRE(shm_unlink(("/" + n.name).c_str()) == 0);  // an operator's rm /dev/shm/<name>
+  CHECK_FALSE((*first)->linked());
+  auto second = KvRegion::create(small_options(n.name));
+  REQUIRE_MESSAGE(second.is_ok(), second.status().to_string());
+  CHECK_FALSE((*first)->linked());
+  first.value().reset();
+  CHECK(n.exists());
+  CHECK((*second)->linked());
+  CHECK(KvRegionView::attach(n.name, smol_fingerprint()).is_ok());
 }
 
 TEST_CASE("bad options are refused with a clear status and leave nothing behind") {

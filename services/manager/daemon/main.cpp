@@ -1,4 +1,5 @@
 // keep-manager: the KEEP memory daemon. `keep-manager --help` lists every option with its default.
+#include <atomic>
 #include <csignal>
 #include <cstdio>
 
@@ -6,9 +7,14 @@
 #include "shared/common/log.h"
 
 namespace {
-keep::manager::ManagerDaemon* g_daemon = nullptr;
+std::atomic<keep::manager::ManagerDaemon*> g_daemon{nullptr};
+volatile std::sig_atomic_t g_stop_requested = 0;
+// INT, TERM and HUP stop the daemon cleanly (docs/operations.md, "Signals"): a HUP from a closed
+// terminal or a supervisor must not kill it without its final snapshot and shm cleanup.
 void on_signal(int) {
-  if (g_daemon != nullptr) g_daemon->stop();
+  g_stop_requested = 1;
+  keep::manager::ManagerDaemon* d = g_daemon.load();
+  if (d != nullptr) d->stop();
 }
 }  // namespace
 
@@ -43,21 +49,23 @@ int main(int argc, char** argv) {
   }
   keep::log::set_level(level);
 
+  // Handlers first: a signal while the models load must not kill the daemon half-started.
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaction(sig, &sa, nullptr);
+  for (int sig : {SIGPIPE, SIGUSR1, SIGUSR2}) std::signal(sig, SIG_IGN);
+
   auto daemon = keep::manager::ManagerDaemon::start(*config);
   if (!daemon.is_ok()) {
     std::fprintf(stderr, "keep-manager: %s\n", daemon.status().to_string().c_str());
     return 1;
   }
-  g_daemon = daemon->get();
-  struct sigaction sa {};
-  sa.sa_handler = on_signal;
-  sigemptyset(&sa.sa_mask);
-  sigaction(SIGINT, &sa, nullptr);
-  sigaction(SIGTERM, &sa, nullptr);
-  std::signal(SIGPIPE, SIG_IGN);
+  g_daemon.store(daemon->get());
+  if (g_stop_requested) (*daemon)->stop();  // a signal came while starting
 
   (*daemon)->run();
-  g_daemon = nullptr;
+  g_daemon.store(nullptr);
   daemon->reset();  // final sync + snapshot
   KEEP_LOG_INFO("manager", "stopped");
   return 0;

@@ -15,6 +15,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include "services/manager/durability/data_dir_lock.h"
 #include "services/manager/durability/snapshot_file.h"
 #include "services/manager/durability/wal_reader.h"
 #include "services/manager/durability/wal_writer.h"
@@ -110,7 +111,8 @@ class WalCommitter final : public BatchCommitter {
 // reserve(), so retrieve can answer where a committed entry lives without touching the directory.
 class RegionOps final : public KvRegionOps {
  public:
-  explicit RegionOps(kv::KvRegion* region) : region_(region) {}
+  // The region comes after the endpoints are bound (set_region), before the first request.
+  void set_region(kv::KvRegion* region) { region_ = region; }
 
   Result<EntryLocation> reserve(const KvJob& job, uint32_t tokens, uint64_t owner_id,
                                 std::chrono::milliseconds lease) override {
@@ -170,7 +172,7 @@ class RegionOps final : public KvRegionOps {
     auto it = known_.find(index);
     if (it != known_.end() && it->second.loc.generation == generation) known_.erase(it);
   }
-  kv::KvRegion* region_;
+  kv::KvRegion* region_ = nullptr;
   std::mutex mu_;
   std::unordered_map<uint32_t, Known> known_;  // by entry index (a reused index overwrites)
 };
@@ -259,13 +261,6 @@ class InstrumentedHandler final : public wire::RequestHandler {
   metrics::HistogramFamily& batch_size_;
 };
 
-Status ensure_dir(const std::string& path) {
-  std::error_code ec;
-  std::filesystem::create_directories(path, ec);
-  if (ec) return Status(Code::kIoError, "cannot create directory '" + path + "': " + ec.message());
-  return Status::ok();
-}
-
 Result<std::string> read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return Status(Code::kIoError, "cannot read '" + path + "'");
@@ -278,6 +273,7 @@ Result<std::string> read_file(const std::string& path) {
 
 struct ManagerDaemon::Impl {
   ManagerConfig config;
+  std::unique_ptr<DataDirLock> data_lock;  // first member: released last, after the final snapshot
   metrics::Registry registry;
   std::unique_ptr<EncoderEmbedder> embedder;
   std::unique_ptr<TokenizerCounter> counter;
@@ -303,6 +299,7 @@ struct ManagerDaemon::Impl {
   metrics::CounterFamily* snapshots_total = nullptr;
   metrics::HistogramFamily* snapshot_seconds = nullptr;
   metrics::CounterFamily* reaped_total = nullptr;
+  std::atomic<bool> region_linked{true};
 
   std::string wal_dir() const { return config.data_dir + "/wal"; }
   std::string snapshot_dir() const { return config.data_dir + "/snapshots"; }
@@ -311,14 +308,13 @@ struct ManagerDaemon::Impl {
   Status take_snapshot();
   void embed_loop();
   void housekeeping_loop();
+  void check_region_linked();
   void register_metrics();
   void shutdown();
 };
 
 Status ManagerDaemon::Impl::recover() {
   auto t0 = Clock::now();
-  KEEP_RETURN_IF_ERROR(ensure_dir(config.data_dir));
-  KEEP_RETURN_IF_ERROR(ensure_dir(snapshot_dir()));
   uint64_t from_lsn = 1;
   KEEP_ASSIGN_OR_RETURN(auto snap, read_latest_snapshot(snapshot_dir()));
   if (snap.has_value()) {
@@ -448,6 +444,7 @@ void ManagerDaemon::Impl::housekeeping_loop() {
       bg_cv.wait_for(lk, std::chrono::milliseconds(200), [&] { return stopping.load(); });
     }
     if (stopping.load()) break;
+    check_region_linked();
     size_t reaped = region->reap_expired();
     if (reaped > 0) {
       reaped_total->get().inc(static_cast<double>(reaped));
@@ -457,6 +454,21 @@ void ManagerDaemon::Impl::housekeeping_loop() {
       Status st = take_snapshot();
       if (!st.is_ok()) KEEP_LOG_ERROR(kLog, "snapshot failed: %s", st.to_string().c_str());
     }
+  }
+}
+
+// An operator's rm /dev/shm/<name> (or a region put in its place) leaves this daemon serving a
+// region no worker can attach to: say so once, loudly, and show it in /metrics.
+void ManagerDaemon::Impl::check_region_linked() {
+  const bool now = region->linked();
+  if (region_linked.exchange(now) == now) return;
+  if (now) {
+    KEEP_LOG_INFO(kLog, "KV region /dev/shm/%s is linked again", config.shm_name.c_str());
+  } else {
+    KEEP_LOG_ERROR(kLog,
+                   "KV region /dev/shm/%s was removed or replaced by another process: workers "
+                   "cannot attach to this manager's region; restart keep-manager",
+                   config.shm_name.c_str());
   }
 }
 
@@ -503,6 +515,11 @@ void ManagerDaemon::Impl::register_metrics() {
       "Retrieves answered by the retrieve threads (they had a query or segments to embed)");
   auto& waiting = registry.gauge("keep_manager_retrieves_waiting",
                                  "Deferred retrieves not yet taken up by a retrieve thread");
+  auto& degraded = registry.gauge(
+      "keep_manager_degraded", "1 when the WAL failed and mutations are refused until a restart");
+  auto& linked = registry.gauge(
+      "keep_manager_kv_region_linked",
+      "1 while /dev/shm/<shm-name> is this manager's region (0: removed or replaced)");
 
   // Counters mirror monotonic totals kept by the components: add the delta at each scrape.
   struct Last {
@@ -516,12 +533,15 @@ void ManagerDaemon::Impl::register_metrics() {
   };
   registry.add_collect_hook([this, &agents, &memories, &groups, &pending, &jobs, &transitions,
                              &jobs_done, &arena, &entries, &wal_records, &wal_bytes, &cache,
-                             &deferred, &waiting, last, bump] {
+                             &deferred, &waiting, &degraded, &linked, last, bump] {
+    if (!service || !region) return;  // still starting: the endpoints are bound before the region
     StoreStats s;
     {
       std::lock_guard<std::mutex> lock(service->store_mutex());
       s = store->stats();
+      degraded.get().set(service->degraded() ? 1 : 0);
     }
+    linked.get().set(region_linked.load() ? 1 : 0);
     agents.get().set(static_cast<double>(s.agents));
     memories.get().set(static_cast<double>(s.memories));
     groups.labels({"static"}).set(static_cast<double>(s.groups_static));
@@ -574,6 +594,10 @@ Result<std::unique_ptr<ManagerDaemon>> ManagerDaemon::start(const ManagerConfig&
   auto impl = std::make_unique<Impl>();
   impl->config = config;
   Impl& d = *impl;
+  // Order matters: nothing may touch the data directory, the endpoints' owners or the region
+  // before this process owns the directory, and the region is replaced only once every endpoint is
+  // ours, so a second daemon started by mistake fails before it can harm the first.
+  KEEP_ASSIGN_OR_RETURN(d.data_lock, DataDirLock::acquire(config.data_dir));
   d.register_metrics();
 
   auto t0 = Clock::now();
@@ -589,22 +613,15 @@ Result<std::unique_ptr<ManagerDaemon>> ManagerDaemon::start(const ManagerConfig&
   d.store = std::make_unique<MemoryStore>(config.store, d.embedder.get(), d.counter.get());
   KEEP_RETURN_IF_ERROR(d.recover().with_context("recovery from " + config.data_dir));
 
-  kv::RegionOptions ro;
-  ro.name = config.shm_name;
-  ro.fingerprint = config.fingerprint;
-  ro.fingerprint.tokenizer_hash = kv::fnv1a_64(tok_bytes);
-  ro.block_bytes = config.shm_block_bytes;
-  ro.num_blocks = config.shm_bytes / config.shm_block_bytes;
-  ro.max_entries = config.shm_max_entries;
-  ro.mode = static_cast<mode_t>(config.shm_mode);
-  ro.replace = true;  // the KV region is a cache: a manager restart starts it afresh
-  KEEP_ASSIGN_OR_RETURN(d.region, kv::KvRegion::create(std::move(ro)));
-  d.region_ops = std::make_unique<RegionOps>(d.region.get());
+  d.region_ops = std::make_unique<RegionOps>();
 
   ServiceOptions so;
   so.lease = config.lease;
   so.server_version = "keep-manager 0.1.0";
   so.retrieve_threads = config.retrieve_threads;
+  so.extra_stats = [&d](std::vector<std::pair<std::string, uint64_t>>* out) {
+    out->emplace_back("kv_region_linked", d.region_linked.load() ? 1 : 0);
+  };
   d.service = std::make_unique<ManagerService>(d.store.get(), d.wal.get(), d.region_ops.get(), so);
   d.handler = std::make_unique<InstrumentedHandler>(d.service.get(), &d.registry);
 
@@ -633,6 +650,20 @@ Result<std::unique_ptr<ManagerDaemon>> ManagerDaemon::start(const ManagerConfig&
     mo.port = static_cast<uint16_t>(port);
     KEEP_ASSIGN_OR_RETURN(d.http, metrics::MetricsHttpServer::start(d.registry, mo));
   }
+
+  kv::RegionOptions ro;
+  ro.name = config.shm_name;
+  ro.fingerprint = config.fingerprint;
+  ro.fingerprint.tokenizer_hash = kv::fnv1a_64(tok_bytes);
+  ro.block_bytes = config.shm_block_bytes;
+  ro.num_blocks = config.shm_bytes / config.shm_block_bytes;
+  ro.max_entries = config.shm_max_entries;
+  ro.mode = static_cast<mode_t>(config.shm_mode);
+  // The KV region is a cache: a restarted manager starts it afresh over its dead predecessor's,
+  // never over a live owner's (KvRegion::create refuses that).
+  ro.replace = true;
+  KEEP_ASSIGN_OR_RETURN(d.region, kv::KvRegion::create(std::move(ro)));
+  d.region_ops->set_region(d.region.get());
 
   d.embed_thread = std::thread([&d] { d.embed_loop(); });
   d.housekeeping_thread = std::thread([&d] { d.housekeeping_loop(); });

@@ -33,7 +33,7 @@ std::string join(const std::string& dir, std::string_view name) {
 }
 
 Status ensure_dir(const std::string& dir) {
-  if (::mkdir(dir.c_str(), 0755) == 0) return Status::ok();
+  if (::mkdir(dir.c_str(), 0700) == 0) return Status::ok();
   if (errno != EEXIST) return errno_status("creating directory", dir);
   struct stat st {};
   if (::stat(dir.c_str(), &st) != 0) return errno_status("stat", dir);

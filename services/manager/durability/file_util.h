@@ -41,7 +41,7 @@ class UniqueFd {
 Status errno_status(std::string_view what, const std::string& path);
 
 std::string join(const std::string& dir, std::string_view name);
-// mkdir -p for one level (parents must exist) ; ok when it exists already.
+// mkdir for one level (parents must exist), mode 0700: memories are private; ok when it exists.
 Status ensure_dir(const std::string& dir);
 // fsync of the directory itself, so that created/renamed/removed names are durable.
 Status fsync_dir(const std::string& dir);

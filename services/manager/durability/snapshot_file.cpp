@@ -109,7 +109,7 @@ Result<SnapshotWriteInfo> write_snapshot(const std::string& dir, uint64_t last_l
   const std::string path = fsutil::join(dir, name);
   const std::string tmp = path + std::string(kTmpSuffix);
   {
-    fsutil::UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+    fsutil::UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
     if (!fd.valid()) return fsutil::errno_status("creating snapshot", tmp);
     const std::string h = encode_snapshot_header(last_lsn, payload);  // payload is not copied
     KEEP_RETURN_IF_ERROR(fsutil::write_all(fd.get(), h, tmp));

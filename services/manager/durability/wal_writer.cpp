@@ -84,7 +84,7 @@ Result<std::unique_ptr<WalWriter>> WalWriter::open(WalOptions options) {
 
 Status WalWriter::start_file(uint64_t first_lsn) {
   path_ = fsutil::join(options_.dir, wal::wal_file_name(first_lsn));
-  fd_.reset(::open(path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
+  fd_.reset(::open(path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
   if (!fd_.valid()) return fail(fsutil::errno_status("creating WAL file", path_));
   files_.push_back(first_lsn);
   buffer_.clear();

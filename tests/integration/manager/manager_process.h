@@ -6,11 +6,14 @@
 // takes its daemons with it; destructors kill and reap them and unlink their shm objects.
 #pragma once
 
+#include <arpa/inet.h>
 #include <doctest/doctest.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -159,6 +162,7 @@ class ManagerProcess {
     std::string shm_name;
     std::vector<std::string> extra;  // more flags, e.g. {"--snapshot-every", "64"}
     bool wait_ready = true;
+    bool unlink_shm = true;  // false: the name may be another live manager's; leave it
   };
 
   explicit ManagerProcess(Options o) : opt_(std::move(o)) {
@@ -190,7 +194,7 @@ class ManagerProcess {
   }
   ~ManagerProcess() {
     kill9();
-    ::shm_unlink(opt_.shm_name.c_str());
+    if (opt_.unlink_shm) ::shm_unlink(opt_.shm_name.c_str());
   }
   ManagerProcess(const ManagerProcess&) = delete;
   ManagerProcess& operator=(const ManagerProcess&) = delete;
@@ -233,9 +237,9 @@ class ManagerProcess {
     exited_ = true;
     status_ = status;
   }
-  // SIGTERM and wait: the exit code (-1 if it had to be killed).
-  int terminate(std::chrono::milliseconds timeout = 20000ms) {
-    if (alive()) ::kill(pid_, SIGTERM);
+  // `sig` (SIGTERM by default) and wait: the exit code (-1 if it had to be killed).
+  int terminate(std::chrono::milliseconds timeout = 20000ms, int sig = SIGTERM) {
+    if (alive()) ::kill(pid_, sig);
     return wait_exit(timeout);
   }
   // Waits for the process to exit by itself: the exit code, -1 when killed by a signal or after
@@ -267,5 +271,43 @@ class ManagerProcess {
   int status_ = 0;
   std::string endpoint_, metrics_;
 };
+
+// GET http://<host:port><path> over a plain socket: the body of a 200 answer, or nullopt.
+inline std::optional<std::string> http_get(const std::string& host_port, const std::string& path) {
+  const size_t colon = host_port.rfind(':');
+  if (colon == std::string::npos) return std::nullopt;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(std::stoi(host_port.substr(colon + 1))));
+  if (::inet_pton(AF_INET, host_port.substr(0, colon).c_str(), &addr.sin_addr) != 1) {
+    return std::nullopt;
+  }
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return std::nullopt;
+  timeval tv{5, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  std::string answer;
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+    const std::string req =
+        "GET " + path + " HTTP/1.1\r\nHost: " + host_port + "\r\nConnection: close\r\n\r\n";
+    if (::send(fd, req.data(), req.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(req.size())) {
+      char buf[4096];
+      for (ssize_t n; (n = ::recv(fd, buf, sizeof(buf), 0)) > 0;) answer.append(buf, n);
+    }
+  }
+  ::close(fd);
+  const size_t body = answer.find("\r\n\r\n");
+  if (answer.rfind("HTTP/1.1 200", 0) != 0 || body == std::string::npos) return std::nullopt;
+  return answer.substr(body + 4);
+}
+
+// The value of an unlabelled series in a /metrics text (nullopt when absent).
+inline std::optional<double> metric_value(const std::string& text, const std::string& name) {
+  std::stringstream ss(text);
+  for (std::string l; std::getline(ss, l);) {
+    if (l.rfind(name + " ", 0) == 0) return std::stod(l.substr(name.size() + 1));
+  }
+  return std::nullopt;
+}
 
 }  // namespace keep::itest
