@@ -1,0 +1,144 @@
+#include "services/worker/keep/importance.h"
+
+#include <algorithm>
+#include <numeric>
+#include <string>
+
+namespace keep::worker {
+namespace {
+
+Status invalid(const std::string& msg) {
+  return Status(Code::kInvalidArgument, "importance: " + msg);
+}
+
+bool ascending_unique(std::span<const int32_t> v) {
+  for (size_t i = 1; i < v.size(); ++i) {
+    if (v[i] <= v[i - 1]) return false;
+  }
+  return true;
+}
+
+Status validate(const ImportanceInput& in, std::span<const int32_t> candidates,
+                std::span<const int32_t> pinned, int32_t keep) {
+  if (in.num_segments < 0 || in.num_heads < 1) return invalid("bad segment or head count");
+  const size_t rows = in.row_segment.size();
+  if (in.pooled.size() != rows * static_cast<size_t>(in.num_segments)) {
+    return invalid("pooled has " + std::to_string(in.pooled.size()) + " values, expected rows (" +
+                   std::to_string(rows) + ") x segments (" + std::to_string(in.num_segments) + ")");
+  }
+  for (int32_t s : in.row_segment) {
+    if (s < -1 || s >= in.num_segments) return invalid("row segment " + std::to_string(s));
+  }
+  for (int32_t r : in.query_rows) {
+    if (r < 0 || static_cast<size_t>(r) >= rows) return invalid("query row " + std::to_string(r));
+  }
+  if (!ascending_unique(candidates) || !ascending_unique(pinned)) {
+    return invalid("candidates and pinned must be ascending and unique");
+  }
+  for (int32_t c : candidates) {
+    if (c < 0 || c >= in.num_segments) return invalid("candidate " + std::to_string(c));
+  }
+  for (int32_t p : pinned) {
+    if (!std::binary_search(candidates.begin(), candidates.end(), p)) {
+      return invalid("pinned segment " + std::to_string(p) + " is not a candidate");
+    }
+  }
+  if (keep < 0) return invalid("keep must be >= 0");
+  return Status::ok();
+}
+
+}  // namespace
+
+Result<Selection> select_segments(const ImportanceInput& in, std::span<const int32_t> candidates,
+                                  std::span<const int32_t> pinned, int32_t keep,
+                                  const ImportanceOptions& options) {
+  KEEP_RETURN_IF_ERROR(validate(in, candidates, pinned, keep));
+  const int32_t G = in.num_segments;
+  const size_t C = candidates.size();
+  const double H = in.num_heads;
+  // Candidate index of each segment (-1: not a candidate).
+  std::vector<int32_t> index(static_cast<size_t>(G), -1);
+  for (size_t c = 0; c < C; ++c) index[candidates[c]] = static_cast<int32_t>(c);
+
+  // a[i][j] over candidates: the mean attention of i's rows on j (per head).
+  std::vector<double> a(C * C, 0.0);
+  std::vector<int32_t> row_count(C, 0);
+  for (size_t r = 0; r < in.row_segment.size(); ++r) {
+    const int32_t seg = in.row_segment[r];
+    if (seg < 0 || index[seg] < 0) continue;
+    const size_t i = static_cast<size_t>(index[seg]);
+    ++row_count[i];
+    for (size_t j = 0; j < C; ++j) a[i * C + j] += in.pooled[r * G + candidates[j]];
+  }
+  for (size_t i = 0; i < C; ++i) {
+    if (row_count[i] == 0) {
+      return invalid("candidate segment " + std::to_string(candidates[i]) +
+                     " has no rows at this layer");
+    }
+    for (size_t j = 0; j < C; ++j) a[i * C + j] /= H * row_count[i];
+  }
+
+  // Hop 0: what the last q query rows read.
+  std::vector<double> s(C, 0.0);
+  const size_t q = std::min<size_t>(in.query_rows.size(),
+                                    static_cast<size_t>(std::max(options.query_rows_used, 0)));
+  for (size_t k = in.query_rows.size() - q; k < in.query_rows.size(); ++k) {
+    const size_t r = static_cast<size_t>(in.query_rows[k]);
+    for (size_t j = 0; j < C; ++j) s[j] += in.pooled[r * G + candidates[j]];
+  }
+  if (q > 0) {
+    for (double& v : s) v /= H * static_cast<double>(q);
+  }
+
+  std::vector<uint8_t> is_pinned(C, 0);
+  for (int32_t p : pinned) is_pinned[index[p]] = 1;
+  const size_t want = std::max(pinned.size(), std::min(C, static_cast<size_t>(keep)));
+  // Pinned first, then by score, ties to the earlier segment; returns candidate indices, sorted.
+  auto select = [&] {
+    std::vector<size_t> order(C);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](size_t x, size_t y) {
+      if (is_pinned[x] != is_pinned[y]) return is_pinned[x] > is_pinned[y];
+      return s[x] > s[y];
+    });
+    order.resize(want);
+    std::sort(order.begin(), order.end());
+    return order;
+  };
+
+  Selection out;
+  std::vector<size_t> sel = select();
+  if (want < C) {
+    out.converged = false;
+    while (out.hops < options.max_hops) {
+      double total = 0;
+      for (size_t j : sel) total += s[j];
+      if (total <= 0) {  // nothing to spread: further hops change nothing
+        out.converged = true;
+        break;
+      }
+      std::vector<double> add(C, 0.0);
+      for (size_t j : sel) {
+        const double w = s[j] / total;
+        for (size_t i = 0; i < C; ++i) {
+          if (i != j) add[i] += w * (a[j * C + i] + a[i * C + j]);
+        }
+      }
+      for (size_t i = 0; i < C; ++i) s[i] += add[i];
+      ++out.hops;
+      std::vector<size_t> next = select();
+      if (next == sel) {
+        out.converged = true;
+        break;
+      }
+      sel = std::move(next);
+    }
+  }
+  out.selected.reserve(sel.size());
+  for (size_t c : sel) out.selected.push_back(candidates[c]);
+  out.score.assign(static_cast<size_t>(G), 0.0);
+  for (size_t c = 0; c < C; ++c) out.score[candidates[c]] = s[c];
+  return out;
+}
+
+}  // namespace keep::worker
