@@ -373,6 +373,25 @@ Result<std::vector<CandidateScore>> Engine::score_candidates(
   const auto rows = static_cast<int32_t>(total_rows);
   KEEP_ASSIGN_OR_RETURN(KvCache cache, KvCache::create(*backend_, p + std::max(rows, 1)));
   KEEP_ASSIGN_OR_RETURN(std::vector<float> last, prefill(cache, prompt));
+  return score_after(cache, last, candidates);
+}
+
+Result<std::vector<CandidateScore>> Engine::score_after(
+    KvCache& cache, std::span<const float> last,
+    const std::vector<std::vector<int32_t>>& candidates) {
+  const int32_t p = cache.size();
+  if (p == 0) return invalid("score_candidates: empty prompt");
+  if (last.size() != static_cast<size_t>(config().vocab_size)) {
+    return invalid("score_candidates: the prompt's last logits are not one row of the vocabulary");
+  }
+  int64_t total_rows = 0;
+  for (const auto& c : candidates) total_rows += static_cast<int64_t>(c.size());
+  if (p + total_rows > cache.capacity()) {
+    return invalid("score_candidates: " + std::to_string(total_rows) +
+                   " candidate tokens after the prompt's " + std::to_string(p) +
+                   " exceed the cache's " + std::to_string(cache.capacity()));
+  }
+  const auto rows = static_cast<int32_t>(total_rows);
   std::vector<CandidateScore> scores(candidates.size());
   if (rows == 0) return scores;
 

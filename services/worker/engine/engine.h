@@ -131,6 +131,12 @@ class Engine {
   // the prompt at positions prompt.size() + i. Empty candidates score 0.
   Result<std::vector<CandidateScore>> score_candidates(
       std::span<const int32_t> prompt, const std::vector<std::vector<int32_t>>& candidates);
+  // The same after a prompt already in `cache` (slots [0, cache.size())), whose last token gave
+  // `last_logits` (vocab): the candidates' blocks go into the slots after it, which must fit in
+  // the cache; cache.size() is left as it was.
+  Result<std::vector<CandidateScore>> score_after(
+      KvCache& cache, std::span<const float> last_logits,
+      const std::vector<std::vector<int32_t>>& candidates);
 
  private:
   explicit Engine(std::unique_ptr<Backend> backend) : backend_(std::move(backend)) {}

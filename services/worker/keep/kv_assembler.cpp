@@ -1,0 +1,314 @@
+#include "services/worker/keep/kv_assembler.h"
+
+#include <algorithm>
+#include <string>
+
+namespace keep::worker {
+namespace {
+
+Status invalid(const std::string& msg) {
+  return Status(Code::kInvalidArgument, "kv assembly: " + msg);
+}
+
+// A run of consecutive loaded slots inside one segment.
+struct LoadRun {
+  int32_t slot = 0;
+  int32_t count = 0;
+  int32_t segment = 0;
+};
+
+std::vector<LoadRun> load_runs(const std::vector<int32_t>& slots, const PromptShape& shape) {
+  std::vector<LoadRun> runs;
+  size_t seg = 0;
+  for (int32_t slot : slots) {
+    while (shape.segments[seg].end <= slot) ++seg;
+    if (!runs.empty() && runs.back().segment == static_cast<int32_t>(seg) &&
+        runs.back().slot + runs.back().count == slot) {
+      ++runs.back().count;
+    } else {
+      runs.push_back({slot, 1, static_cast<int32_t>(seg)});
+    }
+  }
+  return runs;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<KvAssembler>> KvAssembler::create(engine::Engine& engine,
+                                                         std::vector<int32_t> prefix,
+                                                         int32_t capacity) {
+  if (prefix.empty()) return invalid("the system prefix is empty");
+  if (capacity <= static_cast<int32_t>(prefix.size())) {
+    return invalid("capacity " + std::to_string(capacity) + " leaves no room after the prefix of " +
+                   std::to_string(prefix.size()) + " tokens");
+  }
+  KEEP_ASSIGN_OR_RETURN(engine::KvCache cache, engine::KvCache::create(engine.backend(), capacity));
+  KEEP_RETURN_IF_ERROR(engine.prefill(cache, prefix).status().with_context("system prefix"));
+  std::unique_ptr<KvAssembler> a(new KvAssembler(engine, std::move(cache), std::move(prefix)));
+  a->exact_ = a->prefix_;
+  KEEP_RETURN_IF_ERROR(a->ensure_buffers());
+  return a;
+}
+
+Status KvAssembler::ensure_buffers() {
+  if (!hidden_[0].empty()) return Status::ok();
+  const auto& cfg = engine_.config();
+  const size_t n = static_cast<size_t>(cache_.capacity());
+  for (auto& h : hidden_) {
+    KEEP_ASSIGN_OR_RETURN(h, engine_.backend().allocate(n * cfg.hidden_size));
+  }
+  KEEP_ASSIGN_OR_RETURN(k_pre_, engine_.backend().allocate(n * cfg.kv_dim()));
+  KEEP_ASSIGN_OR_RETURN(v_, engine_.backend().allocate(n * cfg.kv_dim()));
+  return Status::ok();
+}
+
+Result<Prefilled> KvAssembler::prefill(const AssembleRequest& req) {
+  const auto& cfg = engine_.config();
+  const int32_t layers = static_cast<int32_t>(cfg.num_layers);
+  const size_t kvd = static_cast<size_t>(cfg.kv_dim());
+  const size_t hid = static_cast<size_t>(cfg.hidden_size);
+  engine::Backend& be = engine_.backend();
+
+  // ---- the prompt and its shape ----
+  std::vector<int32_t> tokens = prefix_;
+  PromptShape shape;
+  Prefilled out;
+  AssembleStats& st = out.stats;
+  for (size_t i = 0; i < req.segments.size(); ++i) {
+    const PromptSegment& s = req.segments[i];
+    if (s.tokens.empty()) return invalid("segment " + std::to_string(i) + " has no tokens");
+    SegmentSlots slots;
+    slots.begin = static_cast<int32_t>(tokens.size());
+    tokens.insert(tokens.end(), s.tokens.begin(), s.tokens.end());
+    slots.end = static_cast<int32_t>(tokens.size());
+    slots.loadable = !s.kv.bytes.empty();
+    if (slots.loadable) {
+      const EntryGeometry& g = s.kv.geometry;
+      if (g.layers != layers || g.row_elems() != kvd || s.kv.first_row < 0 ||
+          s.kv.first_row > g.tokens - slots.tokens() || s.kv.bytes.size() < g.bytes()) {
+        return invalid("segment " + std::to_string(i) + ": its KV entry does not match the model " +
+                       "or the segment's " + std::to_string(slots.tokens()) + " tokens");
+      }
+      ++st.segments_loadable;
+    }
+    shape.segments.push_back(slots);
+  }
+  if (req.query.empty()) return invalid("the prompt needs query tokens after the memory");
+  tokens.insert(tokens.end(), req.query.begin(), req.query.end());
+  shape.total = static_cast<int32_t>(tokens.size());
+  if (shape.total > cache_.capacity()) {
+    return Status(Code::kResourceExhausted,
+                  "kv assembly: the prompt has " + std::to_string(shape.total) +
+                      " tokens, the working cache " + std::to_string(cache_.capacity()));
+  }
+  shape.cached_prefix = static_cast<int32_t>(prefix_.size());
+  if (req.method == Method::kPrefix) {
+    // The longest exactly computed prefix of the last prompt; the last token is always computed.
+    const size_t n = std::min(exact_.size(), tokens.size() - 1);
+    size_t lcp = 0;
+    while (lcp < n && exact_[lcp] == tokens[lcp]) ++lcp;
+    shape.cached_prefix = static_cast<int32_t>(std::max(lcp, prefix_.size()));
+  }
+  st.prompt_tokens = shape.total;
+  st.memory_tokens = shape.memory_tokens();
+  // `prefix` reuses slots whatever they hold, segments included: no segment is memory to it.
+  int32_t memory_reused = 0;
+  if (req.method == Method::kPrefix) {
+    for (const auto& s : shape.segments) {
+      memory_reused += std::clamp(shape.cached_prefix - s.begin, 0, s.tokens());
+    }
+    shape.segments.clear();
+  }
+  KEEP_ASSIGN_OR_RETURN(RecomputePlan plan,
+                        RecomputePlan::create(req.method, shape, layers, req.knobs));
+  st.cached_prefix = req.method == Method::kFull ? 0 : shape.cached_prefix;
+
+  const int32_t groups = static_cast<int32_t>(shape.segments.size());
+  std::vector<int32_t> key_group;
+  if (req.method == Method::kKeep && groups > 0) {
+    key_group.assign(static_cast<size_t>(shape.total), -1);
+    for (int32_t g = 0; g < groups; ++g) {
+      std::fill(key_group.begin() + shape.segments[g].begin,
+                key_group.begin() + shape.segments[g].end, g);
+    }
+    if (pooled_columns_ < static_cast<size_t>(groups)) {
+      KEEP_ASSIGN_OR_RETURN(pooled_, be.allocate(static_cast<size_t>(cache_.capacity()) * groups));
+      pooled_columns_ = static_cast<size_t>(groups);
+    }
+  }
+  const int32_t memory_end = groups > 0 ? shape.segments.back().end : shape.cached_prefix;
+
+  // ---- layer by layer ----
+  int cur = 0;
+  std::vector<int32_t> rows = plan.rows();
+  {
+    std::vector<int32_t> row_tokens(rows.size());
+    for (size_t r = 0; r < rows.size(); ++r) row_tokens[r] = tokens[rows[r]];
+    KEEP_RETURN_IF_ERROR(engine_.embed(hidden_[cur], row_tokens));
+  }
+  std::unique_ptr<engine::AttentionPlan> attn;
+  int32_t first_loaded = shape.total;  // the earliest slot ever loaded: exactness ends there
+  std::vector<float> k_host, v_host, k_new;
+  for (int32_t l = 0; l < layers; ++l) {
+    const std::vector<int32_t>& now = plan.rows();
+    if (now != rows) {  // a subset: move the surviving rows' hidden states down
+      const int next = 1 - cur;
+      size_t i = 0;
+      for (size_t k = 0; k < now.size(); ++k) {
+        while (rows[i] != now[k]) ++i;
+        be.copy_on_device(hidden_[next].data() + k * hid, hidden_[cur].data() + i * hid, hid);
+      }
+      cur = next;
+      rows = now;
+      attn.reset();
+    }
+    if (!attn) {
+      engine::AttentionLayout layout = engine::AttentionLayout::recompute(rows, shape.total);
+      if (!key_group.empty()) layout.set_groups(key_group, groups);
+      KEEP_ASSIGN_OR_RETURN(attn, engine_.plan(layout));
+    }
+    const engine::KvView view = cache_.layer(l);
+
+    // Load what this layer does not compute.
+    for (const LoadRun& run : load_runs(plan.loaded_memory_slots(), shape)) {
+      const SegmentKv& kv = req.segments[run.segment].kv;
+      const size_t n = static_cast<size_t>(run.count) * kvd;
+      k_host.resize(n);
+      v_host.resize(n);
+      const int32_t row = kv.first_row + (run.slot - shape.segments[run.segment].begin);
+      KEEP_RETURN_IF_ERROR(
+          read_entry_layer(kv.bytes, kv.geometry, l, row, run.count, k_host.data(), v_host.data()));
+      std::vector<int32_t> positions(static_cast<size_t>(run.count));
+      for (int32_t k = 0; k < run.count; ++k) positions[k] = run.slot + k;
+      KEEP_RETURN_IF_ERROR(
+          engine_.load_kv(view, run.slot, positions, k_host.data(), v_host.data()));
+      st.bytes_loaded += 2 * n * kv.geometry.elem_bytes();
+      first_loaded = std::min(first_loaded, run.slot);
+    }
+
+    const RecomputePlan::Check check = plan.check();
+    engine::LayerExtras extras;
+    if (check == RecomputePlan::Check::kImportance) extras.pooled = &pooled_;
+    if (check == RecomputePlan::Check::kDeviation) extras.k_pre = &k_pre_;
+    if (l + 1 == layers) extras.out_rows = 1;  // only the last token's output is wanted
+    KEEP_RETURN_IF_ERROR(engine_.prefill_layer(l, hidden_[cur], view, *attn, extras));
+
+    if (check == RecomputePlan::Check::kImportance) {
+      std::vector<float> pooled(rows.size() * static_cast<size_t>(groups));
+      be.copy_to_host(pooled.data(), pooled_.data(), pooled.size());
+      const std::vector<int32_t> row_segment = plan.row_segments();
+      std::vector<int32_t> query_rows;
+      for (size_t r = 0; r < rows.size(); ++r) {
+        if (rows[r] >= memory_end) query_rows.push_back(static_cast<int32_t>(r));
+      }
+      ImportanceInput in{groups, static_cast<int32_t>(cfg.num_heads), pooled, row_segment,
+                         query_rows};
+      st.check_layers.push_back(l);
+      KEEP_RETURN_IF_ERROR(plan.next(&in));
+    } else if (check == RecomputePlan::Check::kDeviation) {
+      // Σ (K_new − K_cached)² per loadable memory row, against the entry's K of this layer.
+      k_new.resize(rows.size() * kvd);
+      be.copy_to_host(k_new.data(), k_pre_.data(), k_new.size());
+      std::vector<float> deviation(rows.size(), 0.0f);
+      const std::vector<int32_t> row_segment = plan.row_segments();
+      k_host.resize(kvd);
+      v_host.resize(kvd);
+      for (size_t r = 0; r < rows.size(); ++r) {
+        if (row_segment[r] < 0 || !shape.segments[row_segment[r]].loadable) continue;
+        const SegmentKv& kv = req.segments[row_segment[r]].kv;
+        const int32_t row = kv.first_row + (rows[r] - shape.segments[row_segment[r]].begin);
+        KEEP_RETURN_IF_ERROR(
+            read_entry_layer(kv.bytes, kv.geometry, l, row, 1, k_host.data(), v_host.data()));
+        double d = 0;
+        for (size_t e = 0; e < kvd; ++e) {
+          const double diff = static_cast<double>(k_new[r * kvd + e]) - k_host[e];
+          d += diff * diff;
+        }
+        deviation[r] = static_cast<float>(d);
+      }
+      st.check_layers.push_back(l);
+      KEEP_RETURN_IF_ERROR(plan.next(nullptr, deviation));
+    } else {
+      KEEP_RETURN_IF_ERROR(plan.next());
+    }
+  }
+
+  const int32_t last = static_cast<int32_t>(rows.size()) - 1;
+  KEEP_ASSIGN_OR_RETURN(out.last_logits,
+                        engine_.logits(hidden_[cur], std::span<const int32_t>(&last, 1)));
+  cache_.set_size(shape.total);
+  exact_.assign(tokens.begin(), tokens.begin() + first_loaded);
+  st.recomputed_per_layer = plan.memory_rows_per_layer();
+  st.recompute_ratio = plan.recompute_ratio();
+  if (req.method == Method::kPrefix) {
+    st.recomputed_per_layer.assign(static_cast<size_t>(layers), st.memory_tokens - memory_reused);
+    st.recompute_ratio =
+        st.memory_tokens == 0 ? 1.0 : 1.0 - static_cast<double>(memory_reused) / st.memory_tokens;
+  }
+  st.hops = plan.hops();
+  return out;
+}
+
+Result<std::vector<int32_t>> KvAssembler::generate(const Prefilled& prefilled,
+                                                   const engine::GenerateOptions& options) {
+  if (options.max_tokens < 0) return invalid("negative max_tokens");
+  if (cache_.size() + options.max_tokens > cache_.capacity()) {
+    return Status(Code::kResourceExhausted,
+                  "kv assembly: " + std::to_string(options.max_tokens) +
+                      " new tokens after the prompt's " + std::to_string(cache_.size()) +
+                      " exceed the working cache's " + std::to_string(cache_.capacity()));
+  }
+  const auto& eos = engine_.config().eos_token_ids;
+  const bool greedy = options.sampling.temperature <= 0.0f;
+  engine::Sampler sampler(options.sampling);
+  std::vector<float> logits = prefilled.last_logits;
+  std::vector<int32_t> out;
+  for (int32_t i = 0; i < options.max_tokens; ++i) {
+    const int32_t tok = greedy ? engine::argmax(logits) : sampler.sample(logits);
+    out.push_back(tok);
+    const bool stop =
+        (options.stop_at_eos && std::find(eos.begin(), eos.end(), tok) != eos.end()) ||
+        std::find(options.stop_tokens.begin(), options.stop_tokens.end(), tok) !=
+            options.stop_tokens.end();
+    if (stop || i + 1 == options.max_tokens) break;
+    KEEP_ASSIGN_OR_RETURN(logits, engine_.decode_step(cache_, tok));
+  }
+  return out;
+}
+
+Result<std::vector<engine::CandidateScore>> KvAssembler::score(
+    const Prefilled& prefilled, const std::vector<std::vector<int32_t>>& candidates) {
+  return engine_.score_after(cache_, prefilled.last_logits, candidates);
+}
+
+Status KvAssembler::produce(std::span<const int32_t> tokens, const LayerSink& sink) {
+  const auto& cfg = engine_.config();
+  const auto p = static_cast<int32_t>(prefix_.size());
+  const auto n = static_cast<int32_t>(tokens.size());
+  if (n == 0) return invalid("nothing to produce");
+  if (p + n > cache_.capacity()) {
+    return Status(Code::kResourceExhausted, "kv production: " + std::to_string(n) +
+                                                " tokens after the prefix exceed the cache's " +
+                                                std::to_string(cache_.capacity()));
+  }
+  // The slots after the prefix are overwritten: only the prefix stays exact.
+  exact_ = prefix_;
+  cache_.set_size(p);
+  KEEP_RETURN_IF_ERROR(engine_.embed(hidden_[0], tokens));
+  KEEP_ASSIGN_OR_RETURN(auto attn, engine_.plan(engine::AttentionLayout::causal(n, p)));
+  const size_t floats = static_cast<size_t>(n) * cfg.kv_dim();
+  std::vector<float> k(floats), v(floats);
+  for (int32_t l = 0; l < cfg.num_layers; ++l) {
+    engine::LayerExtras extras;
+    extras.k_pre = &k_pre_;
+    extras.v = &v_;
+    if (l + 1 == cfg.num_layers) extras.out_rows = 0;  // K and V only
+    KEEP_RETURN_IF_ERROR(engine_.prefill_layer(l, hidden_[0], cache_.layer(l), *attn, extras));
+    engine_.backend().copy_to_host(k.data(), k_pre_.data(), floats);
+    engine_.backend().copy_to_host(v.data(), v_.data(), floats);
+    KEEP_RETURN_IF_ERROR(sink(l, k.data(), v.data()));
+  }
+  return Status::ok();
+}
+
+}  // namespace keep::worker

@@ -1,0 +1,106 @@
+// KvAssembler: runs one planning prompt through the engine layer by layer as a RecomputePlan says,
+// loading the KV of reused segments and computing the rest (ARCHITECTURE §4), and computes the KV
+// of new entries (KV production). Functions over the engine's layer API, no CUDA here.
+//
+// It owns one working KvCache whose slots [0, P) hold the system prefix's KV for the assembler's
+// life (computed once at creation: the exact prefix cache), so a prompt must begin with the prefix
+// tokens. After prefill() every slot of the prompt holds K/V at every layer (computed or loaded),
+// ready for decode steps and candidate scoring after it.
+//
+// Entries are read from request-private copies (SegmentKv::bytes) that the caller took out of the
+// region and validated (seqlock) before the call: an entry rewritten after the copy cannot change
+// what this request reads, and one that failed validation is passed as not loadable (computed).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "services/worker/engine/engine.h"
+#include "services/worker/keep/kv_entry.h"
+#include "services/worker/keep/recompute_plan.h"
+#include "shared/common/status.h"
+
+namespace keep::worker {
+
+// The reusable KV of one segment: rows [first_row, first_row + tokens) of an entry's bytes.
+struct SegmentKv {
+  std::span<const std::byte> bytes;  // the whole entry (a copy), or empty: not loadable
+  EntryGeometry geometry;
+  int32_t first_row = 0;
+};
+
+struct PromptSegment {
+  std::vector<int32_t> tokens;
+  SegmentKv kv;
+};
+
+struct AssembleRequest {
+  std::vector<PromptSegment> segments;  // after the system prefix, in prompt order
+  std::vector<int32_t> query;           // after the last segment: instruction, history, template
+  Method method = Method::kKeep;
+  MethodKnobs knobs;
+};
+
+struct AssembleStats {
+  int32_t prompt_tokens = 0;
+  int32_t memory_tokens = 0;
+  int32_t cached_prefix = 0;  // slots reused from the device (prefix / prefix cache)
+  std::vector<int32_t> recomputed_per_layer;  // memory tokens computed at each layer
+  double recompute_ratio = 1.0;
+  uint64_t bytes_loaded = 0;  // entry bytes read into the working view
+  int32_t segments_loadable = 0;
+  std::vector<int32_t> check_layers;
+  std::vector<int32_t> hops;  // keep: importance hops at each check layer
+};
+
+struct Prefilled {
+  std::vector<float> last_logits;  // (vocab) after the prompt's last token
+  AssembleStats stats;
+};
+
+class KvAssembler {
+ public:
+  // Prefills `prefix` (non-empty) into a working cache of `capacity` slots.
+  static Result<std::unique_ptr<KvAssembler>> create(engine::Engine& engine,
+                                                     std::vector<int32_t> prefix, int32_t capacity);
+
+  const std::vector<int32_t>& prefix() const { return prefix_; }
+  int32_t capacity() const { return cache_.capacity(); }
+  // The working cache: after prefill(), size() = the prompt's tokens; decode steps append.
+  engine::KvCache& cache() { return cache_; }
+
+  Result<Prefilled> prefill(const AssembleRequest& request);
+  // After prefill(): up to options.max_tokens new tokens (decode steps appended to the cache), as
+  // Engine::generate picks them (greedy or seeded sampling; EOS and stop tokens end it).
+  Result<std::vector<int32_t>> generate(const Prefilled& prefilled,
+                                        const engine::GenerateOptions& options);
+  // After prefill(): Σ log-probs of each candidate continuation (Engine::score_after).
+  Result<std::vector<engine::CandidateScore>> score(
+      const Prefilled& prefilled, const std::vector<std::vector<int32_t>>& candidates);
+
+  // KV production: runs [prefix][tokens] causally and hands each layer's pre-RoPE K and V of the
+  // tokens (fp32, (tokens, kv_heads, head_dim), host memory) to `sink`, layer by layer. A static
+  // group passes its members' tokens one after another; a dynamic segment its own.
+  using LayerSink = std::function<Status(int32_t layer, const float* k_pre, const float* v)>;
+  Status produce(std::span<const int32_t> tokens, const LayerSink& sink);
+
+ private:
+  KvAssembler(engine::Engine& engine, engine::KvCache cache, std::vector<int32_t> prefix)
+      : engine_(engine), cache_(std::move(cache)), prefix_(std::move(prefix)) {}
+  Status ensure_buffers();
+
+  engine::Engine& engine_;
+  engine::KvCache cache_;
+  std::vector<int32_t> prefix_;
+  // Tokens whose KV in the cache equals a full prefill's, for `prefix` (vLLM-style) reuse.
+  std::vector<int32_t> exact_;
+  engine::DeviceBuffer hidden_[2];  // (capacity, C): ping-pong as the computed rows shrink
+  engine::DeviceBuffer k_pre_, v_;  // (capacity, kv_dim)
+  engine::DeviceBuffer pooled_;     // (capacity, pooled columns)
+  size_t pooled_columns_ = 0;
+};
+
+}  // namespace keep::worker

@@ -1,0 +1,292 @@
+// KvAssembler on the CPU backend and a small random model: each method's layer loop against a
+// full prefill of the same tokens (ARCHITECTURE §4-§5; issue 28, point 4).
+//   keep with d = 1 and cacheblend at 100 %  ->  full's logits
+//   full_reuse over entries computed in the same context at the same positions  ->  full's logits
+//   KV loaded at other positions equals KV computed there (pre-RoPE K rotated on load)
+//   a missing entry is computed, never served; `prefix` reuses the exact prefix of the last prompt
+#include "services/worker/keep/kv_assembler.h"
+
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <numeric>
+
+#include "services/worker/engine/cpu_backend.h"
+#include "tests/unit/engine_test_model.h"
+
+using namespace keep::worker;
+namespace eng = keep::engine;
+namespace kv = keep::kv;
+using eng::testing::max_abs_diff;
+
+// fp32 on the CPU: the same prompt through other row batchings sums in another order (BLAS picks
+// its kernels by the matrix's rows), so "exact" means within a few ulps of logits of size ~10.
+constexpr float kLogitTol = 5e-5f;
+
+namespace {
+
+struct Fixture {
+  std::unique_ptr<eng::Engine> engine;
+  std::unique_ptr<KvAssembler> assembler;
+  std::vector<int32_t> prefix;
+  std::vector<std::vector<int32_t>> segments;
+  std::vector<int32_t> query;
+
+  explicit Fixture(int64_t layers = 4) {
+    eng::testing::TinyShape shape;
+    shape.layers = layers;
+    auto backend = eng::CpuBackend::create(eng::testing::make_tiny_model(shape, 7));
+    REQUIRE(backend.is_ok());
+    auto e = eng::Engine::create(std::move(backend).value(), 32);
+    REQUIRE(e.is_ok());
+    engine = std::move(e).value();
+    prefix = eng::testing::random_tokens(5, shape.vocab, 1);
+    for (int i = 0; i < 4; ++i) {
+      segments.push_back(eng::testing::random_tokens(3 + i, shape.vocab, 10 + i));
+    }
+    query = eng::testing::random_tokens(6, shape.vocab, 99);
+    auto a = KvAssembler::create(*engine, prefix, 96);
+    REQUIRE(a.is_ok());
+    assembler = std::move(a).value();
+  }
+
+  kv::ModelFingerprint fingerprint(kv::KvDType dtype) const {
+    kv::ModelFingerprint fp;
+    fp.num_layers = static_cast<uint32_t>(engine->config().num_layers);
+    fp.num_kv_heads = static_cast<uint32_t>(engine->config().num_kv_heads);
+    fp.head_dim = static_cast<uint32_t>(engine->config().head_dim);
+    fp.dtype = dtype;
+    return fp;
+  }
+
+  // One entry for `tokens` computed as [prefix][tokens] (a dynamic segment, or a group's members
+  // one after another).
+  std::vector<std::byte> produce(const std::vector<int32_t>& tokens, kv::KvDType dtype,
+                                 EntryGeometry* g) {
+    *g = *EntryGeometry::of(fingerprint(dtype), static_cast<int32_t>(tokens.size()));
+    std::vector<std::byte> bytes(g->bytes());
+    const EntryGeometry geo = *g;
+    REQUIRE(assembler
+                ->produce(tokens,
+                          [&](int32_t layer, const float* k, const float* v) {
+                            return write_entry_layer(bytes, geo, layer, 0, geo.tokens, k, v);
+                          })
+                .is_ok());
+    return bytes;
+  }
+
+  std::vector<int32_t> prompt(const std::vector<int32_t>& order) const {
+    std::vector<int32_t> t = prefix;
+    for (int32_t i : order) t.insert(t.end(), segments[i].begin(), segments[i].end());
+    t.insert(t.end(), query.begin(), query.end());
+    return t;
+  }
+
+  // The reference: a plain causal prefill of the same tokens in a cache of its own.
+  std::vector<float> full_logits(const std::vector<int32_t>& tokens) {
+    auto cache = eng::KvCache::create(engine->backend(), 96);
+    REQUIRE(cache.is_ok());
+    auto logits = engine->prefill(*cache, tokens);
+    REQUIRE(logits.is_ok());
+    return *logits;
+  }
+};
+
+// Entries of every segment as dynamic ones: each computed alone after the prefix.
+struct Entries {
+  std::vector<std::vector<std::byte>> bytes;
+  std::vector<EntryGeometry> geometry;
+};
+Entries dynamic_entries(Fixture& f, kv::KvDType dtype) {
+  Entries e;
+  for (const auto& s : f.segments) {
+    EntryGeometry g;
+    e.bytes.push_back(f.produce(s, dtype, &g));
+    e.geometry.push_back(g);
+  }
+  return e;
+}
+
+AssembleRequest request(const Fixture& f, const Entries* entries, Method m,
+                        const std::vector<int32_t>& order = {0, 1, 2, 3}) {
+  AssembleRequest r;
+  for (int32_t i : order) {
+    PromptSegment s;
+    s.tokens = f.segments[i];
+    if (entries != nullptr) s.kv = SegmentKv{entries->bytes[i], entries->geometry[i], 0};
+    r.segments.push_back(std::move(s));
+  }
+  r.query = f.query;
+  r.method = m;
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE("full, keep at d = 1 and cacheblend at 100 % give the full prefill's logits") {
+  Fixture f;
+  Entries e = dynamic_entries(f, kv::KvDType::kBF16);
+  const auto want = f.full_logits(f.prompt({0, 1, 2, 3}));
+
+  auto full = f.assembler->prefill(request(f, &e, Method::kFull));
+  REQUIRE_MESSAGE(full.is_ok(), full.status().to_string());
+  CHECK(max_abs_diff(full->last_logits.data(), want.data(), want.size()) <= kLogitTol);
+  CHECK(full->stats.recompute_ratio == 1.0);
+  CHECK(full->stats.bytes_loaded == 0);
+  CHECK(full->stats.cached_prefix == 0);
+
+  auto r = request(f, &e, Method::kKeep);
+  r.knobs.keep_decay = 1.0;
+  auto keep1 = f.assembler->prefill(r);
+  REQUIRE(keep1.is_ok());
+  CHECK(max_abs_diff(keep1->last_logits.data(), want.data(), want.size()) <= kLogitTol);
+  CHECK(keep1->stats.check_layers.empty());
+  CHECK(keep1->stats.bytes_loaded == 0);
+  CHECK(keep1->stats.cached_prefix == 5);
+
+  r = request(f, &e, Method::kCacheBlend);
+  r.knobs.cacheblend_ratio = 1.0;
+  auto blend = f.assembler->prefill(r);
+  REQUIRE(blend.is_ok());
+  CHECK(max_abs_diff(blend->last_logits.data(), want.data(), want.size()) <= kLogitTol);
+  CHECK(blend->stats.check_layers == std::vector<int32_t>{1});
+  CHECK(blend->stats.recompute_ratio == 1.0);
+}
+
+TEST_CASE("full_reuse over KV computed in the same context at the same positions is exact") {
+  Fixture f;
+  // One static group holding every segment in prompt order: [prefix][s0 s1 s2 s3].
+  std::vector<int32_t> all;
+  std::vector<int32_t> offset;
+  for (const auto& s : f.segments) {
+    offset.push_back(static_cast<int32_t>(all.size()));
+    all.insert(all.end(), s.begin(), s.end());
+  }
+  EntryGeometry g;
+  const auto group = f.produce(all, kv::KvDType::kF32, &g);
+  AssembleRequest r = request(f, nullptr, Method::kFullReuse);
+  for (size_t i = 0; i < r.segments.size(); ++i) r.segments[i].kv = SegmentKv{group, g, offset[i]};
+  auto reuse = f.assembler->prefill(r);
+  REQUIRE_MESSAGE(reuse.is_ok(), reuse.status().to_string());
+  const auto want = f.full_logits(f.prompt({0, 1, 2, 3}));
+  CHECK(max_abs_diff(reuse->last_logits.data(), want.data(), want.size()) <= kLogitTol);
+  CHECK(reuse->stats.recompute_ratio == 0.0);
+  CHECK(reuse->stats.segments_loadable == 4);
+  const uint64_t memory = static_cast<uint64_t>(all.size());
+  CHECK(reuse->stats.bytes_loaded == memory * f.fingerprint(kv::KvDType::kF32).bytes_per_token());
+}
+
+TEST_CASE("KV loaded at another position equals KV computed there: K is rotated on load") {
+  Fixture f;
+  Entries e = dynamic_entries(f, kv::KvDType::kF32);  // each computed right after the prefix
+  // Segment 3 sits last in the prompt, 12 slots later than where its entry was computed. At
+  // layer 0 a token's K before RoPE and its V depend on the token alone, so the loaded slots must
+  // equal the computed ones exactly where the rotation is right.
+  auto reuse = f.assembler->prefill(request(f, &e, Method::kFullReuse));
+  REQUIRE(reuse.is_ok());
+  const eng::KvView view = f.assembler->cache().layer(0);
+  const int64_t kvd = f.engine->config().kv_dim();
+  const int32_t begin = 5 + 3 + 4 + 5;  // prefix + segments 0..2
+  std::vector<float> k_loaded(view.k_f32() + begin * kvd, view.k_f32() + (begin + 6) * kvd);
+  std::vector<float> v_loaded(view.v_f32() + begin * kvd, view.v_f32() + (begin + 6) * kvd);
+  REQUIRE(f.assembler->prefill(request(f, &e, Method::kFull)).is_ok());
+  const eng::KvView computed = f.assembler->cache().layer(0);
+  CHECK(max_abs_diff(k_loaded.data(), computed.k_f32() + begin * kvd, k_loaded.size()) <= 1e-5f);
+  CHECK(max_abs_diff(v_loaded.data(), computed.v_f32() + begin * kvd, v_loaded.size()) <= 1e-6f);
+  // ... and the K as stored (position of the entry) does differ: the rotation did something.
+  std::vector<float> k_raw(static_cast<size_t>(6 * kvd)), v_raw(k_raw.size());
+  REQUIRE(read_entry_layer(e.bytes[3], e.geometry[3], 0, 0, 6, k_raw.data(), v_raw.data()).is_ok());
+  CHECK(max_abs_diff(k_loaded.data(), k_raw.data(), k_raw.size()) > 1e-3f);
+}
+
+TEST_CASE("a missing or stale entry is computed, never served") {
+  Fixture f;
+  Entries e = dynamic_entries(f, kv::KvDType::kBF16);
+  const auto want = f.full_logits(f.prompt({0, 1, 2, 3}));
+  // No entry at all: full_reuse computes everything and is exact.
+  auto none = f.assembler->prefill(request(f, nullptr, Method::kFullReuse));
+  REQUIRE(none.is_ok());
+  CHECK(max_abs_diff(none->last_logits.data(), want.data(), want.size()) <= kLogitTol);
+  CHECK(none->stats.segments_loadable == 0);
+  CHECK(none->stats.bytes_loaded == 0);
+  // One segment's entry missing (its validation failed): that segment is computed at every layer.
+  auto r = request(f, &e, Method::kFullReuse);
+  r.segments[2].kv = SegmentKv{};
+  auto some = f.assembler->prefill(r);
+  REQUIRE(some.is_ok());
+  CHECK(some->stats.segments_loadable == 3);
+  for (int32_t n : some->stats.recomputed_per_layer) CHECK(n == 5);
+  // An entry that does not fit the segment is refused, not read past its end.
+  r = request(f, &e, Method::kFullReuse);
+  r.segments[0].kv.first_row = 1;
+  CHECK(f.assembler->prefill(r).status().code() == keep::Code::kInvalidArgument);
+}
+
+TEST_CASE("keep below d = 1 checks, selects, loads, and reports what it did") {
+  Fixture f(8);
+  Entries e = dynamic_entries(f, kv::KvDType::kBF16);
+  auto r = request(f, &e, Method::kKeep);
+  r.knobs.keep_decay = 0.7;  // 4, 2.8, 1.96, 1.37, 0.96: 4, 2, 1, 1, 0 -> check layers 0, 1, 3
+  auto keep = f.assembler->prefill(r);
+  REQUIRE_MESSAGE(keep.is_ok(), keep.status().to_string());
+  CHECK(keep->stats.check_layers == std::vector<int32_t>{0, 1, 3});
+  CHECK(keep->stats.hops.size() == 3);
+  CHECK(keep->stats.recomputed_per_layer.size() == 8);
+  CHECK(keep->stats.recomputed_per_layer[0] == 18);
+  CHECK(keep->stats.recomputed_per_layer[4] == 0);
+  CHECK(keep->stats.recompute_ratio < 0.5);
+  CHECK(keep->stats.bytes_loaded > 0);
+  for (float x : keep->last_logits) REQUIRE(std::isfinite(x));
+  // epic: the first 2 tokens of each segment at every layer.
+  r = request(f, &e, Method::kEpic);
+  r.knobs.epic_tokens = 2;
+  auto epic = f.assembler->prefill(r);
+  REQUIRE(epic.is_ok());
+  for (int32_t n : epic->stats.recomputed_per_layer) CHECK(n == 8);
+}
+
+TEST_CASE("prefix reuses the exactly computed prefix of the last prompt") {
+  Fixture f;
+  auto first = f.assembler->prefill(request(f, nullptr, Method::kFull, {0, 1, 2, 3}));
+  REQUIRE(first.is_ok());
+  auto second = f.assembler->prefill(request(f, nullptr, Method::kPrefix, {0, 1, 3, 2}));
+  REQUIRE_MESSAGE(second.is_ok(), second.status().to_string());
+  CHECK(second->stats.cached_prefix == 5 + 3 + 4);
+  CHECK(second->stats.recompute_ratio == doctest::Approx(11.0 / 18.0));
+  const auto want = f.full_logits(f.prompt({0, 1, 3, 2}));
+  CHECK(max_abs_diff(second->last_logits.data(), want.data(), want.size()) <= kLogitTol);
+  // After a request that loaded KV, only the system prefix is exact any more.
+  Entries e = dynamic_entries(f, kv::KvDType::kBF16);
+  REQUIRE(f.assembler->prefill(request(f, &e, Method::kFullReuse)).is_ok());
+  auto third = f.assembler->prefill(request(f, nullptr, Method::kPrefix, {0, 1, 2, 3}));
+  REQUIRE(third.is_ok());
+  CHECK(third->stats.cached_prefix == 5);
+}
+
+TEST_CASE("generation and candidate scoring after the assembled prompt match the engine's") {
+  Fixture f;
+  const auto tokens = f.prompt({0, 1, 2, 3});
+  auto pre = f.assembler->prefill(request(f, nullptr, Method::kFull));
+  REQUIRE(pre.is_ok());
+  eng::GenerateOptions o;
+  o.max_tokens = 6;
+  o.stop_at_eos = false;
+  auto got = f.assembler->generate(*pre, o);
+  REQUIRE(got.is_ok());
+  auto want = f.engine->generate(tokens, o);
+  REQUIRE(want.is_ok());
+  CHECK(*got == *want);
+
+  pre = f.assembler->prefill(request(f, nullptr, Method::kFull));
+  REQUIRE(pre.is_ok());
+  const std::vector<std::vector<int32_t>> candidates = {{3, 4, 5}, {7}, {}, {11, 12}};
+  auto scores = f.assembler->score(*pre, candidates);
+  REQUIRE(scores.is_ok());
+  auto ref = f.engine->score_candidates(tokens, candidates);
+  REQUIRE(ref.is_ok());
+  REQUIRE(scores->size() == ref->size());
+  for (size_t i = 0; i < ref->size(); ++i) {
+    CHECK((*scores)[i].log_prob == doctest::Approx((*ref)[i].log_prob).epsilon(1e-5));
+    CHECK((*scores)[i].tokens == (*ref)[i].tokens);
+  }
+}
