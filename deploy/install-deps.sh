@@ -12,7 +12,7 @@ APT_PACKAGES=(
   libopenblas-dev              # CPU matrix products (encoder, CPU engine)
   libutf8proc-dev              # Unicode categories and NFC for the tokenizers
   nlohmann-json3-dev           # JSON (configs, safetensors headers, --json output)
-  libcpp-httplib-dev           # HTTP for /metrics
+  libmicrohttpd-dev            # HTTP for /metrics
   prometheus                   # the real Prometheus server + promtool, for the metrics tests
   clang-format
   curl                         # scripts talk to /metrics

@@ -1,11 +1,10 @@
 // Tests of shared/metrics: exact text format 0.0.4, escaping, ordering, registration rules,
-// concurrency, collect hooks, and the HTTP server on real sockets.
+// concurrency and collect hooks. The HTTP server: test_metrics_http.cpp.
 #include <doctest/doctest.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
-#include <chrono>
 #include <cmath>
 #include <csignal>
 #include <cstdlib>
@@ -15,10 +14,7 @@
 #include <thread>
 #include <vector>
 
-#include <httplib.h>
-
 #include "shared/metrics/exposition.h"
-#include "shared/metrics/http_server.h"
 #include "shared/metrics/metrics.h"
 
 using namespace keep::metrics;
@@ -302,74 +298,4 @@ TEST_CASE("concurrent updates are exact") {
   CHECK(snap.cumulative[0] == uint64_t(kThreads) * kIters / 2);
   CHECK(snap.cumulative[1] == uint64_t(kThreads) * kIters);
   CHECK(snap.sum == double(kThreads) * kIters / 2 * 1.25);
-}
-
-TEST_CASE("MetricsHttpServer serves /metrics and /healthz, 404 otherwise") {
-  Registry reg;
-  reg.counter("keep_http_test_total", "T.", {"k"}).labels({"v"}).inc(7);
-  auto started = MetricsHttpServer::start(reg, {});
-  REQUIRE(started.is_ok());
-  auto& server = *started;
-  CHECK(server->port() != 0);
-  CHECK(server->address() == "127.0.0.1:" + std::to_string(server->port()));
-
-  httplib::Client cli("127.0.0.1", server->port());
-  auto res = cli.Get("/metrics");
-  REQUIRE(res);
-  CHECK(res->status == 200);
-  CHECK(res->get_header_value("Content-Type") == "text/plain; version=0.0.4; charset=utf-8");
-  CHECK(res->body == reg.render());
-  CHECK(res->body.find("keep_http_test_total{k=\"v\"} 7\n") != std::string::npos);
-  CHECK(server->scrapes() == 1);
-
-  auto health = cli.Get("/healthz");
-  REQUIRE(health);
-  CHECK(health->status == 200);
-  CHECK(health->body == "ok");
-
-  auto missing = cli.Get("/nope");
-  REQUIRE(missing);
-  CHECK(missing->status == 404);
-  auto post = cli.Post("/metrics", "x", "text/plain");
-  REQUIRE(post);
-  CHECK(post->status != 200);
-
-  // The client keeps its connection alive; stop() still returns promptly.
-  const auto t0 = std::chrono::steady_clock::now();
-  server->stop();
-  const double stop_s =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  CHECK(stop_s < 4.0);
-  server->stop();  // idempotent
-  httplib::Client after("127.0.0.1", server->port());
-  after.set_connection_timeout(1, 0);
-  CHECK_FALSE(after.Get("/healthz"));
-}
-
-TEST_CASE("MetricsHttpServer bind failures are a Status, not a crash") {
-  Registry reg;
-  auto first = MetricsHttpServer::start(reg, {});
-  REQUIRE(first.is_ok());
-  MetricsHttpServerOptions same;
-  same.port = (*first)->port();
-  auto second = MetricsHttpServer::start(reg, same);
-  REQUIRE_FALSE(second.is_ok());
-  CHECK(second.status().code() == keep::Code::kUnavailable);
-  CHECK(second.status().message().find(std::to_string(same.port)) != std::string::npos);
-
-  MetricsHttpServerOptions bad_host;
-  bad_host.host = "no.such.host.invalid";
-  CHECK_FALSE(MetricsHttpServer::start(reg, bad_host).is_ok());
-
-  MetricsHttpServerOptions bad_threads;
-  bad_threads.threads = 0;
-  CHECK(MetricsHttpServer::start(reg, bad_threads).status().code() == keep::Code::kInvalidArgument);
-}
-
-TEST_CASE("MetricsHttpServer starts and stops repeatedly (destructor stops)") {
-  Registry reg;
-  for (int i = 0; i < 20; ++i) {
-    auto s = MetricsHttpServer::start(reg, {});
-    REQUIRE(s.is_ok());
-  }
 }
