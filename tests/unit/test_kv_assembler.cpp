@@ -290,3 +290,25 @@ TEST_CASE("generation and candidate scoring after the assembled prompt match the
     CHECK((*scores)[i].tokens == (*ref)[i].tokens);
   }
 }
+
+TEST_CASE("production in steps gives the same entry as in one go; a prefill abandons it") {
+  Fixture f;
+  EntryGeometry g;
+  const auto whole = f.produce(f.segments[2], kv::KvDType::kF32, &g);
+  std::vector<std::byte> stepped(g.bytes());
+  auto sink = [&](int32_t layer, const float* k, const float* v) {
+    return write_entry_layer(stepped, g, layer, 0, g.tokens, k, v);
+  };
+  REQUIRE(f.assembler->begin_produce(f.segments[2]).is_ok());
+  int steps = 0;
+  for (bool done = false; !done; ++steps) {
+    auto r = f.assembler->produce_layers(3, sink);
+    REQUIRE(r.is_ok());
+    done = *r;
+  }
+  CHECK(steps == 2);  // 4 layers, 3 at a time
+  CHECK(stepped == whole);
+  REQUIRE(f.assembler->begin_produce(f.segments[2]).is_ok());
+  REQUIRE(f.assembler->prefill(request(f, nullptr, Method::kFull)).is_ok());
+  CHECK(f.assembler->produce_layers(1, sink).status().code() == keep::Code::kInvalidArgument);
+}

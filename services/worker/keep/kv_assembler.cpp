@@ -63,6 +63,7 @@ Status KvAssembler::ensure_buffers() {
 }
 
 Result<Prefilled> KvAssembler::prefill(const AssembleRequest& req) {
+  production_.reset();  // the working cache is about to be overwritten
   const auto& cfg = engine_.config();
   const int32_t layers = static_cast<int32_t>(cfg.num_layers);
   const size_t kvd = static_cast<size_t>(cfg.kv_dim());
@@ -282,7 +283,14 @@ Result<std::vector<engine::CandidateScore>> KvAssembler::score(
 }
 
 Status KvAssembler::produce(std::span<const int32_t> tokens, const LayerSink& sink) {
-  const auto& cfg = engine_.config();
+  KEEP_RETURN_IF_ERROR(begin_produce(tokens));
+  KEEP_ASSIGN_OR_RETURN(bool done, produce_layers(engine_.config().num_layers, sink));
+  (void)done;
+  return Status::ok();
+}
+
+Status KvAssembler::begin_produce(std::span<const int32_t> tokens) {
+  production_.reset();
   const auto p = static_cast<int32_t>(prefix_.size());
   const auto n = static_cast<int32_t>(tokens.size());
   if (n == 0) return invalid("nothing to produce");
@@ -295,20 +303,40 @@ Status KvAssembler::produce(std::span<const int32_t> tokens, const LayerSink& si
   exact_ = prefix_;
   cache_.set_size(p);
   KEEP_RETURN_IF_ERROR(engine_.embed(hidden_[0], tokens));
-  KEEP_ASSIGN_OR_RETURN(auto attn, engine_.plan(engine::AttentionLayout::causal(n, p)));
-  const size_t floats = static_cast<size_t>(n) * cfg.kv_dim();
+  Production prod;
+  prod.tokens = n;
+  KEEP_ASSIGN_OR_RETURN(prod.plan, engine_.plan(engine::AttentionLayout::causal(n, p)));
+  production_ = std::move(prod);
+  return Status::ok();
+}
+
+Result<bool> KvAssembler::produce_layers(int32_t layers, const LayerSink& sink) {
+  if (!production_) return invalid("no production under way (begin_produce)");
+  Production& prod = *production_;
+  const auto& cfg = engine_.config();
+  const size_t floats = static_cast<size_t>(prod.tokens) * cfg.kv_dim();
   std::vector<float> k(floats), v(floats);
-  for (int32_t l = 0; l < cfg.num_layers; ++l) {
+  for (int32_t i = 0; i < layers && prod.next_layer < cfg.num_layers; ++i) {
+    const int32_t l = prod.next_layer;
     engine::LayerExtras extras;
     extras.k_pre = &k_pre_;
     extras.v = &v_;
     if (l + 1 == cfg.num_layers) extras.out_rows = 0;  // K and V only
-    KEEP_RETURN_IF_ERROR(engine_.prefill_layer(l, hidden_[0], cache_.layer(l), *attn, extras));
-    engine_.backend().copy_to_host(k.data(), k_pre_.data(), floats);
-    engine_.backend().copy_to_host(v.data(), v_.data(), floats);
-    KEEP_RETURN_IF_ERROR(sink(l, k.data(), v.data()));
+    Status st = engine_.prefill_layer(l, hidden_[0], cache_.layer(l), *prod.plan, extras);
+    if (st.is_ok()) {
+      engine_.backend().copy_to_host(k.data(), k_pre_.data(), floats);
+      engine_.backend().copy_to_host(v.data(), v_.data(), floats);
+      st = sink(l, k.data(), v.data());
+    }
+    if (!st.is_ok()) {
+      production_.reset();
+      return st;
+    }
+    ++prod.next_layer;
   }
-  return Status::ok();
+  if (prod.next_layer < cfg.num_layers) return false;
+  production_.reset();
+  return true;
 }
 
 }  // namespace keep::worker

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -86,6 +87,11 @@ class KvAssembler {
   // group passes its members' tokens one after another; a dynamic segment its own.
   using LayerSink = std::function<Status(int32_t layer, const float* k_pre, const float* v)>;
   Status produce(std::span<const int32_t> tokens, const LayerSink& sink);
+  // The same in steps, so that a planner request waits for at most one step of a background job:
+  // begin_produce() embeds and plans; produce_layers() runs up to `layers` more layers and
+  // returns true once the last has gone to `sink`. A prefill() in between abandons it.
+  Status begin_produce(std::span<const int32_t> tokens);
+  Result<bool> produce_layers(int32_t layers, const LayerSink& sink);
 
  private:
   KvAssembler(engine::Engine& engine, engine::KvCache cache, std::vector<int32_t> prefix)
@@ -101,6 +107,12 @@ class KvAssembler {
   engine::DeviceBuffer k_pre_, v_;  // (capacity, kv_dim)
   engine::DeviceBuffer pooled_;     // (capacity, pooled columns)
   size_t pooled_columns_ = 0;
+  struct Production {
+    int32_t tokens = 0;
+    int32_t next_layer = 0;
+    std::unique_ptr<engine::AttentionPlan> plan;
+  };
+  std::optional<Production> production_;
 };
 
 }  // namespace keep::worker
