@@ -40,9 +40,11 @@ Result<std::string> read_text(const std::string& path) {
   return ss.str();
 }
 
+}  // namespace
+
 // tokenizer_config.json "chat_template": a string, or a list of {name, template} (we take
 // "default", else the first); or a chat_template.jinja file next to it.
-Result<std::string> read_chat_template(const std::string& dir) {
+Result<std::string> read_hf_chat_template(const std::string& dir) {
   const std::string jinja = dir + "/chat_template.jinja";
   if (fs::exists(jinja)) return read_text(jinja);
   const std::string path = dir + "/tokenizer_config.json";
@@ -66,8 +68,6 @@ Result<std::string> read_chat_template(const std::string& dir) {
   }
   return Status(Code::kMalformed, path + ": \"chat_template\" must be a string or a list");
 }
-
-}  // namespace
 
 Result<ModelWeights> load_hf_weights(const std::string& dir, int threads) {
   KEEP_ASSIGN_OR_RETURN(ModelConfig config, load_hf_config(dir + "/config.json"));
@@ -127,7 +127,7 @@ Result<LoadedModel> load_hf_model(const std::string& dir, const LoadOptions& opt
       if (!tok.is_ok()) return tok.status().with_context("loading tokenizer of " + dir);
       m.tokenizer.emplace(std::move(tok).value());
     }
-    KEEP_ASSIGN_OR_RETURN(m.chat_template, read_chat_template(dir));
+    KEEP_ASSIGN_OR_RETURN(m.chat_template, read_hf_chat_template(dir));
   }
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   KEEP_LOG_INFO("engine", "loaded %s (%s) in %.2f s, %.1f MiB fp32", dir.c_str(),

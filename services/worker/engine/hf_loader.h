@@ -18,6 +18,10 @@ namespace keep::engine {
 // The weights only. Errors name the file and the tensor.
 Result<ModelWeights> load_hf_weights(const std::string& dir, int threads = 0);
 
+// The chat template of a HF directory: tokenizer_config.json "chat_template" (a string, or the
+// "default" of a list), or chat_template.jinja; empty when neither exists.
+Result<std::string> read_hf_chat_template(const std::string& dir);
+
 // Weights + tokenizer.json (when present and options.load_tokenizer) + chat template.
 Result<LoadedModel> load_hf_model(const std::string& dir, const LoadOptions& options = {});
 
