@@ -138,6 +138,10 @@ struct Request {
     ping @15 :PingRequest;
     listMemories @16 :ListMemoriesRequest;
   }
+  # How long the caller waits for the answer, in ms from the server's receipt (0: not said). A
+  # retrieve still waiting for a retrieve thread when it has passed is answered timeout without
+  # being run. Relative, since the clocks of two hosts differ; older servers ignore it.
+  timeoutMs @17 :UInt32;
 }
 
 # ---- responses -------------------------------------------------------------------------------

@@ -26,6 +26,13 @@ void declare_manager_options(Options* o) {
   o->add("retrieve-threads", "2",
          "threads that answer retrieves needing an embedding (the query, pending segments), off "
          "the request loop");
+  o->add("max-waiting-retrieves", "1024",
+         "retrieves waiting for a retrieve thread, from all clients, before more are refused "
+         "(resource_exhausted, retry later); 0: no limit");
+  o->add("max-waiting-retrieves-per-client", "64",
+         "retrieves of one client connection waiting for a retrieve thread before its next are "
+         "refused (resource_exhausted, retry later); the threads serve clients in turn; 0: no "
+         "limit");
   o->add("max-pending-embeddings", "1000000",
          "segments waiting for an embedding before writes and updates are refused "
          "(resource_exhausted, retry later); 0: no limit");
@@ -85,6 +92,9 @@ Result<ManagerConfig> read_manager_config(const Options& o) {
   if (rt == 0 || rt > 64)
     return Status(Code::kInvalidArgument, "--retrieve-threads: must be 1..64");
   c.retrieve_threads = static_cast<int>(rt);
+  KEEP_ASSIGN_OR_RETURN(c.max_waiting_retrieves, o.uint64("max-waiting-retrieves"));
+  KEEP_ASSIGN_OR_RETURN(c.max_waiting_retrieves_per_client,
+                        o.uint64("max-waiting-retrieves-per-client"));
   KEEP_ASSIGN_OR_RETURN(uint64_t pending, o.uint64("max-pending-embeddings"));
   c.store.max_pending_embeddings = pending;
 

@@ -503,11 +503,16 @@ void ManagerDaemon::Impl::register_metrics() {
       "Retrieves answered by the retrieve threads (they had a query or segments to embed)");
   auto& waiting = registry.gauge("keep_manager_retrieves_waiting",
                                  "Deferred retrieves not yet taken up by a retrieve thread");
+  auto& waiting_max = registry.gauge("keep_manager_retrieves_waiting_max_per_client",
+                                     "Deferred retrieves waiting of the client with the most");
+  auto& expired = registry.counter(
+      "keep_manager_retrieves_expired_total",
+      "Deferred retrieves answered timeout unrun: their caller's timeoutMs passed while waiting");
 
   // Counters mirror monotonic totals kept by the components: add the delta at each scrape.
   struct Last {
     double to_static = 0, to_dynamic = 0, completed = 0, stale = 0, failed = 0, records = 0,
-           bytes = 0, hits = 0, misses = 0, deferred = 0;
+           bytes = 0, hits = 0, misses = 0, deferred = 0, expired = 0;
   };
   auto last = std::make_shared<Last>();
   auto bump = [](metrics::Counter& c, double now, double* prev) {
@@ -516,7 +521,7 @@ void ManagerDaemon::Impl::register_metrics() {
   };
   registry.add_collect_hook([this, &agents, &memories, &groups, &pending, &jobs, &transitions,
                              &jobs_done, &arena, &entries, &wal_records, &wal_bytes, &cache,
-                             &deferred, &waiting, last, bump] {
+                             &deferred, &waiting, &waiting_max, &expired, last, bump] {
     StoreStats s;
     {
       std::lock_guard<std::mutex> lock(service->store_mutex());
@@ -541,6 +546,8 @@ void ManagerDaemon::Impl::register_metrics() {
     const ManagerService::DeferredRetrieves dr = service->deferred_retrieves();
     bump(deferred.get(), static_cast<double>(dr.total), &last->deferred);
     waiting.get().set(static_cast<double>(dr.waiting));
+    waiting_max.get().set(static_cast<double>(dr.waiting_max_per_peer));
+    bump(expired.get(), static_cast<double>(dr.expired), &last->expired);
     kv::RegionStats r = region->stats();
     arena.labels({"used"}).set(static_cast<double>(r.bytes_used));
     arena.labels({"free"}).set(static_cast<double>(r.bytes_free));
@@ -605,6 +612,8 @@ Result<std::unique_ptr<ManagerDaemon>> ManagerDaemon::start(const ManagerConfig&
   so.lease = config.lease;
   so.server_version = "keep-manager 0.1.0";
   so.retrieve_threads = config.retrieve_threads;
+  so.max_waiting_retrieves = config.max_waiting_retrieves;
+  so.max_waiting_retrieves_per_peer = config.max_waiting_retrieves_per_client;
   d.service = std::make_unique<ManagerService>(d.store.get(), d.wal.get(), d.region_ops.get(), so);
   d.handler = std::make_unique<InstrumentedHandler>(d.service.get(), &d.registry);
 

@@ -47,6 +47,9 @@ struct CallAccess {
     call.request_id_ = request_id;
     call.peer_ = std::move(peer);
     call.received_ = std::chrono::steady_clock::now();
+    if (const uint32_t ms = decoded.request.getTimeoutMs(); ms != 0) {
+      call.deadline_ = call.received_ + std::chrono::milliseconds(ms);
+    }
     call.request_ = decoded.request;
     call.owner_ = std::move(decoded.message);
     call.response_ = std::make_unique<capnp::MallocMessageBuilder>();

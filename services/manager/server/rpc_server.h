@@ -63,6 +63,11 @@ class Call {
   bool deferred() const { return deferred_; }
   // When the server received the request.
   std::chrono::steady_clock::time_point received() const { return received_; }
+  // When its caller stops waiting: received() + the request's timeoutMs; time_point::max() when
+  // the request has none (0).
+  std::chrono::steady_clock::time_point deadline() const { return deadline_; }
+  // The ROUTER identity of the peer that sent it (empty without a server).
+  const std::string& peer() const { return peer_; }
 
  private:
   friend class RpcServer;
@@ -73,6 +78,7 @@ class Call {
   std::unique_ptr<capnp::MallocMessageBuilder> response_;
   std::string peer_;  // the ROUTER identity to answer
   std::chrono::steady_clock::time_point received_;
+  std::chrono::steady_clock::time_point deadline_ = std::chrono::steady_clock::time_point::max();
   bool answered_ = false;
   bool deferred_ = false;
 };
