@@ -86,7 +86,8 @@ struct ListGroupsRequest {
 
 # One page of an agent's memories in ascending id order: those with id > afterId, at most limit
 # of them (0: 100; larger than the manager's maximum, 1000 by default: clamped); a page also ends
-# once its texts reach 4 MiB (it always carries at least one memory).
+# once its texts reach the manager's max message size, 1 MiB by default (it always carries at
+# least one memory).
 struct ListMemoriesRequest {
   agent @0 :Text;
   afterId @1 :UInt64;

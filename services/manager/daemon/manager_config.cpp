@@ -49,7 +49,12 @@ void declare_manager_options(Options* o) {
   o->add("model-kv-dtype", "bf16", "KV dtype in the region: f16, bf16 or f32");
   o->add("model-rope-theta", "100000", "planner model RoPE theta (KV fingerprint)");
   o->add("lease-ms", "30000", "lease of a worker's KV reservation");
-  o->add("max-message-bytes", "1MiB", "largest request accepted (checked before decoding)");
+  o->add("max-message-bytes", "1MiB",
+         "largest request accepted (checked before decoding); also the most text in one "
+         "listMemories page");
+  o->add("max-queued-reply-bytes-per-client", "16MiB",
+         "answers queued for a client connection that does not read them, beyond ZeroMQ's "
+         "16-answer pipe; answers beyond are dropped and its requests refused until it reads");
   o->add("max-batch", "1024", "requests handled per batch (one fsync covers a batch)");
   o->add("log-level", "info", "debug, info, warn, error or off");
 }
@@ -95,6 +100,8 @@ Result<ManagerConfig> read_manager_config(const Options& o) {
   KEEP_ASSIGN_OR_RETURN(c.max_waiting_retrieves, o.uint64("max-waiting-retrieves"));
   KEEP_ASSIGN_OR_RETURN(c.max_waiting_retrieves_per_client,
                         o.uint64("max-waiting-retrieves-per-client"));
+  KEEP_ASSIGN_OR_RETURN(c.max_queued_reply_bytes_per_client,
+                        o.bytes("max-queued-reply-bytes-per-client"));
   KEEP_ASSIGN_OR_RETURN(uint64_t pending, o.uint64("max-pending-embeddings"));
   c.store.max_pending_embeddings = pending;
 
@@ -147,6 +154,9 @@ Result<ManagerConfig> read_manager_config(const Options& o) {
   if (c.max_message_bytes < 1024) {
     return Status(Code::kInvalidArgument, "--max-message-bytes: must be >= 1KiB");
   }
+  // Every answer then stays near the size of the largest request: a listing page is the one
+  // answer that grows with the data.
+  c.store.max_list_bytes = c.max_message_bytes;
   KEEP_ASSIGN_OR_RETURN(uint64_t mb, o.uint64("max-batch"));
   if (mb == 0) return Status(Code::kInvalidArgument, "--max-batch: must be >= 1");
   c.max_batch = mb;

@@ -28,6 +28,8 @@ struct ManagerConfig {
   int retrieve_threads = 2;                      // ServiceOptions::retrieve_threads
   size_t max_waiting_retrieves = 1024;           // ServiceOptions, 0: no bound
   size_t max_waiting_retrieves_per_client = 64;  // ServiceOptions (per peer), 0: no bound
+  // wire::ServerOptions::max_queued_reply_bytes_per_peer
+  uint64_t max_queued_reply_bytes_per_client = uint64_t{16} << 20;
   // The shared KV region.
   std::string shm_name;
   uint64_t shm_bytes = 0;  // arena bytes
