@@ -53,8 +53,13 @@ void declare_manager_options(Options* o) {
          "largest request accepted (checked before decoding); also the most text in one "
          "listMemories page");
   o->add("max-queued-reply-bytes-per-client", "16MiB",
-         "answers queued for a client connection that does not read them, beyond ZeroMQ's "
-         "16-answer pipe; answers beyond are dropped and its requests refused until it reads");
+         "answers queued for a client connection that does not read them, beyond those ZeroMQ "
+         "holds (--zmq-send-hwm); answers beyond are dropped and its requests refused until it "
+         "reads");
+  o->add("zmq-send-hwm", "64",
+         "answers ZeroMQ itself holds per client connection (ZMQ_SNDHWM); the rest wait in the "
+         "byte-bounded queue; at least the window of pipelining clients, or their answers "
+         "trickle");
   o->add("max-batch", "1024", "requests handled per batch (one fsync covers a batch)");
   o->add("log-level", "info", "debug, info, warn, error or off");
 }
@@ -102,6 +107,11 @@ Result<ManagerConfig> read_manager_config(const Options& o) {
                         o.uint64("max-waiting-retrieves-per-client"));
   KEEP_ASSIGN_OR_RETURN(c.max_queued_reply_bytes_per_client,
                         o.bytes("max-queued-reply-bytes-per-client"));
+  KEEP_ASSIGN_OR_RETURN(uint64_t hwm, o.uint64("zmq-send-hwm"));
+  if (hwm == 0 || hwm > 1000000) {
+    return Status(Code::kInvalidArgument, "--zmq-send-hwm: must be 1..1000000");
+  }
+  c.zmq_send_hwm = static_cast<int>(hwm);
   KEEP_ASSIGN_OR_RETURN(uint64_t pending, o.uint64("max-pending-embeddings"));
   c.store.max_pending_embeddings = pending;
 

@@ -644,6 +644,7 @@ Result<std::unique_ptr<ManagerDaemon>> ManagerDaemon::start(const ManagerConfig&
   wo.limits.max_message_bytes = config.max_message_bytes;
   wo.max_batch = config.max_batch;
   wo.max_queued_reply_bytes_per_peer = config.max_queued_reply_bytes_per_client;
+  wo.send_high_water_mark = config.zmq_send_hwm;
   KEEP_ASSIGN_OR_RETURN(d.server, wire::RpcServer::create(std::move(wo), d.handler.get()));
   d.service->start_deferred_retrieves([server = d.server.get()](std::unique_ptr<wire::Call> call) {
     server->complete(std::move(call));

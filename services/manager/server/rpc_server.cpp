@@ -10,6 +10,7 @@
 #include <cstring>
 #include <exception>
 #include <mutex>
+#include <thread>
 #include <unordered_map>
 #include <zmq.hpp>
 
@@ -22,10 +23,28 @@ namespace {
 constexpr const char* kLog = "rpc";
 // How long the socket may hold the last answers after stop() before it closes.
 constexpr int kStopLingerMs = 500;
-// Poll timeouts while an outbox holds replies: short while peers take them, longer while none
-// does (a peer that does not read costs a few hundred send attempts a second, no more).
+// While an outbox holds replies, the loop cannot be told when a peer's pipe drains: it polls
+// without waiting for a moment after the last reply moved (ZeroMQ's I/O thread drains a pipe of
+// small answers in microseconds, and a pipelining client's next batch depends on it), then every
+// millisecond, and every 10 ms once nothing moved for a second (a peer that does not read costs
+// a hundred send attempts a second).
+constexpr auto kFlushSpin = std::chrono::microseconds(300);
 constexpr auto kFlushRetry = std::chrono::milliseconds(1);
 constexpr auto kFlushRetryStuck = std::chrono::milliseconds(10);
+
+// Calls whose answer can be large (a listing page, a retrieve, jobs): only they count toward
+// max_batch_per_peer, so that a client pipelining writes keeps its large batches (one fsync).
+bool answer_may_be_large(proto::Request::Which which) {
+  switch (which) {
+    case proto::Request::LIST_MEMORIES:
+    case proto::Request::RETRIEVE:
+    case proto::Request::LIST_GROUPS:
+    case proto::Request::FETCH_JOBS:
+      return true;
+    default:
+      return false;
+  }
+}
 }  // namespace
 
 proto::Response::Builder Call::reply() {
@@ -347,9 +366,9 @@ void RpcServer::loop() {
   std::vector<Call> calls;
   pending.reserve(im.options.max_batch);
   calls.reserve(im.options.max_batch);
-  std::unordered_map<std::string, size_t> per_peer;  // requests of each peer in this batch
+  std::unordered_map<std::string, size_t> per_peer;  // large-answer calls of each peer in batch
   std::vector<zmq::message_t> carry;  // the message that ended the last batch: the next one's
-  bool flushed = false;               // the last flush moved a reply
+  auto last_moved = std::chrono::steady_clock::now();  // a queued reply last left the outbox
 
   // Receives the next message without waiting (false: none); excess frames are dropped.
   auto receive = [&](std::vector<zmq::message_t>* frames) {
@@ -380,7 +399,13 @@ void RpcServer::loop() {
     if (!carry.empty()) {
       timeout = std::chrono::milliseconds(0);
     } else if (!im.outbox->empty()) {
-      timeout = flushed ? kFlushRetry : kFlushRetryStuck;
+      const auto since = std::chrono::steady_clock::now() - last_moved;
+      if (since < kFlushSpin) {
+        timeout = std::chrono::milliseconds(0);
+        std::this_thread::yield();  // let ZeroMQ's I/O thread drain the pipes
+      } else {
+        timeout = since < std::chrono::seconds(1) ? kFlushRetry : kFlushRetryStuck;
+      }
     }
     zmq::pollitem_t items[3] = {{static_cast<void*>(router), 0, ZMQ_POLLIN, 0},
                                 {nullptr, im.wake_fd, ZMQ_POLLIN, 0},
@@ -393,7 +418,7 @@ void RpcServer::loop() {
       break;
     }
     if (items[1].revents & ZMQ_POLLIN) break;
-    flushed = im.flush_outbox();
+    if (im.flush_outbox()) last_moved = std::chrono::steady_clock::now();
     if (items[2].revents & ZMQ_POLLIN) {
       uint64_t count = 0;
       ssize_t n = ::read(im.done_fd, &count, sizeof(count));  // resets the eventfd
@@ -422,14 +447,15 @@ void RpcServer::loop() {
           continue;
         }
         const bool unread = im.outbox->overflowed(p.peer);
-        if (!unread && ++per_peer[p.peer] > im.options.max_batch_per_peer) {
-          carry.swap(frames);
-          break;
-        }
         const auto* data = static_cast<const std::byte*>(frames[2].data());
-        im.bytes_in.fetch_add(frames[2].size(), std::memory_order_relaxed);
         uint64_t request_id = 0;
         auto decoded = decode_request({data, frames[2].size()}, im.options.limits, &request_id);
+        if (!unread && decoded.is_ok() && answer_may_be_large(decoded->request.which()) &&
+            ++per_peer[p.peer] > im.options.max_batch_per_peer) {
+          carry.swap(frames);  // decoded again as the first of the next batch
+          break;
+        }
+        im.bytes_in.fetch_add(frames[2].size(), std::memory_order_relaxed);
         if (!decoded.is_ok() || unread) {
           Status refused = decoded.is_ok() ? not_reading() : decoded.status();
           if (unread) {

@@ -16,9 +16,10 @@
 //
 // Replies: ZeroMQ bounds a peer's queue in messages, not bytes, so its pipe is kept short and the
 // answers it cannot take wait in a per-peer outbox bounded in bytes (reply_outbox.h), flushed
-// without blocking on every pass of the loop (which polls every millisecond or so while any is
-// non-empty). A peer that does not read ends up dropping answers; from then until it takes one,
-// its requests are refused (kResourceExhausted) without reaching the handler.
+// without blocking on every pass of the loop (which polls without waiting right after a reply
+// moved, then every millisecond, while any is non-empty). A peer that does not read ends up
+// dropping answers; from then until it takes one, its requests are refused (kResourceExhausted)
+// without reaching the handler.
 #pragma once
 
 #include <atomic>
@@ -51,11 +52,12 @@ struct ServerOptions {
   // (ZMQ_ROUTER_MANDATORY: a full pipe is EAGAIN, not a silent drop); the rest wait in the
   // server's outbox, at most max_queued_reply_bytes_per_peer bytes of them; a reply beyond is
   // dropped, and a peer's outbox that did not move for reply_stall_timeout is dropped whole.
-  int send_high_water_mark = 16;
+  int send_high_water_mark = 64;
   size_t max_queued_reply_bytes_per_peer = size_t{16} << 20;
   std::chrono::milliseconds reply_stall_timeout{30000};
-  // Requests of one peer in one batch; the next one starts the following batch. Bounds the
-  // answers built at once for one peer (each up to the largest reply) and lets other peers in.
+  // Calls of one peer whose answer can be large (listings, retrieves, jobs) in one batch; the
+  // next one starts the following batch. Bounds the answers built at once for one peer (each up
+  // to the largest reply) and lets other peers in; writes do not count (group commit).
   size_t max_batch_per_peer = 32;
 };
 
