@@ -86,7 +86,8 @@ struct ListGroupsRequest {
 
 # One page of an agent's memories in ascending id order: those with id > afterId, at most limit
 # of them (0: 100; larger than the manager's maximum, 1000 by default: clamped); a page also ends
-# once its texts reach 4 MiB (it always carries at least one memory).
+# once its texts reach the manager's max message size, 1 MiB by default (it always carries at
+# least one memory).
 struct ListMemoriesRequest {
   agent @0 :Text;
   afterId @1 :UInt64;
@@ -138,6 +139,10 @@ struct Request {
     ping @15 :PingRequest;
     listMemories @16 :ListMemoriesRequest;
   }
+  # How long the caller waits for the answer, in ms from the server's receipt (0: not said). A
+  # retrieve still waiting for a retrieve thread when it has passed is answered timeout without
+  # being run. Relative, since the clocks of two hosts differ; older servers ignore it.
+  timeoutMs @17 :UInt32;
 }
 
 # ---- responses -------------------------------------------------------------------------------

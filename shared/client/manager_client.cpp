@@ -3,6 +3,7 @@
 #include <capnp/message.h>
 #include <kj/exception.h>
 
+#include <algorithm>
 #include <functional>
 #include <zmq.hpp>
 
@@ -212,6 +213,9 @@ static Status round_trip(ManagerClient::Impl& impl, const ClientOptions& options
   const uint64_t id = impl.next_request_id++;
   request.setProtocolVersion(wire::kProtocolVersion);
   request.setRequestId(id);
+  // The server drops work this call no longer waits for (a queued retrieve).
+  request.setTimeoutMs(
+      static_cast<uint32_t>(std::clamp<int64_t>(options.timeout.count(), 0, UINT32_MAX)));
   fill(request);
   const std::string payload = wire::encode(message);
 

@@ -131,7 +131,7 @@ struct Reservation {
 
 struct ClientOptions {
   std::string endpoint = kDefaultEndpoint;       // tcp://host:port or ipc://path
-  std::chrono::milliseconds timeout{5000};       // per request
+  std::chrono::milliseconds timeout{5000};       // per request; sent as the request's timeoutMs
   size_t max_request_bytes = size_t{1} << 20;    // refused locally with kTooLarge (server default)
   size_t max_response_bytes = size_t{64} << 20;  // larger answers are kTooLarge
 };

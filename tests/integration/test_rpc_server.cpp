@@ -22,6 +22,7 @@
 #include "services/manager/server/rpc_server.h"
 #include "shared/client/manager_client.h"
 #include "shared/client/wire_codec.h"
+#include "tests/integration/manager/raw_peer.h"
 
 using keep::Code;
 using keep::Result;
@@ -199,56 +200,8 @@ struct Manager {
   std::unique_ptr<wire::RpcServer> server;
 };
 
-// A raw DEALER peer: sends arbitrary frames, decodes whatever comes back.
-struct RawPeer {
-  explicit RawPeer(const std::string& endpoint) : socket(ctx, zmq::socket_type::dealer) {
-    socket.set(zmq::sockopt::linger, 0);
-    socket.connect(endpoint);
-  }
-  void send(const std::vector<std::string>& frames) {
-    for (size_t i = 0; i < frames.size(); ++i) {
-      socket.send(zmq::buffer(frames[i]),
-                  i + 1 < frames.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
-    }
-  }
-  // The error (or ok) of the next answer, with its request id.
-  std::pair<Status, uint64_t> answer() {
-    zmq::pollitem_t item{static_cast<void*>(socket), 0, ZMQ_POLLIN, 0};
-    zmq::poll(&item, 1, 5000ms);
-    REQUIRE((item.revents & ZMQ_POLLIN));
-    std::vector<zmq::message_t> frames;
-    for (;;) {
-      zmq::message_t f;
-      REQUIRE(socket.recv(f).has_value());
-      const bool more = f.more();
-      frames.push_back(std::move(f));
-      if (!more) break;
-    }
-    REQUIRE(frames.size() == 2);
-    CHECK(frames[0].size() == 0);
-    const std::string bytes(static_cast<const char*>(frames[1].data()), frames[1].size());
-    auto decoded = wire::decode_message(wire::as_bytes(bytes), {});
-    REQUIRE(decoded.is_ok());
-    auto response = (*decoded)->root<proto::Response>();
-    CHECK(response.getProtocolVersion() == wire::kProtocolVersion);
-    if (response.which() == proto::Response::ERROR) {
-      return {wire::status_from_error(response.getError()), response.getRequestId()};
-    }
-    return {Status::ok(), response.getRequestId()};
-  }
-  zmq::context_t ctx{1};
-  zmq::socket_t socket;
-};
-
-std::string request_bytes(uint64_t id, const std::function<void(proto::Request::Builder)>& fill,
-                          uint16_t version = wire::kProtocolVersion) {
-  capnp::MallocMessageBuilder message;
-  auto req = message.initRoot<proto::Request>();
-  req.setProtocolVersion(version);
-  req.setRequestId(id);
-  fill(req);
-  return wire::encode(message);
-}
+using keep::itest::RawPeer;
+using keep::itest::request_bytes;
 
 }  // namespace
 
@@ -398,13 +351,13 @@ TEST_CASE("bad input of every kind gets its error code and the server keeps serv
 
   SUBCASE("malformed capnp") {
     peer.send({"", std::string(64, '\xa5')});
-    auto [st, id] = peer.answer();
+    auto [st, id] = peer.next();
     CHECK(st.code() == Code::kMalformed);
     CHECK(id == 0);
     peer.send({"", "abc"});
-    CHECK(peer.answer().first.code() == Code::kMalformed);
+    CHECK(peer.next().first.code() == Code::kMalformed);
     peer.send({"", ""});
-    CHECK(peer.answer().first.code() == Code::kMalformed);
+    CHECK(peer.next().first.code() == Code::kMalformed);
   }
   SUBCASE("text without its NUL terminator (detected lazily)") {
     std::string bytes = request_bytes(5, [](proto::Request::Builder r) {
@@ -414,15 +367,15 @@ TEST_CASE("bad input of every kind gets its error code and the server keeps serv
     REQUIRE(at != std::string::npos);
     bytes[at + 7] = 'h';  // overwrite the NUL
     peer.send({"", bytes});
-    auto [st, id] = peer.answer();
+    auto [st, id] = peer.next();
     CHECK(st.code() == Code::kMalformed);
     CHECK(id == 5);
   }
   SUBCASE("bad framing") {
     peer.send({request_bytes(3, [](auto r) { r.initPing(); })});  // no empty delimiter
-    CHECK(peer.answer().first.code() == Code::kMalformed);
+    CHECK(peer.next().first.code() == Code::kMalformed);
     peer.send({"", "x", "y"});
-    CHECK(peer.answer().first.code() == Code::kMalformed);
+    CHECK(peer.next().first.code() == Code::kMalformed);
   }
   SUBCASE("oversized message") {
     const std::string big = request_bytes(11, [](proto::Request::Builder r) {
@@ -432,7 +385,7 @@ TEST_CASE("bad input of every kind gets its error code and the server keeps serv
       w.setKind(proto::SegmentKind::OBJECT_STATE);
     });
     peer.send({"", big});
-    auto [st, id] = peer.answer();
+    auto [st, id] = peer.next();
     CHECK(st.code() == Code::kTooLarge);
     CHECK(id == 11);
     // The client refuses it before sending.
@@ -447,7 +400,7 @@ TEST_CASE("bad input of every kind gets its error code and the server keeps serv
   SUBCASE("wrong protocol version") {
     peer.send({"", request_bytes(
                        21, [](auto r) { r.initPing(); }, 9)});
-    auto [st, id] = peer.answer();
+    auto [st, id] = peer.next();
     CHECK(st.code() == Code::kVersionMismatch);
     CHECK(id == 21);
     CHECK(st.message().find("9") != std::string::npos);
@@ -459,7 +412,7 @@ TEST_CASE("bad input of every kind gets its error code and the server keeps serv
                  w.setText("t");
                  w.setKind(static_cast<proto::SegmentKind>(42));
                })});
-    auto [st, id] = peer.answer();
+    auto [st, id] = peer.next();
     CHECK(st.code() == Code::kInvalidArgument);
     CHECK(id == 31);
     peer.send({"", request_bytes(32, [](proto::Request::Builder r) {
@@ -467,16 +420,16 @@ TEST_CASE("bad input of every kind gets its error code and the server keeps serv
                  w.setAgent("a");
                  w.setText("t");  // kind left unset
                })});
-    CHECK(peer.answer().first.code() == Code::kInvalidArgument);
+    CHECK(peer.next().first.code() == Code::kInvalidArgument);
     peer.send({"", request_bytes(33, [](auto) {})});  // no call set
-    CHECK(peer.answer().first.code() == Code::kInvalidArgument);
+    CHECK(peer.next().first.code() == Code::kInvalidArgument);
     // A request type from the future: discriminant 99 in the union's slot (data word 0, bits
     // 16..31 of the root struct, right after the segment table and root pointer).
     std::string future = request_bytes(34, [](auto r) { r.initPing(); });
     future[16 + 2] = 99;
     future[16 + 3] = 0;
     peer.send({"", future});
-    auto [st2, id2] = peer.answer();
+    auto [st2, id2] = peer.next();
     CHECK(st2.code() == Code::kInvalidArgument);
     CHECK(id2 == 34);
   }

@@ -26,6 +26,13 @@ void declare_manager_options(Options* o) {
   o->add("retrieve-threads", "2",
          "threads that answer retrieves needing an embedding (the query, pending segments), off "
          "the request loop");
+  o->add("max-waiting-retrieves", "1024",
+         "retrieves waiting for a retrieve thread, from all clients, before more are refused "
+         "(resource_exhausted, retry later); 0: no limit");
+  o->add("max-waiting-retrieves-per-client", "64",
+         "retrieves of one client connection waiting for a retrieve thread before its next are "
+         "refused (resource_exhausted, retry later); the threads serve clients in turn; 0: no "
+         "limit");
   o->add("max-pending-embeddings", "1000000",
          "segments waiting for an embedding before writes and updates are refused "
          "(resource_exhausted, retry later); 0: no limit");
@@ -42,7 +49,17 @@ void declare_manager_options(Options* o) {
   o->add("model-kv-dtype", "bf16", "KV dtype in the region: f16, bf16 or f32");
   o->add("model-rope-theta", "100000", "planner model RoPE theta (KV fingerprint)");
   o->add("lease-ms", "30000", "lease of a worker's KV reservation");
-  o->add("max-message-bytes", "1MiB", "largest request accepted (checked before decoding)");
+  o->add("max-message-bytes", "1MiB",
+         "largest request accepted (checked before decoding); also the most text in one "
+         "listMemories page");
+  o->add("max-queued-reply-bytes-per-client", "16MiB",
+         "answers queued for a client connection that does not read them, beyond those ZeroMQ "
+         "holds (--zmq-send-hwm); answers beyond are dropped and its requests refused until it "
+         "reads");
+  o->add("zmq-send-hwm", "64",
+         "answers ZeroMQ itself holds per client connection (ZMQ_SNDHWM); the rest wait in the "
+         "byte-bounded queue; at least the window of pipelining clients, or their answers "
+         "trickle");
   o->add("max-batch", "1024", "requests handled per batch (one fsync covers a batch)");
   o->add("log-level", "info", "debug, info, warn, error or off");
 }
@@ -85,6 +102,16 @@ Result<ManagerConfig> read_manager_config(const Options& o) {
   if (rt == 0 || rt > 64)
     return Status(Code::kInvalidArgument, "--retrieve-threads: must be 1..64");
   c.retrieve_threads = static_cast<int>(rt);
+  KEEP_ASSIGN_OR_RETURN(c.max_waiting_retrieves, o.uint64("max-waiting-retrieves"));
+  KEEP_ASSIGN_OR_RETURN(c.max_waiting_retrieves_per_client,
+                        o.uint64("max-waiting-retrieves-per-client"));
+  KEEP_ASSIGN_OR_RETURN(c.max_queued_reply_bytes_per_client,
+                        o.bytes("max-queued-reply-bytes-per-client"));
+  KEEP_ASSIGN_OR_RETURN(uint64_t hwm, o.uint64("zmq-send-hwm"));
+  if (hwm == 0 || hwm > 1000000) {
+    return Status(Code::kInvalidArgument, "--zmq-send-hwm: must be 1..1000000");
+  }
+  c.zmq_send_hwm = static_cast<int>(hwm);
   KEEP_ASSIGN_OR_RETURN(uint64_t pending, o.uint64("max-pending-embeddings"));
   c.store.max_pending_embeddings = pending;
 
@@ -137,6 +164,9 @@ Result<ManagerConfig> read_manager_config(const Options& o) {
   if (c.max_message_bytes < 1024) {
     return Status(Code::kInvalidArgument, "--max-message-bytes: must be >= 1KiB");
   }
+  // Every answer then stays near the size of the largest request: a listing page is the one
+  // answer that grows with the data.
+  c.store.max_list_bytes = c.max_message_bytes;
   KEEP_ASSIGN_OR_RETURN(uint64_t mb, o.uint64("max-batch"));
   if (mb == 0) return Status(Code::kInvalidArgument, "--max-batch: must be >= 1");
   c.max_batch = mb;

@@ -25,7 +25,12 @@ struct ManagerConfig {
   std::string tokenizer_path;   // the planner model's tokenizer.json
   StoreOptions store;
   size_t embed_batch = 32;
-  int retrieve_threads = 2;  // ServiceOptions::retrieve_threads
+  int retrieve_threads = 2;                      // ServiceOptions::retrieve_threads
+  size_t max_waiting_retrieves = 1024;           // ServiceOptions, 0: no bound
+  size_t max_waiting_retrieves_per_client = 64;  // ServiceOptions (per peer), 0: no bound
+  // wire::ServerOptions::max_queued_reply_bytes_per_peer
+  uint64_t max_queued_reply_bytes_per_client = uint64_t{16} << 20;
+  int zmq_send_hwm = 64;  // wire::ServerOptions::send_high_water_mark
   // The shared KV region.
   std::string shm_name;
   uint64_t shm_bytes = 0;  // arena bytes

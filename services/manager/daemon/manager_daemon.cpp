@@ -520,11 +520,24 @@ void ManagerDaemon::Impl::register_metrics() {
   auto& linked = registry.gauge(
       "keep_manager_kv_region_linked",
       "1 while /dev/shm/<shm-name> is this manager's region (0: removed or replaced)");
+  auto& waiting_max = registry.gauge("keep_manager_retrieves_waiting_max_per_client",
+                                     "Deferred retrieves waiting of the client with the most");
+  auto& expired = registry.counter(
+      "keep_manager_retrieves_expired_total",
+      "Deferred retrieves answered timeout unrun: their caller's timeoutMs passed while waiting");
+  auto& dropped = registry.counter(
+      "keep_manager_replies_dropped_total",
+      "Answers not sent: the client was gone, or its queue of answers full or stalled");
+  auto& refused_unread =
+      registry.counter("keep_manager_requests_refused_unread_total",
+                       "Requests refused unhandled because their client does not read its answers");
+  auto& queued_bytes = registry.gauge("keep_manager_reply_queued_bytes",
+                                      "Answer bytes queued by the server beyond ZeroMQ's pipes");
 
   // Counters mirror monotonic totals kept by the components: add the delta at each scrape.
   struct Last {
     double to_static = 0, to_dynamic = 0, completed = 0, stale = 0, failed = 0, records = 0,
-           bytes = 0, hits = 0, misses = 0, deferred = 0;
+           bytes = 0, hits = 0, misses = 0, deferred = 0, expired = 0, dropped = 0, unread = 0;
   };
   auto last = std::make_shared<Last>();
   auto bump = [](metrics::Counter& c, double now, double* prev) {
@@ -533,7 +546,8 @@ void ManagerDaemon::Impl::register_metrics() {
   };
   registry.add_collect_hook([this, &agents, &memories, &groups, &pending, &jobs, &transitions,
                              &jobs_done, &arena, &entries, &wal_records, &wal_bytes, &cache,
-                             &deferred, &waiting, &degraded, &linked, last, bump] {
+                             &deferred, &waiting, &degraded, &linked, &waiting_max, &expired,
+                             &dropped, &refused_unread, &queued_bytes, last, bump] {
     if (!service || !region) return;  // still starting: the endpoints are bound before the region
     StoreStats s;
     {
@@ -561,6 +575,14 @@ void ManagerDaemon::Impl::register_metrics() {
     const ManagerService::DeferredRetrieves dr = service->deferred_retrieves();
     bump(deferred.get(), static_cast<double>(dr.total), &last->deferred);
     waiting.get().set(static_cast<double>(dr.waiting));
+    waiting_max.get().set(static_cast<double>(dr.waiting_max_per_peer));
+    bump(expired.get(), static_cast<double>(dr.expired), &last->expired);
+    if (server) {
+      const wire::ServerStats ss = server->stats();
+      bump(dropped.get(), static_cast<double>(ss.replies_dropped), &last->dropped);
+      bump(refused_unread.get(), static_cast<double>(ss.refused_unread), &last->unread);
+      queued_bytes.get().set(static_cast<double>(ss.reply_queued_bytes));
+    }
     kv::RegionStats r = region->stats();
     arena.labels({"used"}).set(static_cast<double>(r.bytes_used));
     arena.labels({"free"}).set(static_cast<double>(r.bytes_free));
@@ -582,12 +604,12 @@ void ManagerDaemon::Impl::shutdown() {
   // goes: its destructor sends the last of them.
   if (service) service->stop_deferred_retrieves();
   if (server) server->stop();
+  http.reset();    // before the server: a scrape reads its counters
   server.reset();  // joins the I/O thread if it runs one
   if (wal && service) {
     Status st = take_snapshot();
     if (!st.is_ok()) KEEP_LOG_ERROR(kLog, "final snapshot failed: %s", st.to_string().c_str());
   }
-  http.reset();
 }
 
 Result<std::unique_ptr<ManagerDaemon>> ManagerDaemon::start(const ManagerConfig& config) {
@@ -619,8 +641,15 @@ Result<std::unique_ptr<ManagerDaemon>> ManagerDaemon::start(const ManagerConfig&
   so.lease = config.lease;
   so.server_version = "keep-manager 0.1.0";
   so.retrieve_threads = config.retrieve_threads;
+  so.max_waiting_retrieves = config.max_waiting_retrieves;
+  so.max_waiting_retrieves_per_peer = config.max_waiting_retrieves_per_client;
   so.extra_stats = [&d](std::vector<std::pair<std::string, uint64_t>>* out) {
     out->emplace_back("kv_region_linked", d.region_linked.load() ? 1 : 0);
+    if (!d.server) return;
+    const wire::ServerStats s = d.server->stats();
+    out->emplace_back("replies_dropped", s.replies_dropped);
+    out->emplace_back("reply_queued_bytes", s.reply_queued_bytes);
+    out->emplace_back("requests_refused_unread", s.refused_unread);
   };
   d.service = std::make_unique<ManagerService>(d.store.get(), d.wal.get(), d.region_ops.get(), so);
   d.handler = std::make_unique<InstrumentedHandler>(d.service.get(), &d.registry);
@@ -629,6 +658,8 @@ Result<std::unique_ptr<ManagerDaemon>> ManagerDaemon::start(const ManagerConfig&
   wo.endpoints = config.endpoints;
   wo.limits.max_message_bytes = config.max_message_bytes;
   wo.max_batch = config.max_batch;
+  wo.max_queued_reply_bytes_per_peer = config.max_queued_reply_bytes_per_client;
+  wo.send_high_water_mark = config.zmq_send_hwm;
   KEEP_ASSIGN_OR_RETURN(d.server, wire::RpcServer::create(std::move(wo), d.handler.get()));
   d.service->start_deferred_retrieves([server = d.server.get()](std::unique_ptr<wire::Call> call) {
     server->complete(std::move(call));

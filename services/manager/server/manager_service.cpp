@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <exception>
 #include <iterator>
+#include <optional>
 #include <unordered_set>
 
 #include "shared/client/wire_codec.h"
@@ -93,7 +94,11 @@ uint32_t lease_ms(std::chrono::milliseconds lease) {
 
 ManagerService::ManagerService(MemoryStore* store, BatchCommitter* committer, KvRegionOps* region,
                                ServiceOptions options)
-    : store_(store), committer_(committer), region_(region), options_(std::move(options)) {
+    : store_(store),
+      committer_(committer),
+      region_(region),
+      options_(std::move(options)),
+      retrieve_queue_({options_.max_waiting_retrieves, options_.max_waiting_retrieves_per_peer}) {
   KEEP_CHECK(store_ != nullptr);
 }
 
@@ -257,14 +262,8 @@ bool ManagerService::handle_one(wire::Call& call) {
         auto needs = store_->retrieve_needs(agent, query, q.getK());
         if (!needs.is_ok()) return call.fail(needs.status()), false;
         if (needs->embed_query || !needs->segments.empty()) {
-          {
-            std::lock_guard<std::mutex> lock(retrieve_mu_);
-            if (retrieve_stop_) return call.fail(shutting_down()), false;
-            retrieve_queue_.push_back(
-                RetrieveJob{call.defer(), std::move(agent), std::move(query), std::move(*needs)});
-            retrieves_deferred_ += 1;
-          }
-          retrieve_cv_.notify_one();
+          Status st = defer_retrieve(call, std::move(agent), std::move(query), std::move(*needs));
+          if (!st.is_ok()) call.fail(st);
           return false;
         }
         // Nothing to embed (the query came from the cache): answered here.
@@ -343,6 +342,8 @@ bool ManagerService::handle_one(wire::Call& call) {
       const DeferredRetrieves dr = deferred_retrieves();
       counters.emplace_back("retrieves_deferred", dr.total);
       counters.emplace_back("retrieves_waiting", dr.waiting);
+      counters.emplace_back("retrieves_refused", dr.refused);
+      counters.emplace_back("retrieves_expired", dr.expired);
       if (options_.extra_stats) options_.extra_stats(&counters);
       auto o = call.reply().initStats();
       o.setAgents(s.agents);
@@ -599,11 +600,11 @@ void ManagerService::start_deferred_retrieves(
 }
 
 void ManagerService::stop_deferred_retrieves() {
-  std::deque<RetrieveJob> queued;
+  std::vector<RetrieveJob> queued;
   {
     std::lock_guard<std::mutex> lock(retrieve_mu_);
     retrieve_stop_ = true;
-    queued.swap(retrieve_queue_);
+    queued = retrieve_queue_.take_all();
   }
   retrieve_cv_.notify_all();
   // Not embedded for: a client waits for none of the seconds that could take.
@@ -617,19 +618,81 @@ void ManagerService::stop_deferred_retrieves() {
 
 ManagerService::DeferredRetrieves ManagerService::deferred_retrieves() const {
   std::lock_guard<std::mutex> lock(retrieve_mu_);
-  return {retrieves_deferred_, retrieve_queue_.size()};
+  return {retrieves_deferred_, retrieve_queue_.size(), retrieve_queue_.max_depth(),
+          retrieves_refused_, retrieves_expired_};
+}
+
+Status ManagerService::defer_retrieve(wire::Call& call, std::string agent, std::string query,
+                                      MemoryStore::RetrieveNeeds needs) {
+  using Admit = FairQueue<RetrieveJob>::Admit;
+  std::vector<RetrieveJob> expired;
+  Admit admit = Admit::kYes;
+  {
+    std::lock_guard<std::mutex> lock(retrieve_mu_);
+    if (retrieve_stop_) return shutting_down();
+    admit = retrieve_queue_.admit(call.peer());
+    if (admit != Admit::kYes) {  // full: first make room from those nobody waits for any more
+      retrieve_queue_.take_expired(std::chrono::steady_clock::now(), &expired);
+      retrieves_expired_ += expired.size();
+      admit = retrieve_queue_.admit(call.peer());
+    }
+    if (admit == Admit::kYes) {
+      const std::string peer = call.peer();
+      const auto deadline = call.deadline();
+      retrieve_queue_.push(
+          peer, RetrieveJob{call.defer(), std::move(agent), std::move(query), std::move(needs)},
+          deadline);
+      retrieves_deferred_ += 1;
+    } else {
+      retrieves_refused_ += 1;
+    }
+  }
+  answer_expired(std::move(expired));
+  if (admit == Admit::kKeyFull) {
+    return Status(Code::kResourceExhausted,
+                  "this client already has " +
+                      std::to_string(options_.max_waiting_retrieves_per_peer) +
+                      " retrieves waiting for an embedding (the most per client): retry later");
+  }
+  if (admit == Admit::kFull) {
+    return Status(Code::kResourceExhausted,
+                  std::to_string(options_.max_waiting_retrieves) +
+                      " retrieves are waiting for an embedding (the most): retry later");
+  }
+  retrieve_cv_.notify_one();
+  return Status::ok();
+}
+
+void ManagerService::answer_expired(std::vector<RetrieveJob> expired) {
+  for (RetrieveJob& job : expired) {
+    const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(job.call->deadline() -
+                                                                              job.call->received());
+    job.call->fail(Status(Code::kTimeout, "the caller's timeout (" +
+                                              std::to_string(waited.count()) +
+                                              " ms) passed while the retrieve waited: not run"));
+    complete_(std::move(job.call));
+  }
 }
 
 void ManagerService::retrieve_loop() {
   for (;;) {
-    RetrieveJob job;
+    std::optional<RetrieveJob> next;
+    std::vector<RetrieveJob> expired;
+    bool stop = false;
     {
       std::unique_lock<std::mutex> lock(retrieve_mu_);
       retrieve_cv_.wait(lock, [&] { return retrieve_stop_ || !retrieve_queue_.empty(); });
-      if (retrieve_queue_.empty()) return;  // stopping, nothing left to answer
-      job = std::move(retrieve_queue_.front());
-      retrieve_queue_.pop_front();
+      retrieve_queue_.take_expired(std::chrono::steady_clock::now(), &expired);
+      retrieves_expired_ += expired.size();
+      next = retrieve_queue_.pop();
+      stop = retrieve_stop_;
     }
+    answer_expired(std::move(expired));
+    if (!next.has_value()) {
+      if (stop) return;  // stopping, nothing left to answer
+      continue;
+    }
+    RetrieveJob& job = *next;
     try {
       run_retrieve(job);
     } catch (const std::exception& e) {

@@ -19,12 +19,17 @@
 // it, and gives the call back to the server. The I/O thread meanwhile serves every other request:
 // one retrieve after a burst of writes no longer holds every client for the seconds its
 // embedding takes. Without it (tests of the handler alone) retrieve embeds inline.
+//
+// The deferred retrieves wait in a FairQueue keyed by peer (the ZeroMQ identity): the threads take
+// them round-robin across peers, so one peer's backlog delays another's retrieve by about one
+// embedding. Beyond max_waiting_retrieves_per_peer of one peer, or max_waiting_retrieves in all,
+// a retrieve is answered kResourceExhausted at once. One whose caller's deadline (the request's
+// timeoutMs) passed while it waited is answered kTimeout without being run.
 #pragma once
 
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
-#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -36,6 +41,7 @@
 #include <utility>
 #include <vector>
 
+#include "services/manager/server/fair_queue.h"
 #include "services/manager/server/rpc_server.h"
 #include "services/manager/store/memory_store.h"
 #include "shared/common/status.h"
@@ -86,6 +92,9 @@ struct ServiceOptions {
   // Extra name/value pairs for the stats answer (region use, WAL position ...), optional.
   std::function<void(std::vector<std::pair<std::string, uint64_t>>*)> extra_stats;
   int retrieve_threads = 2;  // start_deferred_retrieves' threads (at least 1)
+  // Deferred retrieves waiting for a thread, in all and of one peer (0: no bound).
+  size_t max_waiting_retrieves = 1024;
+  size_t max_waiting_retrieves_per_peer = 64;
 };
 
 class ManagerService : public wire::RequestHandler {
@@ -109,10 +118,14 @@ class ManagerService : public wire::RequestHandler {
   // before the server is destroyed (it sends what it was given back, also after stop()); the
   // destructor calls it too.
   void stop_deferred_retrieves();
-  // Retrieves handed to the retrieve threads since the start, and those not yet taken up.
+  // Retrieves handed to the retrieve threads since the start, those not yet taken up, and
+  // those refused (queue full) or dropped (deadline passed while waiting) since the start.
   struct DeferredRetrieves {
     uint64_t total = 0;
     size_t waiting = 0;
+    size_t waiting_max_per_peer = 0;  // the longest queue of one peer
+    uint64_t refused = 0;
+    uint64_t expired = 0;
   };
   DeferredRetrieves deferred_retrieves() const;
 
@@ -149,6 +162,11 @@ class ManagerService : public wire::RequestHandler {
     std::string query;
     MemoryStore::RetrieveNeeds needs;
   };
+  // Queues a retrieve for the threads (the call deferred), or says why not (the call untouched).
+  Status defer_retrieve(wire::Call& call, std::string agent, std::string query,
+                        MemoryStore::RetrieveNeeds needs);
+  // Answers kTimeout the retrieves whose caller's deadline passed while they waited.
+  void answer_expired(std::vector<RetrieveJob> expired);
   void retrieve_loop();
   static Status shutting_down();  // a retrieve refused by stop_deferred_retrieves
   void run_retrieve(RetrieveJob& job);
@@ -173,8 +191,10 @@ class ManagerService : public wire::RequestHandler {
   std::function<void(std::unique_ptr<wire::Call>)> complete_;  // set: retrieves may be deferred
   mutable std::mutex retrieve_mu_;
   uint64_t retrieves_deferred_ = 0;
+  uint64_t retrieves_refused_ = 0;
+  uint64_t retrieves_expired_ = 0;
   std::condition_variable retrieve_cv_;
-  std::deque<RetrieveJob> retrieve_queue_;
+  FairQueue<RetrieveJob> retrieve_queue_;  // keyed by peer
   bool retrieve_stop_ = false;
   std::vector<std::thread> retrieve_threads_;
 };

@@ -10,8 +10,11 @@
 #include <cstring>
 #include <exception>
 #include <mutex>
+#include <thread>
+#include <unordered_map>
 #include <zmq.hpp>
 
+#include "services/manager/server/reply_outbox.h"
 #include "shared/common/log.h"
 
 namespace keep::wire {
@@ -20,6 +23,28 @@ namespace {
 constexpr const char* kLog = "rpc";
 // How long the socket may hold the last answers after stop() before it closes.
 constexpr int kStopLingerMs = 500;
+// While an outbox holds replies, the loop cannot be told when a peer's pipe drains: it polls
+// without waiting for a moment after the last reply moved (ZeroMQ's I/O thread drains a pipe of
+// small answers in microseconds, and a pipelining client's next batch depends on it), then every
+// millisecond, and every 10 ms once nothing moved for a second (a peer that does not read costs
+// a hundred send attempts a second).
+constexpr auto kFlushSpin = std::chrono::microseconds(300);
+constexpr auto kFlushRetry = std::chrono::milliseconds(1);
+constexpr auto kFlushRetryStuck = std::chrono::milliseconds(10);
+
+// Calls whose answer can be large (a listing page, a retrieve, jobs): only they count toward
+// max_batch_per_peer, so that a client pipelining writes keeps its large batches (one fsync).
+bool answer_may_be_large(proto::Request::Which which) {
+  switch (which) {
+    case proto::Request::LIST_MEMORIES:
+    case proto::Request::RETRIEVE:
+    case proto::Request::LIST_GROUPS:
+    case proto::Request::FETCH_JOBS:
+      return true;
+    default:
+      return false;
+  }
+}
 }  // namespace
 
 proto::Response::Builder Call::reply() {
@@ -47,6 +72,9 @@ struct CallAccess {
     call.request_id_ = request_id;
     call.peer_ = std::move(peer);
     call.received_ = std::chrono::steady_clock::now();
+    if (const uint32_t ms = decoded.request.getTimeoutMs(); ms != 0) {
+      call.deadline_ = call.received_ + std::chrono::milliseconds(ms);
+    }
     call.request_ = decoded.request;
     call.owner_ = std::move(decoded.message);
     call.response_ = std::make_unique<capnp::MallocMessageBuilder>();
@@ -105,13 +133,22 @@ struct RpcServer::Impl {
   std::mutex done_mu;
   std::vector<std::unique_ptr<Call>> done;
 
-  std::atomic<uint64_t> requests{0}, batches{0}, decode_errors{0}, max_batch_seen{0}, bytes_in{0},
-      bytes_out{0}, replies_dropped{0}, deferred{0}, deferred_done{0};
+  // Replies ZeroMQ's pipe could not take yet (same thread rule as send_reply).
+  std::unique_ptr<ReplyOutbox> outbox;
 
-  // Sends [identity][empty][payload] without blocking; a reply the peer's queue cannot take, or
-  // to a peer that is gone, is dropped and counted. On the thread that owns the socket: the I/O
-  // loop's, or the destructor's once the loop is over.
-  void send_reply(zmq::message_t identity, const std::string& payload);
+  std::atomic<uint64_t> requests{0}, batches{0}, decode_errors{0}, max_batch_seen{0}, bytes_in{0},
+      bytes_out{0}, replies_dropped{0}, deferred{0}, deferred_done{0}, refused_unread{0},
+      reply_queued_bytes{0};
+
+  // Hands [identity][empty][payload] to ZeroMQ without blocking.
+  ReplyOutbox::Sent try_send(const std::string& peer, const std::string& payload);
+  // Sends a reply, or queues it behind the peer's outbox, or drops it (counted) when the peer is
+  // gone or its outbox full. On the thread that owns the socket: the I/O loop's, or the
+  // destructor's once the loop is over.
+  void send_reply(const std::string& peer, std::string payload);
+  // Hands the outboxes' replies to ZeroMQ as far as the peers' pipes take them (same thread);
+  // whether any reply moved.
+  bool flush_outbox();
   // Answers the deferred calls given back since the last time (same thread rule).
   void send_done();
 
@@ -131,6 +168,7 @@ RpcServer::~RpcServer() {
   // ManagerService::stop_deferred_retrieves once a signal stopped the loop) are answered from
   // here, and the socket lingers a moment so that those answers leave before it closes.
   impl_->send_done();
+  impl_->flush_outbox();
   try {
     impl_->router->set(zmq::sockopt::linger, kStopLingerMs);
   } catch (const zmq::error_t& e) {
@@ -146,8 +184,11 @@ Result<std::unique_ptr<RpcServer>> RpcServer::create(ServerOptions options,
   if (options.limits.max_message_bytes == 0) {
     return Status(Code::kInvalidArgument, "rpc server: max_message_bytes must be > 0");
   }
+  if (options.max_batch_per_peer == 0) options.max_batch_per_peer = 1;
   auto impl = std::make_unique<Impl>();
   impl->options = options;
+  impl->outbox = std::make_unique<ReplyOutbox>(options.max_queued_reply_bytes_per_peer,
+                                               options.reply_stall_timeout);
   impl->handler = handler;
   impl->wake_fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   impl->done_fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -160,6 +201,7 @@ Result<std::unique_ptr<RpcServer>> RpcServer::create(ServerOptions options,
     auto& s = *impl->router;
     s.set(zmq::sockopt::linger, 0);
     s.set(zmq::sockopt::sndhwm, options.send_high_water_mark);
+    s.set(zmq::sockopt::router_mandatory, 1);
     s.set(zmq::sockopt::rcvhwm, options.receive_high_water_mark);
     const size_t hard = options.hard_max_message_bytes != 0 ? options.hard_max_message_bytes
                                                             : 16 * options.limits.max_message_bytes;
@@ -227,6 +269,8 @@ ServerStats RpcServer::stats() const {
   s.replies_dropped = impl_->replies_dropped.load(std::memory_order_relaxed);
   s.deferred = impl_->deferred.load(std::memory_order_relaxed);
   s.deferred_done = impl_->deferred_done.load(std::memory_order_relaxed);
+  s.refused_unread = impl_->refused_unread.load(std::memory_order_relaxed);
+  s.reply_queued_bytes = impl_->reply_queued_bytes.load(std::memory_order_relaxed);
   return s;
 }
 
@@ -234,27 +278,62 @@ namespace {
 
 // One received message awaiting its reply: either a call for the handler or an error already.
 struct Pending {
-  zmq::message_t identity;
+  std::string peer;     // the ROUTER identity
   int call = -1;        // index into the batch's calls, or -1
   std::string payload;  // the encoded error reply when call < 0
 };
 
+Status not_reading() {
+  return Status(Code::kResourceExhausted,
+                "answers to this connection are not being read (its queue of answers is full): "
+                "request not handled; read the answers, then retry");
+}
+
 }  // namespace
 
-void RpcServer::Impl::send_reply(zmq::message_t identity, const std::string& payload) {
+ReplyOutbox::Sent RpcServer::Impl::try_send(const std::string& peer, const std::string& payload) {
   try {
-    const size_t n = payload.size();
-    if (!router->send(std::move(identity), zmq::send_flags::sndmore | zmq::send_flags::dontwait) ||
-        !router->send(zmq::message_t(), zmq::send_flags::sndmore | zmq::send_flags::dontwait) ||
-        !router->send(zmq::message_t(payload.data(), n), zmq::send_flags::dontwait)) {
-      replies_dropped.fetch_add(1, std::memory_order_relaxed);
-    } else {
-      bytes_out.fetch_add(n, std::memory_order_relaxed);
+    // With ZMQ_ROUTER_MANDATORY the identity frame fails (EAGAIN) when the peer's pipe is full,
+    // and throws EHOSTUNREACH when the peer is gone; once it is taken, the other frames are too.
+    if (!router->send(zmq::message_t(peer.data(), peer.size()),
+                      zmq::send_flags::sndmore | zmq::send_flags::dontwait)) {
+      return ReplyOutbox::Sent::kFull;
     }
+    router->send(zmq::message_t(), zmq::send_flags::sndmore | zmq::send_flags::dontwait);
+    router->send(zmq::message_t(payload.data(), payload.size()), zmq::send_flags::dontwait);
+    bytes_out.fetch_add(payload.size(), std::memory_order_relaxed);
+    return ReplyOutbox::Sent::kOk;
   } catch (const zmq::error_t& e) {
-    replies_dropped.fetch_add(1, std::memory_order_relaxed);
-    KEEP_LOG_DEBUG(kLog, "reply dropped: %s", e.what());
+    if (e.num() != EHOSTUNREACH) KEEP_LOG_DEBUG(kLog, "reply dropped: %s", e.what());
+    return ReplyOutbox::Sent::kGone;
   }
+}
+
+void RpcServer::Impl::send_reply(const std::string& peer, std::string payload) {
+  if (!outbox->holds(peer)) {  // else behind the replies already waiting, in order
+    const ReplyOutbox::Sent sent = try_send(peer, payload);
+    if (sent == ReplyOutbox::Sent::kOk) return;
+    if (sent == ReplyOutbox::Sent::kGone) {
+      replies_dropped.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
+  }
+  if (!outbox->push(peer, std::move(payload), std::chrono::steady_clock::now())) {
+    replies_dropped.fetch_add(1, std::memory_order_relaxed);
+  }
+  reply_queued_bytes.store(outbox->bytes(), std::memory_order_relaxed);
+}
+
+bool RpcServer::Impl::flush_outbox() {
+  if (outbox->empty()) return false;
+  const size_t before = outbox->replies();
+  const size_t dropped =
+      outbox->flush([this](const std::string& peer,
+                           const std::string& payload) { return try_send(peer, payload); },
+                    std::chrono::steady_clock::now());
+  replies_dropped.fetch_add(dropped, std::memory_order_relaxed);
+  reply_queued_bytes.store(outbox->bytes(), std::memory_order_relaxed);
+  return outbox->replies() + dropped < before;
 }
 
 void RpcServer::Impl::send_done() {
@@ -271,11 +350,10 @@ void RpcServer::Impl::send_done() {
     } catch (const kj::Exception& e) {
       KEEP_LOG_ERROR(kLog, "on_deferred_done threw: %s", e.getDescription().cStr());
     }
-    const std::string payload = answer_of(*c);
-    const std::string& peer = CallAccess::peer(*c);
+    std::string payload = answer_of(*c);
     // Counted before the reply leaves: a client that has its answer finds it in the stats.
     deferred_done.fetch_add(1, std::memory_order_relaxed);
-    send_reply(zmq::message_t(peer.data(), peer.size()), payload);
+    send_reply(CallAccess::peer(*c), std::move(payload));
   }
 }
 
@@ -288,19 +366,59 @@ void RpcServer::loop() {
   std::vector<Call> calls;
   pending.reserve(im.options.max_batch);
   calls.reserve(im.options.max_batch);
+  std::unordered_map<std::string, size_t> per_peer;  // large-answer calls of each peer in batch
+  std::vector<zmq::message_t> carry;  // the message that ended the last batch: the next one's
+  auto last_moved = std::chrono::steady_clock::now();  // a queued reply last left the outbox
+
+  // Receives the next message without waiting (false: none); excess frames are dropped.
+  auto receive = [&](std::vector<zmq::message_t>* frames) {
+    frames->clear();
+    if (!carry.empty()) {
+      frames->swap(carry);
+      return true;
+    }
+    bool got = false;
+    try {
+      for (;;) {
+        zmq::message_t frame;
+        if (!router.recv(frame, zmq::recv_flags::dontwait)) break;
+        got = true;
+        const bool more = frame.more();
+        if (frames->size() < 4) frames->push_back(std::move(frame));
+        if (!more) break;
+      }
+    } catch (const zmq::error_t& e) {
+      KEEP_LOG_WARN(kLog, "recv failed: %s", e.what());
+    }
+    if (got) im.requests.fetch_add(1, std::memory_order_relaxed);
+    return got;
+  };
 
   while (!im.stopping.load(std::memory_order_acquire)) {
+    auto timeout = idle;
+    if (!carry.empty()) {
+      timeout = std::chrono::milliseconds(0);
+    } else if (!im.outbox->empty()) {
+      const auto since = std::chrono::steady_clock::now() - last_moved;
+      if (since < kFlushSpin) {
+        timeout = std::chrono::milliseconds(0);
+        std::this_thread::yield();  // let ZeroMQ's I/O thread drain the pipes
+      } else {
+        timeout = since < std::chrono::seconds(1) ? kFlushRetry : kFlushRetryStuck;
+      }
+    }
     zmq::pollitem_t items[3] = {{static_cast<void*>(router), 0, ZMQ_POLLIN, 0},
                                 {nullptr, im.wake_fd, ZMQ_POLLIN, 0},
                                 {nullptr, im.done_fd, ZMQ_POLLIN, 0}};
     try {
-      zmq::poll(items, 3, idle);
+      zmq::poll(items, 3, timeout);
     } catch (const zmq::error_t& e) {
       if (e.num() == EINTR) continue;
       KEEP_LOG_ERROR(kLog, "poll failed: %s", e.what());
       break;
     }
     if (items[1].revents & ZMQ_POLLIN) break;
+    if (im.flush_outbox()) last_moved = std::chrono::steady_clock::now();
     if (items[2].revents & ZMQ_POLLIN) {
       uint64_t count = 0;
       ssize_t n = ::read(im.done_fd, &count, sizeof(count));  // resets the eventfd
@@ -308,30 +426,17 @@ void RpcServer::loop() {
       im.send_done();
     }
 
-    if (items[0].revents & ZMQ_POLLIN) {
+    const bool readable = (items[0].revents & ZMQ_POLLIN) || !carry.empty();
+    if (readable) {
       pending.clear();
       calls.clear();
-      // ---- drain up to max_batch messages and decode them ----
-      while (pending.size() < im.options.max_batch) {
-        std::vector<zmq::message_t> frames;
-        bool got = false;
-        try {
-          for (;;) {
-            zmq::message_t frame;
-            if (!router.recv(frame, zmq::recv_flags::dontwait)) break;
-            got = true;
-            const bool more = frame.more();
-            if (frames.size() < 4) frames.push_back(std::move(frame));  // excess frames dropped
-            if (!more) break;
-          }
-        } catch (const zmq::error_t& e) {
-          KEEP_LOG_WARN(kLog, "recv failed: %s", e.what());
-        }
-        if (!got) break;
-        im.requests.fetch_add(1, std::memory_order_relaxed);
+      per_peer.clear();
+      // ---- drain up to max_batch messages (max_batch_per_peer of one peer) and decode them ----
+      std::vector<zmq::message_t> frames;
+      while (pending.size() < im.options.max_batch && receive(&frames)) {
         if (frames.empty()) continue;
         Pending p;
-        p.identity = std::move(frames[0]);
+        p.peer.assign(static_cast<const char*>(frames[0].data()), frames[0].size());
         if (frames.size() != 3 || frames[1].size() != 0) {
           im.decode_errors.fetch_add(1, std::memory_order_relaxed);
           p.payload = encode_error_response(
@@ -341,23 +446,31 @@ void RpcServer::loop() {
           pending.push_back(std::move(p));
           continue;
         }
+        const bool unread = im.outbox->overflowed(p.peer);
         const auto* data = static_cast<const std::byte*>(frames[2].data());
-        im.bytes_in.fetch_add(frames[2].size(), std::memory_order_relaxed);
         uint64_t request_id = 0;
         auto decoded = decode_request({data, frames[2].size()}, im.options.limits, &request_id);
-        if (!decoded.is_ok()) {
-          im.decode_errors.fetch_add(1, std::memory_order_relaxed);
+        if (!unread && decoded.is_ok() && answer_may_be_large(decoded->request.which()) &&
+            ++per_peer[p.peer] > im.options.max_batch_per_peer) {
+          carry.swap(frames);  // decoded again as the first of the next batch
+          break;
+        }
+        im.bytes_in.fetch_add(frames[2].size(), std::memory_order_relaxed);
+        if (!decoded.is_ok() || unread) {
+          Status refused = decoded.is_ok() ? not_reading() : decoded.status();
+          if (unread) {
+            im.refused_unread.fetch_add(1, std::memory_order_relaxed);
+          } else {
+            im.decode_errors.fetch_add(1, std::memory_order_relaxed);
+          }
           KEEP_LOG_DEBUG(kLog, "request %llu refused: %s",
-                         static_cast<unsigned long long>(request_id),
-                         decoded.status().to_string().c_str());
-          p.payload = encode_error_response(request_id, decoded.status());
+                         static_cast<unsigned long long>(request_id), refused.to_string().c_str());
+          p.payload = encode_error_response(request_id, refused);
           pending.push_back(std::move(p));
           continue;
         }
         p.call = static_cast<int>(calls.size());
-        calls.push_back(CallAccess::make(
-            std::move(decoded).value(), request_id,
-            std::string(static_cast<const char*>(p.identity.data()), p.identity.size())));
+        calls.push_back(CallAccess::make(std::move(decoded).value(), request_id, p.peer));
         pending.push_back(std::move(p));
       }
 
@@ -393,17 +506,18 @@ void RpcServer::loop() {
             continue;
           }
           payload = answer_of(c);
+          c = Call();  // its response builder goes now, not with the whole batch
         } else {
           payload = std::move(p.payload);
         }
-        im.send_reply(std::move(p.identity), payload);
+        im.send_reply(p.peer, std::move(payload));
       }
       pending.clear();
       calls.clear();  // releases the request buffers and response builders
     }
 
     const auto now = std::chrono::steady_clock::now();
-    if (now - last_idle >= idle || (items[0].revents & ZMQ_POLLIN)) {
+    if (now - last_idle >= idle || readable) {
       last_idle = now;
       try {
         im.handler->on_idle();

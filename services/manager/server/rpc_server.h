@@ -13,6 +13,13 @@
 // thread, which fills the response and gives it back through RpcServer::complete(); the I/O thread
 // sends it when it next wakes and goes on serving other peers meanwhile. A deferred answer may
 // reach its peer after answers to requests that peer sent later (clients match request ids).
+//
+// Replies: ZeroMQ bounds a peer's queue in messages, not bytes, so its pipe is kept short and the
+// answers it cannot take wait in a per-peer outbox bounded in bytes (reply_outbox.h), flushed
+// without blocking on every pass of the loop (which polls without waiting right after a reply
+// moved, then every millisecond, while any is non-empty). A peer that does not read ends up
+// dropping answers; from then until it takes one, its requests are refused (kResourceExhausted)
+// without reaching the handler.
 #pragma once
 
 #include <atomic>
@@ -40,8 +47,18 @@ struct ServerOptions {
                                       // without an answer; 0 = 16 x limits.max_message_bytes
   size_t max_batch = 256;             // requests handed to the handler at once
   int idle_interval_ms = 100;         // on_idle() cadence when no request arrives
-  int send_high_water_mark = 100000;  // per peer; replies beyond it are dropped (never block)
   int receive_high_water_mark = 100000;
+  // Sending (see "Replies" above): ZeroMQ queues at most send_high_water_mark replies per peer
+  // (ZMQ_ROUTER_MANDATORY: a full pipe is EAGAIN, not a silent drop); the rest wait in the
+  // server's outbox, at most max_queued_reply_bytes_per_peer bytes of them; a reply beyond is
+  // dropped, and a peer's outbox that did not move for reply_stall_timeout is dropped whole.
+  int send_high_water_mark = 64;
+  size_t max_queued_reply_bytes_per_peer = size_t{16} << 20;
+  std::chrono::milliseconds reply_stall_timeout{30000};
+  // Calls of one peer whose answer can be large (listings, retrieves, jobs) in one batch; the
+  // next one starts the following batch. Bounds the answers built at once for one peer (each up
+  // to the largest reply) and lets other peers in; writes do not count (group commit).
+  size_t max_batch_per_peer = 32;
 };
 
 // One decoded request and its response. The handler fills the response through reply() (the
@@ -63,6 +80,11 @@ class Call {
   bool deferred() const { return deferred_; }
   // When the server received the request.
   std::chrono::steady_clock::time_point received() const { return received_; }
+  // When its caller stops waiting: received() + the request's timeoutMs; time_point::max() when
+  // the request has none (0).
+  std::chrono::steady_clock::time_point deadline() const { return deadline_; }
+  // The ROUTER identity of the peer that sent it (empty without a server).
+  const std::string& peer() const { return peer_; }
 
  private:
   friend class RpcServer;
@@ -73,6 +95,7 @@ class Call {
   std::unique_ptr<capnp::MallocMessageBuilder> response_;
   std::string peer_;  // the ROUTER identity to answer
   std::chrono::steady_clock::time_point received_;
+  std::chrono::steady_clock::time_point deadline_ = std::chrono::steady_clock::time_point::max();
   bool answered_ = false;
   bool deferred_ = false;
 };
@@ -98,9 +121,11 @@ struct ServerStats {
   uint64_t max_batch_seen = 0;
   uint64_t bytes_in = 0;
   uint64_t bytes_out = 0;
-  uint64_t replies_dropped = 0;  // peer gone or its queue full
-  uint64_t deferred = 0;         // calls the handler deferred
-  uint64_t deferred_done = 0;    // deferred calls given back and answered
+  uint64_t replies_dropped = 0;     // peer gone, its outbox full or stalled
+  uint64_t deferred = 0;            // calls the handler deferred
+  uint64_t deferred_done = 0;       // deferred calls given back and answered
+  uint64_t refused_unread = 0;      // requests refused because their peer does not read answers
+  uint64_t reply_queued_bytes = 0;  // in the outboxes now (beyond ZeroMQ's pipes)
 };
 
 // The server's per-frame path without sockets: decode `payload` (limits, structure, version),

@@ -13,6 +13,7 @@
 #include "shared/client/wire_codec.h"
 #include "shared/common/utf8.h"
 #include "tests/integration/manager/manager_process.h"
+#include "tests/integration/manager/raw_peer.h"
 
 namespace {
 
@@ -21,58 +22,10 @@ namespace kc = keep::client;
 namespace it = keep::itest;
 namespace wire = keep::wire;
 namespace proto = keep::proto;
+using it::RawPeer;
+using it::request_bytes;
 using keep::Code;
 using keep::Status;
-
-// A raw DEALER peer: sends arbitrary frames and decodes whatever comes back.
-struct RawPeer {
-  explicit RawPeer(const std::string& endpoint) : socket(ctx, zmq::socket_type::dealer) {
-    socket.set(zmq::sockopt::linger, 0);
-    socket.connect(endpoint);
-  }
-  void send(const std::vector<std::string>& frames) {
-    for (size_t i = 0; i < frames.size(); ++i) {
-      socket.send(zmq::buffer(frames[i]),
-                  i + 1 < frames.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
-    }
-  }
-  // The next answer's status and request id; nullopt when none arrives within `wait`.
-  std::optional<std::pair<Status, uint64_t>> answer(std::chrono::milliseconds wait = 5000ms) {
-    zmq::pollitem_t item{static_cast<void*>(socket), 0, ZMQ_POLLIN, 0};
-    zmq::poll(&item, 1, wait);
-    if (!(item.revents & ZMQ_POLLIN)) return std::nullopt;
-    std::vector<zmq::message_t> frames;
-    for (;;) {
-      zmq::message_t f;
-      REQUIRE(socket.recv(f).has_value());
-      const bool more = f.more();
-      frames.push_back(std::move(f));
-      if (!more) break;
-    }
-    REQUIRE(frames.size() == 2);
-    CHECK(frames[0].size() == 0);
-    const std::string bytes(static_cast<const char*>(frames[1].data()), frames[1].size());
-    auto decoded = wire::decode_message(wire::as_bytes(bytes), {});
-    REQUIRE(decoded.is_ok());
-    auto response = (*decoded)->root<proto::Response>();
-    if (response.which() == proto::Response::ERROR) {
-      return std::make_pair(wire::status_from_error(response.getError()), response.getRequestId());
-    }
-    return std::make_pair(Status::ok(), response.getRequestId());
-  }
-  zmq::context_t ctx{1};
-  zmq::socket_t socket;
-};
-
-std::string request_bytes(uint64_t id, const std::function<void(proto::Request::Builder)>& fill,
-                          uint16_t version = wire::kProtocolVersion) {
-  capnp::MallocMessageBuilder message;
-  auto req = message.initRoot<proto::Request>();
-  req.setProtocolVersion(version);
-  req.setRequestId(id);
-  fill(req);
-  return wire::encode(message);
-}
 
 std::string write_bytes(uint64_t id, size_t text_bytes) {
   return request_bytes(id, [&](proto::Request::Builder r) {
