@@ -137,8 +137,8 @@ Result<std::unique_ptr<ManagerProcess>> ManagerProcess::start(
       options.fsync ? "true" : "false",
       "--encoder",
       options.models_dir + "/all-MiniLM-L6-v2",
-      "--tokenizer",
-      options.models_dir + "/qwen2.5-tokenizer/tokenizer.json",
+      "--model",
+      options.models_dir + "/SmolLM2-135M-Instruct.Q4_1.gguf",
       "--log-level",
       "warn",
   };

@@ -44,7 +44,7 @@ struct ModelFingerprint {
   double rope_high_freq_factor = 0.0;             // 40 (llama3 / yarn beta_fast)
   uint32_t rope_original_max_positions = 0;       // 48
   uint32_t reserved1 = 0;                         // 52 (zero)
-  uint64_t tokenizer_hash = 0;                    // 56 fnv1a_64 of the tokenizer file bytes
+  uint64_t tokenizer_hash = 0;                    // 56 BpeTokenizer::fingerprint()
   char model_name[kModelNameBytes] = {};          // 64 informational, but compared too
 
   // 2 (K and V) * num_layers * num_kv_heads * head_dim * dtype_size(dtype). 0 when invalid.
@@ -88,7 +88,7 @@ static_assert(offsetof(ModelFingerprint, model_name) == 64);
 // this process has model=... layers=24 ...".
 Status check_fingerprint(const ModelFingerprint& region, const ModelFingerprint& mine);
 
-// 64-bit FNV-1a; what tokenizer_hash holds (over the tokenizer file's bytes).
+// 64-bit FNV-1a (agent-name hashes in entry keys; the tokenizer's content hash uses it too).
 uint64_t fnv1a_64(std::string_view bytes);
 
 // Byte layout of one KV entry of `tokens` tokens: for each layer l, K then V, each a contiguous

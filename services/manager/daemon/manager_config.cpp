@@ -15,9 +15,10 @@ void declare_manager_options(Options* o) {
   o->add("snapshot-every", "200000",
          "WAL records between snapshots (0: snapshot only at shutdown)");
   o->add("encoder", "models/all-MiniLM-L6-v2", "sentence-transformers BERT model directory");
-  o->add("tokenizer", "models/qwen2.5-tokenizer/tokenizer.json",
-         "the planner model's tokenizer.json (counts tokens per segment; hashed into the "
-         "fingerprint)");
+  o->add("model", "models/SmolLM2-135M-Instruct.Q4_1.gguf",
+         "the planner model (a GGUF file or a HF directory, as keep-worker is given): its "
+         "tokenizer counts tokens per segment, and its geometry, RoPE and tokenizer make the KV "
+         "region's fingerprint; its weights are not read");
   o->add("tau", "0.45", "cosine threshold for a segment to join a group (all-MiniLM-L6-v2 scale)");
   o->add("group-token-budget", "512", "most tokens a group may hold");
   o->add("static-after-steps", "10", "t: a group unchanged for t steps turns static");
@@ -42,12 +43,7 @@ void declare_manager_options(Options* o) {
          "KV arena block size (an entry is a contiguous run of blocks)");
   o->add("shm-max-entries", "65536", "directory entries of the KV region");
   o->add("shm-mode", "0600", "permissions of the shm object (octal)");
-  o->add("model-name", "SmolLM2-135M-Instruct", "planner model name (part of the KV fingerprint)");
-  o->add("model-layers", "30", "planner model layers (KV geometry)");
-  o->add("model-kv-heads", "3", "planner model KV heads (KV geometry)");
-  o->add("model-head-dim", "64", "planner model head dimension (KV geometry)");
-  o->add("model-kv-dtype", "bf16", "KV dtype in the region: f16, bf16 or f32");
-  o->add("model-rope-theta", "100000", "planner model RoPE theta (KV fingerprint)");
+  o->add("kv-dtype", "bf16", "KV dtype in the region: bf16 or f32 (keep-worker reads both)");
   o->add("lease-ms", "30000", "lease of a worker's KV reservation");
   o->add("max-message-bytes", "1MiB",
          "largest request accepted (checked before decoding); also the most text in one "
@@ -78,7 +74,8 @@ Result<ManagerConfig> read_manager_config(const Options& o) {
   KEEP_ASSIGN_OR_RETURN(c.wal_segment_bytes, o.bytes("wal-segment-bytes"));
   KEEP_ASSIGN_OR_RETURN(c.snapshot_every, o.uint64("snapshot-every"));
   c.encoder_dir = o.str("encoder");
-  c.tokenizer_path = o.str("tokenizer");
+  c.model_path = o.str("model");
+  if (c.model_path.empty()) return Status(Code::kInvalidArgument, "--model: empty");
 
   KEEP_ASSIGN_OR_RETURN(double tau, o.number("tau"));
   if (tau < -1.0 || tau > 1.0) return Status(Code::kInvalidArgument, "--tau: must be in [-1, 1]");
@@ -136,26 +133,14 @@ Result<ManagerConfig> read_manager_config(const Options& o) {
     c.shm_mode = static_cast<uint32_t>(mode);
   }
 
-  kv::ModelFingerprint& fp = c.fingerprint;
-  KEEP_ASSIGN_OR_RETURN(uint64_t layers, o.uint64("model-layers"));
-  KEEP_ASSIGN_OR_RETURN(uint64_t kv_heads, o.uint64("model-kv-heads"));
-  KEEP_ASSIGN_OR_RETURN(uint64_t head_dim, o.uint64("model-head-dim"));
-  fp.num_layers = static_cast<uint32_t>(layers);
-  fp.num_kv_heads = static_cast<uint32_t>(kv_heads);
-  fp.head_dim = static_cast<uint32_t>(head_dim);
-  const std::string& dt = o.str("model-kv-dtype");
-  if (dt == "f16") {
-    fp.dtype = kv::KvDType::kF16;
-  } else if (dt == "bf16") {
-    fp.dtype = kv::KvDType::kBF16;
+  const std::string& dt = o.str("kv-dtype");
+  if (dt == "bf16") {
+    c.kv_dtype = kv::KvDType::kBF16;
   } else if (dt == "f32") {
-    fp.dtype = kv::KvDType::kF32;
+    c.kv_dtype = kv::KvDType::kF32;
   } else {
-    return Status(Code::kInvalidArgument,
-                  "--model-kv-dtype: expected f16, bf16 or f32, got '" + dt + "'");
+    return Status(Code::kInvalidArgument, "--kv-dtype: expected bf16 or f32, got '" + dt + "'");
   }
-  KEEP_ASSIGN_OR_RETURN(fp.rope_theta, o.number("model-rope-theta"));
-  fp.set_model_name(o.str("model-name"));
 
   KEEP_ASSIGN_OR_RETURN(uint64_t lease, o.uint64("lease-ms"));
   if (lease == 0) return Status(Code::kInvalidArgument, "--lease-ms: must be >= 1");

@@ -22,7 +22,7 @@ struct ManagerConfig {
   uint64_t wal_segment_bytes = 0;
   uint64_t snapshot_every = 0;  // WAL records between snapshots; 0: only at shutdown
   std::string encoder_dir;      // sentence-transformers BERT directory
-  std::string tokenizer_path;   // the planner model's tokenizer.json
+  std::string model_path;       // the planner model: GGUF file or HF directory
   StoreOptions store;
   size_t embed_batch = 32;
   int retrieve_threads = 2;                      // ServiceOptions::retrieve_threads
@@ -37,7 +37,7 @@ struct ManagerConfig {
   uint64_t shm_block_bytes = 0;
   uint32_t shm_max_entries = 0;
   uint32_t shm_mode = 0600;
-  kv::ModelFingerprint fingerprint;  // tokenizer_hash is filled from the tokenizer file
+  kv::KvDType kv_dtype = kv::KvDType::kBF16;  // the region's fingerprint comes from the model
   std::chrono::milliseconds lease{30000};
   uint64_t max_message_bytes = 0;
   size_t max_batch = 256;

@@ -9,9 +9,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <filesystem>
-#include <fstream>
 #include <mutex>
-#include <sstream>
 #include <thread>
 #include <unordered_map>
 
@@ -23,6 +21,7 @@
 #include "services/manager/server/manager_service.h"
 #include "services/manager/server/rpc_server.h"
 #include "services/manager/store/memory_store.h"
+#include "services/worker/engine/model_identity.h"
 #include "shared/common/log.h"
 #include "shared/kvregion/kv_region.h"
 #include "shared/metrics/http_server.h"
@@ -260,14 +259,6 @@ class InstrumentedHandler final : public wire::RequestHandler {
   metrics::HistogramFamily& latency_;
   metrics::HistogramFamily& batch_size_;
 };
-
-Result<std::string> read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return Status(Code::kIoError, "cannot read '" + path + "'");
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 }  // namespace
 
@@ -625,11 +616,20 @@ Result<std::unique_ptr<ManagerDaemon>> ManagerDaemon::start(const ManagerConfig&
   auto t0 = Clock::now();
   KEEP_ASSIGN_OR_RETURN(auto enc, BertEncoder::load(config.encoder_dir));
   d.embedder = std::make_unique<EncoderEmbedder>(std::move(enc));
-  KEEP_ASSIGN_OR_RETURN(auto tok, tok::BpeTokenizer::from_json_file(config.tokenizer_path));
-  d.counter = std::make_unique<TokenizerCounter>(std::move(tok));
-  KEEP_ASSIGN_OR_RETURN(std::string tok_bytes, read_file(config.tokenizer_path));
-  KEEP_LOG_INFO(kLog, "encoder %s (dim %d) and tokenizer %s loaded in %.2f s",
-                config.encoder_dir.c_str(), d.embedder->dim(), config.tokenizer_path.c_str(),
+  // The planner model as keep-worker loads it, weights aside: its tokenizer counts tokens and
+  // the region's fingerprint is the one the worker derives from the same model.
+  auto identity = engine::read_model_identity(config.model_path);
+  if (!identity.is_ok()) return identity.status().with_context("--model");
+  engine::ModelIdentity model = std::move(identity).value();
+  if (!model.tokenizer) {
+    return Status(Code::kInvalidArgument,
+                  "--model " + config.model_path + ": the model carries no tokenizer");
+  }
+  const kv::ModelFingerprint fingerprint = engine::kv_fingerprint(
+      model.config, model.tokenizer->fingerprint(), config.kv_dtype, model.name);
+  d.counter = std::make_unique<TokenizerCounter>(std::move(*model.tokenizer));
+  KEEP_LOG_INFO(kLog, "encoder %s (dim %d) and planner model %s loaded in %.2f s",
+                config.encoder_dir.c_str(), d.embedder->dim(), config.model_path.c_str(),
                 seconds_since(t0));
 
   d.store = std::make_unique<MemoryStore>(config.store, d.embedder.get(), d.counter.get());
@@ -684,8 +684,7 @@ Result<std::unique_ptr<ManagerDaemon>> ManagerDaemon::start(const ManagerConfig&
 
   kv::RegionOptions ro;
   ro.name = config.shm_name;
-  ro.fingerprint = config.fingerprint;
-  ro.fingerprint.tokenizer_hash = kv::fnv1a_64(tok_bytes);
+  ro.fingerprint = fingerprint;
   ro.block_bytes = config.shm_block_bytes;
   ro.num_blocks = config.shm_bytes / config.shm_block_bytes;
   ro.max_entries = config.shm_max_entries;

@@ -43,8 +43,9 @@ inline std::string bin_path(const std::string& name) {
 inline std::string encoder_dir() {
   return std::string(KEEP_SOURCE_DIR) + "/models/all-MiniLM-L6-v2";
 }
-inline std::string tokenizer_path() {
-  return std::string(KEEP_SOURCE_DIR) + "/models/qwen2.5-tokenizer/tokenizer.json";
+// The planner model the manager reads its tokenizer and KV fingerprint from.
+inline std::string model_path() {
+  return std::string(KEEP_SOURCE_DIR) + "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
 }
 
 // A unique name per process and call, for temp dirs and shm objects.
@@ -185,8 +186,8 @@ class ManagerProcess {
                                      "16MiB",
                                      "--encoder",
                                      encoder_dir(),
-                                     "--tokenizer",
-                                     tokenizer_path()};
+                                     "--model",
+                                     model_path()};
     argv.insert(argv.end(), opt_.extra.begin(), opt_.extra.end());
     pid_ = spawn(argv, out_file_, err_file_);
     if (opt_.wait_ready)

@@ -47,7 +47,7 @@ timeout --kill-after=5 120 "$manager" --data-dir "$workdir/data" --endpoint tcp:
   --metrics-listen 127.0.0.1:0 --shm-name "$shm" --shm-bytes 16MiB --static-after-steps 3 \
   --max-pending-embeddings 5000 \
   --encoder "$repo/models/all-MiniLM-L6-v2" \
-  --tokenizer "$repo/models/qwen2.5-tokenizer/tokenizer.json" >"$workdir/manager.out" \
+  --model "$repo/models/SmolLM2-135M-Instruct.Q4_1.gguf" >"$workdir/manager.out" \
   2>"$workdir/manager.log" &
 manager_pid=$!
 serving=""

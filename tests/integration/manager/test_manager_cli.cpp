@@ -45,7 +45,7 @@ TEST_CASE("keep-manager --help prints every option with its default") {
                            "--wal-segment-bytes",
                            "--snapshot-every",
                            "--encoder",
-                           "--tokenizer",
+                           "--model",
                            "--tau",
                            "--group-token-budget",
                            "--static-after-steps",
@@ -58,12 +58,7 @@ TEST_CASE("keep-manager --help prints every option with its default") {
                            "--shm-block-bytes",
                            "--shm-max-entries",
                            "--shm-mode",
-                           "--model-name",
-                           "--model-layers",
-                           "--model-kv-heads",
-                           "--model-head-dim",
-                           "--model-kv-dtype",
-                           "--model-rope-theta",
+                           "--kv-dtype",
                            "--lease-ms",
                            "--max-message-bytes",
                            "--max-batch",
@@ -93,7 +88,9 @@ TEST_CASE("a bad keep-manager command line: one line on stderr, non-zero exit") 
       {{"--log-level", "loud"}, "--log-level"},
       {{"stray-argument"}, "stray-argument"},
       {{"--encoder", (tmp.path() / "no-such-encoder").string()}, "no-such-encoder"},
-      {{"--tokenizer", (tmp.path() / "no-such-tokenizer.json").string()}, "no-such-tokenizer"},
+      {{"--model", (tmp.path() / "no-such-model.gguf").string()}, "no-such-model"},
+      {{"--model", it::encoder_dir()}, "--model"},  // a directory, but not a planner model
+      {{"--kv-dtype", "f8"}, "--kv-dtype"},
       {{"--metrics-listen", "no-port-here"}, "--metrics-listen"},
   };
   for (const auto& c : cases) {
@@ -112,8 +109,8 @@ TEST_CASE("a bad keep-manager command line: one line on stderr, non-zero exit") 
                                      "warn",
                                      "--encoder",
                                      it::encoder_dir(),
-                                     "--tokenizer",
-                                     it::tokenizer_path()};
+                                     "--model",
+                                     it::model_path()};
     argv.insert(argv.end(), c.args.begin(), c.args.end());
     std::string shown;
     for (const auto& a : c.args) shown += a + " ";
