@@ -1,0 +1,224 @@
+#include "services/worker/server/plan_service.h"
+
+#include <algorithm>
+#include <map>
+#include <utility>
+
+#include "shared/common/log.h"
+
+namespace keep::worker {
+namespace {
+
+constexpr const char* kLog = "worker";
+using Clock = std::chrono::steady_clock;
+
+double seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+kv::EntryDescriptor descriptor(const client::EntryDescriptor& d) {
+  kv::EntryDescriptor e;
+  e.index = d.index;
+  e.generation = d.generation;
+  e.offset = d.offset;
+  e.bytes = d.bytes;
+  e.tokens = d.tokens;
+  return e;
+}
+
+}  // namespace
+
+PlanService::PlanService(KvAssembler* assembler, const PromptBuilder* prompts,
+                         const tok::BpeTokenizer* tokenizer, client::ManagerClient* manager,
+                         const kv::KvRegionView* region, PlanDefaults defaults)
+    : assembler_(assembler),
+      prompts_(prompts),
+      tokenizer_(tokenizer),
+      manager_(manager),
+      region_(region),
+      defaults_(std::move(defaults)) {}
+
+Result<CompleteResult> PlanService::complete(const CompleteArgs& args, Clock::time_point received) {
+  if (args.instruction.empty()) {
+    return Status(Code::kInvalidArgument, "complete: the instruction is empty");
+  }
+  if (args.candidates.size() > defaults_.max_candidates) {
+    return Status(Code::kInvalidArgument, "complete: " + std::to_string(args.candidates.size()) +
+                                              " candidates, at most " +
+                                              std::to_string(defaults_.max_candidates));
+  }
+  CompleteResult out;
+  out.method = args.method.value_or(defaults_.method);
+  const uint32_t k = args.k > 0 ? args.k : defaults_.k;
+
+  const auto t_retrieve = Clock::now();
+  KEEP_ASSIGN_OR_RETURN(auto retrieved, manager_->retrieve(args.agent, args.instruction, k));
+  out.retrieve_seconds = seconds(t_retrieve, Clock::now());
+
+  // Request-private copies of the entries, validated: an entry rewritten after its copy cannot
+  // change what this request reads; one that changed during the copy is not used at all.
+  std::map<std::pair<uint32_t, uint64_t>, std::vector<std::byte>> copies;
+  AssembleRequest req;
+  req.method = out.method;
+  req.knobs = args.knobs;
+  for (const auto& seg : retrieved) {
+    out.segment_ids.push_back(seg.id);
+    PromptSegment ps;
+    ps.tokens = prompts_->segment(seg.text);
+    if (!seg.kv.has_value()) {
+      ++out.entries_missing;
+    } else if (region_ == nullptr || seg.kv->tokens != ps.tokens.size()) {
+      ++out.entries_stale;  // no region, or computed from other tokens than this prompt's
+    } else {
+      const kv::EntryDescriptor d = descriptor(seg.kv->entry);
+      const auto key = std::make_pair(d.index, d.generation);
+      auto it = copies.find(key);
+      if (it == copies.end()) {
+        std::vector<std::byte> bytes;
+        if (const auto seq = region_->read_begin(d.index, d.generation)) {
+          auto span = region_->entry_data(d);
+          if (span.is_ok()) {
+            bytes.assign(span->begin(), span->end());
+            if (!region_->read_validate(d.index, *seq)) bytes.clear();
+          }
+        }
+        it = copies.emplace(key, std::move(bytes)).first;
+      }
+      auto geometry = EntryGeometry::of(region_->fingerprint(), static_cast<int32_t>(d.tokens));
+      if (it->second.empty() || !geometry.is_ok()) {
+        ++out.entries_stale;
+      } else {
+        ps.kv = SegmentKv{it->second, *geometry, static_cast<int32_t>(seg.kv->token_offset)};
+        ++out.entries_hit;
+      }
+    }
+    req.segments.push_back(std::move(ps));
+  }
+  req.query = prompts_->query(args.instruction, args.history);
+
+  const auto t_prefill = Clock::now();
+  KEEP_ASSIGN_OR_RETURN(Prefilled pre, assembler_->prefill(req));
+  out.prefill_seconds = seconds(t_prefill, Clock::now());
+  out.assembly = pre.stats;
+
+  if (!args.candidates.empty()) {
+    std::vector<std::vector<int32_t>> cands;
+    for (const auto& c : args.candidates) {
+      cands.push_back(tokenizer_->encode(c, false, /*parse_special=*/false));
+    }
+    KEEP_ASSIGN_OR_RETURN(out.scores, assembler_->score(pre, cands));
+    for (size_t i = 1; i < out.scores.size(); ++i) {
+      if (out.scores[i].log_prob > out.scores[out.best].log_prob)
+        out.best = static_cast<uint32_t>(i);
+    }
+    out.ttft_seconds = seconds(received, Clock::now());
+    return out;
+  }
+  // The first token is the prefill's argmax or draw: it is ready once the prefill is done.
+  out.ttft_seconds = seconds(received, Clock::now());
+  engine::GenerateOptions gen;
+  gen.max_tokens = args.max_tokens > 0 ? args.max_tokens : defaults_.max_tokens;
+  gen.sampling = args.sampling;
+  KEEP_ASSIGN_OR_RETURN(out.tokens, assembler_->generate(pre, gen));
+  out.text = tokenizer_->decode(out.tokens, /*skip_special=*/true);
+  return out;
+}
+
+// ---- KvProducer
+// ----------------------------------------------------------------------------------
+
+KvProducer::KvProducer(KvAssembler* assembler, const PromptBuilder* prompts,
+                       client::ManagerClient* manager, kv::KvRegionView* region, uint64_t worker_id)
+    : assembler_(assembler),
+      prompts_(prompts),
+      manager_(manager),
+      region_(region),
+      worker_id_(worker_id) {}
+
+KvProducer::~KvProducer() { abandon(); }
+
+void KvProducer::abandon() {
+  if (!job_) return;
+  const auto& e = job_->reservation.entry;
+  Status st = manager_->revoke_entry(worker_id_, job_->job.job_id, e.index, e.generation);
+  if (!st.is_ok()) KEEP_LOG_WARN(kLog, "revoking KV job: %s", st.to_string().c_str());
+  job_.reset();
+}
+
+Status KvProducer::fail(const Status& why) {
+  ++stats_.jobs_failed;
+  KEEP_LOG_WARN(kLog, "KV job %llu failed: %s",
+                static_cast<unsigned long long>(job_ ? job_->job.job_id : 0),
+                why.to_string().c_str());
+  abandon();
+  return why;
+}
+
+Status KvProducer::start(client::KvJob job) {
+  std::vector<int32_t> tokens;
+  std::vector<uint32_t> slices;
+  for (const auto& s : job.segments) {
+    const auto t = prompts_->segment(s.text);
+    tokens.insert(tokens.end(), t.begin(), t.end());
+    slices.push_back(static_cast<uint32_t>(t.size()));
+  }
+  if (tokens.empty()) return Status(Code::kInvalidArgument, "KV job without segments");
+  KEEP_ASSIGN_OR_RETURN(auto res, manager_->reserve_entry(worker_id_, job.job_id,
+                                                          static_cast<uint32_t>(tokens.size())));
+  Job j;
+  j.job = std::move(job);
+  j.reservation = res;
+  j.slices = std::move(slices);
+  j.renew_at = Clock::now() + std::chrono::milliseconds(res.lease_ms / 2);
+  job_ = std::move(j);
+  const kv::EntryDescriptor d = descriptor(res.entry);
+  auto entry = region_->entry_data(d);
+  if (!entry.is_ok()) return fail(entry.status());
+  if (Status st = region_->check_writable(d, kv::monotonic_now_ns()); !st.is_ok()) return fail(st);
+  auto geometry = EntryGeometry::of(region_->fingerprint(), static_cast<int32_t>(d.tokens));
+  if (!geometry.is_ok()) return fail(geometry.status());
+  job_->entry = *entry;
+  job_->geometry = *geometry;
+  if (Status st = assembler_->begin_produce(tokens); !st.is_ok()) return fail(st);
+  return Status::ok();
+}
+
+Result<bool> KvProducer::step(int32_t layers) {
+  if (!job_) {
+    KEEP_ASSIGN_OR_RETURN(auto jobs, manager_->fetch_jobs(worker_id_, 1));
+    if (jobs.empty()) return false;
+    KEEP_RETURN_IF_ERROR(start(std::move(jobs[0])));
+    return true;
+  }
+  Job& j = *job_;
+  const auto& e = j.reservation.entry;
+  if (Clock::now() >= j.renew_at) {
+    auto lease = manager_->renew_lease(worker_id_, j.job.job_id, e.index, e.generation);
+    if (!lease.is_ok()) return fail(lease.status());
+    j.renew_at = Clock::now() + std::chrono::milliseconds(*lease / 2);
+  }
+  auto done = assembler_->produce_layers(layers, [&](int32_t l, const float* k, const float* v) {
+    return write_entry_layer(j.entry, j.geometry, l, 0, j.geometry.tokens, k, v);
+  });
+  if (!done.is_ok()) return fail(done.status());
+  if (!*done) return true;
+  // The bytes are in the mapping (CPU stores); the commit request orders them before the commit.
+  const bool group = j.job.kind == client::JobKind::kGroup;
+  Status st = manager_->commit_entry(worker_id_, j.job.job_id, e.index, e.generation,
+                                     group ? j.slices : std::vector<uint32_t>{});
+  const uint64_t bytes = j.geometry.bytes();
+  job_.reset();  // committed or refused: the entry is the manager's again either way
+  if (st.code() == Code::kStale) {
+    ++stats_.jobs_stale;
+    return true;
+  }
+  if (!st.is_ok()) {
+    ++stats_.jobs_failed;
+    return st;
+  }
+  ++stats_.jobs_done;
+  stats_.bytes_written += bytes;
+  return true;
+}
+
+}  // namespace keep::worker

@@ -1,0 +1,129 @@
+// PlanService: one planning step for a planner (ARCHITECTURE §4): retrieve the agent's memories
+// from keep-manager, take request-private copies of their KV entries out of the shared region
+// (seqlock-validated), assemble the prompt with the request's method, then generate or score
+// candidates. KvProducer: the manager's KV jobs (fetch -> reserve -> compute -> write -> commit,
+// renewing the lease on long jobs, revoking on any failure), a few layers per step so that a
+// planner request waits for at most one step.
+//
+// Both run on the worker's one engine thread (the engine is not thread-safe), each with a
+// KvAssembler of its own: a production's working cache must survive the requests in between.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "services/worker/engine/engine.h"
+#include "services/worker/keep/kv_assembler.h"
+#include "services/worker/keep/prompt_builder.h"
+#include "shared/client/manager_client.h"
+#include "shared/common/status.h"
+#include "shared/kvregion/kv_region.h"
+#include "shared/tokenizer/bpe_tokenizer.h"
+
+namespace keep::worker {
+
+struct PlanDefaults {
+  Method method = Method::kKeep;
+  MethodKnobs knobs;
+  uint32_t k = 16;          // segments retrieved
+  int32_t max_tokens = 48;  // generated at most
+  uint32_t max_candidates = 64;
+};
+
+struct CompleteArgs {
+  std::string agent;
+  std::string instruction;
+  std::vector<std::string> history;
+  uint32_t k = 0;                       // 0: the default
+  std::optional<Method> method;         // empty: the default
+  MethodKnobs knobs;                    // the defaults with the request's overrides applied
+  int32_t max_tokens = 0;               // 0: the default
+  std::vector<std::string> candidates;  // non-empty: score them
+  engine::SamplingParams sampling;
+};
+
+struct CompleteResult {
+  std::string text;
+  std::vector<int32_t> tokens;
+  std::vector<engine::CandidateScore> scores;
+  uint32_t best = 0;
+  Method method = Method::kKeep;
+  AssembleStats assembly;
+  double ttft_seconds = 0;
+  double retrieve_seconds = 0;
+  double prefill_seconds = 0;
+  uint32_t entries_hit = 0;      // segments whose KV was reused
+  uint32_t entries_missing = 0;  // announced without KV
+  uint32_t entries_stale = 0;    // announced with KV that changed, went, or does not fit
+  std::vector<uint64_t> segment_ids;
+};
+
+class PlanService {
+ public:
+  // Every pointer must outlive the service; `region` may be null (nothing is ever reused then).
+  PlanService(KvAssembler* assembler, const PromptBuilder* prompts,
+              const tok::BpeTokenizer* tokenizer, client::ManagerClient* manager,
+              const kv::KvRegionView* region, PlanDefaults defaults);
+
+  const PlanDefaults& defaults() const { return defaults_; }
+  // `received`: when the request arrived (TTFT counts from there).
+  Result<CompleteResult> complete(const CompleteArgs& args,
+                                  std::chrono::steady_clock::time_point received);
+
+ private:
+  KvAssembler* assembler_;
+  const PromptBuilder* prompts_;
+  const tok::BpeTokenizer* tokenizer_;
+  client::ManagerClient* manager_;
+  const kv::KvRegionView* region_;
+  PlanDefaults defaults_;
+};
+
+struct ProducerStats {
+  uint64_t jobs_done = 0;
+  uint64_t jobs_failed = 0;  // revoked (or refused) after an error
+  uint64_t jobs_stale = 0;   // committed too late: the manager found the memory changed
+  uint64_t bytes_written = 0;
+};
+
+class KvProducer {
+ public:
+  KvProducer(KvAssembler* assembler, const PromptBuilder* prompts, client::ManagerClient* manager,
+             kv::KvRegionView* region, uint64_t worker_id);
+  ~KvProducer();  // revokes a reservation still held
+
+  // One step of background work: takes a job when none is under way, or runs up to `layers`
+  // more layers of the current one (committing it after its last). False when there was nothing
+  // to do. An error is the manager's or the region's; the job in hand is revoked first.
+  Result<bool> step(int32_t layers);
+  bool busy() const { return job_.has_value(); }
+  // Revokes the job under way, if any (shutdown).
+  void abandon();
+  const ProducerStats& stats() const { return stats_; }
+
+ private:
+  struct Job {
+    client::KvJob job;
+    client::Reservation reservation;
+    std::vector<uint32_t> slices;
+    std::span<std::byte> entry;
+    EntryGeometry geometry;
+    std::chrono::steady_clock::time_point renew_at;
+  };
+  Status start(client::KvJob job);
+  Status fail(const Status& why);
+
+  KvAssembler* assembler_;
+  const PromptBuilder* prompts_;
+  client::ManagerClient* manager_;
+  kv::KvRegionView* region_;
+  uint64_t worker_id_;
+  std::optional<Job> job_;
+  ProducerStats stats_;
+};
+
+}  // namespace keep::worker
