@@ -5,8 +5,9 @@
 #
 #   scripts/run-fuzzers.sh [SECONDS]
 #
-# Every library is compiled with -fsanitize=fuzzer-no-link (coverage feedback); the fuzz binaries
-# add -fsanitize=fuzzer,address,undefined (tests/fuzz/CMakeLists.txt).
+# Every library is compiled with -fsanitize=fuzzer-no-link (coverage feedback) and ASan + UBSan, so
+# a parser linked as a library is checked like the fuzz target's own code; the fuzz binaries add
+# -fsanitize=fuzzer (tests/fuzz/CMakeLists.txt).
 # Environment: KEEP_FUZZ_BUILD_DIR (default <repo>/build-fuzz), KEEP_FUZZ_JOBS (build -j, default 2),
 # KEEP_FUZZ_SOURCE_DIR (the CMake source dir to configure, default the repository root).
 # Seeds come from tests/fuzz/corpus/<target>/ when it exists; the growing corpus is kept in
@@ -27,10 +28,12 @@ command -v clang++ >/dev/null || { echo "run-fuzzers: clang++ not found" >&2; ex
 generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
 
+san="-fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
 cmake -S "$source_dir" -B "$build" "${generator[@]}" \
   -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DKEEP_FUZZ=ON -DKEEP_CUDA=OFF -DKEEP_TESTS=ON -DKEEP_BENCHMARKS=OFF \
-  "-DCMAKE_C_FLAGS=-fsanitize=fuzzer-no-link" "-DCMAKE_CXX_FLAGS=-fsanitize=fuzzer-no-link" >/dev/null
+  "-DCMAKE_C_FLAGS=$san" "-DCMAKE_CXX_FLAGS=$san" "-DCMAKE_EXE_LINKER_FLAGS=-fsanitize=address,undefined" \
+  >/dev/null
 
 # Every fuzz_* target the build knows about.
 mapfile -t targets < <(cmake --build "$build" --target help | grep -oE '(^|[[:space:]])fuzz_[A-Za-z0-9_]+' \
@@ -53,7 +56,7 @@ for bin in "$build"/fuzz/fuzz_*; do
   [[ -d "$root/tests/fuzz/corpus/$name" ]] && seeds=("$root/tests/fuzz/corpus/$name")
   echo "=== $name: ${seconds}s"
   ran=$((ran + 1))
-  if ! "$bin" -max_total_time="$seconds" -print_final_stats=1 \
+  if ! "$bin" -max_total_time="$seconds" -rss_limit_mb=2048 -timeout=10 -print_final_stats=1 \
         -artifact_prefix="$build/fuzz-artifacts/$name-" "$corpus" "${seeds[@]}"; then
     failed+=("$name")
   fi

@@ -125,10 +125,22 @@ Result<Geometry> compute_geometry(uint64_t block_bytes, uint64_t num_blocks, uin
   return g;
 }
 
-// Checks a mapped header (any process). `size` is the shm object's size.
+// A private copy of the shared header. init_state is loaded first with acquire (it publishes the
+// rest); validating and then using the copy means no other process can change the geometry between
+// the check and its use.
+RegionHeader copy_header(const std::byte* base) {
+  auto* shared = reinterpret_cast<RegionHeader*>(const_cast<std::byte*>(base));
+  const uint32_t init =
+      std::atomic_ref<uint32_t>(shared->init_state).load(std::memory_order_acquire);
+  RegionHeader h;
+  std::memcpy(&h, base, sizeof(h));
+  h.init_state = init;
+  return h;
+}
+
+// Checks a header copy (any process). `size` is the shm object's size.
 Status validate_header(const RegionHeader& h, uint64_t size) {
-  const uint32_t init = std::atomic_ref<uint32_t>(const_cast<uint32_t&>(h.init_state))
-                            .load(std::memory_order_acquire);
+  const uint32_t init = h.init_state;
   if (init != kInitReady) {
     char buf[96];
     std::snprintf(buf, sizeof(buf), "region is not initialised (init_state=0x%08x)", init);
@@ -212,6 +224,16 @@ int64_t monotonic_now_ns() {
   timespec ts{};
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return static_cast<int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
+}
+
+Status validate_region_header(std::span<const std::byte> header, uint64_t region_bytes) {
+  if (header.size() < sizeof(RegionHeader)) {
+    return Status(Code::kCorrupt, "region header of " + std::to_string(header.size()) +
+                                      " bytes, need " + std::to_string(sizeof(RegionHeader)));
+  }
+  RegionHeader h;
+  std::memcpy(&h, header.data(), sizeof(h));
+  return validate_header(h, region_bytes);
 }
 
 Status validate_region_name(const std::string& name) {
@@ -466,17 +488,18 @@ Result<std::unique_ptr<KvRegion>> KvRegion::adopt(RegionOptions options) {
   const std::string ctx = "adopting KV region '/" + options.name + "'";
   KEEP_ASSIGN_OR_RETURN(auto m, open_existing(options.name, /*writable=*/true));
   auto* h = reinterpret_cast<RegionHeader*>(m->base());
-  Status st = validate_header(*h, m->size);
+  const RegionHeader hc = copy_header(m->base());
+  Status st = validate_header(hc, m->size);
   if (!st.is_ok()) return st.with_context(ctx);
   KEEP_RETURN_IF_ERROR(lock_owner(m->fd(), options.name, ctx));
-  st = check_fingerprint(h->fingerprint, options.fingerprint);
+  st = check_fingerprint(hc.fingerprint, options.fingerprint);
   if (!st.is_ok()) return st.with_context(ctx);
-  if (h->block_bytes != options.block_bytes || h->num_blocks != options.num_blocks ||
-      h->max_entries != options.max_entries) {
+  if (hc.block_bytes != options.block_bytes || hc.num_blocks != options.num_blocks ||
+      hc.max_entries != options.max_entries) {
     return Status(
         Code::kVersionMismatch,
-        ctx + ": geometry differs: region has " + std::to_string(h->num_blocks) + " blocks of " +
-            std::to_string(h->block_bytes) + " and " + std::to_string(h->max_entries) +
+        ctx + ": geometry differs: region has " + std::to_string(hc.num_blocks) + " blocks of " +
+            std::to_string(hc.block_bytes) + " and " + std::to_string(hc.max_entries) +
             " entries; options ask for " + std::to_string(options.num_blocks) + " of " +
             std::to_string(options.block_bytes) + " and " + std::to_string(options.max_entries));
   }
@@ -813,19 +836,20 @@ Result<std::unique_ptr<KvRegionView>> KvRegionView::attach(const std::string& na
   const std::string ctx = "attaching KV region '/" + name + "'";
   auto m = open_existing(name, access == Access::kReadWrite);
   if (!m.is_ok()) return m.status().with_context(ctx);
-  const auto* h = reinterpret_cast<const RegionHeader*>((*m)->base());
-  Status st = validate_header(*h, (*m)->size);
+  // Geometry is validated and kept from one copy: later writes to the shared header cannot move
+  // our bounds.
+  const RegionHeader h = copy_header((*m)->base());
+  Status st = validate_header(h, (*m)->size);
   if (!st.is_ok()) return st.with_context(ctx);
-  st = check_fingerprint(h->fingerprint, expected);
+  st = check_fingerprint(h.fingerprint, expected);
   if (!st.is_ok()) return st.with_context(ctx);
   std::unique_ptr<KvRegionView> view(new KvRegionView());
-  // Geometry is copied once: later writes to the shared header cannot move our bounds.
-  view->fingerprint_ = h->fingerprint;
-  view->block_bytes_ = h->block_bytes;
-  view->num_blocks_ = h->num_blocks;
-  view->max_entries_ = h->max_entries;
-  view->directory_offset_ = h->directory_offset;
-  view->arena_offset_ = h->arena_offset;
+  view->fingerprint_ = h.fingerprint;
+  view->block_bytes_ = h.block_bytes;
+  view->num_blocks_ = h.num_blocks;
+  view->max_entries_ = h.max_entries;
+  view->directory_offset_ = h.directory_offset;
+  view->arena_offset_ = h.arena_offset;
   view->mapping_ = std::move(m).value();
   return view;
 }

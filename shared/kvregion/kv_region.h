@@ -51,6 +51,13 @@ int64_t monotonic_now_ns();
 // Checks a shm object name: 1..200 characters of [A-Za-z0-9._-], not starting with '.'.
 Status validate_region_name(const std::string& name);
 
+// Checks a region's header page the way attach() and adopt() do before they use anything in it:
+// readiness (kUnavailable), magic, format version and struct sizes (kVersionMismatch / kCorrupt),
+// geometry and offsets against `region_bytes`, the shm object's size (kCorrupt), and that the
+// recorded fingerprint is well-formed (kCorrupt). `header` needs sizeof(RegionHeader) bytes, any
+// alignment; it is copied first.
+Status validate_region_header(std::span<const std::byte> header, uint64_t region_bytes);
+
 struct RegionOptions {
   std::string name;                  // shm object name without the leading '/'
   ModelFingerprint fingerprint;      // must validate()

@@ -1,6 +1,7 @@
 #include "shared/kvregion/model_fingerprint.h"
 
 #include <cinttypes>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 
@@ -88,7 +89,13 @@ Status ModelFingerprint::validate() const {
   if (static_cast<unsigned>(rope_scaling) > static_cast<unsigned>(RopeScaling::kLlama3)) {
     return bad("unknown rope_scaling");
   }
-  if (!(rope_theta > 0.0)) return bad("rope_theta must be > 0");
+  if (!(rope_theta > 0.0) || !std::isfinite(rope_theta)) {
+    return bad("rope_theta must be finite and > 0");
+  }
+  // NaN never compares equal, so a region recording one could never be attached or adopted.
+  for (double v : {rope_scaling_factor, rope_low_freq_factor, rope_high_freq_factor}) {
+    if (!std::isfinite(v) || v < 0.0) return bad("rope scaling parameters must be finite and >= 0");
+  }
   if (reserved0 != 0 || reserved1 != 0) return bad("reserved fields are not zero");
   if (strnlen(model_name, kModelNameBytes) == kModelNameBytes) {
     return bad("model_name is not NUL-terminated");

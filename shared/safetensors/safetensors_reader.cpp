@@ -15,6 +15,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "shared/common/json_limits.h"
+
 namespace keep::safetensors {
 
 namespace {
@@ -122,7 +124,8 @@ Status to_fp32(const TensorView& view, float* out, size_t out_count) {
   const uint8_t* p = view.data;
   switch (view.dtype) {
     case DType::kF32:
-      std::memcpy(out, p, n * sizeof(float));
+      // An empty tensor's output may be nullptr (an empty vector), which memcpy must not get.
+      if (n > 0) std::memcpy(out, p, n * sizeof(float));
       return Status::ok();
     case DType::kF16:
     case DType::kBF16: {
@@ -200,17 +203,22 @@ class MappedFile {
 
 SafetensorsFile::~SafetensorsFile() = default;
 
-size_t SafetensorsFile::file_size() const { return map_->size(); }
-
 Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::open(const std::string& path) {
   KEEP_ASSIGN_OR_RETURN(auto map, MappedFile::open(path));
-  const size_t file_size = map->size();
+  KEEP_ASSIGN_OR_RETURN(auto file, parse(map->data(), map->size(), path));
+  file->map_ = std::move(map);
+  return file;
+}
+
+Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::parse(const uint8_t* data,
+                                                                size_t file_size,
+                                                                std::string path) {
   if (file_size < 8) {
     return malformed(path, "file is " + std::to_string(file_size) +
                                " bytes, shorter than the 8-byte header length");
   }
   uint64_t header_len = 0;
-  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | map->data()[i];  // little endian
+  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | data[i];  // little endian
   if (header_len > kMaxHeaderBytes) {
     return malformed(path, "header length " + std::to_string(header_len) + " exceeds the limit " +
                                std::to_string(kMaxHeaderBytes));
@@ -222,14 +230,18 @@ Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::open(const std::string
   }
   if (header_len < 2) return malformed(path, "header of " + std::to_string(header_len) + " bytes");
 
-  const char* hbegin = reinterpret_cast<const char*>(map->data() + 8);
+  const char* hbegin = reinterpret_cast<const char*>(data + 8);
+  if (json_nesting_exceeds({hbegin, header_len})) {
+    return malformed(path, "header nests deeper than " + std::to_string(kMaxJsonDepth) + " levels");
+  }
   json header = json::parse(hbegin, hbegin + header_len, nullptr, /*allow_exceptions=*/false);
   if (header.is_discarded()) return malformed(path, "header is not valid JSON");
   if (!header.is_object()) return malformed(path, "header is not a JSON object");
 
   auto file = std::unique_ptr<SafetensorsFile>(new SafetensorsFile());
   file->path_ = path;
-  file->data_ = map->data() + 8 + header_len;
+  file->file_size_ = file_size;
+  file->data_ = data + 8 + header_len;
   file->data_bytes_ = file_size - 8 - header_len;
 
   for (auto it = header.begin(); it != header.end(); ++it) {
@@ -263,10 +275,13 @@ Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::open(const std::string
     e.dtype = *dtype;
 
     uint64_t numel = 1;
+    uint64_t nonzero_numel = 1;  // TensorView::numel() multiplies in int64, zeros last included
     for (const json& d : *sh) {
       if (!d.is_number_unsigned()) return bad("shape " + sh->dump() + " has a non-natural dim");
       const uint64_t dim = d.get<uint64_t>();
-      if (dim > static_cast<uint64_t>(INT64_MAX) || __builtin_mul_overflow(numel, dim, &numel)) {
+      if (dim > static_cast<uint64_t>(INT64_MAX) || __builtin_mul_overflow(numel, dim, &numel) ||
+          (dim != 0 && (__builtin_mul_overflow(nonzero_numel, dim, &nonzero_numel) ||
+                        nonzero_numel > static_cast<uint64_t>(INT64_MAX)))) {
         return bad("shape " + sh->dump() + " overflows");
       }
       e.shape.push_back(static_cast<int64_t>(dim));
@@ -306,7 +321,6 @@ Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::open(const std::string
                                  "' overlap in the data buffer");
     }
   }
-  file->map_ = std::move(map);
   return file;
 }
 
@@ -385,7 +399,9 @@ Result<std::unique_ptr<SafetensorsModel>> SafetensorsModel::open_dir(const std::
   std::stringstream ss;
   ss << in.rdbuf();
   if (!in) return Status(Code::kIoError, "cannot read '" + index_path.string() + "'");
-  json index = json::parse(ss.str(), nullptr, /*allow_exceptions=*/false);
+  json index = json_nesting_exceeds(ss.str())
+                   ? json(json::value_t::discarded)
+                   : json::parse(ss.str(), nullptr, /*allow_exceptions=*/false);
   if (index.is_discarded() || !index.is_object() || !index.contains("weight_map") ||
       !index["weight_map"].is_object()) {
     return Status(Code::kMalformed,

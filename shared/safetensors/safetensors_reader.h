@@ -84,13 +84,17 @@ class SafetensorsFile {
   // Maps and validates `path`. kIoError if it cannot be opened or mapped, kMalformed/kCorrupt
   // when the contents are inconsistent; the message names the file (and the tensor).
   static Result<std::unique_ptr<SafetensorsFile>> open(const std::string& path);
+  // Validates a whole file held in memory (what open() does on the mapping); the caller keeps
+  // [data, data + size) alive as long as the result. `where` names it in messages.
+  static Result<std::unique_ptr<SafetensorsFile>> parse(const uint8_t* data, size_t size,
+                                                        std::string where);
 
   ~SafetensorsFile();
   SafetensorsFile(const SafetensorsFile&) = delete;
   SafetensorsFile& operator=(const SafetensorsFile&) = delete;
 
   const std::string& path() const { return path_; }
-  size_t file_size() const;
+  size_t file_size() const { return file_size_; }
   size_t size() const { return tensors_.size(); }
 
   bool contains(std::string_view name) const;
@@ -115,7 +119,8 @@ class SafetensorsFile {
   TensorView make_view(const std::string& name, const Entry& e) const;
 
   std::string path_;
-  std::unique_ptr<MappedFile> map_;
+  std::unique_ptr<MappedFile> map_;  // null for parse()
+  size_t file_size_ = 0;
   const uint8_t* data_ = nullptr;  // start of the data buffer inside the mapping
   uint64_t data_bytes_ = 0;
   std::map<std::string, Entry, std::less<>> tensors_;

@@ -12,6 +12,8 @@
 #include <queue>
 #include <sstream>
 
+#include "shared/common/json_limits.h"
+
 namespace keep::tok {
 namespace {
 
@@ -495,10 +497,17 @@ Result<BpeTokenizer> BpeTokenizer::from_vocab_and_merges(
   fp.add(static_cast<int64_t>(impl->options.ignore_merges));
 
   // Vocabulary. A duplicated token text keeps its first id.
+  if (tokens.size() > static_cast<size_t>(kMaxTokenIds)) {
+    return Status(Code::kInvalidArgument, std::to_string(tokens.size()) + " tokens, more than " +
+                                              std::to_string(kMaxTokenIds));
+  }
   int32_t size = static_cast<int32_t>(tokens.size());
   for (const AddedToken& t : added_tokens) {
-    if (t.id < 0) {
-      return Status(Code::kInvalidArgument, "added token '" + t.content + "' has a negative id");
+    // The ids size the tables: a huge one would allocate gigabytes for one token.
+    if (t.id < 0 || t.id >= kMaxTokenIds) {
+      return Status(Code::kInvalidArgument, "added token '" + t.content + "' has id " +
+                                                std::to_string(t.id) + " outside [0, " +
+                                                std::to_string(kMaxTokenIds) + ")");
     }
     if (t.content.empty()) {
       return Status(Code::kInvalidArgument,
@@ -668,7 +677,10 @@ Status parse_post_processor(const json& j, BpeOptions* options) {
     const std::string name = item.at("SpecialToken").at("id").get<std::string>();
     const json& st = j.at("special_tokens").at(name);
     for (const json& id : st.at("ids")) {
-      (seen_sequence ? options->suffix_ids : options->prefix_ids).push_back(id.get<int32_t>());
+      const std::optional<int64_t> v = json_int64(id);
+      if (!v || *v < 0 || *v >= kMaxTokenIds) return unsupported("post_processor id", id);
+      (seen_sequence ? options->suffix_ids : options->prefix_ids)
+          .push_back(static_cast<int32_t>(*v));
     }
   }
   return Status::ok();
@@ -702,8 +714,8 @@ Result<BpeTokenizer> parse_tokenizer_json(const json& root) {
 
   std::vector<std::string> tokens;
   for (const auto& [text, id_json] : model.at("vocab").items()) {
-    const int64_t id = id_json.get<int64_t>();
-    if (id < 0 || id > (int64_t{1} << 24)) {
+    const int64_t id = json_int64(id_json).value_or(-1);
+    if (id < 0 || id >= kMaxTokenIds) {
       return Status(Code::kInvalidArgument, "vocab id out of range for '" + text + "'");
     }
     if (static_cast<size_t>(id) >= tokens.size()) tokens.resize(static_cast<size_t>(id) + 1);
@@ -730,7 +742,13 @@ Result<BpeTokenizer> parse_tokenizer_json(const json& root) {
   std::vector<AddedToken> added;
   for (const json& a : root.value("added_tokens", json::array())) {
     AddedToken t;
-    t.id = a.at("id").get<int32_t>();
+    const std::optional<int64_t> id = json_int64(a.at("id"));
+    if (!id || *id < 0 || *id >= kMaxTokenIds) {
+      return Status(Code::kInvalidArgument, "added token id " + a.at("id").dump() +
+                                                " outside [0, " + std::to_string(kMaxTokenIds) +
+                                                ")");
+    }
+    t.id = static_cast<int32_t>(*id);
     t.content = a.at("content").get<std::string>();
     t.special = a.value("special", false);
     t.lstrip = a.value("lstrip", false);
@@ -750,6 +768,10 @@ Result<BpeTokenizer> parse_tokenizer_json(const json& root) {
 }  // namespace
 
 Result<BpeTokenizer> BpeTokenizer::from_json_string(std::string_view text) {
+  if (json_nesting_exceeds(text)) {
+    return Status(Code::kMalformed, "tokenizer.json: nested deeper than " +
+                                        std::to_string(kMaxJsonDepth) + " levels");
+  }
   const json root = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
   if (root.is_discarded() || !root.is_object()) {
     return Status(Code::kMalformed, "tokenizer.json: not a JSON object");

@@ -64,6 +64,10 @@ struct BpeOptions {
   std::optional<int32_t> bos_id, eos_id, pad_id;  // informational (engine stop tokens etc.)
 };
 
+// Token ids (vocabulary and added tokens) must lie below this: the ids size the lookup tables, so
+// a hostile id would otherwise allocate gigabytes. The largest real vocabularies have ~262k.
+inline constexpr int32_t kMaxTokenIds = 1 << 21;
+
 class BpeTokenizer {
  public:
   // Loads a HF tokenizer.json: model BPE (merges as "a b" strings or [a, b] pairs), byte-level

@@ -6,40 +6,18 @@
 // Build (clang): -fsanitize=fuzzer,address; link keep_manager_server keep_client keep_store.
 #include <cstddef>
 #include <cstdint>
-#include <memory>
 #include <string>
 
 #include "services/manager/server/manager_service.h"
 #include "services/manager/server/rpc_server.h"
 #include "shared/client/wire_codec.h"
+#include "tests/fuzz/fuzz_store.h"
 
 namespace {
 
-class FuzzEmbedder : public keep::manager::Embedder {
- public:
-  int dim() const override { return 8; }
-  keep::Result<std::vector<std::vector<float>>> embed(
-      const std::vector<std::string>& texts) override {
-    std::vector<std::vector<float>> out;
-    for (const auto& t : texts) {
-      std::vector<float> v(8, 0.0f);
-      v[t.empty() ? 0 : static_cast<unsigned char>(t[0]) % 8] = 1.0f;
-      out.push_back(std::move(v));
-    }
-    return out;
-  }
-};
-
-class FuzzCounter : public keep::manager::TokenCounter {
- public:
-  uint32_t count_tokens(std::string_view text) const override {
-    return static_cast<uint32_t>(text.size() / 4 + 1);
-  }
-};
-
 struct World {
-  FuzzEmbedder embedder;
-  FuzzCounter counter;
+  keep::fuzz::FuzzEmbedder embedder;
+  keep::fuzz::FuzzCounter counter;
   keep::manager::MemoryStore store{keep::manager::StoreOptions{}, &embedder, &counter};
   keep::manager::ManagerService service{&store, nullptr, nullptr};
 };

@@ -205,6 +205,36 @@ TEST_CASE("invalid ids are refused, not read out of bounds") {
   CHECK(enc.encode_ids({std::vector<int32_t>(512, 1000)}).is_ok());  // the position table's size
 }
 
+TEST_CASE("parse_bert_config: mistyped and out-of-range fields are errors, not exceptions") {
+  const nlohmann::json base = {
+      {"model_type", "bert"},          {"vocab_size", 30522},       {"hidden_size", 384},
+      {"num_hidden_layers", 6},        {"num_attention_heads", 12}, {"intermediate_size", 1536},
+      {"max_position_embeddings", 512}};
+  auto ok = keep::manager::parse_bert_config(base.dump(), "config.json");
+  REQUIRE_MESSAGE(ok.is_ok(), ok.status().to_string());
+  CHECK(ok->hidden == 384);
+  CHECK(ok->type_vocab_size == 2);
+  auto refused = [&](const char* key, const nlohmann::json& value, const char* needle) {
+    nlohmann::json j = base;
+    j[key] = value;
+    auto r = keep::manager::parse_bert_config(j.dump(), "config.json");
+    REQUIRE_FALSE(r.is_ok());
+    CHECK(r.status().code() == Code::kInvalidArgument);
+    CHECK_MESSAGE(r.status().message().find(needle) != std::string::npos, r.status().to_string());
+  };
+  // A non-string model_type / hidden_act threw out of BertEncoder::load (std::terminate); a
+  // float or huge size was converted to int unchecked (undefined behaviour).
+  refused("model_type", 5, "mistyped field");
+  refused("hidden_act", nlohmann::json::array(), "mistyped field");
+  refused("vocab_size", 1e20, "'vocab_size'");
+  refused("hidden_size", 384.5, "'hidden_size'");
+  refused("num_hidden_layers", 1ull << 40, "'num_hidden_layers'");
+  refused("layer_norm_eps", 1e300, "layer_norm_eps");
+  auto deep = keep::manager::parse_bert_config(
+      R"({"a":)" + std::string(100000, '[') + std::string(100000, ']') + "}", "config.json");
+  CHECK(deep.status().code() == Code::kMalformed);
+}
+
 TEST_CASE("bad model directories give a clear error") {
   auto missing = BertEncoder::load("/nonexistent/all-MiniLM-L6-v2");
   REQUIRE_FALSE(missing.is_ok());

@@ -402,6 +402,50 @@ TEST_CASE("tokenizer.json variants and errors") {
   CHECK(BpeTokenizer::from_json_string(bad_merge.dump()).status().code() == Code::kMalformed);
 }
 
+// Found by fuzz_tokenizer_json or while writing it (tests/fuzz/corpus/fuzz_tokenizer_json/).
+TEST_CASE("tokenizer.json: hostile ids and nesting are refused before allocating") {
+  json vocab = json::object();
+  const auto bytes = byte_vocab();
+  for (size_t i = 0; i < bytes.size(); ++i) vocab[bytes[i]] = i;
+  json root = {
+      {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", json::array()}}},
+      {"pre_tokenizer", {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", true}}},
+  };
+  auto refused = [](const json& j, const std::string& what) {
+    auto r = BpeTokenizer::from_json_string(j.dump());
+    REQUIRE_FALSE(r.is_ok());
+    CHECK_MESSAGE(r.status().message().find(what) != std::string::npos, r.status().to_string());
+  };
+  // INT32_MAX overflowed `id + 1`; 300M sized the tables at 9.6 GB; a vocabulary id of 16M at 1.2.
+  for (int32_t id : {INT32_MAX, 300'000'000, keep::tok::kMaxTokenIds}) {
+    json j = root;
+    j["added_tokens"] = json::array({{{"id", id}, {"content", "<x>"}, {"special", true}}});
+    refused(j, "outside [0, 2097152)");
+  }
+  json big = root;
+  big["model"]["vocab"]["far"] = 16'000'000;
+  refused(big, "vocab id out of range");
+  // get<int64_t>() of a float id converted 2.2e40 to an integer (undefined behaviour).
+  json fl = root;
+  fl["model"]["vocab"]["far"] = 2.25556e40;
+  refused(fl, "vocab id out of range");
+  json fl_added = root;
+  fl_added["added_tokens"] = json::array({{{"id", 1.5}, {"content", "<x>"}}});
+  refused(fl_added, "added token id 1.5");
+  auto r = BpeTokenizer::from_vocab_and_merges({"a"}, {}, {{INT32_MAX, "<x>"}}, BpeOptions{});
+  CHECK(r.status().code() == Code::kInvalidArgument);
+  // Error messages dump() the offending part, which recursed once per level.
+  const std::string deep =
+      R"({"model":{"type":"X","a":)" + std::string(100000, '[') + std::string(100000, ']') + "}}";
+  auto d = BpeTokenizer::from_json_string(deep);
+  CHECK(d.status().code() == Code::kMalformed);
+  CHECK(d.status().message().find("nested deeper than 64") != std::string::npos);
+  // Brackets inside strings do not count.
+  json strings = root;
+  strings["model"]["vocab"][std::string(100, '[')] = 256;
+  CHECK(BpeTokenizer::from_json_string(strings.dump()).is_ok());
+}
+
 TEST_CASE("utf8_complete_prefix holds back a cut-off character") {
   using keep::tok::utf8_complete_prefix;
   CHECK(utf8_complete_prefix("abc") == 3);

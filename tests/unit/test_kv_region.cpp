@@ -8,8 +8,12 @@
 
 #include <boost/interprocess/shared_memory_object.hpp>
 #include <chrono>
+#include <cmath>
 #include <cstring>
+#include <limits>
+#include <span>
 #include <string>
+#include <vector>
 
 #include "shared/kvregion/kv_format.h"
 #include "shared/kvregion/kv_region.h"
@@ -455,6 +459,47 @@ TEST_CASE("attach refuses a damaged or foreign header with a clear status") {
   CHECK(a.status().message().find("model fingerprint mismatch (head_dim)") != std::string::npos);
 
   CHECK(KvRegionView::attach(n.name, smol_fingerprint()).is_ok());
+}
+
+TEST_CASE("validate_region_header checks header bytes as attach does, without a mapping") {
+  ShmName n;
+  auto region = KvRegion::create(small_options(n.name));
+  REQUIRE(region.is_ok());
+  const std::span<const std::byte> page((*region)->base(), keep::kv::kHeaderBytes);
+  const uint64_t size = (*region)->size();
+  CHECK(keep::kv::validate_region_header(page, size).is_ok());
+  CHECK(keep::kv::validate_region_header(page, size + 4096).code() == Code::kCorrupt);
+  CHECK(keep::kv::validate_region_header(page.first(100), size).code() == Code::kCorrupt);
+  // Any alignment: the header is copied before it is read.
+  std::vector<std::byte> shifted(page.size() + 1);
+  std::memcpy(shifted.data() + 1, page.data(), page.size());
+  CHECK(keep::kv::validate_region_header(std::span(shifted).subspan(1), size).is_ok());
+}
+
+// Found by fuzz_kv_region_header (tests/fuzz/corpus/fuzz_kv_region_header/crash-*).
+TEST_CASE("a fingerprint with a NaN or infinite RoPE parameter is invalid") {
+  // NaN never compares equal: a region recording one could never be attached or adopted, and
+  // the mismatch message would print the same values on both sides.
+  for (double bad : {std::nan(""), std::numeric_limits<double>::infinity(), -1.0}) {
+    ModelFingerprint fp = smol_fingerprint();
+    fp.rope_scaling_factor = bad;
+    CHECK_FALSE(fp.validate().is_ok());
+    fp = smol_fingerprint();
+    fp.rope_high_freq_factor = bad;
+    CHECK_FALSE(fp.validate().is_ok());
+  }
+  ModelFingerprint fp = smol_fingerprint();
+  fp.rope_theta = std::numeric_limits<double>::infinity();
+  CHECK_FALSE(fp.validate().is_ok());
+
+  ShmName n;
+  auto region = KvRegion::create(small_options(n.name));
+  REQUIRE(region.is_ok());
+  auto* h = reinterpret_cast<keep::kv::RegionHeader*>((*region)->base());
+  h->fingerprint.rope_scaling_factor = std::nan("");
+  auto a = KvRegionView::attach(n.name, smol_fingerprint());
+  CHECK(a.status().code() == Code::kCorrupt);
+  CHECK(a.status().message().find("rope scaling parameters") != std::string::npos);
 }
 
 TEST_CASE("adopt rebuilds the allocator and index from the directory") {

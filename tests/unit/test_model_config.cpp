@@ -131,6 +131,9 @@ TEST_CASE("bad configs are refused with the file and the field named") {
   };
   const Case cases[] = {
       {"{not json", Code::kMalformed, "not valid JSON"},
+      // Error messages dump() JSON values, recursively: deep nesting is refused up front.
+      {R"({"a": )" + std::string(100000, '[') + std::string(100000, ']') + "}", Code::kMalformed,
+       "nested deeper than 64 levels"},
       {"[1, 2]", Code::kMalformed, "not a JSON object"},
       {R"({"architectures": ["GPT2LMHeadModel"], "vocab_size": 1})", Code::kInvalidArgument,
        "GPT2LMHeadModel"},

@@ -226,6 +226,43 @@ TEST_CASE("zero-sized tensors, gaps and an empty header are accepted") {
   CHECK((*e)->size() == 0);
 }
 
+TEST_CASE("parse() reads a file held in memory like open() (what the fuzzer drives)") {
+  nlohmann::json h;
+  h["t"] = {{"dtype", "F32"}, {"shape", {2}}, {"data_offsets", {0, 8}}};
+  const std::string bytes = st_file(h.dump(), std::string(8, '\0'));
+  auto r = SafetensorsFile::parse(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(),
+                                  "in-memory");
+  REQUIRE_MESSAGE(r.is_ok(), r.status().to_string());
+  CHECK((*r)->file_size() == bytes.size());
+  CHECK((*r)->tensor("t", {2}).is_ok());
+  auto bad = SafetensorsFile::parse(reinterpret_cast<const uint8_t*>(bytes.data()), 7, "cut");
+  REQUIRE_FALSE(bad.is_ok());
+  CHECK(bad.status().message().find("'cut'") != std::string::npos);
+}
+
+// Found by fuzz_safetensors_reader (tests/fuzz/corpus/fuzz_safetensors_reader/crash-*).
+TEST_CASE("hostile headers: empty tensors of huge dims, brackets nested 100000 deep") {
+  TempDir dir;
+  // numel is 0, but TensorView::numel() multiplied 2^62 * 2 in int64 before reaching the 0.
+  nlohmann::json h;
+  h["t"] = {{"dtype", "F32"}, {"shape", {1ull << 62, 2, 0}}, {"data_offsets", {0, 0}}};
+  expect_refused(dir, st_file(h.dump(), ""), "overflows");
+  // An empty F32 tensor converted into an empty vector passed its nullptr data() to memcpy.
+  nlohmann::json e;
+  e["t"] = {{"dtype", "F32"}, {"shape", {2, 0}}, {"data_offsets", {0, 0}}};
+  const std::string empty = st_file(e.dump(), "");
+  auto f =
+      SafetensorsFile::parse(reinterpret_cast<const uint8_t*>(empty.data()), empty.size(), "e");
+  REQUIRE(f.is_ok());
+  auto v = keep::safetensors::to_fp32(*(*f)->tensor("t"));
+  REQUIRE(v.is_ok());
+  CHECK(v->empty());
+  // The error message dump()ed the shape recursively and overflowed the stack.
+  const std::string deep = "{\"t\":{\"dtype\":\"F32\",\"shape\":[" + std::string(100000, '[') +
+                           std::string(100000, ']') + "],\"data_offsets\":[0,0]}}";
+  expect_refused(dir, st_file(deep, ""), "nests deeper than 64 levels");
+}
+
 TEST_CASE("a sharded directory resolves tensors through the index") {
   TempDir dir;
   const float a[] = {1, 2, 3, 4};

@@ -166,3 +166,31 @@ TEST_CASE("missing or malformed tokenizer files give a clear error") {
   CHECK(no_specials.status().message().find("[UNK]") != std::string::npos);
   fs::remove_all(dir);
 }
+
+TEST_CASE("tokenizer.json text: added token ids outside the vocabulary, deep nesting") {
+  nlohmann::json j = {
+      {"model",
+       {{"type", "WordPiece"},
+        {"vocab", {{"[PAD]", 0}, {"[UNK]", 1}, {"[CLS]", 2}, {"[SEP]", 3}, {"a", 4}}}}},
+      {"normalizer", nullptr},
+      {"pre_tokenizer", {{"type", "BertPreTokenizer"}}},
+      {"added_tokens", nlohmann::json::array({{{"id", 2}, {"content", "[CLS]"}}})}};
+  auto ok = WordPieceTokenizer::from_tokenizer_json_text(j.dump(), "mem.json");
+  REQUIRE_MESSAGE(ok.is_ok(), ok.status().to_string());
+  CHECK((*ok)->encode("a [CLS]", 8) == std::vector<int32_t>{2, 4, 2, 3});
+  // encode() handed such an id to the encoder as it was.
+  for (const nlohmann::json& id : {nlohmann::json(5), nlohmann::json(-1), nlohmann::json(INT32_MAX),
+                                   nlohmann::json(1e40), nlohmann::json(1ull << 40)}) {
+    j["added_tokens"][0]["id"] = id;
+    auto bad = WordPieceTokenizer::from_tokenizer_json_text(j.dump(), "mem.json");
+    REQUIRE_FALSE(bad.is_ok());
+    CHECK(bad.status().message().find("outside the vocabulary") != std::string::npos);
+  }
+  j["added_tokens"][0]["id"] = 2;
+  j["model"]["max_input_chars_per_word"] = 1e40;  // was converted to size_t unchecked
+  CHECK_FALSE(WordPieceTokenizer::from_tokenizer_json_text(j.dump(), "mem.json").is_ok());
+  const std::string deep =
+      R"({"model":)" + std::string(100000, '[') + std::string(100000, ']') + "}";
+  auto d = WordPieceTokenizer::from_tokenizer_json_text(deep, "deep.json");
+  CHECK(d.status().code() == keep::Code::kMalformed);
+}

@@ -2,13 +2,16 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
 
 #include "shared/blas/gemm.h"
+#include "shared/common/json_limits.h"
 #include "shared/common/log.h"
 #include "shared/safetensors/safetensors_reader.h"
 
@@ -19,12 +22,21 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-Result<json> read_json(const fs::path& path) {
+Result<std::string> read_text(const fs::path& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return Status(Code::kNotFound, "cannot open '" + path.string() + "'");
   std::stringstream ss;
   ss << in.rdbuf();
-  json j = json::parse(ss.str(), nullptr, /*allow_exceptions=*/false);
+  return ss.str();
+}
+
+Result<json> read_json(const fs::path& path) {
+  KEEP_ASSIGN_OR_RETURN(std::string text, read_text(path));
+  if (json_nesting_exceeds(text)) {
+    return Status(Code::kMalformed, "'" + path.string() + "' nests deeper than " +
+                                        std::to_string(kMaxJsonDepth) + " levels");
+  }
+  json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return Status(Code::kMalformed, "'" + path.string() + "' is not JSON");
   if (!j.is_object() && !j.is_array()) {
     return Status(Code::kMalformed, "'" + path.string() + "' is not a JSON object or array");
@@ -173,6 +185,74 @@ class WeightLoader {
 // ---- loading
 // --------------------------------------------------------------------------------------
 
+Result<BertConfig> parse_bert_config(std::string_view json_text, const std::string& where) {
+  if (json_nesting_exceeds(json_text)) {
+    return Status(Code::kMalformed,
+                  "'" + where + "' nests deeper than " + std::to_string(kMaxJsonDepth) + " levels");
+  }
+  const json cfg = json::parse(json_text, nullptr, /*allow_exceptions=*/false);
+  if (cfg.is_discarded()) return Status(Code::kMalformed, "'" + where + "' is not JSON");
+  auto bad = [&](const std::string& what) {
+    return Status(Code::kInvalidArgument, "config.json: " + what);
+  };
+  if (!cfg.is_object()) return bad("not an object");
+  // A field of the wrong JSON type throws from value()/get() (caught below); a float or
+  // out-of-range number must not reach the int conversion (undefined for doubles out of range).
+  auto get_int = [&](const char* key, std::optional<int> fallback, int* out) -> Status {
+    const auto it = cfg.find(key);
+    if (it == cfg.end() && fallback) {
+      *out = *fallback;
+      return Status::ok();
+    }
+    const std::optional<int64_t> v = it == cfg.end() ? std::nullopt : json_int64(*it);
+    if (!v || *v < INT32_MIN || *v > INT32_MAX) {
+      return bad(std::string("missing or mistyped field '") + key + "'");
+    }
+    *out = static_cast<int>(*v);
+    return Status::ok();
+  };
+  BertConfig c;
+  try {
+    const std::string type = cfg.value("model_type", "");
+    if (type != "bert") {
+      return bad("model_type '" + type + "' is not supported (only 'bert')");
+    }
+    KEEP_RETURN_IF_ERROR(get_int("vocab_size", std::nullopt, &c.vocab_size));
+    KEEP_RETURN_IF_ERROR(get_int("hidden_size", std::nullopt, &c.hidden));
+    KEEP_RETURN_IF_ERROR(get_int("num_hidden_layers", std::nullopt, &c.layers));
+    KEEP_RETURN_IF_ERROR(get_int("num_attention_heads", std::nullopt, &c.heads));
+    KEEP_RETURN_IF_ERROR(get_int("intermediate_size", std::nullopt, &c.intermediate));
+    KEEP_RETURN_IF_ERROR(get_int("max_position_embeddings", std::nullopt, &c.max_positions));
+    KEEP_RETURN_IF_ERROR(get_int("type_vocab_size", 2, &c.type_vocab_size));
+    const double eps = cfg.value("layer_norm_eps", 1e-12);
+    if (!(eps > 0.0 && eps < 1.0))
+      return bad("layer_norm_eps " + std::to_string(eps) + " out of (0, 1)");
+    c.layer_norm_eps = static_cast<float>(eps);
+    const std::string act = cfg.value("hidden_act", "gelu");
+    if (act == "gelu") {
+      c.gelu_tanh = false;
+    } else if (act == "gelu_new" || act == "gelu_pytorch_tanh") {
+      c.gelu_tanh = true;
+    } else {
+      return bad("hidden_act '" + act + "' is not supported (gelu, gelu_new)");
+    }
+    const std::string pos = cfg.value("position_embedding_type", "absolute");
+    if (pos != "absolute") {
+      return bad("position_embedding_type '" + pos + "' is not supported (absolute)");
+    }
+  } catch (const json::exception& e) {
+    return bad(std::string("mistyped field: ") + e.what());
+  }
+  if (c.vocab_size <= 0 || c.hidden <= 0 || c.layers <= 0 || c.heads <= 0 || c.intermediate <= 0 ||
+      c.max_positions < 2 || c.type_vocab_size <= 0 || c.hidden % c.heads != 0 ||
+      c.hidden > 65536 || c.intermediate > 262144 || c.layers > 256 || c.max_positions > 65536 ||
+      !(c.layer_norm_eps > 0.0f)) {
+    return bad("inconsistent shape (hidden " + std::to_string(c.hidden) + ", heads " +
+               std::to_string(c.heads) + ", layers " + std::to_string(c.layers) + ")");
+  }
+  return c;
+}
+
 BertEncoder::BertEncoder() = default;
 BertEncoder::~BertEncoder() = default;
 
@@ -189,52 +269,15 @@ Result<std::unique_ptr<BertEncoder>> BertEncoder::load(const std::string& dir,
   auto enc = std::unique_ptr<BertEncoder>(new BertEncoder());
   enc->options_ = options;
   if (enc->options_.max_batch_tokens == 0) enc->options_.max_batch_tokens = 1;
-  BertConfig& c = enc->config_;
+  const BertConfig& c = enc->config_;
 
   // config.json: the BertModel shape.
   {
-    auto j = read_json(root / "config.json");
-    if (!j.is_ok()) return fail(j.status());
-    const json& cfg = *j;
-    auto bad = [&](const std::string& what) {
-      return fail(Status(Code::kInvalidArgument, "config.json: " + what));
-    };
-    if (!cfg.is_object()) return bad("not an object");
-    const std::string type = cfg.value("model_type", "");
-    if (type != "bert") {
-      return bad("model_type '" + type + "' is not supported (only 'bert')");
-    }
-    try {
-      c.vocab_size = cfg.at("vocab_size").get<int>();
-      c.hidden = cfg.at("hidden_size").get<int>();
-      c.layers = cfg.at("num_hidden_layers").get<int>();
-      c.heads = cfg.at("num_attention_heads").get<int>();
-      c.intermediate = cfg.at("intermediate_size").get<int>();
-      c.max_positions = cfg.at("max_position_embeddings").get<int>();
-      c.type_vocab_size = cfg.value("type_vocab_size", 2);
-      c.layer_norm_eps = cfg.value("layer_norm_eps", 1e-12f);
-    } catch (const json::exception& e) {
-      return bad(std::string("missing or mistyped field: ") + e.what());
-    }
-    const std::string act = cfg.value("hidden_act", "gelu");
-    if (act == "gelu") {
-      c.gelu_tanh = false;
-    } else if (act == "gelu_new" || act == "gelu_pytorch_tanh") {
-      c.gelu_tanh = true;
-    } else {
-      return bad("hidden_act '" + act + "' is not supported (gelu, gelu_new)");
-    }
-    const std::string pos = cfg.value("position_embedding_type", "absolute");
-    if (pos != "absolute") {
-      return bad("position_embedding_type '" + pos + "' is not supported (absolute)");
-    }
-    if (c.vocab_size <= 0 || c.hidden <= 0 || c.layers <= 0 || c.heads <= 0 ||
-        c.intermediate <= 0 || c.max_positions < 2 || c.type_vocab_size <= 0 ||
-        c.hidden % c.heads != 0 || c.hidden > 65536 || c.intermediate > 262144 || c.layers > 256 ||
-        c.max_positions > 65536 || !(c.layer_norm_eps > 0.0f)) {
-      return bad("inconsistent shape (hidden " + std::to_string(c.hidden) + ", heads " +
-                 std::to_string(c.heads) + ", layers " + std::to_string(c.layers) + ")");
-    }
+    auto text = read_text(root / "config.json");
+    if (!text.is_ok()) return fail(text.status());
+    auto config = parse_bert_config(*text, (root / "config.json").string());
+    if (!config.is_ok()) return fail(config.status());
+    enc->config_ = *config;
   }
 
   // modules.json: Transformer, Pooling, optional Normalize; nothing else.

@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "services/manager/encoder/wordpiece_tokenizer.h"
@@ -50,6 +51,11 @@ struct BertConfig {
   float layer_norm_eps = 1e-12f;
   bool gelu_tanh = false;  // false: exact GELU (erf), "gelu"; true: "gelu_new" / tanh approximation
 };
+
+// Parses a BERT config.json text (`where` names the file in messages): model_type "bert", the
+// shape fields as integers in range, hidden_act gelu / gelu_new, absolute positions.
+// kMalformed when it is not JSON, kInvalidArgument for anything missing, mistyped or unsupported.
+Result<BertConfig> parse_bert_config(std::string_view json_text, const std::string& where);
 
 enum class PoolingMode { kMean, kCls, kMax, kMeanSqrtLen };
 

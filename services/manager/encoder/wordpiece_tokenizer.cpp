@@ -9,6 +9,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "shared/common/json_limits.h"
+
 namespace keep::manager {
 
 namespace {
@@ -135,7 +137,11 @@ Status WordPieceTokenizer::finish_setup(const std::string& where) {
   KEEP_RETURN_IF_ERROR(need("[PAD]", &pad_id_));
   for (const auto& [content, id] : added_tokens_) {
     if (content.empty()) return Status(Code::kInvalidArgument, where + ": empty added token");
-    (void)id;
+    // encode() emits these ids as they are; the encoder indexes its embedding table with them.
+    if (id < 0 || static_cast<size_t>(id) >= id_to_token_.size()) {
+      return Status(Code::kInvalidArgument, where + ": added token '" + content + "' has id " +
+                                                std::to_string(id) + " outside the vocabulary");
+    }
   }
   return Status::ok();
 }
@@ -143,10 +149,19 @@ Status WordPieceTokenizer::finish_setup(const std::string& where) {
 Result<std::unique_ptr<WordPieceTokenizer>> WordPieceTokenizer::from_tokenizer_json(
     const std::string& path) {
   KEEP_ASSIGN_OR_RETURN(std::string text, read_file(path));
-  const json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  return from_tokenizer_json_text(text, path);
+}
+
+Result<std::unique_ptr<WordPieceTokenizer>> WordPieceTokenizer::from_tokenizer_json_text(
+    std::string_view text, const std::string& where) {
   auto bad = [&](const std::string& what) {
-    return Status(Code::kInvalidArgument, "tokenizer '" + path + "': " + what);
+    return Status(Code::kInvalidArgument, "tokenizer '" + where + "': " + what);
   };
+  if (json_nesting_exceeds(text)) {
+    return Status(Code::kMalformed, "tokenizer '" + where + "': JSON nested deeper than " +
+                                        std::to_string(kMaxJsonDepth) + " levels");
+  }
+  const json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) return bad("not a JSON object");
   auto tok = std::unique_ptr<WordPieceTokenizer>(new WordPieceTokenizer());
   WordPieceConfig& c = tok->config_;
@@ -159,8 +174,11 @@ Result<std::unique_ptr<WordPieceTokenizer>> WordPieceTokenizer::from_tokenizer_j
     c.unk_token = model.value("unk_token", c.unk_token);
     c.continuing_subword_prefix =
         model.value("continuing_subword_prefix", c.continuing_subword_prefix);
-    c.max_input_chars_per_word =
-        model.value("max_input_chars_per_word", c.max_input_chars_per_word);
+    if (model.contains("max_input_chars_per_word")) {
+      const std::optional<int64_t> n = json_int64(model.at("max_input_chars_per_word"));
+      if (!n || *n < 0) return bad("max_input_chars_per_word is not a natural number");
+      c.max_input_chars_per_word = static_cast<size_t>(*n);
+    }
 
     const json& norm = j.at("normalizer");
     if (norm.is_null()) {
@@ -198,14 +216,16 @@ Result<std::unique_ptr<WordPieceTokenizer>> WordPieceTokenizer::from_tokenizer_j
         if (a.value("normalized", false)) {
           return bad("normalized added token '" + a.value("content", "") + "' is not supported");
         }
+        // finish_setup() checks the id against the vocabulary; -1 stands for "not an int32".
+        const int64_t id = json_int64(a.at("id")).value_or(-1);
         tok->added_tokens_.emplace_back(a.at("content").get<std::string>(),
-                                        a.at("id").get<int32_t>());
+                                        id > INT32_MAX ? -1 : static_cast<int32_t>(id));
       }
     }
   } catch (const json::exception& e) {
     return bad(std::string("unexpected structure: ") + e.what());
   }
-  KEEP_RETURN_IF_ERROR(tok->finish_setup("tokenizer '" + path + "'"));
+  KEEP_RETURN_IF_ERROR(tok->finish_setup("tokenizer '" + where + "'"));
   return tok;
 }
 
@@ -247,7 +267,9 @@ Result<std::unique_ptr<WordPieceTokenizer>> WordPieceTokenizer::from_dir(const s
   const fs::path tc = fs::path(dir) / "tokenizer_config.json";
   if (fs::exists(tc, ec)) {
     KEEP_ASSIGN_OR_RETURN(std::string text, read_file(tc.string()));
-    const json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+    const json j = json_nesting_exceeds(text)
+                       ? json()
+                       : json::parse(text, nullptr, /*allow_exceptions=*/false);
     if (j.is_object()) {
       const json lc = j.value("do_lower_case", json(true));
       const json sa = j.value("strip_accents", json());

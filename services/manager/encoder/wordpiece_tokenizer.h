@@ -42,6 +42,9 @@ class WordPieceTokenizer {
   // tokenizer.json of a BERT model (model.type "WordPiece", BertNormalizer, BertPreTokenizer).
   // Refuses other pipelines with kInvalidArgument naming the unsupported part.
   static Result<std::unique_ptr<WordPieceTokenizer>> from_tokenizer_json(const std::string& path);
+  // The same from the file's text; `where` names it in messages.
+  static Result<std::unique_ptr<WordPieceTokenizer>> from_tokenizer_json_text(
+      std::string_view text, const std::string& where);
   // vocab.txt: one token a line, id = line number.
   static Result<std::unique_ptr<WordPieceTokenizer>> from_vocab_txt(const std::string& path,
                                                                     const WordPieceConfig& config);

@@ -7,6 +7,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "shared/common/json_limits.h"
+
 namespace keep::engine {
 
 namespace {
@@ -208,6 +210,10 @@ std::vector<float> rope_inv_freq(const ModelConfig& config) {
 }
 
 Result<ModelConfig> parse_hf_config(std::string_view json_text, std::string_view where) {
+  if (json_nesting_exceeds(json_text)) {
+    return Status(Code::kMalformed, prefix(where) + "JSON nested deeper than " +
+                                        std::to_string(kMaxJsonDepth) + " levels");
+  }
   json j = json::parse(json_text.begin(), json_text.end(), nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return Status(Code::kMalformed, prefix(where) + "not valid JSON");
   if (!j.is_object()) return Status(Code::kMalformed, prefix(where) + "not a JSON object");
