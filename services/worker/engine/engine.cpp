@@ -89,6 +89,11 @@ Result<KvCache> KvCache::create(Backend& backend, int32_t capacity) {
   return cache;
 }
 
+bool GenerateOptions::stops_at(int32_t token, std::span<const int32_t> eos) const {
+  return (stop_at_eos && std::find(eos.begin(), eos.end(), token) != eos.end()) ||
+         std::find(stop_tokens.begin(), stop_tokens.end(), token) != stop_tokens.end();
+}
+
 Result<std::unique_ptr<Engine>> Engine::create(std::unique_ptr<Backend> backend, int32_t max_rows) {
   if (!backend) return invalid("engine: no backend");
   if (max_rows <= 0) return invalid("engine: max_rows must be positive");
@@ -349,11 +354,7 @@ Result<std::vector<int32_t>> Engine::generate(std::span<const int32_t> prompt,
   for (int32_t i = 0; i < options.max_tokens; ++i) {
     const int32_t tok = greedy ? next : sampler.sample(logits_host);
     out.push_back(tok);
-    const bool stop =
-        (options.stop_at_eos && std::find(eos.begin(), eos.end(), tok) != eos.end()) ||
-        std::find(options.stop_tokens.begin(), options.stop_tokens.end(), tok) !=
-            options.stop_tokens.end();
-    if (stop || i + 1 == options.max_tokens) break;
+    if (options.stops_at(tok, eos) || i + 1 == options.max_tokens) break;
     if (greedy) {
       KEEP_ASSIGN_OR_RETURN(next, prefill_greedy(cache, std::span<const int32_t>(&tok, 1)));
     } else {

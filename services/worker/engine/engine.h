@@ -70,6 +70,8 @@ struct GenerateOptions {
   SamplingParams sampling;           // temperature 0 = greedy
   bool stop_at_eos = true;           // stop after emitting one of config.eos_token_ids
   std::vector<int32_t> stop_tokens;  // more tokens that end generation (emitted, then stop)
+  // Whether emitting `token` ends generation (`eos`: the model's end-of-sequence ids).
+  bool stops_at(int32_t token, std::span<const int32_t> eos) const;
 };
 
 struct CandidateScore {

@@ -267,11 +267,7 @@ Result<std::vector<int32_t>> KvAssembler::generate(const Prefilled& prefilled,
   for (int32_t i = 0; i < options.max_tokens; ++i) {
     const int32_t tok = greedy ? engine::argmax(logits) : sampler.sample(logits);
     out.push_back(tok);
-    const bool stop =
-        (options.stop_at_eos && std::find(eos.begin(), eos.end(), tok) != eos.end()) ||
-        std::find(options.stop_tokens.begin(), options.stop_tokens.end(), tok) !=
-            options.stop_tokens.end();
-    if (stop || i + 1 == options.max_tokens) break;
+    if (options.stops_at(tok, eos) || i + 1 == options.max_tokens) break;
     KEEP_ASSIGN_OR_RETURN(logits, engine_.decode_step(cache_, tok));
   }
   return out;
