@@ -20,6 +20,8 @@
 #include <tuple>
 #include <vector>
 
+#include "shared/tokenizer/bpe_tokenizer.h"
+
 extern char** environ;
 
 namespace {
@@ -212,6 +214,41 @@ TEST_CASE("SmolLM2 GGUF: raw --prompt text equals --prompt-ids of HF's tokenizat
   REQUIRE_MESSAGE(by_ids.exit_code == 0, by_ids.err);
   CHECK(parse_ids_line(by_text.out).size() == 4);
   CHECK(by_text.out == by_ids.out);
+}
+
+TEST_CASE("--tokenize: a prompt's ids from a tokenizer-only directory or a GGUF's metadata") {
+  // models/qwen2.5-tokenizer holds tokenizer.json and tokenizer_config.json: no config, no weights.
+  const std::string dir = "models/qwen2.5-tokenizer";
+  auto qwen = keep::tok::BpeTokenizer::from_json_file(dir + "/tokenizer.json");
+  REQUIRE(qwen.is_ok());
+  const std::string text = "Put the red mug in the sink.";
+  Run r = run({"--model", dir, "--prompt", text, "--tokenize"});
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(parse_ids_line(r.out) == qwen->encode(text, true));
+  r = run({"--model", dir, "--chat", "--prompt", text, "--tokenize", "--json"});
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  const json j = json::parse(r.out);
+  const auto ids = j["ids"].get<std::vector<int32_t>>();
+  CHECK(j["tokens"].get<size_t>() == ids.size());
+  CHECK(qwen->decode(ids).starts_with("<|im_start|>system\nYou are Qwen"));
+  CHECK(qwen->decode(ids).ends_with("<|im_start|>assistant\n"));
+
+  if (have_smollm2()) {  // HF's tokenization of the same text, read from the GGUF alone
+    const json ref = reference("smollm2_gguf");
+    for (const auto& t : ref["tokenizer"]) {
+      if (t["text"] != "Pick up the apple and put it in the fridge.") continue;
+      r = run({"--model", kSmol, "--prompt", t["text"].get<std::string>(), "--tokenize"});
+      REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+      CHECK(parse_ids_line(r.out) == t["ids"].get<std::vector<int32_t>>());
+    }
+  }
+  r = run({"--model", dir, "--prompt-ids", "1,2", "--tokenize"});
+  CHECK(r.exit_code == 2);
+  CHECK(r.err_lines().size() == 1);
+  r = run({"--model", "tests/fixtures", "--prompt", text, "--tokenize"});
+  CHECK(r.exit_code == 1);
+  CHECK(r.err_lines().size() == 1);
+  CHECK(r.err.find("no tokenizer.json") != std::string::npos);
 }
 
 TEST_CASE("SmolLM2 GGUF: --candidates ranks the greedy continuation first, scores <= 0") {

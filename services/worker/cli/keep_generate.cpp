@@ -4,6 +4,7 @@
 //   keep-generate --model models/SmolLM2-135M-Instruct.Q4_1.gguf --chat --prompt "Hi"   # text
 //   keep-generate --model DIR --prompt-ids 1,2,3 --ids --max-tokens 8                   # ids
 //   keep-generate --prompt "The cup is in the" --candidates " sink| fridge| moon"       # scores
+//   keep-generate --model models/qwen2.5-tokenizer --chat --prompt "Hi" --tokenize      # ids
 //
 // Text streams to stdout as tokens are decoded (an incomplete UTF-8 tail is held back), then a
 // newline. Every failure is one line "keep-generate: <what>" on stderr: exit 2 for usage errors
@@ -29,6 +30,8 @@
 #include "services/worker/engine/cuda_backend.h"
 #endif
 #include "services/worker/engine/engine.h"
+#include "services/worker/engine/hf_loader.h"
+#include "services/worker/engine/model_identity.h"
 #include "services/worker/engine/model_weights.h"
 #include "services/worker/engine/sampling.h"
 #include "shared/common/log.h"
@@ -90,6 +93,9 @@ std::vector<std::string> declare_options(keep::Options* opts) {
   add("device", "auto", "cpu, cuda, or auto (cuda when built with CUDA and a GPU is usable)");
   add("stats", "false", "print load time and prefill / decode tokens per second to stderr");
   add("log-level", "warn", "debug, info, warn, error or off");
+  add("tokenize", "false",
+      "print the prompt's token ids (comma-separated; with --json an object) and exit; reads "
+      "only the tokenizer: a directory holding just tokenizer.json is enough");
   return names;
 }
 
@@ -189,6 +195,7 @@ struct Request {
   int threads = 0;
   std::string device = "auto";
   bool stats = false;
+  bool tokenize = false;
 };
 
 std::optional<Failure> read_request(const keep::Options& o,
@@ -248,7 +255,8 @@ std::optional<Failure> read_request(const keep::Options& o,
                                   {"special", &r->special},
                                   {"ids", &r->print_ids},
                                   {"json", &r->json},
-                                  {"stats", &r->stats}}) {
+                                  {"stats", &r->stats},
+                                  {"tokenize", &r->tokenize}}) {
     auto v = o.boolean(name);
     if (!v.is_ok()) return fail(v.status());
     *dst = *v;
@@ -341,16 +349,41 @@ std::optional<Failure> load(const Request& r, Runtime* rt) {
   return std::nullopt;
 }
 
+// For --tokenize: the tokenizer and chat template alone (tokenizer.json of a directory, which
+// needs no config.json or weights; or a GGUF file's metadata).
+std::optional<Failure> load_tokenizer(const Request& r, Runtime* rt) {
+  std::error_code ec;
+  rt->model.source = r.model;
+  if (std::filesystem::is_directory(r.model, ec)) {
+    const std::string tj = r.model + "/tokenizer.json";
+    if (!std::filesystem::exists(tj, ec)) return runtime(r.model + " has no tokenizer.json");
+    auto tok = keep::tok::BpeTokenizer::from_json_file(tj);
+    if (!tok.is_ok()) return runtime("cannot load tokenizer: " + tok.status().message());
+    rt->model.tokenizer.emplace(std::move(tok).value());
+    auto tmpl = eng::read_hf_chat_template(r.model);
+    if (!tmpl.is_ok()) return runtime(tmpl.status().message());
+    rt->model.chat_template = std::move(tmpl).value();
+    return std::nullopt;
+  }
+  auto id = eng::read_model_identity(r.model);
+  if (!id.is_ok()) return runtime("cannot read model: " + id.status().message());
+  if (!id->tokenizer) return runtime(r.model + " has no tokenizer");
+  rt->model.tokenizer.emplace(std::move(*id->tokenizer));
+  rt->model.chat_template = std::move(id->chat_template);
+  return std::nullopt;
+}
+
 // The prompt's token ids: --prompt-ids as given, or --prompt (chat-templated with --chat).
+// Checked against the vocabulary when the model is loaded (not for --tokenize).
 std::optional<Failure> prompt_tokens(const Request& r, const Runtime& rt,
                                      std::vector<int32_t>* out) {
-  const eng::ModelConfig& c = rt.engine->config();
+  const int64_t vocab = rt.engine ? rt.engine->config().vocab_size : INT32_MAX;
   if (r.prompt_ids) {
     for (size_t i = 0; i < r.prompt_ids->size(); ++i) {
       const int32_t id = (*r.prompt_ids)[i];
-      if (id >= c.vocab_size) {
+      if (id >= vocab) {
         return usage("--prompt-ids: token " + std::to_string(i) + " = " + std::to_string(id) +
-                     " is out of range (vocabulary size " + std::to_string(c.vocab_size) + ")");
+                     " is out of range (vocabulary size " + std::to_string(vocab) + ")");
       }
     }
     *out = *r.prompt_ids;
@@ -379,9 +412,9 @@ std::optional<Failure> prompt_tokens(const Request& r, const Runtime& rt,
   *out = rt.model.tokenizer->encode(text, add_special);
   if (out->empty()) return usage("empty prompt: --prompt tokenizes to no tokens");
   for (int32_t id : *out) {
-    if (id < 0 || id >= c.vocab_size) {
+    if (id < 0 || id >= vocab) {
       return runtime("the tokenizer of " + rt.model.source + " gives token " + std::to_string(id) +
-                     ", beyond the model's vocabulary of " + std::to_string(c.vocab_size));
+                     ", beyond the model's vocabulary of " + std::to_string(vocab));
     }
   }
   return std::nullopt;
@@ -593,8 +626,22 @@ std::optional<Failure> run(int argc, char** argv) {
   Request r;
   if (auto f = read_request(opts, repeated, &r)) return f;
   Runtime rt;
-  if (auto f = load(r, &rt)) return f;
   std::vector<int32_t> prompt;
+  if (r.tokenize) {
+    if (r.prompt_ids) return usage("--tokenize needs --prompt TEXT, not --prompt-ids");
+    if (auto f = load_tokenizer(r, &rt)) return f;
+    if (auto f = prompt_tokens(r, rt, &prompt)) return f;
+    if (r.json) {
+      std::printf("%s\n",
+                  nlohmann::json{{"ids", prompt}, {"tokens", prompt.size()}}.dump().c_str());
+    } else {
+      std::string line;
+      for (size_t i = 0; i < prompt.size(); ++i) line += (i ? "," : "") + std::to_string(prompt[i]);
+      std::printf("%s\n", line.c_str());
+    }
+    return std::nullopt;
+  }
+  if (auto f = load(r, &rt)) return f;
   if (auto f = prompt_tokens(r, rt, &prompt)) return f;
   if (!r.candidates.empty() || !r.candidate_ids.empty()) return score(r, rt, prompt);
   return generate(r, rt, prompt);
