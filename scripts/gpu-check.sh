@@ -49,7 +49,7 @@ whole=0
 if cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DKEEP_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES=90a -DKEEP_BENCHMARKS=ON >"$build.configure.log" 2>&1; then
   whole=1
-  targets=("${gpu_tests[@]}" test_kernels_ref test_cuda_engine bench_prefill)
+  targets=("${gpu_tests[@]}" test_kernels_ref test_cuda_engine test_cuda_assembler bench_prefill)
   echo "configured the whole repository"
 else
   echo "whole-repository configure failed (missing packages?):"
@@ -102,14 +102,17 @@ if ((sanitize)); then
 fi
 
 engine_bin=""
+assembler_bin=""
 bench_bin=""
 if ((whole)); then
   engine_bin="$(find_bin test_cuda_engine)"
+  assembler_bin="$(find_bin test_cuda_assembler)"
   bench_bin="$build/bin/bench_prefill"
 else
   "$root/scripts/gpu-bundle.sh" --unpack  # its programs travel gzip-compressed
   if [[ -x "$root/.gpu-bundle/bin/test_cuda_engine" ]]; then
     engine_bin="$root/.gpu-bundle/bin/test_cuda_engine"
+    assembler_bin="$root/.gpu-bundle/bin/test_cuda_assembler"
     bench_bin="$root/.gpu-bundle/bin/bench_prefill"
     echo "engine programs from .gpu-bundle (built by scripts/gpu-bundle.sh)"
   fi
@@ -120,6 +123,13 @@ if [[ -n "$engine_bin" ]]; then
 else
   echo "gpu-check: no test_cuda_engine (run scripts/gpu-bundle.sh and carry .gpu-bundle)"
   mark test_cuda_engine-missing
+fi
+if [[ -x "$assembler_bin" ]]; then
+  step "test_cuda_assembler"
+  (cd "$root" && "$assembler_bin") || mark test_cuda_assembler
+else
+  echo "gpu-check: no test_cuda_assembler (run scripts/gpu-bundle.sh and carry .gpu-bundle)"
+  mark test_cuda_assembler-missing
 fi
 
 if ((bench)) && [[ -x "$bench_bin" ]]; then
