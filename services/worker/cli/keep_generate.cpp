@@ -355,14 +355,9 @@ std::optional<Failure> load_tokenizer(const Request& r, Runtime* rt) {
   std::error_code ec;
   rt->model.source = r.model;
   if (std::filesystem::is_directory(r.model, ec)) {
-    const std::string tj = r.model + "/tokenizer.json";
-    if (!std::filesystem::exists(tj, ec)) return runtime(r.model + " has no tokenizer.json");
-    auto tok = keep::tok::BpeTokenizer::from_json_file(tj);
-    if (!tok.is_ok()) return runtime("cannot load tokenizer: " + tok.status().message());
-    rt->model.tokenizer.emplace(std::move(tok).value());
-    auto tmpl = eng::read_hf_chat_template(r.model);
-    if (!tmpl.is_ok()) return runtime(tmpl.status().message());
-    rt->model.chat_template = std::move(tmpl).value();
+    Status st = eng::read_hf_tokenizer(r.model, &rt->model.tokenizer, &rt->model.chat_template);
+    if (!st.is_ok()) return runtime("cannot load tokenizer: " + st.message());
+    if (!rt->model.tokenizer) return runtime(r.model + " has no tokenizer.json");
     return std::nullopt;
   }
   auto id = eng::read_model_identity(r.model);

@@ -69,6 +69,18 @@ Result<std::string> read_hf_chat_template(const std::string& dir) {
   return Status(Code::kMalformed, path + ": \"chat_template\" must be a string or a list");
 }
 
+Status read_hf_tokenizer(const std::string& dir, std::optional<tok::BpeTokenizer>* tokenizer,
+                         std::string* chat_template) {
+  const std::string tj = dir + "/tokenizer.json";
+  if (fs::exists(tj)) {
+    auto tok = tok::BpeTokenizer::from_json_file(tj);
+    if (!tok.is_ok()) return tok.status().with_context("loading tokenizer of " + dir);
+    tokenizer->emplace(std::move(tok).value());
+  }
+  KEEP_ASSIGN_OR_RETURN(*chat_template, read_hf_chat_template(dir));
+  return Status::ok();
+}
+
 Result<ModelWeights> load_hf_weights(const std::string& dir, int threads) {
   KEEP_ASSIGN_OR_RETURN(ModelConfig config, load_hf_config(dir + "/config.json"));
   KEEP_ASSIGN_OR_RETURN(auto model, safetensors::SafetensorsModel::open_dir(dir));
@@ -121,13 +133,7 @@ Result<LoadedModel> load_hf_model(const std::string& dir, const LoadOptions& opt
   m.format = "hf";
   KEEP_ASSIGN_OR_RETURN(m.weights, load_hf_weights(dir, options.threads));
   if (options.load_tokenizer) {
-    const std::string tj = dir + "/tokenizer.json";
-    if (fs::exists(tj)) {
-      auto tok = tok::BpeTokenizer::from_json_file(tj);
-      if (!tok.is_ok()) return tok.status().with_context("loading tokenizer of " + dir);
-      m.tokenizer.emplace(std::move(tok).value());
-    }
-    KEEP_ASSIGN_OR_RETURN(m.chat_template, read_hf_chat_template(dir));
+    KEEP_RETURN_IF_ERROR(read_hf_tokenizer(dir, &m.tokenizer, &m.chat_template));
   }
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   KEEP_LOG_INFO("engine", "loaded %s (%s) in %.2f s, %.1f MiB fp32", dir.c_str(),

@@ -8,6 +8,7 @@
 // Optional extras: tokenizer.json (the tokenizer), tokenizer_config.json ("chat_template").
 #pragma once
 
+#include <optional>
 #include <string>
 
 #include "services/worker/engine/model_weights.h"
@@ -21,6 +22,11 @@ Result<ModelWeights> load_hf_weights(const std::string& dir, int threads = 0);
 // The chat template of a HF directory: tokenizer_config.json "chat_template" (a string, or the
 // "default" of a list), or chat_template.jinja; empty when neither exists.
 Result<std::string> read_hf_chat_template(const std::string& dir);
+
+// The tokenizer side of a HF directory, which needs neither config.json nor weights:
+// tokenizer.json when present (else *tokenizer is left empty) and the chat template.
+Status read_hf_tokenizer(const std::string& dir, std::optional<tok::BpeTokenizer>* tokenizer,
+                         std::string* chat_template);
 
 // Weights + tokenizer.json (when present and options.load_tokenizer) + chat template.
 Result<LoadedModel> load_hf_model(const std::string& dir, const LoadOptions& options = {});

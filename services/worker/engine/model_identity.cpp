@@ -18,13 +18,7 @@ Result<ModelIdentity> read_model_identity(const std::string& path) {
   if (fs::is_directory(path, ec)) {
     id.format = "hf";
     KEEP_ASSIGN_OR_RETURN(id.config, load_hf_config(path + "/config.json"));
-    const std::string tj = path + "/tokenizer.json";
-    if (fs::exists(tj, ec)) {
-      auto tok = tok::BpeTokenizer::from_json_file(tj);
-      if (!tok.is_ok()) return tok.status().with_context("loading tokenizer of " + path);
-      id.tokenizer.emplace(std::move(tok).value());
-    }
-    KEEP_ASSIGN_OR_RETURN(id.chat_template, read_hf_chat_template(path));
+    KEEP_RETURN_IF_ERROR(read_hf_tokenizer(path, &id.tokenizer, &id.chat_template));
     id.name = fs::path(path).lexically_normal().filename().string();
     if (id.name.empty()) id.name = fs::path(path).lexically_normal().parent_path().filename();
     return id;
