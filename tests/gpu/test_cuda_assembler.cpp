@@ -66,13 +66,7 @@ struct Fixture {
   std::vector<std::byte> produce(const std::vector<int32_t>& tokens, EntryGeometry* g) {
     *g = geometry(static_cast<int32_t>(tokens.size()));
     std::vector<std::byte> bytes(g->bytes());
-    const EntryGeometry geo = *g;
-    REQUIRE(assembler
-                ->produce(tokens,
-                          [&](int32_t l, const float* k, const float* v) {
-                            return write_entry_layer(bytes, geo, l, 0, geo.tokens, k, v);
-                          })
-                .is_ok());
+    REQUIRE(assembler->produce(tokens, KvAssembler::entry_writer(bytes, *g)).is_ok());
     return bytes;
   }
 

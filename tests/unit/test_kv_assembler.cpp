@@ -65,13 +65,7 @@ struct Fixture {
                                  EntryGeometry* g) {
     *g = *EntryGeometry::of(fingerprint(dtype), static_cast<int32_t>(tokens.size()));
     std::vector<std::byte> bytes(g->bytes());
-    const EntryGeometry geo = *g;
-    REQUIRE(assembler
-                ->produce(tokens,
-                          [&](int32_t layer, const float* k, const float* v) {
-                            return write_entry_layer(bytes, geo, layer, 0, geo.tokens, k, v);
-                          })
-                .is_ok());
+    REQUIRE(assembler->produce(tokens, KvAssembler::entry_writer(bytes, *g)).is_ok());
     return bytes;
   }
 
@@ -296,9 +290,7 @@ TEST_CASE("production in steps gives the same entry as in one go; a prefill aban
   EntryGeometry g;
   const auto whole = f.produce(f.segments[2], kv::KvDType::kF32, &g);
   std::vector<std::byte> stepped(g.bytes());
-  auto sink = [&](int32_t layer, const float* k, const float* v) {
-    return write_entry_layer(stepped, g, layer, 0, g.tokens, k, v);
-  };
+  const auto sink = KvAssembler::entry_writer(stepped, g);
   REQUIRE(f.assembler->begin_produce(f.segments[2]).is_ok());
   int steps = 0;
   for (bool done = false; !done; ++steps) {

@@ -285,6 +285,13 @@ Status KvAssembler::produce(std::span<const int32_t> tokens, const LayerSink& si
   return Status::ok();
 }
 
+KvAssembler::LayerSink KvAssembler::entry_writer(std::span<std::byte> entry,
+                                                 const EntryGeometry& g) {
+  return [entry, g](int32_t layer, const float* k, const float* v) {
+    return write_entry_layer(entry, g, layer, 0, g.tokens, k, v);
+  };
+}
+
 Status KvAssembler::begin_produce(std::span<const int32_t> tokens) {
   production_.reset();
   const auto p = static_cast<int32_t>(prefix_.size());

@@ -87,6 +87,9 @@ class KvAssembler {
   // group passes its members' tokens one after another; a dynamic segment its own.
   using LayerSink = std::function<Status(int32_t layer, const float* k_pre, const float* v)>;
   Status produce(std::span<const int32_t> tokens, const LayerSink& sink);
+  // The sink that writes every layer's rows into an entry (all of its g.tokens rows); `entry`
+  // must outlive the production.
+  static LayerSink entry_writer(std::span<std::byte> entry, const EntryGeometry& g);
   // The same in steps, so that a planner request waits for at most one step of a background job:
   // begin_produce() embeds and plans; produce_layers() runs up to `layers` more layers and
   // returns true once the last has gone to `sink`. A prefill() in between abandons it.

@@ -197,9 +197,7 @@ Result<bool> KvProducer::step(int32_t layers) {
     if (!lease.is_ok()) return fail(lease.status());
     j.renew_at = Clock::now() + std::chrono::milliseconds(*lease / 2);
   }
-  auto done = assembler_->produce_layers(layers, [&](int32_t l, const float* k, const float* v) {
-    return write_entry_layer(j.entry, j.geometry, l, 0, j.geometry.tokens, k, v);
-  });
+  auto done = assembler_->produce_layers(layers, KvAssembler::entry_writer(j.entry, j.geometry));
   if (!done.is_ok()) return fail(done.status());
   if (!*done) return true;
   // The bytes are in the mapping (CPU stores); the commit request orders them before the commit.
