@@ -17,9 +17,9 @@ using keep::Code;
 using keep::Status;
 using nlohmann::json;
 namespace kc = keep::client;
-// Memories stored before the server refused invalid UTF-8 may still hold it: print U+FFFD rather
-// than let json::dump throw.
-constexpr auto kReplaceInvalid = json::error_handler_t::replace;
+// One JSON document as text. Memories stored before the server refused invalid UTF-8 may still
+// hold it: print U+FFFD rather than let json::dump throw.
+std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
 
 constexpr int kExitOk = 0;
 constexpr int kExitFailed = 1;
@@ -173,9 +173,7 @@ void take(const Status& st) {
 
 void print_write(const kc::WriteResult& w, bool as_json) {
   if (as_json) {
-    std::cout << json{{"id", w.id}, {"version", w.version}, {"step", w.step}}.dump(-1, ' ', false,
-                                                                                   kReplaceInvalid)
-              << "\n";
+    std::cout << dump(json{{"id", w.id}, {"version", w.version}, {"step", w.step}}) << "\n";
   } else {
     std::cout << "id " << w.id << " version " << w.version << " step " << w.step << "\n";
   }
@@ -202,7 +200,7 @@ int run(const Args& a) {
   if (cmd == "ping") {
     need_positional(a, 0, "ping");
     auto v = take(client->ping());
-    std::cout << (js ? json{{"server", v}}.dump(-1, ' ', false, kReplaceInvalid) : v) << "\n";
+    std::cout << (js ? dump(json{{"server", v}}) : v) << "\n";
   } else if (cmd == "write") {
     need_positional(a, 2, "write <agent> <text> [--kind K] [--id N] [--step N]");
     kc::WriteArgs w;
@@ -228,9 +226,7 @@ int run(const Args& a) {
     uint64_t by = 1;
     if (auto* b = opt(a, "--by")) by = parse_u64("--by", *b);
     auto s = take(client->advance_step(p[1], by));
-    std::cout << (js ? json{{"step", s}}.dump(-1, ' ', false, kReplaceInvalid)
-                     : "step " + std::to_string(s))
-              << "\n";
+    std::cout << (js ? dump(json{{"step", s}}) : "step " + std::to_string(s)) << "\n";
   } else if (cmd == "retrieve") {
     need_positional(a, 2, "retrieve <agent> <query> [--k N]");
     uint32_t k = 8;
@@ -258,7 +254,7 @@ int run(const Args& a) {
         }
         out.push_back(std::move(j));
       }
-      std::cout << json{{"segments", out}}.dump(-1, ' ', false, kReplaceInvalid) << "\n";
+      std::cout << dump(json{{"segments", out}}) << "\n";
     } else {
       for (const auto& s : segs) {
         std::printf("%-6llu %-12s score %.3f  group %llu (%s v%llu)  v%llu  %u tok  kv %s\n  %s\n",
@@ -283,7 +279,7 @@ int run(const Args& a) {
                        {"tokens", g.tokens},
                        {"last_change_step", g.last_change_step}});
       }
-      std::cout << json{{"groups", out}}.dump(-1, ' ', false, kReplaceInvalid) << "\n";
+      std::cout << dump(json{{"groups", out}}) << "\n";
     } else {
       for (const auto& g : groups) {
         std::string ids;
@@ -322,8 +318,7 @@ int run(const Args& a) {
                        {"embedded", m.embedded},
                        {"has_kv", m.has_kv}});
       }
-      std::cout << json{{"memories", out}, {"more", all.more}}.dump(-1, ' ', false, kReplaceInvalid)
-                << "\n";
+      std::cout << dump(json{{"memories", out}, {"more", all.more}}) << "\n";
     } else {
       for (const auto& m : all.memories) {
         std::printf("%-6llu %-12s v%llu  step %llu  group %llu  %u tok  embedded %s  kv %s\n  %s\n",
@@ -351,7 +346,7 @@ int run(const Args& a) {
     if (js) {
       json out = json::object();
       for (const auto& [k, v] : all) out[k] = v;
-      std::cout << out.dump(-1, ' ', false, kReplaceInvalid) << "\n";
+      std::cout << dump(out) << "\n";
     } else {
       for (const auto& [k, v] : all) {
         std::printf("%-24s %llu\n", k.c_str(), static_cast<unsigned long long>(v));
@@ -377,7 +372,7 @@ int run(const Args& a) {
                        {"group_version", j.group_version},
                        {"segments", segs}});
       }
-      std::cout << json{{"jobs", out}}.dump(-1, ' ', false, kReplaceInvalid) << "\n";
+      std::cout << dump(json{{"jobs", out}}) << "\n";
     } else {
       for (const auto& j : jobs) {
         uint64_t tokens = 0;
@@ -397,9 +392,7 @@ int run(const Args& a) {
     auto r = take(client->reserve_entry(need_u64(a, "--worker"), need_u64(a, "--job"),
                                         static_cast<uint32_t>(tokens)));
     if (js) {
-      std::cout << json{{"entry", entry_json(r.entry)}, {"lease_ms", r.lease_ms}}.dump(
-                       -1, ' ', false, kReplaceInvalid)
-                << "\n";
+      std::cout << dump(json{{"entry", entry_json(r.entry)}, {"lease_ms", r.lease_ms}}) << "\n";
     } else {
       std::printf("entry %u generation %llu offset %llu bytes %llu tokens %u lease %u ms\n",
                   r.entry.index, static_cast<unsigned long long>(r.entry.generation),
@@ -429,8 +422,7 @@ int run(const Args& a) {
       print_ok(js);
     } else {
       auto ms = take(client->renew_lease(worker, job, idx, gen));
-      std::cout << (js ? json{{"lease_ms", ms}}.dump(-1, ' ', false, kReplaceInvalid)
-                       : "lease " + std::to_string(ms) + " ms")
+      std::cout << (js ? dump(json{{"lease_ms", ms}}) : "lease " + std::to_string(ms) + " ms")
                 << "\n";
     }
   }
