@@ -301,9 +301,7 @@ Result<std::unique_ptr<detail::Mapping>> open_existing(const std::string& name, 
   m->size = static_cast<uint64_t>(size);
   return m;
 }
-}  // namespace
 
-namespace {
 // ---- ownership ---------------------------------------------------------------------------------
 // The owner of a region holds an exclusive flock(2) on its shm object for as long as it lives; the
 // kernel drops it when the owner dies, kill -9 included. So "is the owner alive?" is answered by
@@ -322,7 +320,7 @@ bool names_object(const std::string& name, int fd) {
 int64_t recorded_owner(int fd) {
   RegionHeader h{};
   if (pread(fd, &h, sizeof(h), 0) != static_cast<ssize_t>(sizeof(h))) return 0;
-  return std::atomic_ref<int64_t>(h.owner_pid).load(std::memory_order_relaxed);
+  return h.owner_pid;  // a private copy: no atomic access needed
 }
 
 Status lock_owner(int fd, const std::string& name, const std::string& ctx) {

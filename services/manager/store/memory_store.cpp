@@ -783,11 +783,9 @@ Result<uint64_t> MemoryStore::advance_step(std::string_view agent, uint64_t by,
   if (wal_record != nullptr) wal_record->clear();
   AdvanceStepRecord rec{std::string(agent), by};
   // At the door only: a log written before the bound existed must still replay.
-  if (const Agent* a = impl_->find_agent(agent); a != nullptr && by <= kMaxStep) {
-    KEEP_RETURN_IF_ERROR(Impl::check_step(a->step + by));
-  } else if (by > kMaxStep) {
-    KEEP_RETURN_IF_ERROR(Impl::check_step(by));
-  }
+  const Agent* a = impl_->find_agent(agent);
+  const uint64_t cur = a == nullptr ? 0 : a->step;
+  KEEP_RETURN_IF_ERROR(Impl::check_step(by > UINT64_MAX - cur ? UINT64_MAX : cur + by));
   uint64_t step = 0;
   KEEP_RETURN_IF_ERROR(impl_->apply_advance(rec, &step));
   if (wal_record != nullptr) *wal_record = encode_record(rec);
