@@ -101,36 +101,26 @@ if ((sanitize)); then
   done
 fi
 
-engine_bin=""
-assembler_bin=""
+# The engine-level GPU tests: built here with the whole repository, or prebuilt in .gpu-bundle.
+engine_tests=(test_cuda_engine test_cuda_assembler)
 bench_bin=""
 if ((whole)); then
-  engine_bin="$(find_bin test_cuda_engine)"
-  assembler_bin="$(find_bin test_cuda_assembler)"
   bench_bin="$build/bin/bench_prefill"
 else
   "$root/scripts/gpu-bundle.sh" --unpack  # its programs travel gzip-compressed
-  if [[ -x "$root/.gpu-bundle/bin/test_cuda_engine" ]]; then
-    engine_bin="$root/.gpu-bundle/bin/test_cuda_engine"
-    assembler_bin="$root/.gpu-bundle/bin/test_cuda_assembler"
-    bench_bin="$root/.gpu-bundle/bin/bench_prefill"
-    echo "engine programs from .gpu-bundle (built by scripts/gpu-bundle.sh)"
+  bench_bin="$root/.gpu-bundle/bin/bench_prefill"
+  [[ -x "$bench_bin" ]] && echo "engine programs from .gpu-bundle (built by scripts/gpu-bundle.sh)"
+fi
+for t in "${engine_tests[@]}"; do
+  if ((whole)); then bin="$(find_bin "$t")"; else bin="$root/.gpu-bundle/bin/$t"; fi
+  if [[ -x "$bin" ]]; then
+    step "$t"
+    (cd "$root" && "$bin") || mark "$t"
+  else
+    echo "gpu-check: no $t (run scripts/gpu-bundle.sh and carry .gpu-bundle)"
+    mark "$t-missing"
   fi
-fi
-if [[ -n "$engine_bin" ]]; then
-  step "test_cuda_engine"
-  (cd "$root" && "$engine_bin") || mark test_cuda_engine
-else
-  echo "gpu-check: no test_cuda_engine (run scripts/gpu-bundle.sh and carry .gpu-bundle)"
-  mark test_cuda_engine-missing
-fi
-if [[ -x "$assembler_bin" ]]; then
-  step "test_cuda_assembler"
-  (cd "$root" && "$assembler_bin") || mark test_cuda_assembler
-else
-  echo "gpu-check: no test_cuda_assembler (run scripts/gpu-bundle.sh and carry .gpu-bundle)"
-  mark test_cuda_assembler-missing
-fi
+done
 
 if ((bench)) && [[ -x "$bench_bin" ]]; then
   step "benchmarks/prefill (KEEP vs HF transformers)"
