@@ -25,7 +25,7 @@
 #include <thread>
 #include <zmq.hpp>
 
-#include "shared/client/wire_codec.h"
+#include "shared/rpc/wire_codec.h"
 
 namespace keep::bench {
 namespace {

@@ -7,7 +7,7 @@
 #include <functional>
 #include <zmq.hpp>
 
-#include "shared/client/wire_codec.h"
+#include "shared/rpc/wire_codec.h"
 
 namespace keep::client {
 

@@ -9,8 +9,8 @@
 #include <string>
 
 #include "services/manager/server/manager_service.h"
-#include "services/manager/server/rpc_server.h"
-#include "shared/client/wire_codec.h"
+#include "shared/rpc/rpc_server.h"
+#include "shared/rpc/wire_codec.h"
 #include "tests/fuzz/fuzz_store.h"
 
 namespace {

@@ -19,9 +19,9 @@
 #include <zmq.hpp>
 
 #include "services/manager/server/manager_service.h"
-#include "services/manager/server/rpc_server.h"
+#include "shared/rpc/rpc_server.h"
 #include "shared/client/manager_client.h"
-#include "shared/client/wire_codec.h"
+#include "shared/rpc/wire_codec.h"
 #include "tests/integration/manager/raw_peer.h"
 
 using keep::Code;

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "services/manager/server/fair_queue.h"
-#include "services/manager/server/reply_outbox.h"
+#include "shared/rpc/reply_outbox.h"
 
 namespace {
 

@@ -7,7 +7,7 @@
 #include <random>
 #include <string>
 
-#include "shared/client/wire_codec.h"
+#include "shared/rpc/wire_codec.h"
 
 using keep::Code;
 using keep::Status;

@@ -18,7 +18,7 @@
 #include "services/manager/durability/wal_writer.h"
 #include "services/manager/encoder/bert_encoder.h"
 #include "services/manager/server/manager_service.h"
-#include "services/manager/server/rpc_server.h"
+#include "shared/rpc/rpc_server.h"
 #include "services/manager/store/memory_store.h"
 #include "services/worker/engine/model_identity.h"
 #include "shared/common/log.h"

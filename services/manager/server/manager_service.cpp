@@ -8,7 +8,7 @@
 #include <optional>
 #include <unordered_set>
 
-#include "shared/client/wire_codec.h"
+#include "shared/rpc/wire_codec.h"
 #include "shared/common/log.h"
 
 namespace keep::manager {

@@ -42,7 +42,7 @@
 #include <vector>
 
 #include "services/manager/server/fair_queue.h"
-#include "services/manager/server/rpc_server.h"
+#include "shared/rpc/rpc_server.h"
 #include "services/manager/store/memory_store.h"
 #include "shared/common/status.h"
 

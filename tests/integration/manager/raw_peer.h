@@ -14,7 +14,7 @@
 #include <vector>
 #include <zmq.hpp>
 
-#include "shared/client/wire_codec.h"
+#include "shared/rpc/wire_codec.h"
 
 namespace keep::itest {
 

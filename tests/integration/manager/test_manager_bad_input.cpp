@@ -10,7 +10,7 @@
 #include <zmq.hpp>
 
 #include "shared/client/manager_client.h"
-#include "shared/client/wire_codec.h"
+#include "shared/rpc/wire_codec.h"
 #include "shared/common/utf8.h"
 #include "tests/integration/manager/manager_process.h"
 #include "tests/integration/manager/raw_peer.h"

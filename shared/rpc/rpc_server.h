@@ -2,7 +2,7 @@
 //
 // One I/O thread polls the ROUTER socket(s). When requests are ready it drains up to
 // `max_batch` of them, decodes each (size limit before decoding, structure, protocol version;
-// see shared/client/wire_codec.h), hands the WHOLE batch of decoded calls to the handler in one
+// see shared/rpc/wire_codec.h), hands the WHOLE batch of decoded calls to the handler in one
 // call — so the handler can apply every mutation, append their WAL records, fsync once and only
 // then answer — and then sends every reply. Requests that do not decode are answered with their
 // error (kTooLarge, kMalformed, kVersionMismatch) without reaching the handler. Bad input never
@@ -32,7 +32,7 @@
 #include <vector>
 
 #include "proto/manager.capnp.h"
-#include "shared/client/wire_codec.h"
+#include "shared/rpc/wire_codec.h"
 #include "shared/common/status.h"
 
 namespace keep::wire {

@@ -1,4 +1,4 @@
-#include "services/manager/server/rpc_server.h"
+#include "shared/rpc/rpc_server.h"
 
 #include <sys/eventfd.h>
 #include <unistd.h>
@@ -14,7 +14,7 @@
 #include <unordered_map>
 #include <zmq.hpp>
 
-#include "services/manager/server/reply_outbox.h"
+#include "shared/rpc/reply_outbox.h"
 #include "shared/common/log.h"
 
 namespace keep::wire {

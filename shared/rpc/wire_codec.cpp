@@ -1,4 +1,4 @@
-#include "shared/client/wire_codec.h"
+#include "shared/rpc/wire_codec.h"
 
 #include <capnp/serialize.h>
 #include <kj/exception.h>

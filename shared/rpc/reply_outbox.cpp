@@ -1,4 +1,4 @@
-#include "services/manager/server/reply_outbox.h"
+#include "shared/rpc/reply_outbox.h"
 
 #include <iterator>
 
