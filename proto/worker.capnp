@@ -97,6 +97,9 @@ struct Request {
     complete @3 :CompleteRequest;
     ping @4 :Void;
   }
+  # How long the caller waits for the answer, in ms from the worker's receipt (0: not said). A
+  # request still queued when it has passed is answered timeout without being run.
+  timeoutMs @5 :UInt32;
 }
 
 struct Response {

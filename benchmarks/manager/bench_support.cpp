@@ -25,6 +25,7 @@
 #include <thread>
 #include <zmq.hpp>
 
+#include "shared/client/protocols.h"
 #include "shared/rpc/wire_codec.h"
 
 namespace keep::bench {
@@ -464,7 +465,7 @@ Result<uint64_t> PipelinedWriter::send_write(const std::string& agent, const std
   capnp::MallocMessageBuilder message;
   auto req = message.initRoot<proto::Request>();
   const uint64_t id = impl_->next_id++;
-  req.setProtocolVersion(wire::kProtocolVersion);
+  req.setProtocolVersion(keep::client::ManagerProtocol::kVersion);
   req.setRequestId(id);
   auto w = req.initWriteMemory();
   w.setAgent(agent);

@@ -4,9 +4,9 @@
 #include <kj/exception.h>
 
 #include <algorithm>
-#include <functional>
-#include <zmq.hpp>
 
+#include "shared/client/protocols.h"
+#include "shared/rpc/rpc_channel.h"
 #include "shared/rpc/wire_codec.h"
 
 namespace keep::client {
@@ -114,145 +114,35 @@ std::optional<SegmentKind> parse_kind(std::string_view name) {
   return std::nullopt;
 }
 
-struct ManagerClient::Impl {
-  zmq::context_t context{1};
-  std::unique_ptr<zmq::socket_t> socket;
-  uint64_t next_request_id = 1;
-
-  Status reconnect(const std::string& endpoint) {
-    try {
-      socket.reset();
-      auto s = std::make_unique<zmq::socket_t>(context, zmq::socket_type::dealer);
-      s->set(zmq::sockopt::linger, 0);
-      s->connect(endpoint);
-      socket = std::move(s);
-    } catch (const zmq::error_t& e) {
-      return Status(Code::kInvalidArgument, "connect to '" + endpoint + "': " + e.what());
-    }
-    return Status::ok();
-  }
-};
-
-ManagerClient::ManagerClient(ClientOptions options)
-    : options_(std::move(options)), impl_(std::make_unique<Impl>()) {}
+ManagerClient::ManagerClient(ClientOptions options) : options_(std::move(options)) {}
 
 ManagerClient::~ManagerClient() = default;
 
 Result<std::unique_ptr<ManagerClient>> ManagerClient::connect(ClientOptions options) {
-  std::unique_ptr<ManagerClient> client(new ManagerClient(std::move(options)));
-  KEEP_RETURN_IF_ERROR(client->impl_->reconnect(client->options_.endpoint));
+  std::unique_ptr<ManagerClient> client(new ManagerClient(options));
+  KEEP_ASSIGN_OR_RETURN(
+      client->channel_,
+      wire::RpcChannel::connect({options.endpoint, options.timeout, options.max_request_bytes,
+                                 options.max_response_bytes}));
   return client;
 }
 
-namespace {
-
-// Sends one frame and waits for an answer that `accept` takes (returns true), until the deadline.
-Status exchange(ManagerClient::Impl& impl, const ClientOptions& options, std::string_view payload,
-                const std::function<bool(std::string&&)>& accept) {
-  if (payload.size() > options.max_request_bytes) {
-    return Status(Code::kTooLarge, "request of " + std::to_string(payload.size()) +
-                                       " bytes exceeds the limit of " +
-                                       std::to_string(options.max_request_bytes));
-  }
-  if (!impl.socket) KEEP_RETURN_IF_ERROR(impl.reconnect(options.endpoint));
-  auto& socket = *impl.socket;
-  try {
-    socket.send(zmq::message_t(), zmq::send_flags::sndmore);
-    socket.send(zmq::message_t(payload.data(), payload.size()), zmq::send_flags::none);
-    const auto deadline = std::chrono::steady_clock::now() + options.timeout;
-    for (;;) {
-      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-          deadline - std::chrono::steady_clock::now());
-      if (left.count() < 0) left = std::chrono::milliseconds(0);
-      zmq::pollitem_t item{static_cast<void*>(socket), 0, ZMQ_POLLIN, 0};
-      zmq::poll(&item, 1, left);
-      if (!(item.revents & ZMQ_POLLIN)) {
-        // Abandon the socket: whatever answer comes later goes to a socket that no longer exists.
-        (void)impl.reconnect(options.endpoint);
-        return Status(Code::kTimeout, "no answer from " + options.endpoint + " within " +
-                                          std::to_string(options.timeout.count()) + " ms");
-      }
-      std::vector<zmq::message_t> frames;
-      for (;;) {
-        zmq::message_t frame;
-        if (!socket.recv(frame, zmq::recv_flags::dontwait)) break;
-        const bool more = frame.more();
-        frames.push_back(std::move(frame));
-        if (!more) break;
-      }
-      // Expected: [empty][payload]; anything else is dropped.
-      if (frames.size() != 2 || frames[0].size() != 0) continue;
-      if (accept(std::string(static_cast<const char*>(frames[1].data()), frames[1].size()))) {
-        return Status::ok();
-      }
-    }
-  } catch (const zmq::error_t& e) {
-    (void)impl.reconnect(options.endpoint);
-    return Status(Code::kUnavailable, std::string("zmq: ") + e.what());
-  }
-}
-
-}  // namespace
-
 Result<std::string> ManagerClient::call_raw(std::string_view payload) {
-  std::string answer;
-  KEEP_RETURN_IF_ERROR(exchange(*impl_, options_, payload, [&](std::string&& bytes) {
-    answer = std::move(bytes);
-    return true;
-  }));
-  return answer;
+  return channel_->call_raw(payload);
 }
 
-// One request/response round trip. `fill` sets the request's union member; `extract` reads the
-// response (called only for a non-error response of the `expected` kind).
+// One request/response round trip (see wire::RpcChannel::call).
 template <typename Fill, typename Extract>
-static Status round_trip(ManagerClient::Impl& impl, const ClientOptions& options,
-                         proto::Response::Which expected, Fill&& fill, Extract&& extract) {
-  capnp::MallocMessageBuilder message;
-  auto request = message.initRoot<proto::Request>();
-  const uint64_t id = impl.next_request_id++;
-  request.setProtocolVersion(wire::kProtocolVersion);
-  request.setRequestId(id);
-  // The server drops work this call no longer waits for (a queued retrieve).
-  request.setTimeoutMs(
-      static_cast<uint32_t>(std::clamp<int64_t>(options.timeout.count(), 0, UINT32_MAX)));
-  fill(request);
-  const std::string payload = wire::encode(message);
-
-  wire::WireLimits limits;
-  limits.max_message_bytes = options.max_response_bytes;
-  Status result;
-  KEEP_RETURN_IF_ERROR(exchange(impl, options, payload, [&](std::string&& bytes) {
-    auto decoded = wire::decode_message(wire::as_bytes(bytes), limits);
-    if (!decoded.is_ok()) {
-      result = decoded.status().with_context("decoding the answer");
-      return true;  // an undecodable answer to us (or to nobody): report it
-    }
-    try {
-      auto response = (*decoded)->root<proto::Response>();
-      if (response.getRequestId() != id) return false;  // late answer to an abandoned request
-      if (response.which() == proto::Response::ERROR) {
-        result = wire::status_from_error(response.getError());
-      } else if (response.which() != expected) {
-        result = Status(Code::kMalformed,
-                        "answer of type " + std::to_string(static_cast<int>(response.which())) +
-                            " to a request of type " + std::to_string(static_cast<int>(expected)));
-      } else {
-        result = extract(response);
-      }
-    } catch (const kj::Exception& e) {
-      result =
-          Status(Code::kMalformed, std::string("undecodable answer: ") + e.getDescription().cStr());
-    }
-    return true;
-  }));
-  return result;
+static Status round_trip(wire::RpcChannel& channel, proto::Response::Which expected, Fill&& fill,
+                         Extract&& extract) {
+  return channel.call<ManagerProtocol>(expected, std::forward<Fill>(fill),
+                                       std::forward<Extract>(extract));
 }
 
 Result<std::string> ManagerClient::ping() {
   std::string version;
   KEEP_RETURN_IF_ERROR(round_trip(
-      *impl_, options_, proto::Response::PING, [](auto req) { req.initPing(); },
+      *channel_, proto::Response::PING, [](auto req) { req.initPing(); },
       [&](proto::Response::Reader r) {
         version = text(r.getPing().getServerVersion());
         return Status::ok();
@@ -263,7 +153,7 @@ Result<std::string> ManagerClient::ping() {
 Result<WriteResult> ManagerClient::write(const WriteArgs& args) {
   WriteResult out;
   KEEP_RETURN_IF_ERROR(round_trip(
-      *impl_, options_, proto::Response::WRITE_MEMORY,
+      *channel_, proto::Response::WRITE_MEMORY,
       [&](proto::Request::Builder req) {
         auto w = req.initWriteMemory();
         // Sized readers: Text::Reader's implicit conversion from std::string goes through
@@ -294,7 +184,7 @@ Result<WriteResult> ManagerClient::update(std::string_view agent, uint64_t id,
                                           std::optional<uint64_t> step) {
   WriteResult out;
   KEEP_RETURN_IF_ERROR(round_trip(
-      *impl_, options_, proto::Response::UPDATE_MEMORY,
+      *channel_, proto::Response::UPDATE_MEMORY,
       [&](proto::Request::Builder req) {
         auto u = req.initUpdateMemory();
         u.setAgent(capnp::Text::Reader(agent.data(), agent.size()));
@@ -319,7 +209,7 @@ Result<WriteResult> ManagerClient::update(std::string_view agent, uint64_t id,
 
 Status ManagerClient::remove(std::string_view agent, uint64_t id) {
   return round_trip(
-      *impl_, options_, proto::Response::DELETE_MEMORY,
+      *channel_, proto::Response::DELETE_MEMORY,
       [&](proto::Request::Builder req) {
         auto d = req.initDeleteMemory();
         d.setAgent(capnp::Text::Reader(agent.data(), agent.size()));
@@ -331,7 +221,7 @@ Status ManagerClient::remove(std::string_view agent, uint64_t id) {
 Result<uint64_t> ManagerClient::advance_step(std::string_view agent, uint64_t by) {
   uint64_t step = 0;
   KEEP_RETURN_IF_ERROR(round_trip(
-      *impl_, options_, proto::Response::ADVANCE_STEP,
+      *channel_, proto::Response::ADVANCE_STEP,
       [&](proto::Request::Builder req) {
         auto a = req.initAdvanceStep();
         a.setAgent(capnp::Text::Reader(agent.data(), agent.size()));
@@ -348,7 +238,7 @@ Result<std::vector<RetrievedSegment>> ManagerClient::retrieve(std::string_view a
                                                               std::string_view query, uint32_t k) {
   std::vector<RetrievedSegment> out;
   KEEP_RETURN_IF_ERROR(round_trip(
-      *impl_, options_, proto::Response::RETRIEVE,
+      *channel_, proto::Response::RETRIEVE,
       [&](proto::Request::Builder req) {
         auto q = req.initRetrieve();
         q.setAgent(capnp::Text::Reader(agent.data(), agent.size()));
@@ -377,7 +267,7 @@ Result<std::vector<RetrievedSegment>> ManagerClient::retrieve(std::string_view a
 Result<std::vector<GroupInfo>> ManagerClient::list_groups(std::string_view agent) {
   std::vector<GroupInfo> out;
   KEEP_RETURN_IF_ERROR(round_trip(
-      *impl_, options_, proto::Response::LIST_GROUPS,
+      *channel_, proto::Response::LIST_GROUPS,
       [&](proto::Request::Builder req) {
         req.initListGroups().setAgent(capnp::Text::Reader(agent.data(), agent.size()));
       },
@@ -401,7 +291,7 @@ Result<MemoryPage> ManagerClient::list_memories(std::string_view agent, uint64_t
                                                 uint32_t limit) {
   MemoryPage out;
   KEEP_RETURN_IF_ERROR(round_trip(
-      *impl_, options_, proto::Response::LIST_MEMORIES,
+      *channel_, proto::Response::LIST_MEMORIES,
       [&](proto::Request::Builder req) {
         auto q = req.initListMemories();
         q.setAgent(capnp::Text::Reader(agent.data(), agent.size()));
@@ -426,7 +316,7 @@ Result<MemoryPage> ManagerClient::list_memories(std::string_view agent, uint64_t
 Result<Stats> ManagerClient::stats() {
   Stats out;
   KEEP_RETURN_IF_ERROR(round_trip(
-      *impl_, options_, proto::Response::STATS, [](auto req) { req.initStats(); },
+      *channel_, proto::Response::STATS, [](auto req) { req.initStats(); },
       [&](proto::Response::Reader r) {
         auto s = r.getStats();
         out.agents = s.getAgents();
@@ -443,7 +333,7 @@ Result<Stats> ManagerClient::stats() {
 Result<std::vector<KvJob>> ManagerClient::fetch_jobs(uint64_t worker_id, uint32_t max) {
   std::vector<KvJob> out;
   KEEP_RETURN_IF_ERROR(round_trip(
-      *impl_, options_, proto::Response::FETCH_JOBS,
+      *channel_, proto::Response::FETCH_JOBS,
       [&](proto::Request::Builder req) {
         auto f = req.initFetchJobs();
         f.setWorkerId(worker_id);
@@ -472,7 +362,7 @@ Result<Reservation> ManagerClient::reserve_entry(uint64_t worker_id, uint64_t jo
                                                  uint32_t tokens) {
   Reservation out;
   KEEP_RETURN_IF_ERROR(round_trip(
-      *impl_, options_, proto::Response::RESERVE_ENTRY,
+      *channel_, proto::Response::RESERVE_ENTRY,
       [&](proto::Request::Builder req) {
         auto q = req.initReserveEntry();
         q.setWorkerId(worker_id);
@@ -500,7 +390,7 @@ void fill_ref(proto::EntryRef::Builder ref, uint64_t worker_id, uint64_t job_id,
 Status ManagerClient::commit_entry(uint64_t worker_id, uint64_t job_id, uint32_t index,
                                    uint64_t generation, const std::vector<uint32_t>& slice_tokens) {
   return round_trip(
-      *impl_, options_, proto::Response::COMMIT_ENTRY,
+      *channel_, proto::Response::COMMIT_ENTRY,
       [&](proto::Request::Builder req) {
         auto ref = req.initCommitEntry();
         fill_ref(ref, worker_id, job_id, index, generation);
@@ -517,7 +407,7 @@ Status ManagerClient::commit_entry(uint64_t worker_id, uint64_t job_id, uint32_t
 Status ManagerClient::revoke_entry(uint64_t worker_id, uint64_t job_id, uint32_t index,
                                    uint64_t generation) {
   return round_trip(
-      *impl_, options_, proto::Response::REVOKE_ENTRY,
+      *channel_, proto::Response::REVOKE_ENTRY,
       [&](proto::Request::Builder req) {
         fill_ref(req.initRevokeEntry(), worker_id, job_id, index, generation);
       },
@@ -528,7 +418,7 @@ Result<uint32_t> ManagerClient::renew_lease(uint64_t worker_id, uint64_t job_id,
                                             uint64_t generation) {
   uint32_t lease_ms = 0;
   KEEP_RETURN_IF_ERROR(round_trip(
-      *impl_, options_, proto::Response::RENEW_LEASE,
+      *channel_, proto::Response::RENEW_LEASE,
       [&](proto::Request::Builder req) {
         fill_ref(req.initRenewLease(), worker_id, job_id, index, generation);
       },

@@ -1,10 +1,7 @@
 // ManagerClient: the blocking C++ client of keep-manager (one call per protocol request).
 //
 // Every call returns the server's {code, message} as a Status (or a Result<T>); transport problems
-// are kTimeout (no answer within the timeout), kTooLarge (request over the limit, refused before
-// sending) or kMalformed (an answer that does not decode). After a timeout the client reconnects
-// with a fresh DEALER socket, and replies whose requestId is not the one awaited are dropped, so a
-// late answer to an abandoned request is never mistaken for the current one.
+// are as shared/rpc/rpc_channel.h says (kTimeout, kTooLarge, kMalformed, kUnavailable).
 //
 // Thread-compatible: one client per thread (a ZeroMQ socket must not be shared).
 #pragma once
@@ -18,6 +15,10 @@
 #include <vector>
 
 #include "shared/common/status.h"
+
+namespace keep::wire {
+class RpcChannel;
+}
 
 namespace keep::client {
 
@@ -175,12 +176,10 @@ class ManagerClient {
 
   const ClientOptions& options() const { return options_; }
 
-  struct Impl;
-
  private:
   explicit ManagerClient(ClientOptions options);
   ClientOptions options_;
-  std::unique_ptr<Impl> impl_;
+  std::unique_ptr<wire::RpcChannel> channel_;
 };
 
 }  // namespace keep::client

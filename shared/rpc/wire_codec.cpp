@@ -125,8 +125,8 @@ uint64_t load_u64(const std::byte* p) {
   return v;
 }
 
-// Reads Request.requestId (data word 1 of the root struct) straight from the frame, with bounds
-// checks, without decoding the message: used only to address an error reply. 0 when not found.
+}  // namespace
+
 uint64_t peek_request_id(std::span<const std::byte> bytes) {
   if (bytes.size() < 8) return 0;
   const uint64_t segments = uint64_t{load_u32(bytes.data())} + 1;
@@ -146,47 +146,16 @@ uint64_t peek_request_id(std::span<const std::byte> bytes) {
   return load_u64(seg0 + field);
 }
 
-}  // namespace
-
-Result<DecodedRequest> decode_request(std::span<const std::byte> bytes, const WireLimits& limits,
-                                      uint64_t* request_id) {
-  if (request_id) *request_id = 0;
-  auto decoded = decode_message(bytes, limits);
-  if (!decoded.is_ok()) {
-    if (request_id) *request_id = peek_request_id(bytes);
-    return decoded.status();
-  }
-  DecodedRequest out;
-  out.message = std::move(decoded).value();
-  try {
-    out.request = out.message->root<proto::Request>();
-    if (request_id) *request_id = out.request.getRequestId();
-    const uint16_t version = out.request.getProtocolVersion();
-    if (version != kProtocolVersion) {
-      return Status(Code::kVersionMismatch,
-                    "request speaks protocol version " + std::to_string(version) +
-                        ", this server speaks version " + std::to_string(kProtocolVersion));
-    }
-  } catch (const kj::Exception& e) {
-    return Status(Code::kMalformed,
-                  std::string("undecodable request: ") + e.getDescription().cStr());
-  }
-  return out;
+Status version_mismatch(const char* protocol, uint16_t theirs, uint16_t ours) {
+  return Status(Code::kVersionMismatch, std::string("request speaks ") + protocol +
+                                            " protocol version " + std::to_string(theirs) +
+                                            ", this server speaks version " + std::to_string(ours));
 }
 
 std::string encode(capnp::MessageBuilder& message) {
   auto words = capnp::messageToFlatArray(message);
   auto bytes = words.asBytes();
   return std::string(reinterpret_cast<const char*>(bytes.begin()), bytes.size());
-}
-
-std::string encode_error_response(uint64_t request_id, const Status& status) {
-  capnp::MallocMessageBuilder message;
-  auto response = message.initRoot<proto::Response>();
-  response.setProtocolVersion(kProtocolVersion);
-  response.setRequestId(request_id);
-  set_error(response.initError(), status);
-  return encode(message);
 }
 
 }  // namespace keep::wire

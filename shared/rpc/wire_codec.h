@@ -1,15 +1,19 @@
-// Wire codec: what the keep-manager's client and server share about bytes on the wire.
+// Wire codec: what every KEEP client and server shares about bytes on the wire.
 //
 // - size limit checked BEFORE any decoding (kTooLarge), then structure validated with capnp
 //   ReaderOptions limits (kMalformed on any kj::Exception), then the protocol version
 //   (kVersionMismatch with both versions in the message);
 // - keep::Code <-> proto::ErrorCode mapping (pinned one to one by static_asserts);
 // - checked decoding of wire enums: an unset or unknown value is kInvalidArgument, never a cast.
-// The frame layout and limits are documented in docs/protocol.md.
+// A protocol (manager.capnp, worker.capnp) is named by a traits struct P: P::Request and
+// P::Response (capnp structs whose protocolVersion @0 and requestId @1 are fixed, and whose
+// Response union has `error @2 :Common.Error`), P::kVersion, P::kName. See
+// shared/client/protocols.h. The frame layout and limits are documented in docs/protocol.md.
 #pragma once
 
 #include <capnp/message.h>
 #include <capnp/schema.h>
+#include <kj/exception.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -19,12 +23,10 @@
 #include <string_view>
 
 #include "proto/common.capnp.h"
-#include "proto/manager.capnp.h"
 #include "shared/common/status.h"
 
 namespace keep::wire {
 
-inline constexpr uint16_t kProtocolVersion = proto::PROTOCOL_VERSION;
 inline constexpr size_t kDefaultMaxMessageBytes = size_t{1} << 20;  // 1 MiB
 
 struct WireLimits {
@@ -80,23 +82,59 @@ class DecodedMessage {
 Result<std::unique_ptr<DecodedMessage>> decode_message(std::span<const std::byte> bytes,
                                                        const WireLimits& limits);
 
-// A decoded Request whose protocol version matched.
-struct DecodedRequest {
-  std::unique_ptr<DecodedMessage> message;
-  proto::Request::Reader request;
-};
-
-// decode_message + root Request + protocol version check. On failure `*request_id` (if given)
-// holds the request id when it could be read cheaply (also for kTooLarge and kVersionMismatch),
-// else 0.
-Result<DecodedRequest> decode_request(std::span<const std::byte> bytes, const WireLimits& limits,
-                                      uint64_t* request_id = nullptr);
-
 // Serialises a builder to the bytes of one frame.
 std::string encode(capnp::MessageBuilder& message);
 
-// An error Response for `request_id` (used for requests that could not be decoded).
-std::string encode_error_response(uint64_t request_id, const Status& status);
+// Reads the root struct's requestId (data word 1) straight from a frame, bounds-checked, without
+// decoding it: only to address an error reply to a frame that does not decode. 0 when not found.
+uint64_t peek_request_id(std::span<const std::byte> bytes);
+
+// The "speaks protocol version" refusal, naming both versions.
+Status version_mismatch(const char* protocol, uint16_t theirs, uint16_t ours);
+
+// A decoded P::Request whose protocol version matched.
+template <typename P>
+struct DecodedRequest {
+  std::unique_ptr<DecodedMessage> message;
+  typename P::Request::Reader request;
+};
+
+// decode_message + root P::Request + protocol version check. On failure `*request_id` (if given)
+// holds the request id when it could be read cheaply (also for kTooLarge and kVersionMismatch),
+// else 0.
+template <typename P>
+Result<DecodedRequest<P>> decode_request(std::span<const std::byte> bytes, const WireLimits& limits,
+                                         uint64_t* request_id = nullptr) {
+  if (request_id) *request_id = 0;
+  auto decoded = decode_message(bytes, limits);
+  if (!decoded.is_ok()) {
+    if (request_id) *request_id = peek_request_id(bytes);
+    return decoded.status();
+  }
+  DecodedRequest<P> out;
+  out.message = std::move(decoded).value();
+  try {
+    out.request = out.message->template root<typename P::Request>();
+    if (request_id) *request_id = out.request.getRequestId();
+    const uint16_t version = out.request.getProtocolVersion();
+    if (version != P::kVersion) return version_mismatch(P::kName, version, P::kVersion);
+  } catch (const kj::Exception& e) {
+    return Status(Code::kMalformed,
+                  std::string("undecodable request: ") + e.getDescription().cStr());
+  }
+  return out;
+}
+
+// An error P::Response for `request_id` (used for requests that could not be decoded).
+template <typename P>
+std::string encode_error_response(uint64_t request_id, const Status& status) {
+  capnp::MallocMessageBuilder message;
+  auto response = message.initRoot<typename P::Response>();
+  response.setProtocolVersion(P::kVersion);
+  response.setRequestId(request_id);
+  set_error(response.initError(), status);
+  return encode(message);
+}
 
 inline std::span<const std::byte> as_bytes(std::string_view s) {
   return {reinterpret_cast<const std::byte*>(s.data()), s.size()};

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "services/manager/server/manager_service.h"
+#include "shared/client/protocols.h"
 #include "shared/rpc/rpc_server.h"
 #include "shared/rpc/wire_codec.h"
 #include "tests/fuzz/fuzz_store.h"
@@ -28,7 +29,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static World* world = new World();  // state carries over between inputs, like the daemon's
   keep::wire::WireLimits limits;
   limits.max_message_bytes = 64 * 1024;
-  const std::string answer = keep::wire::dispatch_frame(
+  const std::string answer = keep::wire::dispatch_frame<keep::client::ManagerProtocol>(
       {reinterpret_cast<const std::byte*>(data), size}, limits, world->service);
   auto decoded = keep::wire::decode_message(keep::wire::as_bytes(answer), {});
   if (!decoded.is_ok()) __builtin_trap();  // the server must always answer decodable bytes

@@ -19,8 +19,8 @@
 #include <zmq.hpp>
 
 #include "services/manager/server/manager_service.h"
-#include "shared/rpc/rpc_server.h"
 #include "shared/client/manager_client.h"
+#include "shared/rpc/rpc_server.h"
 #include "shared/rpc/wire_codec.h"
 #include "tests/integration/manager/raw_peer.h"
 
@@ -168,12 +168,12 @@ struct Manager {
     wire::ServerOptions options;
     options.endpoints = std::move(endpoints);
     options.limits.max_message_bytes = max_message_bytes;
-    auto s = wire::RpcServer::create(options, &service);
+    auto s = km::ManagerRpcServer::create(options, &service);
     REQUIRE(s.is_ok());
     server = std::move(s).value();
     if (defer_retrieves) {
       service.start_deferred_retrieves(
-          [this](std::unique_ptr<wire::Call> call) { server->complete(std::move(call)); });
+          [this](std::unique_ptr<km::ManagerCall> call) { server->complete(std::move(call)); });
     }
     server->start();
   }
@@ -197,7 +197,7 @@ struct Manager {
   TestRegion region;
   km::MemoryStore store;
   km::ManagerService service;
-  std::unique_ptr<wire::RpcServer> server;
+  std::unique_ptr<km::ManagerRpcServer> server;
 };
 
 using keep::itest::RawPeer;

@@ -18,13 +18,13 @@
 #include "services/manager/durability/wal_writer.h"
 #include "services/manager/encoder/bert_encoder.h"
 #include "services/manager/server/manager_service.h"
-#include "shared/rpc/rpc_server.h"
 #include "services/manager/store/memory_store.h"
 #include "services/worker/engine/model_identity.h"
 #include "shared/common/log.h"
 #include "shared/kvregion/kv_region.h"
 #include "shared/metrics/http_server.h"
 #include "shared/metrics/metrics.h"
+#include "shared/rpc/rpc_server.h"
 #include "shared/tokenizer/bpe_tokenizer.h"
 
 namespace keep::manager {
@@ -215,7 +215,7 @@ const char* request_name(proto::Request::Which w) {
 // Wraps the service: counts requests by type and outcome and times them. A call's latency is the
 // time of the batch it was handled in (apply + WAL append + fsync), which is what its client waits;
 // a deferred call's (a retrieve that embeds) runs from its arrival to its answer.
-class InstrumentedHandler final : public wire::RequestHandler {
+class InstrumentedHandler final : public wire::RequestHandler<client::ManagerProtocol> {
  public:
   InstrumentedHandler(ManagerService* svc, metrics::Registry* reg)
       : svc_(svc),
@@ -227,7 +227,7 @@ class InstrumentedHandler final : public wire::RequestHandler {
         batch_size_(reg->histogram("keep_manager_batch_size", "Requests per handled batch", {},
                                    metrics::exponential_buckets(1, 2, 10))) {}
 
-  void handle_batch(std::span<wire::Call> calls) override {
+  void handle_batch(std::span<ManagerCall> calls) override {
     auto t0 = Clock::now();
     svc_->handle_batch(calls);
     double dt = seconds_since(t0);
@@ -237,10 +237,10 @@ class InstrumentedHandler final : public wire::RequestHandler {
     }
   }
   void on_idle() override { svc_->on_idle(); }
-  void on_deferred_done(wire::Call& call) override { count(call, seconds_since(call.received())); }
+  void on_deferred_done(ManagerCall& call) override { count(call, seconds_since(call.received())); }
 
  private:
-  void count(wire::Call& call, double seconds) {
+  void count(ManagerCall& call, double seconds) {
     const char* type = request_name(call.request().which());
     const char* code = "ok";
     if (call.answered()) {
@@ -273,7 +273,7 @@ struct ManagerDaemon::Impl {
   std::unique_ptr<RegionOps> region_ops;
   std::unique_ptr<ManagerService> service;
   std::unique_ptr<InstrumentedHandler> handler;
-  std::unique_ptr<wire::RpcServer> server;
+  std::unique_ptr<ManagerRpcServer> server;
   std::unique_ptr<metrics::MetricsHttpServer> http;
 
   std::atomic<bool> stopping{false};
@@ -659,8 +659,8 @@ Result<std::unique_ptr<ManagerDaemon>> ManagerDaemon::start(const ManagerConfig&
   wo.max_batch = config.max_batch;
   wo.max_queued_reply_bytes_per_peer = config.max_queued_reply_bytes_per_client;
   wo.send_high_water_mark = config.zmq_send_hwm;
-  KEEP_ASSIGN_OR_RETURN(d.server, wire::RpcServer::create(std::move(wo), d.handler.get()));
-  d.service->start_deferred_retrieves([server = d.server.get()](std::unique_ptr<wire::Call> call) {
+  KEEP_ASSIGN_OR_RETURN(d.server, ManagerRpcServer::create(std::move(wo), d.handler.get()));
+  d.service->start_deferred_retrieves([server = d.server.get()](std::unique_ptr<ManagerCall> call) {
     server->complete(std::move(call));
   });
 

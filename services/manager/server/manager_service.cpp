@@ -130,7 +130,7 @@ Status ManagerService::append_locked(const std::string& record) {
   return st;
 }
 
-void ManagerService::handle_batch(std::span<wire::Call> calls) {
+void ManagerService::handle_batch(std::span<ManagerCall> calls) {
   std::vector<uint8_t> needs_sync(calls.size(), 0);
   bool any = false;
   {
@@ -182,7 +182,7 @@ void ManagerService::release_entries_locked() {
   }
 }
 
-bool ManagerService::handle_one(wire::Call& call) {
+bool ManagerService::handle_one(ManagerCall& call) {
   const auto req = call.request();
   std::string record;
   switch (req.which()) {
@@ -192,7 +192,7 @@ bool ManagerService::handle_one(wire::Call& call) {
 
     case proto::Request::PING: {
       call.reply().initPing().setServerVersion(options_.server_version + " protocol " +
-                                               std::to_string(wire::kProtocolVersion));
+                                               std::to_string(client::ManagerProtocol::kVersion));
       return false;
     }
 
@@ -405,7 +405,7 @@ Result<ManagerService::JobState*> ManagerService::find_job(uint64_t worker_id, u
   return &it->second;
 }
 
-void ManagerService::do_fetch_jobs(wire::Call& call) {
+void ManagerService::do_fetch_jobs(ManagerCall& call) {
   if (region_ == nullptr) return call.fail(no_region());
   auto f = call.request().getFetchJobs();
   if (Status st = check_worker(f.getWorkerId()); !st.is_ok()) return call.fail(st);
@@ -437,7 +437,7 @@ void ManagerService::do_fetch_jobs(wire::Call& call) {
   }
 }
 
-void ManagerService::do_reserve(wire::Call& call) {
+void ManagerService::do_reserve(ManagerCall& call) {
   if (region_ == nullptr) return call.fail(no_region());
   auto q = call.request().getReserveEntry();
   auto job = find_job(q.getWorkerId(), q.getJobId());
@@ -478,7 +478,7 @@ Status match_entry(bool reserved, const EntryLocation& entry, proto::EntryRef::R
 }
 }  // namespace
 
-void ManagerService::do_commit(wire::Call& call) {
+void ManagerService::do_commit(ManagerCall& call) {
   if (region_ == nullptr) return call.fail(no_region());
   auto ref = call.request().getCommitEntry();
   auto job = find_job(ref.getWorkerId(), ref.getJobId());
@@ -504,7 +504,7 @@ void ManagerService::do_commit(wire::Call& call) {
   call.reply().initCommitEntry();
 }
 
-void ManagerService::do_revoke(wire::Call& call) {
+void ManagerService::do_revoke(ManagerCall& call) {
   if (region_ == nullptr) return call.fail(no_region());
   auto ref = call.request().getRevokeEntry();
   auto job = find_job(ref.getWorkerId(), ref.getJobId());
@@ -519,7 +519,7 @@ void ManagerService::do_revoke(wire::Call& call) {
   call.reply().initRevokeEntry();
 }
 
-void ManagerService::do_renew(wire::Call& call) {
+void ManagerService::do_renew(ManagerCall& call) {
   if (region_ == nullptr) return call.fail(no_region());
   auto ref = call.request().getRenewLease();
   auto job = find_job(ref.getWorkerId(), ref.getJobId());
@@ -558,7 +558,7 @@ size_t ManagerService::expire_jobs(std::chrono::steady_clock::time_point now) {
   return n;
 }
 
-void ManagerService::fill_retrieve(wire::Call& call,
+void ManagerService::fill_retrieve(ManagerCall& call,
                                    const std::vector<RetrievedSegment>& segments) {
   auto segs = call.reply().initRetrieve().initSegments(static_cast<unsigned>(segments.size()));
   for (size_t i = 0; i < segments.size(); ++i) {
@@ -589,7 +589,7 @@ Status ManagerService::shutting_down() {
 }
 
 void ManagerService::start_deferred_retrieves(
-    std::function<void(std::unique_ptr<wire::Call>)> complete) {
+    std::function<void(std::unique_ptr<ManagerCall>)> complete) {
   KEEP_CHECK_MSG(!complete_ && retrieve_threads_.empty(), "deferred retrieves started twice");
   KEEP_CHECK(complete != nullptr);
   complete_ = std::move(complete);
@@ -622,7 +622,7 @@ ManagerService::DeferredRetrieves ManagerService::deferred_retrieves() const {
           retrieves_refused_, retrieves_expired_};
 }
 
-Status ManagerService::defer_retrieve(wire::Call& call, std::string agent, std::string query,
+Status ManagerService::defer_retrieve(ManagerCall& call, std::string agent, std::string query,
                                       MemoryStore::RetrieveNeeds needs) {
   using Admit = FairQueue<RetrieveJob>::Admit;
   std::vector<RetrieveJob> expired;
@@ -715,7 +715,7 @@ void ManagerService::retrieve_loop() {
 // its candidates.
 void ManagerService::run_retrieve(RetrieveJob& job) {
   constexpr size_t kRetrieveEmbedBatch = 64;
-  wire::Call& call = *job.call;
+  ManagerCall& call = *job.call;
   Embedder* embedder = store_->embedder();
   std::vector<float> query_embedding = std::move(job.needs.query_embedding);
   bool embed_query = job.needs.embed_query;

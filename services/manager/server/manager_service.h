@@ -14,7 +14,7 @@
 //
 // Deferred retrieves (start_deferred_retrieves): a retrieve that has something to embed (its
 // query, when the query cache misses; its agent's segments still waiting for the background
-// embedder) is taken out of its batch (wire::Call::defer) and answered by one of the service's
+// embedder) is taken out of its batch (ManagerCall::defer) and answered by one of the service's
 // retrieve threads, which embeds without the mutex, then applies the embeddings and answers with
 // it, and gives the call back to the server. The I/O thread meanwhile serves every other request:
 // one retrieve after a burst of writes no longer holds every client for the seconds its
@@ -42,9 +42,10 @@
 #include <vector>
 
 #include "services/manager/server/fair_queue.h"
-#include "shared/rpc/rpc_server.h"
 #include "services/manager/store/memory_store.h"
+#include "shared/client/protocols.h"
 #include "shared/common/status.h"
+#include "shared/rpc/rpc_server.h"
 
 namespace keep::manager {
 
@@ -97,7 +98,10 @@ struct ServiceOptions {
   size_t max_waiting_retrieves_per_peer = 64;
 };
 
-class ManagerService : public wire::RequestHandler {
+using ManagerCall = wire::Call<client::ManagerProtocol>;
+using ManagerRpcServer = wire::RpcServer<client::ManagerProtocol>;
+
+class ManagerService : public wire::RequestHandler<client::ManagerProtocol> {
  public:
   // `store` must outlive the service; `committer` and `region` may be null (no durability / no
   // KV region: the job calls then answer kUnavailable and retrieve returns no KV).
@@ -105,13 +109,13 @@ class ManagerService : public wire::RequestHandler {
                  ServiceOptions options = {});
   ~ManagerService() override;
 
-  void handle_batch(std::span<wire::Call> calls) override;
+  void handle_batch(std::span<ManagerCall> calls) override;
   void on_idle() override;
 
   // Answers retrieves that must embed on options.retrieve_threads threads of the service's own
   // (see the top of this file), each answer handed to `complete` (RpcServer::complete). Call
   // once, before the server starts.
-  void start_deferred_retrieves(std::function<void(std::unique_ptr<wire::Call>)> complete);
+  void start_deferred_retrieves(std::function<void(std::unique_ptr<ManagerCall>)> complete);
   // Shutting down: the retrieves still queued are answered kUnavailable at once, the running
   // ones finish with their results, and a retrieve that would be deferred from now on is answered
   // kUnavailable; returns once every one was handed to `complete`, the threads joined. Call
@@ -150,20 +154,20 @@ class ManagerService : public wire::RequestHandler {
 
   // Answers one call; returns true when the call produced a WAL record that must be synced
   // before the answer is sent.
-  bool handle_one(wire::Call& call);
+  bool handle_one(ManagerCall& call);
   void release_entries_locked();
   Status mutation_allowed() const;
   Status append_locked(const std::string& record);
 
   // A deferred retrieve: the call, its arguments, what it must embed.
   struct RetrieveJob {
-    std::unique_ptr<wire::Call> call;
+    std::unique_ptr<ManagerCall> call;
     std::string agent;
     std::string query;
     MemoryStore::RetrieveNeeds needs;
   };
   // Queues a retrieve for the threads (the call deferred), or says why not (the call untouched).
-  Status defer_retrieve(wire::Call& call, std::string agent, std::string query,
+  Status defer_retrieve(ManagerCall& call, std::string agent, std::string query,
                         MemoryStore::RetrieveNeeds needs);
   // Answers kTimeout the retrieves whose caller's deadline passed while they waited.
   void answer_expired(std::vector<RetrieveJob> expired);
@@ -171,13 +175,13 @@ class ManagerService : public wire::RequestHandler {
   static Status shutting_down();  // a retrieve refused by stop_deferred_retrieves
   void run_retrieve(RetrieveJob& job);
   // The retrieve answer for `segments` (with the mutex held: the region's locations).
-  void fill_retrieve(wire::Call& call, const std::vector<RetrievedSegment>& segments);
+  void fill_retrieve(ManagerCall& call, const std::vector<RetrievedSegment>& segments);
 
-  void do_fetch_jobs(wire::Call& call);
-  void do_reserve(wire::Call& call);
-  void do_commit(wire::Call& call);
-  void do_revoke(wire::Call& call);
-  void do_renew(wire::Call& call);
+  void do_fetch_jobs(ManagerCall& call);
+  void do_reserve(ManagerCall& call);
+  void do_commit(ManagerCall& call);
+  void do_revoke(ManagerCall& call);
+  void do_renew(ManagerCall& call);
   Result<JobState*> find_job(uint64_t worker_id, uint64_t job_id);
 
   MemoryStore* store_;
@@ -188,7 +192,7 @@ class ManagerService : public wire::RequestHandler {
   bool degraded_ = false;
   std::unordered_map<uint64_t, JobState> jobs_;  // handed out and not finished
 
-  std::function<void(std::unique_ptr<wire::Call>)> complete_;  // set: retrieves may be deferred
+  std::function<void(std::unique_ptr<ManagerCall>)> complete_;  // set: retrieves may be deferred
   mutable std::mutex retrieve_mu_;
   uint64_t retrieves_deferred_ = 0;
   uint64_t retrieves_refused_ = 0;

@@ -14,6 +14,7 @@
 #include <vector>
 #include <zmq.hpp>
 
+#include "shared/client/protocols.h"
 #include "shared/rpc/wire_codec.h"
 
 namespace keep::itest {
@@ -21,7 +22,7 @@ namespace keep::itest {
 // An encoded Request with `id`, its call set by `fill`.
 inline std::string request_bytes(uint64_t id,
                                  const std::function<void(proto::Request::Builder)>& fill,
-                                 uint16_t version = wire::kProtocolVersion) {
+                                 uint16_t version = keep::client::ManagerProtocol::kVersion) {
   capnp::MallocMessageBuilder message;
   auto req = message.initRoot<proto::Request>();
   req.setProtocolVersion(version);
@@ -65,7 +66,7 @@ struct RawPeer {
     auto decoded = wire::decode_message(wire::as_bytes(bytes), {});
     REQUIRE(decoded.is_ok());
     auto response = (*decoded)->root<proto::Response>();
-    CHECK(response.getProtocolVersion() == wire::kProtocolVersion);
+    CHECK(response.getProtocolVersion() == keep::client::ManagerProtocol::kVersion);
     if (response.which() == proto::Response::ERROR) {
       return std::make_pair(wire::status_from_error(response.getError()), response.getRequestId());
     }
