@@ -569,6 +569,8 @@ KvRegion::~KvRegion() {
 
 bool KvRegion::linked() const { return names_object(options_.name, mapping_->fd()); }
 
+bool KvRegionView::linked() const { return names_object(name_, mapping_->fd()); }
+
 int64_t KvRegion::now() const { return options_.clock ? options_.clock() : monotonic_now_ns(); }
 
 RegionHeader* KvRegion::header() const { return reinterpret_cast<RegionHeader*>(mapping_->base()); }
@@ -849,6 +851,7 @@ Result<std::unique_ptr<KvRegionView>> KvRegionView::attach(const std::string& na
   view->directory_offset_ = h.directory_offset;
   view->arena_offset_ = h.arena_offset;
   view->mapping_ = std::move(m).value();
+  view->name_ = name;
   return view;
 }
 

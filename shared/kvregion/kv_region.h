@@ -255,11 +255,18 @@ class KvRegionView {
   // this generation and its lease has not run out at `now_ns`. kStale / kLeaseExpired otherwise.
   Status check_writable(const EntryDescriptor& d, int64_t now_ns) const;
 
+  // Whether the region's name still names the mapped object. False once a restarted manager made
+  // a new region under the name (or removed it): this mapping is then a dead region, whose
+  // descriptors must not be matched against the new manager's answers; attach again.
+  bool linked() const;
+  const std::string& name() const { return name_; }
+
  private:
   KvRegionView() = default;
   const DirectoryEntry* dir(uint32_t index) const;
 
   std::unique_ptr<detail::Mapping> mapping_;
+  std::string name_;
   ModelFingerprint fingerprint_;
   uint64_t block_bytes_ = 0;
   uint64_t num_blocks_ = 0;

@@ -208,6 +208,26 @@ TEST_CASE("a removed name is noticed; the old owner never removes its successor'
   CHECK(KvRegionView::attach(n.name, smol_fingerprint()).is_ok());
 }
 
+TEST_CASE("a view notices that a restarted owner made a new region under its name") {
+  ShmName n;
+  RegionOptions o = small_options(n.name);
+  auto first = KvRegion::create(o);
+  REQUIRE(first.is_ok());
+  auto view = KvRegionView::attach(n.name, smol_fingerprint());
+  REQUIRE(view.is_ok());
+  CHECK((*view)->linked());
+  CHECK((*view)->name() == n.name);
+  first.value().reset();  // the owner goes (and removes its name)
+  CHECK_FALSE((*view)->linked());
+  o.replace = true;
+  auto second = KvRegion::create(o);
+  REQUIRE(second.is_ok());
+  CHECK_FALSE((*view)->linked());  // the name is back, but names another object
+  auto again = KvRegionView::attach(n.name, smol_fingerprint());
+  REQUIRE(again.is_ok());
+  CHECK((*again)->linked());
+}
+
 TEST_CASE("bad options are refused with a clear status and leave nothing behind") {
   ShmName n;
   RegionOptions o = small_options(n.name);
