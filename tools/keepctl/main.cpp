@@ -1,4 +1,5 @@
-// keepctl: the command-line client of keep-manager; one command per protocol call.
+// keepctl: the command-line client of keep-manager (one command per protocol call) and of
+// keep-worker (complete, score, worker-ping).
 // Exit status: 0 ok, 1 the call failed ("keepctl: <code>: <message>" on stderr), 2 usage error.
 #include <charconv>
 #include <cstdio>
@@ -10,6 +11,7 @@
 #include <vector>
 
 #include "shared/client/manager_client.h"
+#include "shared/client/worker_client.h"
 
 namespace {
 
@@ -25,15 +27,32 @@ constexpr int kExitOk = 0;
 constexpr int kExitFailed = 1;
 constexpr int kExitUsage = 2;
 
-const char* kHelp = R"(usage: keepctl [--endpoint E] [--json] [--timeout-ms N] <command> [args]
+const char* kHelp = R"(usage: keepctl [--endpoint E] [--worker-endpoint W] [--json] [--timeout-ms N]
+               <command> [args]
 
-Client of keep-manager: one command per protocol call (docs/protocol.md).
+Client of keep-manager (one command per protocol call, docs/protocol.md) and of keep-worker
+(complete, score, worker-ping).
 
 options:
-  --endpoint E      manager endpoint, tcp://host:port or ipc://path (default: %s)
-  --json            print the answer as one JSON document (default: human-readable text)
-  --timeout-ms N    per-request timeout in milliseconds (default: 5000)
-  --help            print this help
+  --endpoint E         manager endpoint, tcp://host:port or ipc://path (default: %s)
+  --worker-endpoint W  worker endpoint (default: %s)
+  --json               print the answer as one JSON document, with the worker's stats
+                       (default: human-readable text)
+  --timeout-ms N       per-request timeout in milliseconds (default: 5000 for the manager,
+                       120000 for the worker)
+  --help               print this help
+
+worker commands:
+  complete <agent> <instruction> [--history "a|b"] [--method M] [--k N] [--max-tokens N]
+           [--decay D] [--query-rows Q] [--max-hops H] [--cacheblend-ratio R]
+           [--epic-tokens K] [--temperature T] [--seed S]
+                                              the planner's next step: the worker retrieves
+                                              the agent's memories and generates (M: full,
+                                              prefix, full_reuse, cacheblend, epic, keep;
+                                              default: the worker's --method)
+  score <agent> <instruction> --candidates "a|b|c" [same options]
+                                              log-probability of each candidate continuation
+  worker-ping                                 check the worker is up; its version and model
 
 commands:
   ping                                        check the manager is up; prints its version
@@ -77,10 +96,34 @@ struct Args {
   bool all = false;
 };
 
-const std::set<std::string> kValueOptions = {"--endpoint",   "--timeout-ms", "--kind",   "--id",
-                                             "--step",       "--by",         "--k",      "--worker",
-                                             "--max",        "--job",        "--tokens", "--index",
-                                             "--generation", "--slices",     "--after",  "--limit"};
+const std::set<std::string> kValueOptions = {"--endpoint",
+                                             "--timeout-ms",
+                                             "--kind",
+                                             "--id",
+                                             "--step",
+                                             "--by",
+                                             "--k",
+                                             "--worker",
+                                             "--max",
+                                             "--job",
+                                             "--tokens",
+                                             "--index",
+                                             "--generation",
+                                             "--slices",
+                                             "--after",
+                                             "--limit",
+                                             "--worker-endpoint",
+                                             "--history",
+                                             "--method",
+                                             "--max-tokens",
+                                             "--decay",
+                                             "--query-rows",
+                                             "--max-hops",
+                                             "--cacheblend-ratio",
+                                             "--epic-tokens",
+                                             "--temperature",
+                                             "--seed",
+                                             "--candidates"};
 
 Args parse_args(int argc, char** argv) {
   Args a;
@@ -181,6 +224,135 @@ void print_write(const kc::WriteResult& w, bool as_json) {
 
 void print_ok(bool as_json) { std::cout << (as_json ? "{\"ok\":true}" : "ok") << "\n"; }
 
+double parse_double(const std::string& what, const std::string& s) {
+  char* end = nullptr;
+  const double v = std::strtod(s.c_str(), &end);
+  if (s.empty() || *end != '\0') throw UsageError{what + " must be a number, got '" + s + "'"};
+  return v;
+}
+
+// "a|b|c" -> {"a", "b", "c"}.
+std::vector<std::string> split_bars(const std::string& s) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  for (;;) {
+    const size_t bar = s.find('|', start);
+    out.push_back(s.substr(start, bar == std::string::npos ? std::string::npos : bar - start));
+    if (bar == std::string::npos) return out;
+    start = bar + 1;
+  }
+}
+
+json stats_json(const kc::PlanStats& s) {
+  return {{"method", kc::plan_method_name(s.method)},
+          {"ttft_s", s.ttft_seconds},
+          {"retrieve_s", s.retrieve_seconds},
+          {"prefill_s", s.prefill_seconds},
+          {"prompt_tokens", s.prompt_tokens},
+          {"memory_tokens", s.memory_tokens},
+          {"cached_prefix_tokens", s.cached_prefix_tokens},
+          {"recomputed_per_layer", s.recomputed_per_layer},
+          {"recompute_ratio", s.recompute_ratio},
+          {"bytes_loaded", s.bytes_loaded},
+          {"entries_hit", s.entries_hit},
+          {"entries_missing", s.entries_missing},
+          {"entries_stale", s.entries_stale},
+          {"check_layers", s.check_layers},
+          {"hops", s.hops},
+          {"segments", s.segments}};
+}
+
+// complete, score, worker-ping: keep-worker's commands.
+int run_worker(const Args& a, const std::string& cmd) {
+  kc::WorkerClientOptions options;
+  if (auto* e = opt(a, "--worker-endpoint")) options.endpoint = *e;
+  if (auto* t = opt(a, "--timeout-ms")) {
+    options.timeout = std::chrono::milliseconds(parse_u32("--timeout-ms", *t));
+  }
+  auto client = take(kc::WorkerClient::connect(options));
+  const bool js = a.json;
+  if (cmd == "worker-ping") {
+    need_positional(a, 0, "worker-ping");
+    auto p = take(client->ping());
+    if (js) {
+      std::cout << dump(json{{"server", p.server_version}, {"model", p.model}}) << "\n";
+    } else {
+      std::cout << p.server_version << "\n" << p.model << "\n";
+    }
+    return kExitOk;
+  }
+  const bool scoring = cmd == "score";
+  need_positional(a, 2,
+                  scoring ? "score <agent> <instruction> --candidates \"a|b|c\" [options]"
+                          : "complete <agent> <instruction> [options]");
+  kc::CompleteArgs c;
+  c.agent = a.positional[1];
+  c.instruction = a.positional[2];
+  if (auto* h = opt(a, "--history")) c.history = split_bars(*h);
+  if (auto* m = opt(a, "--method")) {
+    auto method = kc::parse_plan_method(*m);
+    if (!method) {
+      throw UsageError{"unknown method '" + *m +
+                       "' (full, prefix, full_reuse, cacheblend, epic, keep)"};
+    }
+    c.method = *method;
+  }
+  if (auto* k = opt(a, "--k")) c.k = parse_u32("--k", *k);
+  if (auto* t = opt(a, "--max-tokens")) c.max_tokens = parse_u32("--max-tokens", *t);
+  if (auto* d = opt(a, "--decay")) c.knobs.decay = parse_double("--decay", *d);
+  if (auto* q = opt(a, "--query-rows")) c.knobs.query_rows = parse_u32("--query-rows", *q);
+  if (auto* h = opt(a, "--max-hops")) c.knobs.max_hops = parse_u32("--max-hops", *h);
+  if (auto* r = opt(a, "--cacheblend-ratio")) {
+    c.knobs.cacheblend_ratio = parse_double("--cacheblend-ratio", *r);
+  }
+  if (auto* e = opt(a, "--epic-tokens")) c.knobs.epic_tokens = parse_u32("--epic-tokens", *e);
+  if (auto* t = opt(a, "--temperature")) {
+    c.temperature = static_cast<float>(parse_double("--temperature", *t));
+  }
+  if (auto* s = opt(a, "--seed")) c.seed = parse_u64("--seed", *s);
+  const std::string* cands = opt(a, "--candidates");
+  if (scoring != (cands != nullptr)) {
+    throw UsageError{scoring ? "score needs --candidates \"a|b|c\""
+                             : "--candidates belongs to score, not complete"};
+  }
+  if (cands) c.candidates = split_bars(*cands);
+  auto r = take(client->complete(c));
+  const kc::PlanStats& st = r.stats;
+  if (js) {
+    json out = {{"stats", stats_json(st)}};
+    if (scoring) {
+      json scores = json::array();
+      for (size_t i = 0; i < r.scores.size(); ++i) {
+        scores.push_back({{"candidate", c.candidates[i]},
+                          {"log_prob", r.scores[i].log_prob},
+                          {"tokens", r.scores[i].tokens}});
+      }
+      out["scores"] = scores;
+      out["best"] = r.best;
+    } else {
+      out["text"] = r.text;
+      out["tokens"] = r.tokens;
+    }
+    std::cout << dump(out) << "\n";
+    return kExitOk;
+  }
+  if (scoring) {
+    for (size_t i = 0; i < r.scores.size(); ++i) {
+      std::printf("%s %10.4f  %s\n", i == r.best ? "*" : " ", r.scores[i].log_prob,
+                  c.candidates[i].c_str());
+    }
+  } else {
+    std::cout << r.text << "\n";
+  }
+  std::fprintf(stderr,
+               "method %s  ttft %.3f s  prompt %u tok (memory %u)  recompute %.2f  loaded %llu "
+               "B  entries hit %u missing %u stale %u\n",
+               kc::plan_method_name(st.method), st.ttft_seconds, st.prompt_tokens, st.memory_tokens,
+               st.recompute_ratio, static_cast<unsigned long long>(st.bytes_loaded), st.entries_hit,
+               st.entries_missing, st.entries_stale);
+  return kExitOk;
+}
+
 int run(const Args& a) {
   kc::ClientOptions options;
   if (auto* e = opt(a, "--endpoint")) options.endpoint = *e;
@@ -189,6 +361,7 @@ int run(const Args& a) {
   }
   if (a.positional.empty()) throw UsageError{"no command (see keepctl --help)"};
   const std::string& cmd = a.positional[0];
+  if (cmd == "complete" || cmd == "score" || cmd == "worker-ping") return run_worker(a, cmd);
   static const std::set<std::string> kCommands = {"ping",     "write",  "update", "delete", "step",
                                                   "retrieve", "groups", "list",   "stats",  "jobs",
                                                   "reserve",  "commit", "revoke", "renew"};
@@ -435,7 +608,7 @@ int main(int argc, char** argv) {
   try {
     Args a = parse_args(argc, argv);
     if (a.help) {
-      std::printf(kHelp, kc::kDefaultEndpoint);
+      std::printf(kHelp, kc::kDefaultEndpoint, kc::kDefaultWorkerEndpoint);
       return kExitOk;
     }
     return run(a);

@@ -1,0 +1,137 @@
+#include "shared/client/worker_client.h"
+
+#include <capnp/message.h>
+
+#include "shared/client/protocols.h"
+#include "shared/rpc/rpc_channel.h"
+#include "shared/rpc/wire_codec.h"
+
+namespace keep::client {
+
+namespace wp = proto::worker;
+
+namespace {
+
+// PlanMethod and proto::worker::Method have the same values (kDefault is the wire's unknown).
+static_assert(static_cast<int>(PlanMethod::kKeep) == static_cast<int>(wp::Method::KEEP));
+static_assert(static_cast<int>(PlanMethod::kFullReuse) == static_cast<int>(wp::Method::FULL_REUSE));
+
+constexpr const char* kMethodNames[] = {"default",    "full", "prefix", "full_reuse",
+                                        "cacheblend", "epic", "keep"};
+
+std::string text(capnp::Text::Reader t) { return std::string(t.begin(), t.size()); }
+capnp::Text::Reader sized(const std::string& s) { return capnp::Text::Reader(s.data(), s.size()); }
+
+}  // namespace
+
+const char* plan_method_name(PlanMethod m) {
+  const auto i = static_cast<size_t>(m);
+  return i < std::size(kMethodNames) ? kMethodNames[i] : "unknown";
+}
+
+std::optional<PlanMethod> parse_plan_method(std::string_view name) {
+  for (size_t i = 0; i < std::size(kMethodNames); ++i) {
+    if (name == kMethodNames[i]) return static_cast<PlanMethod>(i);
+  }
+  return std::nullopt;
+}
+
+WorkerClient::WorkerClient(WorkerClientOptions options) : options_(std::move(options)) {}
+WorkerClient::~WorkerClient() = default;
+
+Result<std::unique_ptr<WorkerClient>> WorkerClient::connect(WorkerClientOptions options) {
+  std::unique_ptr<WorkerClient> client(new WorkerClient(options));
+  KEEP_ASSIGN_OR_RETURN(
+      client->channel_,
+      wire::RpcChannel::connect({options.endpoint, options.timeout, options.max_request_bytes,
+                                 options.max_response_bytes}));
+  return client;
+}
+
+Result<std::string> WorkerClient::call_raw(std::string_view payload) {
+  return channel_->call_raw(payload);
+}
+
+Result<WorkerPing> WorkerClient::ping() {
+  WorkerPing out;
+  KEEP_RETURN_IF_ERROR(channel_->call<WorkerProtocol>(
+      wp::Response::PING, [](auto req) { req.setPing(); },
+      [&](wp::Response::Reader r) {
+        out.server_version = text(r.getPing().getServerVersion());
+        out.model = text(r.getPing().getModel());
+        return Status::ok();
+      }));
+  return out;
+}
+
+Result<CompleteReply> WorkerClient::complete(const CompleteArgs& a) {
+  CompleteReply out;
+  KEEP_RETURN_IF_ERROR(channel_->call<WorkerProtocol>(
+      wp::Response::COMPLETE,
+      [&](wp::Request::Builder req) {
+        auto c = req.initComplete();
+        c.setAgent(sized(a.agent));
+        c.setInstruction(sized(a.instruction));
+        auto h = c.initHistory(static_cast<unsigned>(a.history.size()));
+        for (unsigned i = 0; i < a.history.size(); ++i) h.set(i, sized(a.history[i]));
+        c.setK(a.k);
+        c.setMethod(static_cast<wp::Method>(a.method));
+        auto k = c.initKnobs();
+        if (a.knobs.decay) {
+          k.setHasDecay(true);
+          k.setDecay(*a.knobs.decay);
+        }
+        if (a.knobs.query_rows) {
+          k.setHasQueryRows(true);
+          k.setQueryRows(*a.knobs.query_rows);
+        }
+        if (a.knobs.max_hops) {
+          k.setHasMaxHops(true);
+          k.setMaxHops(*a.knobs.max_hops);
+        }
+        if (a.knobs.cacheblend_ratio) {
+          k.setHasCacheblendRatio(true);
+          k.setCacheblendRatio(*a.knobs.cacheblend_ratio);
+        }
+        if (a.knobs.epic_tokens) {
+          k.setHasEpicTokens(true);
+          k.setEpicTokens(*a.knobs.epic_tokens);
+        }
+        c.setMaxTokens(a.max_tokens);
+        auto cands = c.initCandidates(static_cast<unsigned>(a.candidates.size()));
+        for (unsigned i = 0; i < a.candidates.size(); ++i) cands.set(i, sized(a.candidates[i]));
+        c.setTemperature(a.temperature);
+        c.setSeed(a.seed);
+      },
+      [&](wp::Response::Reader r) {
+        auto c = r.getComplete();
+        out.text = text(c.getText());
+        for (int32_t t : c.getTokens()) out.tokens.push_back(t);
+        for (auto s : c.getScores()) out.scores.push_back({s.getLogProb(), s.getTokens()});
+        out.best = c.getBest();
+        auto s = c.getStats();
+        PlanStats& st = out.stats;
+        st.ttft_seconds = s.getTtftSeconds();
+        st.retrieve_seconds = s.getRetrieveSeconds();
+        st.prefill_seconds = s.getPrefillSeconds();
+        st.prompt_tokens = s.getPromptTokens();
+        st.memory_tokens = s.getMemoryTokens();
+        st.cached_prefix_tokens = s.getCachedPrefixTokens();
+        for (uint32_t v : s.getRecomputedPerLayer()) st.recomputed_per_layer.push_back(v);
+        st.recompute_ratio = s.getRecomputeRatio();
+        st.bytes_loaded = s.getBytesLoaded();
+        st.entries_hit = s.getEntriesHit();
+        st.entries_missing = s.getEntriesMissing();
+        st.entries_stale = s.getEntriesStale();
+        for (uint32_t v : s.getCheckLayers()) st.check_layers.push_back(v);
+        for (uint32_t v : s.getHops()) st.hops.push_back(v);
+        for (uint64_t v : s.getSegments()) st.segments.push_back(v);
+        const auto m = static_cast<uint16_t>(s.getMethod());
+        st.method = m <= static_cast<uint16_t>(PlanMethod::kKeep) ? static_cast<PlanMethod>(m)
+                                                                  : PlanMethod::kDefault;
+        return Status::ok();
+      }));
+  return out;
+}
+
+}  // namespace keep::client

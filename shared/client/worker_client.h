@@ -1,0 +1,122 @@
+// WorkerClient: the blocking C++ client of keep-worker (planners, keepctl complete/score, tests).
+//
+// Every call returns the worker's {code, message} as a Status (or a Result<T>); transport problems
+// are as shared/rpc/rpc_channel.h says (kTimeout, kTooLarge, kMalformed, kUnavailable).
+// Thread-compatible: one client per thread.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "shared/common/status.h"
+
+namespace keep::wire {
+class RpcChannel;
+}
+
+namespace keep::client {
+
+inline constexpr const char* kDefaultWorkerEndpoint = "tcp://127.0.0.1:7602";
+
+// The methods of docs/recompute.md, as on the wire; kDefault: the worker's --method.
+enum class PlanMethod : uint8_t {
+  kDefault = 0,
+  kFull,
+  kPrefix,
+  kFullReuse,
+  kCacheblend,
+  kEpic,
+  kKeep
+};
+const char* plan_method_name(PlanMethod m);  // "default", "full", ..., "full_reuse", ...
+std::optional<PlanMethod> parse_plan_method(std::string_view name);
+
+// Per-request overrides of the worker's defaults (unset: the default).
+struct PlanKnobs {
+  std::optional<double> decay;             // keep: d
+  std::optional<uint32_t> query_rows;      // keep: q
+  std::optional<uint32_t> max_hops;        // keep: hop cap
+  std::optional<double> cacheblend_ratio;  // cacheblend: share recomputed
+  std::optional<uint32_t> epic_tokens;     // epic: k
+};
+
+struct CompleteArgs {
+  std::string agent;
+  std::string instruction;
+  std::vector<std::string> history;
+  uint32_t k = 0;  // 0: the worker's default
+  PlanMethod method = PlanMethod::kDefault;
+  PlanKnobs knobs;
+  uint32_t max_tokens = 0;              // 0: the worker's default
+  std::vector<std::string> candidates;  // non-empty: score them instead of generating
+  float temperature = 0;                // <= 0: greedy
+  uint64_t seed = 0;
+};
+
+struct PlanStats {
+  double ttft_seconds = 0;
+  double retrieve_seconds = 0;
+  double prefill_seconds = 0;
+  uint32_t prompt_tokens = 0;
+  uint32_t memory_tokens = 0;
+  uint32_t cached_prefix_tokens = 0;
+  std::vector<uint32_t> recomputed_per_layer;
+  double recompute_ratio = 0;
+  uint64_t bytes_loaded = 0;
+  uint32_t entries_hit = 0;
+  uint32_t entries_missing = 0;
+  uint32_t entries_stale = 0;
+  std::vector<uint32_t> check_layers;
+  std::vector<uint32_t> hops;
+  std::vector<uint64_t> segments;
+  PlanMethod method = PlanMethod::kDefault;
+};
+
+struct CandidateResult {
+  double log_prob = 0;
+  uint32_t tokens = 0;
+};
+
+struct CompleteReply {
+  std::string text;
+  std::vector<int32_t> tokens;
+  std::vector<CandidateResult> scores;
+  uint32_t best = 0;
+  PlanStats stats;
+};
+
+struct WorkerPing {
+  std::string server_version;
+  std::string model;
+};
+
+struct WorkerClientOptions {
+  std::string endpoint = kDefaultWorkerEndpoint;
+  std::chrono::milliseconds timeout{120000};  // a completion queues behind others and generates
+  size_t max_request_bytes = size_t{1} << 20;
+  size_t max_response_bytes = size_t{16} << 20;
+};
+
+class WorkerClient {
+ public:
+  static Result<std::unique_ptr<WorkerClient>> connect(WorkerClientOptions options);
+  ~WorkerClient();
+  WorkerClient(const WorkerClient&) = delete;
+  WorkerClient& operator=(const WorkerClient&) = delete;
+
+  Result<WorkerPing> ping();
+  Result<CompleteReply> complete(const CompleteArgs& args);
+  // Sends raw frame bytes and returns the raw answer (tests; no id matching).
+  Result<std::string> call_raw(std::string_view payload);
+
+ private:
+  explicit WorkerClient(WorkerClientOptions options);
+  WorkerClientOptions options_;
+  std::unique_ptr<wire::RpcChannel> channel_;
+};
+
+}  // namespace keep::client
