@@ -61,11 +61,15 @@ Result<CompleteResult> PlanService::complete(const CompleteArgs& args, Clock::ti
   AssembleRequest req;
   req.method = out.method;
   req.knobs = args.knobs;
+  // full and prefix never load an entry: no copy, and nothing counted as hit, missing or stale.
+  const bool loads = out.method != Method::kFull && out.method != Method::kPrefix;
   for (const auto& seg : retrieved) {
     out.segment_ids.push_back(seg.id);
     PromptSegment ps;
     ps.tokens = prompts_->segment(seg.text);
-    if (!seg.kv.has_value()) {
+    if (!loads) {
+      // computed from its text
+    } else if (!seg.kv.has_value()) {
       ++out.entries_missing;
     } else if (region_ == nullptr || seg.kv->tokens != ps.tokens.size()) {
       ++out.entries_stale;  // no region, or computed from other tokens than this prompt's
@@ -93,6 +97,13 @@ Result<CompleteResult> PlanService::complete(const CompleteArgs& args, Clock::ti
       }
     }
     req.segments.push_back(std::move(ps));
+  }
+  // The descriptors are the manager's; if its region was replaced meanwhile (a restart), the
+  // copies came from a dead region whose indices and generations may collide with the new one's.
+  if (out.entries_hit > 0 && !region_->linked()) {
+    for (auto& ps : req.segments) ps.kv = SegmentKv{};
+    out.entries_stale += out.entries_hit;
+    out.entries_hit = 0;
   }
   req.query = prompts_->query(args.instruction, args.history);
 
@@ -184,6 +195,7 @@ Status KvProducer::start(client::KvJob job) {
 }
 
 Result<bool> KvProducer::step(int32_t layers) {
+  if (region_ == nullptr) return false;
   if (!job_) {
     KEEP_ASSIGN_OR_RETURN(auto jobs, manager_->fetch_jobs(worker_id_, 1));
     if (jobs.empty()) return false;

@@ -70,6 +70,8 @@ class PlanService {
               const kv::KvRegionView* region, PlanDefaults defaults);
 
   const PlanDefaults& defaults() const { return defaults_; }
+  // The region entries are read from (null: none, every memory is recomputed).
+  void set_region(const kv::KvRegionView* region) { region_ = region; }
   // `received`: when the request arrived (TTFT counts from there).
   Result<CompleteResult> complete(const CompleteArgs& args,
                                   std::chrono::steady_clock::time_point received);
@@ -103,6 +105,12 @@ class KvProducer {
   bool busy() const { return job_.has_value(); }
   // Revokes the job under way, if any (shutdown).
   void abandon();
+  // The region entries are written to; a job under way is revoked first (its entry belongs to
+  // the region it was reserved in). Null: no job can run.
+  void set_region(kv::KvRegionView* region) {
+    abandon();
+    region_ = region;
+  }
   const ProducerStats& stats() const { return stats_; }
 
  private:

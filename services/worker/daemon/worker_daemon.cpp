@@ -1,0 +1,218 @@
+#include "services/worker/daemon/worker_daemon.h"
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <functional>
+
+#include "services/worker/engine/cpu_backend.h"
+#include "services/worker/engine/model_identity.h"
+#include "services/worker/server/worker_service.h"
+#include "shared/common/log.h"
+#include "shared/metrics/http_server.h"
+#include "shared/tokenizer/chat_template.h"
+#ifdef KEEP_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "services/worker/engine/cuda_backend.h"
+#endif
+
+namespace keep::worker {
+namespace {
+constexpr const char* kLog = "worker";
+namespace eng = engine;
+
+uint64_t derived_worker_id() {
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  const uint64_t id = kv::fnv1a_64(host) ^ (static_cast<uint64_t>(::getpid()) << 16);
+  return id == 0 ? 1 : id;
+}
+
+Result<metrics::MetricsHttpServerOptions> parse_listen(const std::string& listen) {
+  metrics::MetricsHttpServerOptions mo;
+  const size_t colon = listen.rfind(':');
+  if (colon == std::string::npos) {
+    return Status(Code::kInvalidArgument,
+                  "--metrics-listen: expected host:port, got '" + listen + "'");
+  }
+  mo.host = listen.substr(0, colon);
+  const int port = std::atoi(listen.c_str() + colon + 1);
+  if (port < 0 || port > 65535) {
+    return Status(Code::kInvalidArgument, "--metrics-listen: bad port in '" + listen + "'");
+  }
+  mo.port = static_cast<uint16_t>(port);
+  return mo;
+}
+
+#ifdef KEEP_HAVE_CUDA
+// The region's mapping, registered once per attach: the GPU reads entries from it directly
+// (zero-copy) and copies out of it run at pinned-memory speed.
+void register_region(const kv::KvRegionView& region, bool attached) {
+  if (attached) {
+    const cudaError_t e = cudaHostRegister(region.base(), region.size(), cudaHostRegisterPortable);
+    if (e != cudaSuccess) {
+      KEEP_LOG_WARN(kLog, "cudaHostRegister of the KV region (%zu bytes): %s", region.size(),
+                    cudaGetErrorString(e));
+      cudaGetLastError();
+    }
+  } else {
+    cudaHostUnregister(region.base());
+    cudaGetLastError();
+  }
+}
+#endif
+
+}  // namespace
+
+struct WorkerDaemon::Impl {
+  WorkerConfig config;
+  metrics::Registry registry;
+  std::unique_ptr<WorkerMetrics> metrics;
+  std::optional<tok::BpeTokenizer> tokenizer;
+  std::unique_ptr<eng::Engine> engine;
+  std::optional<PromptBuilder> prompts;
+  std::unique_ptr<client::ManagerClient> manager;
+  std::unique_ptr<KvAssembler> request_assembler, job_assembler;
+  std::optional<PlanService> plans;
+  std::optional<KvProducer> producer;
+  std::unique_ptr<WorkerService> service;
+  std::unique_ptr<WorkerRpcServer> server;
+  std::unique_ptr<metrics::MetricsHttpServer> http;
+
+  ~Impl() {
+    // Order: the engine thread finishes the queued requests and hands their answers to the
+    // server, whose destructor sends them; then the producer revokes what it holds.
+    if (service) service->drain();
+    server.reset();
+    http.reset();
+    service.reset();
+  }
+};
+
+WorkerDaemon::WorkerDaemon(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+WorkerDaemon::~WorkerDaemon() = default;
+
+Result<std::unique_ptr<WorkerDaemon>> WorkerDaemon::start(const WorkerConfig& config) {
+  auto impl = std::make_unique<Impl>();
+  Impl& d = *impl;
+  d.config = config;
+
+  // ---- the model ----
+  std::error_code ec;
+  if (std::filesystem::is_directory(config.model_path, ec) &&
+      !std::filesystem::exists(std::filesystem::path(config.model_path) / "config.json", ec)) {
+    return Status(Code::kInvalidArgument,
+                  "--model: " + config.model_path + " is a directory without config.json");
+  }
+  KEEP_ASSIGN_OR_RETURN(auto identity, eng::read_model_identity(config.model_path));
+  eng::LoadOptions lo;
+  lo.threads = config.threads;
+  KEEP_ASSIGN_OR_RETURN(auto model, eng::load_model(config.model_path, lo));
+  if (!model.tokenizer) {
+    return Status(Code::kInvalidArgument, "--model: " + config.model_path + " has no tokenizer");
+  }
+  d.tokenizer.emplace(std::move(*model.tokenizer));
+  auto weights = std::make_shared<const eng::ModelWeights>(std::move(model.weights));
+  const kv::ModelFingerprint fingerprint = eng::kv_fingerprint(
+      weights->config, d.tokenizer->fingerprint(), config.kv_dtype, identity.name);
+
+  std::unique_ptr<eng::Backend> backend;
+#ifdef KEEP_HAVE_CUDA
+  if (config.device != "cpu") {
+    auto cuda = eng::CudaBackend::create(*weights);
+    if (cuda.is_ok()) {
+      backend = std::move(cuda).value();
+    } else if (config.device == "cuda") {
+      return cuda.status().with_context("--device cuda");
+    } else {
+      KEEP_LOG_INFO(kLog, "running on the CPU: %s", cuda.status().message().c_str());
+    }
+  }
+#else
+  if (config.device == "cuda") {
+    return Status(Code::kInvalidArgument, "--device cuda: this build has no CUDA backend");
+  }
+#endif
+  if (!backend) {
+    eng::CpuBackendOptions bo;
+    bo.attention_threads = config.threads;
+    bo.blas_threads = config.threads;
+    KEEP_ASSIGN_OR_RETURN(backend, eng::CpuBackend::create(weights, bo));
+  }
+  const std::string backend_name = backend->name();
+  KEEP_ASSIGN_OR_RETURN(d.engine, eng::Engine::create(std::move(backend)));
+  KEEP_ASSIGN_OR_RETURN(auto chat, tok::ChatTemplate::from_jinja(model.chat_template));
+  KEEP_ASSIGN_OR_RETURN(auto prompts, PromptBuilder::create(&*d.tokenizer, chat));
+  d.prompts.emplace(std::move(prompts));
+  KEEP_ASSIGN_OR_RETURN(d.request_assembler,
+                        KvAssembler::create(*d.engine, d.prompts->prefix(), config.context));
+  KEEP_ASSIGN_OR_RETURN(d.job_assembler,
+                        KvAssembler::create(*d.engine, d.prompts->prefix(), config.context));
+
+  // ---- the manager ----
+  client::ClientOptions co;
+  co.endpoint = config.manager;
+  co.timeout = config.manager_timeout;
+  KEEP_ASSIGN_OR_RETURN(d.manager, client::ManagerClient::connect(co));
+
+  const uint64_t worker_id = config.worker_id != 0 ? config.worker_id : derived_worker_id();
+  d.plans.emplace(d.request_assembler.get(), &*d.prompts, &*d.tokenizer, d.manager.get(), nullptr,
+                  config.defaults);
+  d.producer.emplace(d.job_assembler.get(), &*d.prompts, d.manager.get(), nullptr, worker_id);
+  d.metrics = std::make_unique<WorkerMetrics>(d.registry);
+
+  WorkerServiceOptions so;
+  so.max_queue = config.max_queue;
+  so.max_k = config.max_k;
+  so.max_tokens = config.max_tokens;
+  so.job_layers = config.job_layers;
+  so.produce = config.produce;
+  so.worker_id = worker_id;
+  so.job_poll = config.job_poll;
+  so.shm_name = config.shm_name;
+  so.fingerprint = fingerprint;
+  so.server_version = std::string("keep-worker ") + KEEP_VERSION_STRING + " (" + backend_name + ")";
+#ifdef KEEP_HAVE_CUDA
+  if (backend_name.find("cuda") != std::string::npos) so.on_region = register_region;
+#endif
+  d.service = std::make_unique<WorkerService>(&*d.plans, &*d.producer, so, d.metrics.get());
+
+  // ---- the endpoints ----
+  wire::ServerOptions wo;
+  wo.endpoints = config.endpoints;
+  wo.limits.max_message_bytes = config.max_message_bytes;
+  KEEP_ASSIGN_OR_RETURN(d.server, WorkerRpcServer::create(std::move(wo), d.service.get()));
+  d.service->start([server = d.server.get()](std::unique_ptr<WorkerCall> call) {
+    server->complete(std::move(call));
+  });
+  if (!config.metrics_listen.empty()) {
+    KEEP_ASSIGN_OR_RETURN(auto mo, parse_listen(config.metrics_listen));
+    KEEP_ASSIGN_OR_RETURN(d.http, metrics::MetricsHttpServer::start(d.registry, mo));
+  }
+  d.registry.add_collect_hook(
+      [&d] { d.metrics->region_attached.get().set(d.service->region_attached() ? 1 : 0); });
+
+  std::string eps;
+  for (const auto& e : d.server->bound_endpoints()) eps += (eps.empty() ? "" : ",") + e;
+  KEEP_LOG_INFO(kLog,
+                "serving on %s; metrics on %s; model %s on %s; method %s; manager %s; region '%s'",
+                eps.c_str(), d.http ? d.http->address().c_str() : "off", identity.name.c_str(),
+                backend_name.c_str(), method_name(config.defaults.method), config.manager.c_str(),
+                config.shm_name.c_str());
+  return std::unique_ptr<WorkerDaemon>(new WorkerDaemon(std::move(impl)));
+}
+
+void WorkerDaemon::run() { impl_->server->run(); }
+
+void WorkerDaemon::stop() { impl_->server->stop(); }
+
+const std::vector<std::string>& WorkerDaemon::endpoints() const {
+  return impl_->server->bound_endpoints();
+}
+
+std::string WorkerDaemon::metrics_address() const {
+  return impl_->http ? impl_->http->address() : std::string();
+}
+
+}  // namespace keep::worker
