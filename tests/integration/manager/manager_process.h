@@ -20,6 +20,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <optional>
@@ -208,8 +209,8 @@ class ManagerProcess {
       const size_t at = log.find("manager: serving on ");
       if (at != std::string::npos && log.find('\n', at) != std::string::npos) {
         const std::string line = log.substr(at, log.find('\n', at) - at);
-        const size_t ep = line.find("tcp://");
-        endpoint_ = line.substr(ep, line.find(';', ep) - ep);
+        const size_t ep = std::strlen("manager: serving on ");  // the first endpoint
+        endpoint_ = line.substr(ep, line.find_first_of(",;", ep) - ep);
         const size_t m = line.find("metrics on ");
         metrics_ = line.substr(m + 11, line.find(';', m) - (m + 11));
         return true;
