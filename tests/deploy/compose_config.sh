@@ -12,7 +12,8 @@ else
   echo "compose_config: neither 'docker compose' nor docker-compose is installed" >&2
   exit 1
 fi
-for f in deploy/Dockerfile.manager deploy/Dockerfile.worker deploy/prometheus.yml deploy/manager.conf; do
+for f in deploy/Dockerfile.manager deploy/Dockerfile.worker deploy/prometheus.yml deploy/manager.conf \
+    deploy/worker.conf; do
   [ -f "$f" ] || { echo "compose_config: $f is missing" >&2; exit 1; }
 done
 promtool check config deploy/prometheus.yml >/dev/null

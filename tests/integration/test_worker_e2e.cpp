@@ -316,3 +316,25 @@ TEST_CASE("a restarted keep-manager is reconnected to; at most the request in fl
   CHECK(reused);
   CHECK(w.err().find("was replaced or removed") != std::string::npos);
 }
+
+TEST_CASE("deploy/worker.conf is read by keep-worker; a worker starts before its manager") {
+  it::TempDir tmp("worker-conf");
+  // The container's addresses and paths are overridden by the flags after it; every other
+  // setting of the file is taken as it is. No manager runs: the worker serves without reuse.
+  it::WorkerProcess w(
+      {tmp.str(),
+       "tcp://127.0.0.1:1",
+       it::unique_name("noregion"),
+       {"--config", std::string(KEEP_SOURCE_DIR) + "/deploy/worker.conf", "--endpoint",
+        "tcp://127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", "--model", it::model_path(),
+        "--device", "cpu", "--manager", "tcp://127.0.0.1:1", "--manager-timeout-ms", "300"}});
+  auto wc = worker_client(w.endpoint(), 10s);
+  CHECK(wc->ping().is_ok());
+  const std::string text = metrics_text(w.metrics());
+  CHECK(it::metric_value(text, "keep_worker_region_attached") == 0);
+  // Without a manager a completion fails with the manager's code, and the worker goes on.
+  auto r = wc->complete(ask(kc::PlanMethod::kKeep));
+  CHECK(r.status().code() == Code::kTimeout);
+  CHECK(wc->ping().is_ok());
+  CHECK(w.terminate() == 0);
+}
