@@ -179,6 +179,15 @@ Result<bool> Options::boolean(const std::string& name) const {
   return Status(Code::kInvalidArgument, "--" + name + ": not a boolean: '" + v + "'");
 }
 
+std::vector<std::string> Options::list(const std::string& name) const {
+  std::vector<std::string> out;
+  std::stringstream items(str(name));
+  for (std::string item; std::getline(items, item, ',');) {
+    if (!item.empty()) out.push_back(item);
+  }
+  return out;
+}
+
 Result<uint64_t> Options::bytes(const std::string& name) const {
   const std::string& v = str(name);
   static constexpr std::pair<const char*, uint64_t> kUnits[] = {

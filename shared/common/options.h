@@ -42,6 +42,8 @@ class Options {
   Result<uint64_t> uint64(const std::string& name) const;
   Result<double> number(const std::string& name) const;
   Result<bool> boolean(const std::string& name) const;  // true/false/1/0/yes/no/on/off
+  // "a,b,,c" -> {"a", "b", "c"} (empty items dropped).
+  std::vector<std::string> list(const std::string& name) const;
   // "64KiB", "2MiB", "1GiB", "4096" -> bytes.
   Result<uint64_t> bytes(const std::string& name) const;
 

@@ -23,6 +23,12 @@ uint32_t dtype_size(KvDType dtype) {
   return 0;
 }
 
+Result<KvDType> parse_region_dtype(std::string_view name) {
+  if (name == "bf16") return KvDType::kBF16;
+  if (name == "f32") return KvDType::kF32;
+  return Status(Code::kInvalidArgument, "expected bf16 or f32, got '" + std::string(name) + "'");
+}
+
 std::string dtype_name(KvDType dtype) {
   switch (dtype) {
     case KvDType::kF16:

@@ -26,6 +26,9 @@ enum class RopeScaling : uint8_t { kNone = 0, kLinear = 1, kDynamic = 2, kYarn =
 uint32_t dtype_size(KvDType dtype);
 // "f16", "bf16", "f32", "f8e4m3", or "dtype(<n>)" for an unknown value.
 std::string dtype_name(KvDType dtype);
+// The dtypes a region's KV is written in (--kv-dtype of both services): "bf16" or "f32";
+// kInvalidArgument naming what was given otherwise.
+Result<KvDType> parse_region_dtype(std::string_view name);
 std::string rope_scaling_name(RopeScaling scaling);
 
 inline constexpr size_t kModelNameBytes = 64;  // NUL-padded, at most 63 characters

@@ -4,6 +4,7 @@
 #include <cstdio>
 
 #include "services/manager/daemon/manager_daemon.h"
+#include "shared/common/daemon_main.h"
 #include "shared/common/log.h"
 
 namespace {
@@ -22,39 +23,15 @@ int main(int argc, char** argv) {
   keep::Options opts("keep-manager",
                      "the KEEP memory daemon (memories, groups, WAL, shared KV region)");
   keep::manager::declare_manager_options(&opts);
-  keep::Status st = opts.parse(argc, argv);
-  if (!st.is_ok()) {
-    std::fprintf(stderr, "keep-manager: %s\n", st.message().c_str());
-    return 2;
-  }
-  if (opts.help_requested()) {
-    std::fputs(opts.help_text().c_str(), stdout);
-    return 0;
-  }
-  if (!opts.positional().empty()) {
-    std::fprintf(stderr, "keep-manager: unexpected argument '%s' (see --help)\n",
-                 opts.positional()[0].c_str());
-    return 2;
-  }
+  if (auto exit_code = keep::parse_daemon_args(opts, argc, argv)) return *exit_code;
   auto config = keep::manager::read_manager_config(opts);
   if (!config.is_ok()) {
     std::fprintf(stderr, "keep-manager: %s\n", config.status().message().c_str());
     return 2;
   }
-  keep::log::Level level;
-  if (!keep::log::parse_level(config->log_level, &level)) {
-    std::fprintf(stderr, "keep-manager: --log-level: unknown level '%s'\n",
-                 config->log_level.c_str());
-    return 2;
-  }
-  keep::log::set_level(level);
-
+  if (!keep::set_log_level("keep-manager", config->log_level)) return 2;
   // Handlers first: a signal while the models load must not kill the daemon half-started.
-  struct sigaction sa {};
-  sa.sa_handler = on_signal;
-  sigemptyset(&sa.sa_mask);
-  for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaction(sig, &sa, nullptr);
-  for (int sig : {SIGPIPE, SIGUSR1, SIGUSR2}) std::signal(sig, SIG_IGN);
+  keep::install_stop_signals(on_signal);
 
   auto daemon = keep::manager::ManagerDaemon::start(*config);
   if (!daemon.is_ok()) {

@@ -1,7 +1,5 @@
 #include "services/manager/daemon/manager_config.h"
 
-#include <sstream>
-
 namespace keep::manager {
 
 void declare_manager_options(Options* o) {
@@ -62,10 +60,7 @@ void declare_manager_options(Options* o) {
 
 Result<ManagerConfig> read_manager_config(const Options& o) {
   ManagerConfig c;
-  std::stringstream eps(o.str("endpoint"));
-  for (std::string e; std::getline(eps, e, ',');) {
-    if (!e.empty()) c.endpoints.push_back(e);
-  }
+  c.endpoints = o.list("endpoint");
   if (c.endpoints.empty()) return Status(Code::kInvalidArgument, "--endpoint: no endpoint given");
   c.metrics_listen = o.str("metrics-listen") == "off" ? "" : o.str("metrics-listen");
   c.data_dir = o.str("data-dir");
@@ -133,14 +128,11 @@ Result<ManagerConfig> read_manager_config(const Options& o) {
     c.shm_mode = static_cast<uint32_t>(mode);
   }
 
-  const std::string& dt = o.str("kv-dtype");
-  if (dt == "bf16") {
-    c.kv_dtype = kv::KvDType::kBF16;
-  } else if (dt == "f32") {
-    c.kv_dtype = kv::KvDType::kF32;
-  } else {
-    return Status(Code::kInvalidArgument, "--kv-dtype: expected bf16 or f32, got '" + dt + "'");
+  auto dtype = kv::parse_region_dtype(o.str("kv-dtype"));
+  if (!dtype.is_ok()) {
+    return Status(Code::kInvalidArgument, "--kv-dtype: " + dtype.status().message());
   }
+  c.kv_dtype = *dtype;
 
   KEEP_ASSIGN_OR_RETURN(uint64_t lease, o.uint64("lease-ms"));
   if (lease == 0) return Status(Code::kInvalidArgument, "--lease-ms: must be >= 1");

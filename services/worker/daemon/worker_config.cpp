@@ -1,7 +1,5 @@
 #include "services/worker/daemon/worker_config.h"
 
-#include <sstream>
-
 namespace keep::worker {
 
 void declare_worker_options(Options* o) {
@@ -47,10 +45,7 @@ Status bad(const std::string& what) { return Status(Code::kInvalidArgument, what
 
 Result<WorkerConfig> read_worker_config(const Options& o) {
   WorkerConfig c;
-  std::stringstream eps(o.str("endpoint"));
-  for (std::string e; std::getline(eps, e, ',');) {
-    if (!e.empty()) c.endpoints.push_back(e);
-  }
+  c.endpoints = o.list("endpoint");
   if (c.endpoints.empty()) return bad("--endpoint: no endpoint given");
   c.manager = o.str("manager");
   if (c.manager.empty()) return bad("--manager: empty");
@@ -71,14 +66,11 @@ Result<WorkerConfig> read_worker_config(const Options& o) {
   if (ctx < 64 || ctx > (1u << 20)) return bad("--context: must be in 64..1048576");
   c.context = static_cast<int32_t>(ctx);
   c.shm_name = o.str("shm-name");
-  const std::string& dt = o.str("kv-dtype");
-  if (dt == "bf16") {
-    c.kv_dtype = kv::KvDType::kBF16;
-  } else if (dt == "f32") {
-    c.kv_dtype = kv::KvDType::kF32;
-  } else {
-    return bad("--kv-dtype: expected bf16 or f32, got '" + dt + "'");
+  auto dtype = kv::parse_region_dtype(o.str("kv-dtype"));
+  if (!dtype.is_ok()) {
+    return Status(Code::kInvalidArgument, "--kv-dtype: " + dtype.status().message());
   }
+  c.kv_dtype = *dtype;
   auto method = parse_method(o.str("method"));
   if (!method) return bad("--method: unknown method '" + o.str("method") + "'");
   c.defaults.method = *method;

@@ -155,64 +155,28 @@ inline std::vector<std::string> lines_of(const std::string& text) {
   return out;
 }
 
-// One keep-manager process on a data dir. Binds tcp://127.0.0.1:0 and 127.0.0.1:0 for /metrics
-// and reads the bound addresses from its "serving on ..." log line, so no port can be raced for.
-class ManagerProcess {
+// A daemon child process: its logs, whether it lives, kill -9, SIGTERM, and the endpoint and
+// metrics address it logged in its "<tag>: serving on E[,...]; metrics on M; ..." line.
+class DaemonProcess {
  public:
-  struct Options {
-    std::string data_dir;
-    std::string shm_name;
-    std::vector<std::string> extra;  // more flags, e.g. {"--snapshot-every", "64"}
-    bool wait_ready = true;
-    bool unlink_shm = true;  // false: the name may be another live manager's; leave it
-  };
-
-  explicit ManagerProcess(Options o) : opt_(std::move(o)) {
-    static std::atomic<int> run{0};
-    const fs::path logs = fs::path(opt_.data_dir).parent_path();
-    const std::string stem =
-        fs::path(opt_.data_dir).filename().string() + "." + std::to_string(run++);
-    out_file_ = (logs / (stem + ".stdout")).string();
-    err_file_ = (logs / (stem + ".stderr")).string();
-    std::vector<std::string> argv = {bin_path("keep-manager"),
-                                     "--data-dir",
-                                     opt_.data_dir,
-                                     "--endpoint",
-                                     "tcp://127.0.0.1:0",
-                                     "--metrics-listen",
-                                     "127.0.0.1:0",
-                                     "--shm-name",
-                                     opt_.shm_name,
-                                     "--shm-bytes",
-                                     "16MiB",
-                                     "--encoder",
-                                     encoder_dir(),
-                                     "--model",
-                                     model_path()};
-    argv.insert(argv.end(), opt_.extra.begin(), opt_.extra.end());
-    pid_ = spawn(argv, out_file_, err_file_);
-    if (opt_.wait_ready)
-      REQUIRE_MESSAGE(wait_ready(30000ms), "keep-manager did not start:\n" << err());
-  }
-  ~ManagerProcess() {
-    kill9();
-    if (opt_.unlink_shm) ::shm_unlink(opt_.shm_name.c_str());
-  }
-  ManagerProcess(const ManagerProcess&) = delete;
-  ManagerProcess& operator=(const ManagerProcess&) = delete;
+  DaemonProcess() = default;
+  DaemonProcess(const DaemonProcess&) = delete;
+  DaemonProcess& operator=(const DaemonProcess&) = delete;
+  ~DaemonProcess() { kill9(); }
 
   // Polls the log for the "serving on" line; false if the process exited or time ran out.
   bool wait_ready(std::chrono::milliseconds timeout) {
+    const std::string mark = tag_ + ": serving on ";
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     while (std::chrono::steady_clock::now() < deadline) {
       const std::string log = err();
-      const size_t at = log.find("manager: serving on ");
+      const size_t at = log.find(mark);
       if (at != std::string::npos && log.find('\n', at) != std::string::npos) {
         const std::string line = log.substr(at, log.find('\n', at) - at);
-        const size_t ep = std::strlen("manager: serving on ");  // the first endpoint
+        const size_t ep = mark.size();  // the first endpoint
         endpoint_ = line.substr(ep, line.find_first_of(",;", ep) - ep);
-        const size_t m = line.find("metrics on ");
-        metrics_ = line.substr(m + 11, line.find(';', m) - (m + 11));
+        const size_t m = line.find("metrics on ") + 11;
+        metrics_ = line.substr(m, line.find(';', m) - m);
         return true;
       }
       if (!alive()) return false;
@@ -232,7 +196,7 @@ class ManagerProcess {
     return true;
   }
   void kill9() {
-    if (!alive()) return;
+    if (pid_ <= 0 || !alive()) return;
     ::kill(pid_, SIGKILL);
     int status = 0;
     ::waitpid(pid_, &status, 0);
@@ -260,18 +224,72 @@ class ManagerProcess {
   }
 
   pid_t pid() const { return pid_; }
-  const std::string& endpoint() const { return endpoint_; }  // tcp://127.0.0.1:<port>
+  const std::string& endpoint() const { return endpoint_; }  // e.g. tcp://127.0.0.1:<port>
   const std::string& metrics() const { return metrics_; }    // 127.0.0.1:<port>
   std::string err() const { return read_text(err_file_); }
   std::string out() const { return read_text(out_file_); }
 
+ protected:
+  // Starts `argv` with its output in <log_dir>/<stem>.stdout and .stderr.
+  void launch(const std::vector<std::string>& argv, const fs::path& log_dir,
+              const std::string& stem, std::string tag) {
+    tag_ = std::move(tag);
+    out_file_ = (log_dir / (stem + ".stdout")).string();
+    err_file_ = (log_dir / (stem + ".stderr")).string();
+    pid_ = spawn(argv, out_file_, err_file_);
+  }
+
  private:
-  Options opt_;
+  std::string tag_;
   std::string out_file_, err_file_;
   pid_t pid_ = -1;
   bool exited_ = false;
   int status_ = 0;
   std::string endpoint_, metrics_;
+};
+
+// One keep-manager process on a data dir. Binds tcp://127.0.0.1:0 and 127.0.0.1:0 for /metrics
+// and reads the bound addresses from its "serving on ..." log line, so no port can be raced for.
+class ManagerProcess : public DaemonProcess {
+ public:
+  struct Options {
+    std::string data_dir;
+    std::string shm_name;
+    std::vector<std::string> extra;  // more flags, e.g. {"--snapshot-every", "64"}
+    bool wait_ready = true;
+    bool unlink_shm = true;  // false: the name may be another live manager's; leave it
+  };
+
+  explicit ManagerProcess(Options o) : opt_(std::move(o)) {
+    static std::atomic<int> run{0};
+    std::vector<std::string> argv = {bin_path("keep-manager"),
+                                     "--data-dir",
+                                     opt_.data_dir,
+                                     "--endpoint",
+                                     "tcp://127.0.0.1:0",
+                                     "--metrics-listen",
+                                     "127.0.0.1:0",
+                                     "--shm-name",
+                                     opt_.shm_name,
+                                     "--shm-bytes",
+                                     "16MiB",
+                                     "--encoder",
+                                     encoder_dir(),
+                                     "--model",
+                                     model_path()};
+    argv.insert(argv.end(), opt_.extra.begin(), opt_.extra.end());
+    launch(argv, fs::path(opt_.data_dir).parent_path(),
+           fs::path(opt_.data_dir).filename().string() + "." + std::to_string(run++), "manager");
+    if (opt_.wait_ready)
+      REQUIRE_MESSAGE(wait_ready(30000ms), "keep-manager did not start:\n" << err());
+  }
+  ~ManagerProcess() {
+    kill9();
+    if (opt_.unlink_shm) ::shm_unlink(opt_.shm_name.c_str());
+  }
+
+ private:
+  Options opt_;
 };
 
 // GET http://<host:port><path> over a plain socket: the body of a 200 answer, or nullopt.
