@@ -1,5 +1,6 @@
 // keep_fuzz_seeds: writes the seeds that only the project's own writers can make (a snapshot
-// file and a store payload, a KV region's header and directory) into tests/fuzz/corpus/.
+// file and a store payload, a KV region's header and directory, request frames of both
+// protocols) into tests/fuzz/corpus/.
 //   build-fuzz/fuzz/keep_fuzz_seeds <repo>/tests/fuzz/corpus
 // The text seeds (GGUF, safetensors, JSON) come from tests/fuzz/make_seeds.py.
 #include <unistd.h>
@@ -10,7 +11,11 @@
 #include <fstream>
 #include <string>
 
+#include <capnp/message.h>
+
 #include "services/manager/durability/snapshot_file.h"
+#include "shared/client/protocols.h"
+#include "shared/rpc/wire_codec.h"
 #include "shared/kvregion/kv_region.h"
 #include "tests/fuzz/fuzz_store.h"
 
@@ -95,6 +100,68 @@ std::string region_prefix() {
   return std::string(base, kv::kHeaderBytes + kv::directory_bytes(o.max_entries));
 }
 
+// A request frame of protocol P whose union member `fill` sets.
+template <typename P, typename Fill>
+std::string frame(Fill&& fill) {
+  capnp::MallocMessageBuilder message;
+  auto request = message.initRoot<typename P::Request>();
+  request.setProtocolVersion(P::kVersion);
+  request.setRequestId(7);
+  request.setTimeoutMs(5000);
+  fill(request);
+  return keep::wire::encode(message);
+}
+
+void write_wire_seeds(const fs::path& corpus) {
+  using MP = keep::client::ManagerProtocol;
+  using WP = keep::client::WorkerProtocol;
+  const fs::path m = corpus / "fuzz_wire_decode";
+  write_file(m / "ping", frame<MP>([](auto r) { r.initPing(); }));
+  write_file(m / "write", frame<MP>([](auto r) {
+               auto w = r.initWriteMemory();
+               w.setAgent("robot");
+               w.setText("The milk is in the fridge.");
+               w.setKind(keep::proto::SegmentKind::OBJECT_STATE);
+             }));
+  write_file(m / "retrieve", frame<MP>([](auto r) {
+               auto q = r.initRetrieve();
+               q.setAgent("robot");
+               q.setQuery("milk");
+               q.setK(4);
+             }));
+  write_file(m / "advance-step", frame<MP>([](auto r) {
+               auto a = r.initAdvanceStep();
+               a.setAgent("robot");
+               a.setBy(3);
+             }));
+  const fs::path w = corpus / "fuzz_worker_decode";
+  write_file(w / "ping", frame<WP>([](auto r) { r.setPing(); }));
+  write_file(w / "complete", frame<WP>([](auto r) {
+               auto c = r.initComplete();
+               c.setAgent("robot");
+               c.setInstruction("Bring me a glass of milk.");
+               auto h = c.initHistory(1);
+               h.set(0, "walk to the kitchen");
+               c.setK(8);
+               c.setMethod(keep::proto::worker::Method::KEEP);
+               auto k = c.initKnobs();
+               k.setHasDecay(true);
+               k.setDecay(0.9);
+               k.setHasMaxHops(true);
+               k.setMaxHops(4);
+               c.setMaxTokens(16);
+             }));
+  write_file(w / "score", frame<WP>([](auto r) {
+               auto c = r.initComplete();
+               c.setAgent("robot");
+               c.setInstruction("Bring me a glass of milk.");
+               c.setMethod(keep::proto::worker::Method::CACHEBLEND);
+               auto cands = c.initCandidates(2);
+               cands.set(0, "open the fridge");
+               cands.set(1, "go to the bathroom");
+             }));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -108,5 +175,6 @@ int main(int argc, char** argv) {
   write_file(corpus / "fuzz_snapshot_reader" / "snapshot-file",
              keep::manager::encode_snapshot(42, payload));
   write_file(corpus / "fuzz_kv_region_header" / "region-header-and-directory", region_prefix());
+  write_wire_seeds(corpus);
   return 0;
 }

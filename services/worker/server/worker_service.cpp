@@ -1,5 +1,7 @@
 #include "services/worker/server/worker_service.h"
 
+#include <kj/exception.h>
+
 #include <cmath>
 #include <utility>
 
@@ -213,7 +215,13 @@ void WorkerService::handle_batch(std::span<WorkerCall> calls) {
         break;
       }
       case wp::Request::COMPLETE: {
-        auto args = decode_complete(req.getComplete(), options_, plans_->defaults());
+        Result<CompleteArgs> args = Status(Code::kInternal, "not decoded");
+        try {
+          args = decode_complete(req.getComplete(), options_, plans_->defaults());
+        } catch (const kj::Exception& e) {  // e.g. a Text without its NUL
+          args = Status(Code::kMalformed,
+                        std::string("undecodable completion: ") + e.getDescription().cStr());
+        }
         if (!args.is_ok()) {
           refuse(call, args.status());
           break;
