@@ -18,10 +18,10 @@
 
 #include <cuda_runtime.h>
 
-#include "services/worker/engine/cuda_backend.h"
-#include "services/worker/engine/engine.h"
-#include "services/worker/engine/model_weights.h"
+#include "services/worker/engine/core/engine.h"
+#include "services/worker/engine/cuda/cuda_backend.h"
 #include "services/worker/kernels/kernels.h"
+#include "shared/model/model_weights.h"
 #include "tests/engine_fixture.h"
 #include "tests/unit/engine_test_model.h"
 

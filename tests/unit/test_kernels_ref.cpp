@@ -13,7 +13,7 @@
 #include <utility>
 #include <vector>
 
-#include "services/worker/engine/rope.h"
+#include "services/worker/engine/core/rope.h"
 #include "services/worker/kernels/bf16.h"
 #include "services/worker/kernels/reference.h"
 

@@ -41,8 +41,8 @@ cudaError_t rmsnorm_residual(__nv_bfloat16* out, __nv_bfloat16* residual, const 
                              const __nv_bfloat16* weight, int64_t rows, int64_t cols, float eps,
                              cudaStream_t stream);
 
-// RoPE in place, HF half-split layout (services/worker/engine/rope.h): x (n, row_stride) holding
-// (heads, head_dim) at the start of each row, row r rotated to positions[r] (n, int32) with
+// RoPE in place, HF half-split layout (services/worker/engine/core/rope.h): x (n, row_stride)
+// holding (heads, head_dim) at the start of each row, row r rotated to positions[r] (n, int32) with
 // inv_freq (head_dim / 2, fp32). head_dim must be even, row_stride >= heads * head_dim. Serves Q,
 // K, and pre-RoPE K loaded from the cache alike.
 cudaError_t rope(float* x, const int32_t* positions, const float* inv_freq, int64_t n,

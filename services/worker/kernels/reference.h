@@ -25,8 +25,8 @@ template <typename T>
 void rmsnorm_residual(T* out, T* residual, const T* x, const T* weight, int64_t rows, int64_t cols,
                       float eps);
 
-// RoPE in place, HF half-split ("rotate_half") layout, as services/worker/engine/rope.h: for row r,
-// head h and i < head_dim/2, angle = float(positions[r]) * inv_freq[i] (fp32 product),
+// RoPE in place, HF half-split ("rotate_half") layout, as services/worker/engine/core/rope.h: for
+// row r, head h and i < head_dim/2, angle = float(positions[r]) * inv_freq[i] (fp32 product),
 //   x[i]        = x[i] * cos - x[i + half] * sin
 //   x[i + half] = x[i + half] * cos + x[i] * sin
 // x: (n, row_stride) with the heads packed at the start of each row: (n, heads, head_dim) when

@@ -1,4 +1,4 @@
-// RoPE in place, HF half-split layout; the semantics of services/worker/engine/rope.h.
+// RoPE in place, HF half-split layout; the semantics of services/worker/engine/core/rope.h.
 #include "services/worker/kernels/common.cuh"
 #include "services/worker/kernels/kernels.h"
 

@@ -27,10 +27,10 @@
 #include <string>
 #include <vector>
 
-#include "services/worker/engine/backend.h"
-#include "services/worker/engine/model_weights.h"
+#include "services/worker/engine/core/backend.h"
 #include "services/worker/kernels/gemm.h"
 #include "services/worker/kernels/kernels.h"
+#include "shared/model/model_weights.h"
 
 namespace keep::engine {
 

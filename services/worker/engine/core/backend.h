@@ -17,9 +17,9 @@
 #include <memory>
 #include <string>
 
-#include "services/worker/engine/attention_layout.h"
-#include "services/worker/engine/model_config.h"
+#include "services/worker/engine/core/attention_layout.h"
 #include "shared/common/status.h"
+#include "shared/model/model_config.h"
 
 namespace keep::engine {
 

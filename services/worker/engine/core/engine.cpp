@@ -1,4 +1,4 @@
-#include "services/worker/engine/engine.h"
+#include "services/worker/engine/core/engine.h"
 
 #include <algorithm>
 #include <atomic>

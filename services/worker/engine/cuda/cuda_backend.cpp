@@ -1,4 +1,4 @@
-#include "services/worker/engine/cuda_backend.h"
+#include "services/worker/engine/cuda/cuda_backend.h"
 
 #include <algorithm>
 #include <cmath>

@@ -21,11 +21,11 @@
 #include <span>
 #include <vector>
 
-#include "services/worker/engine/attention_layout.h"
-#include "services/worker/engine/backend.h"
-#include "services/worker/engine/model_config.h"
-#include "services/worker/engine/sampling.h"
+#include "services/worker/engine/core/attention_layout.h"
+#include "services/worker/engine/core/backend.h"
+#include "services/worker/engine/core/sampling.h"
 #include "shared/common/status.h"
+#include "shared/model/model_config.h"
 
 namespace keep::engine {
 

@@ -1,4 +1,4 @@
-#include "services/worker/engine/attention_layout.h"
+#include "services/worker/engine/core/attention_layout.h"
 
 #include <algorithm>
 #include <utility>
