@@ -57,15 +57,15 @@ struct CudaBackendOptions {
   // the H200 (Qwen2.5-7B products) gemv wins at 1 and 2 rows (o_proj 10.3 vs 16.7 us, QKV 12.1 vs
   // 17.8, gate|up 68.9 vs 77.3, down 41.7 vs 44.6 at one row) and loses from 4.
   int32_t gemv_rows = 2;
-  // CUDA graphs for recurring prefill chunks (Engine::prefill: a chunk of 64 rows or more whose
-  // key -- cache, size before it, length -- comes again is recorded on its second run and replayed
-  // from its third: its first layer kernel by kernel, the others as two graph launches, instead of
-  // ~10 launches a layer). Everything else runs kernel by kernel either way. On the H200, isolated
-  // 1024-token prefills of Qwen2.5-14B, the two in alternation in one process: 37.69 / 37.70 ms
-  // replayed against 38.12 / 37.99 kernel by kernel (benchmarks/RESULTS.md run 23). A layer loop
-  // captured through Backend::Capture::finish() (not kept) is captured again on every call and
-  // updated into an instantiated graph of the same topology; that never paid (run 3), and the
-  // engine no longer does it.
+  // CUDA graphs for recurring prefill chunks (Engine::prefill, replay_cache.h: a chunk of 64 rows
+  // or more whose key -- cache, size before it, length -- comes again is recorded on its second run
+  // and replayed from its third: its first layer kernel by kernel, the others as two graph
+  // launches, instead of ~10 launches a layer). Everything else runs kernel by kernel either way.
+  // On the H200, isolated 1024-token prefills of Qwen2.5-14B, the two in alternation in one
+  // process: 37.69 / 37.70 ms replayed against 38.12 / 37.99 kernel by kernel
+  // (benchmarks/RESULTS.md run 23). A layer loop captured through Backend::Capture::finish() (not
+  // for replay) is captured again on every call and updated into an instantiated graph of the same
+  // topology; that never paid (run 3), and the engine no longer does it.
   bool graphs = true;
   // The tiled prefill attention kernel (kernels.h PrefillKernel): kAuto = wgmma on Hopper (an
   // sm_90a build; one K buffer and three blocks an SM for launches of kPrefillOneKMinBlocksPerSm
@@ -171,13 +171,13 @@ class CudaBackend final : public Backend {
 
   void begin_capture() override;
   void end_capture(bool run) override;
-  uint64_t end_capture_kept() override;
-  KeptState kept_state(uint64_t handle) const override;
+  uint64_t end_capture_for_replay() override;
+  ReplayState replay_state(uint64_t handle) const override;
   void replay(uint64_t handle) override;
-  void drop_kept(uint64_t handle) override;
+  void drop_recording(uint64_t handle) override;
   void capture_split() override;
-  size_t kept_sequences() const { return kept_.size(); }
-  uint64_t replays() const { return replays_; }  // kept sequences run again since creation
+  size_t recordings() const { return recordings_.size(); }
+  uint64_t replays() const { return replays_; }  // recordings run again since creation
 
   // Profiling: while on, layer_forward records a CUDA event after each stage (and captures are not
   // made into graphs, so every launch is timed on its own). profile() waits for the stream, returns
@@ -255,23 +255,23 @@ class CudaBackend final : public Backend {
   // chunk differ; steps of one kind update the same executable in place).
   bool capturing_ = false;
   std::vector<std::pair<size_t, cudaGraphExec_t>> graph_execs_;
-  // Kept sequences (end_capture_kept): handle, executable, and the dependent-launch setting they
-  // were recorded under. Dropped when reserve() moves the workspace.
-  struct Kept {
+  // Recordings for replay (end_capture_for_replay): handle, executables, and the dependent-launch
+  // setting they were recorded under. Dropped when reserve() moves the workspace.
+  struct Recording {
     uint64_t handle = 0;
     std::vector<cudaGraphExec_t> parts;  // launched in order
     bool dependent_launch = true;
   };
   std::vector<cudaGraph_t> captured_parts_;  // the open capture's parts before capture_split()s
-  std::vector<Kept> kept_;
-  uint64_t next_kept_ = 0;
+  std::vector<Recording> recordings_;
+  uint64_t next_recording_ = 0;
   uint64_t replays_ = 0;
   // Ends the open capture: the parts capture_split() cut off, then the last, in order.
   std::vector<cudaGraph_t> end_capture_parts();
   // Instantiates and launches each part (destroying the graphs); returns the executables.
   std::vector<cudaGraphExec_t> launch_parts(const std::vector<cudaGraph_t>& parts);
-  std::vector<Kept>::const_iterator find_kept(uint64_t handle) const;
-  void drop_all_kept();
+  std::vector<Recording>::const_iterator find_recording(uint64_t handle) const;
+  void drop_all_recordings();
 
   // l2_persist_residual: the device's limits (0: none), the set-aside reserve() asked for, and the
   // window the stream has now.
