@@ -204,7 +204,7 @@ cudaError_t attention_pool(float* pooled, const __nv_bfloat16* q, int64_t q_stri
                            const int32_t* key_group, int num_groups, int heads, int kv_heads,
                            int head_dim, float scale, cudaStream_t stream);
 
-// ---- logits (logits.cu): greedy, sampling, scoring over fp32 logits (rows, vocab) ----
+// ---- logits (logits.cu): greedy and scoring over fp32 logits (rows, vocab) ----
 // out (rows) = index of the largest logit of each row, lowest index on ties, NaN never wins (an
 // all-NaN row gives 0) — engine::argmax's rule.
 cudaError_t argmax(int32_t* out, const float* logits, int64_t rows, int64_t vocab,
@@ -215,17 +215,5 @@ cudaError_t argmax(int32_t* out, const float* logits, int64_t rows, int64_t voca
 // as does a row holding a NaN logit; an infinite max m gives logits[r, tokens[r]] - m.
 cudaError_t token_logprob(float* out, const float* logits, const int32_t* tokens, int64_t rows,
                           int64_t vocab, cudaStream_t stream);
-
-// Temperature / top-k / top-p sampling, one draw per row with uniforms (rows) in [0, 1); the
-// result is bit-identical to ref::sample (reference_logits.cpp has the rule in full). Each token's
-// mass is an exact integer w_i = floor(2^40 * p_i), p_i = exp((l_i - max) / temperature) from a
-// fixed fma polynomial (NaN logits and p_i < 2^-40 weigh 0), so sums do not depend on order. Keep
-// the shortest prefix of the tokens ordered by (logit desc, index asc) whose mass reaches
-// ceil(top_p * W) (all of W when top_p >= 1), at most top_k tokens when top_k > 0; then walk the
-// kept tokens in INDEX order and return the first whose running mass exceeds floor(u * kept).
-// temperature finite and > 0, top_p in (0, 1], vocab < 2^24 (else cudaErrorInvalidValue).
-cudaError_t sample(int32_t* out, const float* logits, const float* uniforms, int64_t rows,
-                   int64_t vocab, float temperature, float top_p, int32_t top_k,
-                   cudaStream_t stream);
 
 }  // namespace keep::kernels

@@ -93,9 +93,5 @@ void attention_pool(float* pooled, const Bf16* q, int64_t q_stride, const KV* k,
 void argmax(int32_t* out, const float* logits, int64_t rows, int64_t vocab);
 void token_logprob(float* out, const float* logits, const int32_t* tokens, int64_t rows,
                    int64_t vocab);
-// kernels.h sample's rule, exactly (the same fma polynomial for p, integer masses). Returns the
-// token per row in out.
-void sample(int32_t* out, const float* logits, const float* uniforms, int64_t rows, int64_t vocab,
-            float temperature, float top_p, int32_t top_k);
 
 }  // namespace keep::kernels::ref
