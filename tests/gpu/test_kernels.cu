@@ -81,23 +81,6 @@ std::string shape(std::initializer_list<int64_t> dims) {
 }
 
 template <typename T>
-void test_embedding(std::mt19937& rng, int64_t n, int64_t hidden, int64_t vocab) {
-  const auto table = random_vec<T>(rng, static_cast<size_t>(vocab * hidden), -2.0f, 2.0f);
-  std::uniform_int_distribution<int32_t> id(-1, static_cast<int32_t>(vocab));  // a few off-range
-  std::vector<int32_t> ids(n);
-  for (auto& v : ids) v = id(rng);
-  auto want = nan_vec<T>(static_cast<size_t>(n * hidden));
-  ref::embedding(want.data(), table.data(), ids.data(), n, hidden, vocab);
-  Buf<T> d_table(table);
-  Buf<int32_t> d_ids(ids);
-  Buf<T> d_out(nan_vec<T>(want.size()));
-  CUDA_OK(keep::kernels::embedding(d_out.dev(), d_table.dev(), d_ids.template dev<int32_t>(), n,
-                                   hidden, vocab, nullptr));
-  CUDA_OK(cudaDeviceSynchronize());
-  check("embedding " + shape({n, hidden, vocab}), d_out.host(), want);
-}
-
-template <typename T>
 void test_rmsnorm(std::mt19937& rng, int64_t rows, int64_t cols, bool with_x) {
   const float eps = 1e-6f;
   auto residual = random_vec<T>(rng, static_cast<size_t>(rows * cols), -3.0f, 3.0f);
@@ -148,28 +131,9 @@ void test_rope(std::mt19937& rng, int64_t n, int64_t heads, int64_t head_dim, in
 }
 
 template <typename T>
-void test_swiglu(std::mt19937& rng, int64_t n) {
-  auto gate = random_vec<T>(rng, static_cast<size_t>(n), -8.0f, 8.0f);
-  const auto up = random_vec<T>(rng, static_cast<size_t>(n), -3.0f, 3.0f);
-  if (n > 2) {
-    gate[0] = keep::kernels::from_float<T>(-100.0f);  // exp(-g) overflows: silu -> -0
-    gate[1] = keep::kernels::from_float<T>(100.0f);
-  }
-  auto want = nan_vec<T>(gate.size());
-  ref::swiglu(want.data(), gate.data(), up.data(), n);
-  Buf<T> d_gate(gate), d_up(up), d_out(nan_vec<T>(gate.size()));
-  CUDA_OK(keep::kernels::swiglu(d_out.dev(), d_gate.dev(), d_up.dev(), n, nullptr));
-  CUDA_OK(cudaDeviceSynchronize());
-  check("swiglu " + shape({n}), d_out.host(), want);
-}
-
-template <typename T>
 void run_all(std::mt19937& rng) {
   const int64_t odd[] = {1, 3, 7, 19, 733};
   const int64_t hidden[] = {1, 3, 7, 19, 733, 576, 3584};
-  for (int64_t n : odd) {
-    for (int64_t h : hidden) test_embedding<T>(rng, n, h, 37);
-  }
   for (int64_t rows : odd) {
     for (int64_t cols : hidden) {
       if (rows * cols > 733 * 733) continue;
@@ -186,9 +150,6 @@ void run_all(std::mt19937& rng) {
     }
   }
   test_rope<T>(rng, 19, 14, 64, 2 * 2 * 64);  // Qwen2.5-0.5B's Q inside a fused QKV row
-  for (int64_t n : odd) test_swiglu<T>(rng, n);
-  test_swiglu<T>(rng, 733 * 4864);
-  test_swiglu<T>(rng, 3584);
 }
 
 void test_invalid_arguments() {
@@ -199,9 +160,6 @@ void test_invalid_arguments() {
       keep::kernels::rope(p, ip, p, 1, 1, 3, 3, nullptr) == cudaErrorInvalidValue &&  // odd hd
       keep::kernels::rope(p, ip, p, 1, 2, 4, 7, nullptr) == cudaErrorInvalidValue &&  // stride
       keep::kernels::rope(p, ip, p, 1, 1, 4, 4, nullptr) == cudaErrorInvalidValue &&  // null
-      keep::kernels::swiglu(p, p, p, -1, nullptr) == cudaErrorInvalidValue &&
-      keep::kernels::swiglu(p, p, p, 0, nullptr) == cudaSuccess &&
-      keep::kernels::embedding(p, p, ip, 2, 4, 8, nullptr) == cudaErrorInvalidValue &&
       keep::kernels::rmsnorm_residual(p, p, p, p, 0, 5, 1e-6f, nullptr) == cudaSuccess &&
       keep::kernels::rmsnorm_residual(p, p, p, p, 3, 5, 1e-6f, nullptr) == cudaErrorInvalidValue;
   if (!ok) {

@@ -26,12 +26,6 @@ namespace keep::kernels {
 void set_dependent_launch(bool on);
 bool dependent_launch();
 
-// out (n, hidden) = table (vocab, hidden)[ids[t], :]; ids (n) outside [0, vocab) give zero rows.
-cudaError_t embedding(float* out, const float* table, const int32_t* ids, int64_t n, int64_t hidden,
-                      int64_t vocab, cudaStream_t stream);
-cudaError_t embedding(__nv_bfloat16* out, const __nv_bfloat16* table, const int32_t* ids, int64_t n,
-                      int64_t hidden, int64_t vocab, cudaStream_t stream);
-
 // residual (rows, cols) += x (rows, cols) (skipped when x is null), rounded to storage; then
 // out (rows, cols) = rmsnorm(residual) * weight (cols), eps inside the square root. One block per
 // row. out may equal x; out must not overlap residual.
@@ -49,11 +43,6 @@ cudaError_t rope(float* x, const int32_t* positions, const float* inv_freq, int6
                  int64_t heads, int64_t head_dim, int64_t row_stride, cudaStream_t stream);
 cudaError_t rope(__nv_bfloat16* x, const int32_t* positions, const float* inv_freq, int64_t n,
                  int64_t heads, int64_t head_dim, int64_t row_stride, cudaStream_t stream);
-
-// out (n) = silu(gate (n)) * up (n). out may equal gate or up.
-cudaError_t swiglu(float* out, const float* gate, const float* up, int64_t n, cudaStream_t stream);
-cudaError_t swiglu(__nv_bfloat16* out, const __nv_bfloat16* gate, const __nv_bfloat16* up,
-                   int64_t n, cudaStream_t stream);
 
 // ---- element-wise and normalisation kernels of the bf16 transformer block (misc.cu) ----
 // The CUDA backend keeps the residual stream (engine hidden) in fp32 and feeds the matrix products

@@ -6,7 +6,7 @@
 // pointer it touches is 16-byte aligned and the row widths are multiples of 8 (the vector path,
 // W = 8); otherwise the same code runs one element at a time (W = 1). Row-wise kernels run one
 // block per row, grid-strided over rows; element-wise ones are grid-stride loops. No fast math:
-// expf and sincosf are the accurate ones, as in swiglu.cu and rope.cu.
+// expf and sincosf are the accurate ones, as in rope.cu.
 #include <atomic>
 #include <cmath>
 #include <cstdint>

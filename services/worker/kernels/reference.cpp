@@ -5,21 +5,6 @@
 namespace keep::kernels::ref {
 
 template <typename T>
-void embedding(T* out, const T* table, const int32_t* ids, int64_t n, int64_t hidden,
-               int64_t vocab) {
-  for (int64_t t = 0; t < n; ++t) {
-    const int64_t id = ids[t];
-    T* o = out + t * hidden;
-    if (id < 0 || id >= vocab) {
-      for (int64_t i = 0; i < hidden; ++i) o[i] = from_float<T>(0.0f);
-      continue;
-    }
-    const T* row = table + id * hidden;
-    for (int64_t i = 0; i < hidden; ++i) o[i] = row[i];
-  }
-}
-
-template <typename T>
 void rmsnorm_residual(T* out, T* residual, const T* x, const T* weight, int64_t rows, int64_t cols,
                       float eps) {
   for (int64_t r = 0; r < rows; ++r) {
@@ -58,19 +43,9 @@ void rope(T* x, const int32_t* positions, const float* inv_freq, int64_t n, int6
   }
 }
 
-template <typename T>
-void swiglu(T* out, const T* gate, const T* up, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float g = to_float(gate[i]);
-    out[i] = from_float<T>(g / (1.0f + std::exp(-g)) * to_float(up[i]));
-  }
-}
-
-#define KEEP_KERNELS_REF_INSTANTIATE(T)                                                        \
-  template void embedding<T>(T*, const T*, const int32_t*, int64_t, int64_t, int64_t);         \
-  template void rmsnorm_residual<T>(T*, T*, const T*, const T*, int64_t, int64_t, float);      \
-  template void rope<T>(T*, const int32_t*, const float*, int64_t, int64_t, int64_t, int64_t); \
-  template void swiglu<T>(T*, const T*, const T*, int64_t);
+#define KEEP_KERNELS_REF_INSTANTIATE(T)                                                   \
+  template void rmsnorm_residual<T>(T*, T*, const T*, const T*, int64_t, int64_t, float); \
+  template void rope<T>(T*, const int32_t*, const float*, int64_t, int64_t, int64_t, int64_t);
 KEEP_KERNELS_REF_INSTANTIATE(float)
 KEEP_KERNELS_REF_INSTANTIATE(Bf16)
 #undef KEEP_KERNELS_REF_INSTANTIATE

@@ -12,11 +12,6 @@
 
 namespace keep::kernels::ref {
 
-// out (n, hidden) = table[ids[t], :] per token; rows of ids outside [0, vocab) become zeros.
-template <typename T>
-void embedding(T* out, const T* table, const int32_t* ids, int64_t n, int64_t hidden,
-               int64_t vocab);
-
 // Fused residual add + RMSNorm, HF's LlamaRMSNorm in fp32, row by row:
 //   residual[r] = T(residual[r] + x[r])            (skipped when x is null)
 //   out[r][i]   = T(weight[i] * (residual[r][i] * 1 / sqrt(mean(residual[r]^2) + eps)))
@@ -34,11 +29,6 @@ void rmsnorm_residual(T* out, T* residual, const T* x, const T* weight, int64_t 
 template <typename T>
 void rope(T* x, const int32_t* positions, const float* inv_freq, int64_t n, int64_t heads,
           int64_t head_dim, int64_t row_stride);
-
-// SwiGLU: out[i] = T(silu(gate[i]) * up[i]), silu(g) = g / (1 + exp(-g)). All (n). out may equal
-// gate or up.
-template <typename T>
-void swiglu(T* out, const T* gate, const T* up, int64_t n);
 
 // ---- misc.cu (reference_misc.cpp) ----
 // out fp32 = table bf16 rows (zero rows for ids outside [0, vocab)).
