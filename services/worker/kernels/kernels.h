@@ -26,22 +26,17 @@ namespace keep::kernels {
 void set_dependent_launch(bool on);
 bool dependent_launch();
 
-// residual (rows, cols) += x (rows, cols) (skipped when x is null), rounded to storage; then
-// out (rows, cols) = rmsnorm(residual) * weight (cols), eps inside the square root. One block per
-// row. out may equal x; out must not overlap residual.
+// residual (rows, cols) += x (rows, cols) (skipped when x is null); then out (rows, cols) =
+// rmsnorm(residual) * weight (cols), eps inside the square root, all fp32. One block per row. out
+// may equal x; out must not overlap residual.
 cudaError_t rmsnorm_residual(float* out, float* residual, const float* x, const float* weight,
                              int64_t rows, int64_t cols, float eps, cudaStream_t stream);
-cudaError_t rmsnorm_residual(__nv_bfloat16* out, __nv_bfloat16* residual, const __nv_bfloat16* x,
-                             const __nv_bfloat16* weight, int64_t rows, int64_t cols, float eps,
-                             cudaStream_t stream);
 
 // RoPE in place, HF half-split layout (services/worker/engine/core/rope.h): x (n, row_stride)
 // holding (heads, head_dim) at the start of each row, row r rotated to positions[r] (n, int32) with
 // inv_freq (head_dim / 2, fp32). head_dim must be even, row_stride >= heads * head_dim. Serves Q,
 // K, and pre-RoPE K loaded from the cache alike.
 cudaError_t rope(float* x, const int32_t* positions, const float* inv_freq, int64_t n,
-                 int64_t heads, int64_t head_dim, int64_t row_stride, cudaStream_t stream);
-cudaError_t rope(__nv_bfloat16* x, const int32_t* positions, const float* inv_freq, int64_t n,
                  int64_t heads, int64_t head_dim, int64_t row_stride, cudaStream_t stream);
 
 // ---- element-wise and normalisation kernels of the bf16 transformer block (misc.cu) ----

@@ -13,12 +13,11 @@
 namespace keep::kernels::ref {
 
 // Fused residual add + RMSNorm, HF's LlamaRMSNorm in fp32, row by row:
-//   residual[r] = T(residual[r] + x[r])            (skipped when x is null)
-//   out[r][i]   = T(weight[i] * (residual[r][i] * 1 / sqrt(mean(residual[r]^2) + eps)))
+//   residual[r] = residual[r] + x[r]            (skipped when x is null)
+//   out[r][i]   = weight[i] * (residual[r][i] * 1 / sqrt(mean(residual[r]^2) + eps))
 // residual, x, out: (rows, cols); weight: (cols). out may equal x.
-template <typename T>
-void rmsnorm_residual(T* out, T* residual, const T* x, const T* weight, int64_t rows, int64_t cols,
-                      float eps);
+void rmsnorm_residual(float* out, float* residual, const float* x, const float* weight,
+                      int64_t rows, int64_t cols, float eps);
 
 // RoPE in place, HF half-split ("rotate_half") layout, as services/worker/engine/core/rope.h: for
 // row r, head h and i < head_dim/2, angle = float(positions[r]) * inv_freq[i] (fp32 product),
@@ -26,8 +25,7 @@ void rmsnorm_residual(T* out, T* residual, const T* x, const T* weight, int64_t 
 //   x[i + half] = x[i + half] * cos + x[i] * sin
 // x: (n, row_stride) with the heads packed at the start of each row: (n, heads, head_dim) when
 // row_stride == heads * head_dim; inv_freq: (head_dim / 2); positions: (n).
-template <typename T>
-void rope(T* x, const int32_t* positions, const float* inv_freq, int64_t n, int64_t heads,
+void rope(float* x, const int32_t* positions, const float* inv_freq, int64_t n, int64_t heads,
           int64_t head_dim, int64_t row_stride);
 
 // ---- misc.cu (reference_misc.cpp) ----
