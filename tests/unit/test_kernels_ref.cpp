@@ -9,7 +9,6 @@
 #include <cstring>
 #include <limits>
 #include <random>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -392,8 +391,7 @@ TEST_CASE("gemm_swiglu reference equals silu(x Wg^T) * (x Wu^T) in double, strid
 
 namespace {
 
-// ref::qkv_finish<KV> against a naive double computation and ref::rope / the engine's RopeTable.
-template <typename KV>
+// ref::qkv_finish against a naive double computation and ref::rope / the engine's RopeTable.
 void check_qkv_finish(std::mt19937& rng, int64_t rows, int64_t heads, int64_t kv_heads, int64_t hd,
                       bool biases, bool outs) {
   INFO("rows " << rows << " heads " << heads << "/" << kv_heads << " hd " << hd << " biases "
@@ -418,12 +416,12 @@ void check_qkv_finish(std::mt19937& rng, int64_t rows, int64_t heads, int64_t kv
   const float nan = std::numeric_limits<float>::quiet_NaN();
   std::vector<float> k_pre(static_cast<size_t>(rows * kvd), nan);
   std::vector<float> v_out(static_cast<size_t>(rows * kvd), nan);
-  std::vector<KV> kv_k(static_cast<size_t>(capacity * kvd), keep::kernels::from_float<KV>(nan));
-  std::vector<KV> kv_v(kv_k.size(), keep::kernels::from_float<KV>(nan));
-  ref::qkv_finish<KV>(qkv.data(), outs ? k_pre.data() : nullptr, outs ? v_out.data() : nullptr,
-                      kv_k.data(), kv_v.data(), biases ? bq.data() : nullptr,
-                      biases ? bk.data() : nullptr, biases ? bv.data() : nullptr, pos.data(),
-                      slots.data(), inv_freq.data(), rows, heads, kv_heads, hd);
+  std::vector<Bf16> kv_k(static_cast<size_t>(capacity * kvd), float_to_bf16(nan));
+  std::vector<Bf16> kv_v(kv_k.size(), float_to_bf16(nan));
+  ref::qkv_finish(qkv.data(), outs ? k_pre.data() : nullptr, outs ? v_out.data() : nullptr,
+                  kv_k.data(), kv_v.data(), biases ? bq.data() : nullptr,
+                  biases ? bk.data() : nullptr, biases ? bv.data() : nullptr, pos.data(),
+                  slots.data(), inv_freq.data(), rows, heads, kv_heads, hd);
 
   // Naive double: the biased inputs, rotated by the fp32 angle.
   auto in = [&](int64_t r, int64_t col) {
@@ -481,22 +479,21 @@ void check_qkv_finish(std::mt19937& rng, int64_t rows, int64_t heads, int64_t kv
   for (int64_t r = 0; r < rows; ++r) {
     written[slots[r]] = true;
     for (int64_t e = 0; e < kvd; ++e) {
-      got_k[r * kvd + e] = keep::kernels::to_float(kv_k[slots[r] * kvd + e]);
-      got_v[r * kvd + e] = keep::kernels::to_float(kv_v[slots[r] * kvd + e]);
+      got_k[r * kvd + e] = bf16_to_float(kv_k[slots[r] * kvd + e]);
+      got_v[r * kvd + e] = bf16_to_float(kv_v[slots[r] * kvd + e]);
     }
   }
   for (int64_t s = 0; s < capacity; ++s) {
     if (written[s]) continue;
     for (int64_t e = 0; e < kvd; ++e) {
-      REQUIRE(std::isnan(keep::kernels::to_float(kv_k[s * kvd + e])));
-      REQUIRE(std::isnan(keep::kernels::to_float(kv_v[s * kvd + e])));
+      REQUIRE(std::isnan(bf16_to_float(kv_k[s * kvd + e])));
+      REQUIRE(std::isnan(bf16_to_float(kv_v[s * kvd + e])));
     }
   }
-  const bool bf = std::is_same_v<KV, Bf16>;
-  expect_close(got_k, want_k, bf ? 2e-2 : 1e-5, bf ? 1e-2 : 1e-5);
-  expect_close(got_v, want_v, bf ? 1e-2 : 1e-6, bf ? 4e-3 : 1e-6);
+  expect_close(got_k, want_k, 2e-2, 1e-2);
+  expect_close(got_v, want_v, 1e-2, 4e-3);
 
-  // The rotated K is exactly ref::rope of the pre-RoPE K (then one rounding to KV), and that is
+  // The rotated K is exactly ref::rope of the pre-RoPE K (then one rounding to bf16), and that is
   // the CPU engine's RopeTable (table for positions < 4096, on the fly beyond).
   auto rotated = exact_kpre;
   ref::rope(rotated.data(), pos.data(), inv_freq.data(), rows, kv_heads, hd, kvd);
@@ -505,15 +502,15 @@ void check_qkv_finish(std::mt19937& rng, int64_t rows, int64_t heads, int64_t kv
   table.apply(engine.data(), pos.data(), rows, kv_heads);
   CHECK(engine == rotated);
   for (size_t i = 0; i < rotated.size(); ++i) {
-    const KV want = keep::kernels::from_float<KV>(rotated[i]);
-    const KV got = kv_k[static_cast<size_t>(slots[i / static_cast<size_t>(kvd)]) * kvd +
-                        i % static_cast<size_t>(kvd)];
-    REQUIRE(std::memcmp(&got, &want, sizeof(KV)) == 0);
-    // V in the view is the biased fp32 V rounded once to KV.
-    const KV want_v_kv = keep::kernels::from_float<KV>(exact_v[i]);
-    const KV got_v_kv = kv_v[static_cast<size_t>(slots[i / static_cast<size_t>(kvd)]) * kvd +
-                             i % static_cast<size_t>(kvd)];
-    REQUIRE(std::memcmp(&got_v_kv, &want_v_kv, sizeof(KV)) == 0);
+    const Bf16 want = float_to_bf16(rotated[i]);
+    const Bf16 got = kv_k[static_cast<size_t>(slots[i / static_cast<size_t>(kvd)]) * kvd +
+                          i % static_cast<size_t>(kvd)];
+    REQUIRE(std::memcmp(&got, &want, sizeof(Bf16)) == 0);
+    // V in the view is the biased fp32 V rounded once to bf16.
+    const Bf16 want_v_kv = float_to_bf16(exact_v[i]);
+    const Bf16 got_v_kv = kv_v[static_cast<size_t>(slots[i / static_cast<size_t>(kvd)]) * kvd +
+                               i % static_cast<size_t>(kvd)];
+    REQUIRE(std::memcmp(&got_v_kv, &want_v_kv, sizeof(Bf16)) == 0);
   }
 }
 
@@ -530,8 +527,7 @@ TEST_CASE("qkv_finish reference: bias, RoPE on Q in place, K/V to the view, pre-
       for (int variant = 0; variant < 3; ++variant) {
         const bool biases = variant != 1;
         const bool outs = variant != 2;
-        check_qkv_finish<float>(rng, rows, s.heads, s.kv_heads, s.hd, biases, outs);
-        check_qkv_finish<Bf16>(rng, rows, s.heads, s.kv_heads, s.hd, biases, outs);
+        check_qkv_finish(rng, rows, s.heads, s.kv_heads, s.hd, biases, outs);
       }
     }
   }

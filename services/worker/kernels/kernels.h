@@ -76,14 +76,10 @@ cudaError_t swiglu_rows(__nv_bfloat16* out, const __nv_bfloat16* gate_up, int64_
 //   q (in place, bf16)     = bf16(rope(float(q) + bq, positions[r]))
 //   k_pre[r] (fp32)        = float(k) + bk                (skipped when k_pre is null)
 //   v_out[r] (fp32)        = float(v) + bv                (skipped when v_out is null)
-//   kv_k[slots[r]] (KV)    = KV(rope(float(k) + bk, positions[r]))   (fp32 RoPE, as ref::rope)
-//   kv_v[slots[r]] (KV)    = KV(float(v) + bv)
+//   kv_k[slots[r]] (bf16)  = bf16(rope(float(k) + bk, positions[r]))   (fp32 RoPE, as ref::rope)
+//   kv_v[slots[r]] (bf16)  = bf16(float(v) + bv)
 // bq/bk/bv (fp32) may be null (no bias). kv_k / kv_v: (capacity, kv_heads, head_dim). positions,
-// slots: (rows) device int32. inv_freq: (head_dim / 2) fp32. KV is float or bf16.
-cudaError_t qkv_finish(__nv_bfloat16* qkv, float* k_pre, float* v_out, float* kv_k, float* kv_v,
-                       const float* bq, const float* bk, const float* bv, const int32_t* positions,
-                       const int32_t* slots, const float* inv_freq, int64_t rows, int64_t heads,
-                       int64_t kv_heads, int64_t head_dim, cudaStream_t stream);
+// slots: (rows) device int32. inv_freq: (head_dim / 2) fp32.
 cudaError_t qkv_finish(__nv_bfloat16* qkv, float* k_pre, float* v_out, __nv_bfloat16* kv_k,
                        __nv_bfloat16* kv_v, const float* bq, const float* bk, const float* bv,
                        const int32_t* positions, const int32_t* slots, const float* inv_freq,
@@ -136,7 +132,7 @@ cudaError_t convert(float* out, const __nv_bfloat16* in, int64_t n, cudaStream_t
 //   lse[r, h] = log Σ_t exp(s_t)                      (natural log; -inf when no key)
 //   out[r, h, :] = Σ_t exp(s_t - lse) v[t, g, :]      (0 when no key)
 // q: (rows, q_stride) bf16, heads * head_dim used at the start of each row (rotated Q, e.g. inside
-// the fused qkv buffer); k, v: (num_keys, kv_heads, head_dim) in KV = float or bf16; out: (rows,
+// the fused qkv buffer); k, v: (num_keys, kv_heads, head_dim) bf16 (the KV view); out: (rows,
 // out_stride) bf16; lse (rows, heads) fp32 or null. heads % kv_heads == 0.
 
 // Whether the current device runs our wgmma code: this library was built for sm_90a
@@ -145,12 +141,6 @@ bool wgmma_available();
 
 // Tiled flash-style kernel (tensor cores), for any number of rows; schedule from
 // build_prefill_schedule over the same rows. head_dim 64 or 128 (else cudaErrorInvalidValue).
-cudaError_t attention_prefill(__nv_bfloat16* out, int64_t out_stride, float* lse,
-                              const __nv_bfloat16* q, int64_t q_stride, const float* k,
-                              const float* v, const AttentionRows& rows,
-                              const PrefillSchedule& schedule, int heads, int kv_heads,
-                              int head_dim, float scale, cudaStream_t stream,
-                              PrefillKernel kernel = PrefillKernel::kAuto);
 cudaError_t attention_prefill(__nv_bfloat16* out, int64_t out_stride, float* lse,
                               const __nv_bfloat16* q, int64_t q_stride, const __nv_bfloat16* k,
                               const __nv_bfloat16* v, const AttentionRows& rows,
@@ -164,11 +154,6 @@ cudaError_t attention_prefill(__nv_bfloat16* out, int64_t out_stride, float* lse
 // num_keys) floats. head_dim a multiple of 32, at most 256.
 size_t attention_decode_workspace_floats(int64_t rows, int heads, int head_dim, int64_t num_keys);
 cudaError_t attention_decode(__nv_bfloat16* out, int64_t out_stride, float* lse,
-                             const __nv_bfloat16* q, int64_t q_stride, const float* k,
-                             const float* v, const AttentionRows& rows, int heads, int kv_heads,
-                             int head_dim, float scale, float* workspace, size_t workspace_floats,
-                             cudaStream_t stream);
-cudaError_t attention_decode(__nv_bfloat16* out, int64_t out_stride, float* lse,
                              const __nv_bfloat16* q, int64_t q_stride, const __nv_bfloat16* k,
                              const __nv_bfloat16* v, const AttentionRows& rows, int heads,
                              int kv_heads, int head_dim, float scale, float* workspace,
@@ -179,10 +164,6 @@ cudaError_t attention_decode(__nv_bfloat16* out, int64_t out_stride, float* lse,
 // with s_t as above and lse from the attention call over the same rows. key_group (num_keys)
 // device int32; a key whose group is outside [0, num_groups) (-1: in no group) is skipped. head_dim
 // a multiple of 32, at most 256.
-cudaError_t attention_pool(float* pooled, const __nv_bfloat16* q, int64_t q_stride, const float* k,
-                           const float* lse, const AttentionRows& rows, const int32_t* key_group,
-                           int num_groups, int heads, int kv_heads, int head_dim, float scale,
-                           cudaStream_t stream);
 cudaError_t attention_pool(float* pooled, const __nv_bfloat16* q, int64_t q_stride,
                            const __nv_bfloat16* k, const float* lse, const AttentionRows& rows,
                            const int32_t* key_group, int num_groups, int heads, int kv_heads,

@@ -389,16 +389,16 @@ constexpr int kQkvThreads = 128;
 // of them per head: first the Q heads' (unit u: head u / hc, the pairs at j = u % hc * W .. j + W
 // and half + j ..), then the same over the K heads, then the V units (W consecutive elements each).
 // Each unit reads and writes only its own elements.
-template <int W, typename KV>
+template <int W>
 __global__ void __launch_bounds__(kQkvThreads)
-    qkv_finish_kernel(__nv_bfloat16* __restrict__ qkv,  // (rows, (heads + 2*kv_heads) * head_dim)
-                      float* __restrict__ k_pre,        // (rows, kv_heads * head_dim) or null
-                      float* __restrict__ v_out,        // (rows, kv_heads * head_dim) or null
-                      KV* __restrict__ kv_k,            // (capacity, kv_heads, head_dim)
-                      KV* __restrict__ kv_v,            // (capacity, kv_heads, head_dim)
-                      const float* __restrict__ bq,     // (heads * head_dim) or null
-                      const float* __restrict__ bk,     // (kv_heads * head_dim) or null
-                      const float* __restrict__ bv,     // (kv_heads * head_dim) or null
+    qkv_finish_kernel(__nv_bfloat16* __restrict__ qkv,   // (rows, (heads + 2*kv_heads) * head_dim)
+                      float* __restrict__ k_pre,         // (rows, kv_heads * head_dim) or null
+                      float* __restrict__ v_out,         // (rows, kv_heads * head_dim) or null
+                      __nv_bfloat16* __restrict__ kv_k,  // (capacity, kv_heads, head_dim)
+                      __nv_bfloat16* __restrict__ kv_v,  // (capacity, kv_heads, head_dim)
+                      const float* __restrict__ bq,      // (heads * head_dim) or null
+                      const float* __restrict__ bk,      // (kv_heads * head_dim) or null
+                      const float* __restrict__ bv,      // (kv_heads * head_dim) or null
                       const int32_t* __restrict__ positions,  // (rows)
                       const int32_t* __restrict__ slots,      // (rows)
                       const float* __restrict__ inv_freq,     // (head_dim / 2)
@@ -467,7 +467,7 @@ __global__ void __launch_bounds__(kQkvThreads)
           st<W>(p + j, o1);
           st<W>(p + half + j, o2);
         } else {
-          KV* dst = kv_k + slot * kvd + static_cast<int64_t>(h) * head_dim;
+          __nv_bfloat16* dst = kv_k + slot * kvd + static_cast<int64_t>(h) * head_dim;
           st<W>(dst + j, o1);
           st<W>(dst + half + j, o2);
         }
@@ -666,12 +666,13 @@ cudaError_t launch_add_rmsnorm_w(__nv_bfloat16* out, float* residual, const __nv
                                                         eps, stream);
 }
 
-template <typename KV>
-cudaError_t launch_qkv_finish(__nv_bfloat16* qkv, float* k_pre, float* v_out, KV* kv_k, KV* kv_v,
-                              const float* bq, const float* bk, const float* bv,
-                              const int32_t* positions, const int32_t* slots, const float* inv_freq,
-                              int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                              cudaStream_t stream) {
+}  // namespace
+
+cudaError_t qkv_finish(__nv_bfloat16* qkv, float* k_pre, float* v_out, __nv_bfloat16* kv_k,
+                       __nv_bfloat16* kv_v, const float* bq, const float* bk, const float* bv,
+                       const int32_t* positions, const int32_t* slots, const float* inv_freq,
+                       int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                       cudaStream_t stream) {
   if (rows < 0 || heads < 0 || kv_heads < 0 || head_dim < 0 || head_dim % 2 != 0) {
     return cudaErrorInvalidValue;
   }
@@ -691,13 +692,11 @@ cudaError_t launch_qkv_finish(__nv_bfloat16* qkv, float* k_pre, float* v_out, KV
   const int h = static_cast<int>(heads);
   const int kvh = static_cast<int>(kv_heads);
   const int hd = static_cast<int>(head_dim);
-  return detail::launch_dependent(vec ? qkv_finish_kernel<8, KV> : qkv_finish_kernel<1, KV>,
+  return detail::launch_dependent(vec ? qkv_finish_kernel<8> : qkv_finish_kernel<1>,
                                   row_blocks(rows), kQkvThreads, smem, stream, qkv, k_pre, v_out,
                                   kv_k, kv_v, bq, bk, bv, positions, slots, inv_freq, rows, h, kvh,
                                   hd);
 }
-
-}  // namespace
 
 cudaError_t embedding(float* out, const __nv_bfloat16* table, const int32_t* ids, int64_t n,
                       int64_t hidden, int64_t vocab, cudaStream_t stream) {
@@ -767,22 +766,6 @@ cudaError_t swiglu_rows(__nv_bfloat16* out, const __nv_bfloat16* gate_up, int64_
     swiglu_rows_kernel<1><<<grid, kSwigluThreads, 0, stream>>>(out, gate_up, rows, inter);
   }
   return cudaGetLastError();
-}
-
-cudaError_t qkv_finish(__nv_bfloat16* qkv, float* k_pre, float* v_out, float* kv_k, float* kv_v,
-                       const float* bq, const float* bk, const float* bv, const int32_t* positions,
-                       const int32_t* slots, const float* inv_freq, int64_t rows, int64_t heads,
-                       int64_t kv_heads, int64_t head_dim, cudaStream_t stream) {
-  return launch_qkv_finish(qkv, k_pre, v_out, kv_k, kv_v, bq, bk, bv, positions, slots, inv_freq,
-                           rows, heads, kv_heads, head_dim, stream);
-}
-cudaError_t qkv_finish(__nv_bfloat16* qkv, float* k_pre, float* v_out, __nv_bfloat16* kv_k,
-                       __nv_bfloat16* kv_v, const float* bq, const float* bk, const float* bv,
-                       const int32_t* positions, const int32_t* slots, const float* inv_freq,
-                       int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                       cudaStream_t stream) {
-  return launch_qkv_finish(qkv, k_pre, v_out, kv_k, kv_v, bq, bk, bv, positions, slots, inv_freq,
-                           rows, heads, kv_heads, head_dim, stream);
 }
 
 cudaError_t fill_uniform(__nv_bfloat16* out, int64_t n, uint64_t seed, float lo, float hi,

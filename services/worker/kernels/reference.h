@@ -39,9 +39,8 @@ void add_rmsnorm(Bf16* out, float* residual, const Bf16* x, const float* bias, c
 void gather_rows(float* out, const float* in, const int32_t* rows, int64_t n, int64_t cols);
 // out (rows, inter) = Bf16(silu(gate) * up), gate_up (rows, 2 * inter) = [gate | up].
 void swiglu_rows(Bf16* out, const Bf16* gate_up, int64_t rows, int64_t inter);
-// kernels.h qkv_finish, KV = float or Bf16.
-template <typename KV>
-void qkv_finish(Bf16* qkv, float* k_pre, float* v_out, KV* kv_k, KV* kv_v, const float* bq,
+// kernels.h qkv_finish.
+void qkv_finish(Bf16* qkv, float* k_pre, float* v_out, Bf16* kv_k, Bf16* kv_v, const float* bq,
                 const float* bk, const float* bv, const int32_t* positions, const int32_t* slots,
                 const float* inv_freq, int64_t rows, int64_t heads, int64_t kv_heads,
                 int64_t head_dim);
@@ -66,14 +65,12 @@ void fill_uniform(T* out, int64_t n, uint64_t seed, float lo, float hi);
 
 // ---- attention (reference_attention.cpp) ----
 // kernels.h attention semantics in double accumulation: out (rows, out_stride) stored as Bf16,
-// lse (rows, heads) or null. KV = float or Bf16.
-template <typename KV>
+// lse (rows, heads) or null.
 void attention(Bf16* out, int64_t out_stride, float* lse, const Bf16* q, int64_t q_stride,
-               const KV* k, const KV* v, const AttentionRows& rows, int heads, int kv_heads,
+               const Bf16* k, const Bf16* v, const AttentionRows& rows, int heads, int kv_heads,
                int head_dim, float scale);
 // kernels.h attention_pool, in double.
-template <typename KV>
-void attention_pool(float* pooled, const Bf16* q, int64_t q_stride, const KV* k, const float* lse,
+void attention_pool(float* pooled, const Bf16* q, int64_t q_stride, const Bf16* k, const float* lse,
                     const AttentionRows& rows, const int32_t* key_group, int num_groups, int heads,
                     int kv_heads, int head_dim, float scale);
 
