@@ -49,8 +49,8 @@ constexpr int heads_per_block(int head_dim, int group) {
 // rounded up to 16), at most num_keys rounded up to 16. So rows * max_chunks <= kTargetBlocks /
 // units + rows and max_chunks <= kMaxChunks: the workspace stays small for any row count, and few
 // rows over few keys still get short chunks. Why about one wave of blocks with short chunks: a
-// warp's batches run one after another with long dependency chains (~2.4 us a batch on the H200,
-// measured), so the keys per warp set the time; more blocks than fit at once add waves.
+// warp's batches run one after another with long dependency chains, so the keys per warp set the
+// time; more blocks than fit at once add waves.
 // units = 1 gives the most chunks any call of these sizes can have (the workspace bound).
 struct ChunkPlan {
   int64_t chunk = kMinChunk;

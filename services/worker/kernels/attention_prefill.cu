@@ -86,8 +86,8 @@ struct Geometry {
 // aligned); row r of a panel is 128 bytes at r * 128, its 16-byte chunk c stored as chunk
 // c ^ (r % 8) (the 128-byte swizzle the descriptors name). The 8 chunks one 128-byte line of a
 // global row holds land in one 128-byte line of shared memory, so cp.async makes one L2 request
-// of them (a layout scattering them costs a request each: measured, 2.8x the L2 tag requests),
-// and the 8 rows a wgmma core matrix reads lie in distinct banks.
+// of them (a layout scattering them costs a request each), and the 8 rows a wgmma core matrix
+// reads lie in distinct banks.
 constexpr uint32_t kPanelBytes = kKeys * 128;
 
 // Where the 16-byte chunk c of tile row r goes (elements from the tile's start).
@@ -293,8 +293,7 @@ __device__ __forceinline__ void issue_kv_tile(bf16* sk, bf16* sv, const Params& 
 // V of a tile not marked full that came by cp.async (aligned rows): once the thread's own copies
 // have landed (cp_async_wait), it zeroes the non-finite values of the chunks it copied itself
 // (tile_async's mapping), before the barrier that publishes the tile. Through registers instead,
-// the loads' latency sat on the step's critical path (ncu, Qwen2.5-14B at 1024 causal rows: ~5 %
-// of the kernel's stall samples on the diagonal tiles' V).
+// the loads' latency would sit on the step's critical path.
 template <int HD, bool kSwizzled>
 __device__ __forceinline__ void sanitize_v(bf16* sv, const Params& p, int32_t entry, int tid) {
   if (!p.kv_vec || (entry & 1) != 0) return;
@@ -325,8 +324,8 @@ __device__ __forceinline__ KeyRange load_span(const KeyRange* __restrict__ spans
 // Which keys of the tile [first, first + 64) a row sees, as bits; `cursor` (the row's first span
 // not wholly before the tile) only moves forward since the tiles come in ascending order.
 // kCached: `cur` holds a copy of spans[cursor] (while cursor < end), so that a row with one span
-// (the causal prefill's) reads no memory here (the one-warpgroup kernel: ncu put ~2 % of its
-// stall samples on these loads); the wide kernel, at its register limit, reads them.
+// (the causal prefill's) reads no memory here; the wide kernel, at its register limit, reads
+// them.
 template <bool kCached>
 __device__ __forceinline__ uint64_t span_mask(const KeyRange* __restrict__ spans, int32_t& cursor,
                                               int32_t end, KeyRange& cur, int32_t first) {
@@ -455,8 +454,8 @@ __device__ __forceinline__ void softmax_scores(float (&s)[kBlocks][4], float (&m
 }
 
 // kSkip: not where no row of the warp moved its reference max (softmax_scores). The wgmma kernels
-// skip (test_attention: 2-3 % faster); the mma.sync kernel, which rescales right before its P V
-// products, ran ~2 % slower with the vote and always multiplies.
+// skip; the mma.sync kernel, which rescales right before its P V products, gains nothing from the
+// vote and always multiplies.
 template <int HD, bool kSkip = true>
 __device__ __forceinline__ void rescale_o(float (&o)[HD / 8][4], const float (&alpha)[2]) {
   if (kSkip && !__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) return;
@@ -620,9 +619,8 @@ __device__ __forceinline__ void store_o(bf16* so, const float (&o)[HD / 8][4], c
 }
 
 // kAligned: Q, O, K and V allow 16-byte accesses (launch() checked), so the loaders' and the
-// store's element-wise fallbacks are compiled out. They made the main loop's code several times
-// longer (the bf16 wgmma kernel was 115 KB), and instruction fetch was 15 % of its stall samples
-// (benchmarks/RESULTS.md run 11).
+// store's element-wise fallbacks are compiled out: they made the main loop's code several times
+// longer, and instruction fetch a stall of its own (benchmarks/RESULTS.md run 11).
 // kOneK (wgmma only): one K buffer instead of two, 65 KB of shared memory a block at head_dim
 // 128, so that three blocks share an SM (the aligned instance fits the 168 registers that allows).
 template <bool kOneK>
@@ -744,11 +742,9 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 || kOneK ? 3 : 2)
     // as soon as its buffer is free (two K buffers: S of tile j is done, start of step j; one K
     // buffer: every warp's S of tile j + 1 is, mid step j), V of tile j + 2 once O += P_j V_j is
     // (end of step j); step j waits for all but the newest group (V of j + 1). One K buffer keeps
-    // a block at 65 KB of shared memory, so three blocks share an SM instead of two:
-    // test_attention, Qwen2.5 heads, causal, ms: 14B heads at 1024 rows 0.038 -> 0.032, 7B heads
-    // at 2048 rows 0.081 -> 0.072, 4096 0.289 -> 0.246; where a launch has too few blocks to fill
-    // the third slot, K's shorter lead costs: 7B heads at 1024 rows (448 blocks) 0.026 -> 0.030,
-    // 512 rows after 3584 keys 0.080 -> 0.098 (benchmarks/RESULTS.md run 15).
+    // a block at 65 KB of shared memory, so three blocks share an SM instead of two; where a launch
+    // has too few blocks to fill the third slot, K's shorter lead costs more than that gains
+    // (kPrefillOneKMinBlocksPerSm; benchmarks/RESULTS.md run 15).
     float s[kKeys / 8][4];
     float alpha[2];
     uint64_t mask[1][2];
@@ -866,35 +862,26 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 || kOneK ? 3 : 2)
 }
 
 // ---- the two-warpgroup kernel (PrefillKernel::kWgmmaWide) ----
-// A block covers two row tiles (128 rows; consumer warpgroup c owns the rows of tile 2i + c) of
-// one head and steps over the keys 128 at a time (two schedule entries), so that a step has twice
-// the tensor work of the one-warpgroup kernel per wait, rescale of O and load round trip (ncu,
-// Qwen2.5-7B shape, 1024 causal rows: that kernel keeps the tensor pipe 22 % busy, latency bound
-// at two warpgroups per SM). Both consumers walk the union of their tiles' schedules (merged on
-// the fly; an entry is full only where both tiles have it full) and share every K/V tile; a key
-// tile only one of them sees is masked to nothing for the other.
+// A block covers two row tiles (128 rows; consumer warpgroup c owns the rows of tile 2i + c) of one
+// head and steps over the keys 128 at a time (two schedule entries), so that a step has twice the
+// tensor work of the one-warpgroup kernel per wait, rescale of O and load round trip (that kernel
+// is latency bound at two warpgroups per SM). Both consumers walk the union of their tiles'
+// schedules (merged on the fly; an entry is full only where both tiles have it full) and share
+// every K/V tile; a key tile only one of them sees is masked to nothing for the other.
 // Warp-specialized, like gemm_swiglu: warpgroup 0's first warp loads Q, K and V by TMA (two K and
 // two V buffers, mbarriers full / empty); its second warp sanitises V (non-finite values of a tile
 // not marked full to 0, and zeros for the missing half of a step of one tile) before the
 // consumers may read it; warpgroups 1 and 2 run the products and the softmax, each at its own
-// pace. Measured on the way (4096 causal rows, 7B heads): sharing cp.async loads and
-// __syncthreads instead ran the consumers in lockstep at 0.360 ms (one-warpgroup kernel: 0.327);
-// this form runs 0.295-0.298; making the consumers take turns to issue their products (named
-// barriers, FA3's "ping-pong") changed nothing (0.298) and was dropped. Shared memory: K and V of a
+// pace (cp.async loads and __syncthreads would run them in lockstep). Shared memory: K and V of a
 // step as 64-dim panels of 128 key rows (tile 2j's keys in rows 0..63, tile 2j + 1's in 64..127:
 // one K-major B of N = 128 for S = Q K^T, one transposed B of K = 128 for O += P V); Q per consumer
 // as in the other kernel (and its O staging at the end). bf16 K/V and 16-byte aligned Q, K, V
 // only (launch() falls back to kWgmma otherwise). The pipeline, masks, softmax and epilogue are
 // the other kernel's wgmma path.
 constexpr int kWideThreads = 384;
-// kAuto's choice (kPrefillWideMinKeys), from test_attention's timings on the H200 (Qwen2.5-7B
-// heads, bf16 K/V, 10 launches back to back a sample, at a934461): this kernel from 4096 keys on
-// (4096 causal rows 0.298 -> 0.290 ms, 512 rows after 3584 keys 0.083 -> 0.072 ms), the
-// one-warpgroup kernel below that (2048 causal rows: 0.084 vs 0.098 ms, 1024: 0.027 vs 0.038 ms;
-// 14B heads at 1024: 0.040 vs 0.054) and at head_dim 64. A persistent form of this kernel (one
-// block an SM walking (row pair, head) items, the next item's Q and first K/V loaded while the
-// current one finishes) measured the same at 1024 rows (0.039, 0.055) and slower at 4096 (0.295): a
-// block's start and end are not what the short walks lose on.
+// kAuto's choice (kPrefillWideMinKeys), from test_attention's timings on the H200: this kernel
+// from 4096 keys on, the one-warpgroup kernel below that and at head_dim 64
+// (benchmarks/RESULTS.md).
 constexpr int kWideKeys = 2 * kKeys;
 constexpr uint32_t kWidePanelBytes = kWideKeys * 128;  // 128 key rows of one 64-dim panel
 constexpr uint32_t kBoxBytes = kKeys * 128;            // one TMA box: 64 rows x 64 elements

@@ -225,9 +225,8 @@ constexpr int kNormMaxWarps = kNormMaxThreads / 32;
 // No register cap: with kHeld > 0 the norm's weights load with the residual, before the sum of
 // squares, so a block's path has one load round trip less (the weights were read after the
 // reduction, which let 32 registers hold the norm-only form and 4 blocks of 512 threads share an
-// SM). Two held chunks now take 54 registers (a 14B row: 3 blocks of 320 threads an SM). H200,
-// test_kernels (1024 rows, back to back): 14B 7.86 -> 7.53 us, 7B 5.72 -> 5.63 us
-// (benchmarks/RESULTS.md run 22).
+// SM). Two held chunks now take 54 registers (a 14B row: 3 blocks of 320 threads an SM), and the
+// norm is faster for it (benchmarks/RESULTS.md run 22).
 
 // One block per row (grid-strided over rows). Thread tid owns the W-chunks tid + j * blockDim.x
 // of the row. kHeld > 0: the launcher sized the block so that every chunk is owned with
@@ -376,11 +375,9 @@ __global__ void swiglu_rows_kernel(__nv_bfloat16* __restrict__ out,            /
 
 // ---- qkv_finish: bias, RoPE on q in place, pre-RoPE K / V out, rotated K and V to the view ----
 
-// A block of 128 threads per row. Measured slower on the H200 (1024 rows, per layer):
-// - a thread per work unit of the row (320 for 7B, 512 for 14B): 12.3 against 10.2 us for 7B,
-//   17.0 against 13.7 for 14B (fewer rows in flight per SM);
-// - a thread per (row, unit) over all rows, reading the cos/sin from a table made once per plan:
-//   11.2 against 10.1 us for 7B, 14.8 against 13.3 for 14B.
+// A block of 128 threads per row: a thread per work unit of the row (fewer rows in flight per
+// SM), or a thread per (row, unit) over all rows reading the cos/sin from a table made once per
+// plan, are both slower (benchmarks/RESULTS.md).
 constexpr int kQkvThreads = 128;
 
 // One block per row (grid-strided over rows). The row's cos/sin (half each) are computed once

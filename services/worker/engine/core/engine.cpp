@@ -275,10 +275,9 @@ Status Engine::prefill_chunk(KvCache& cache, int32_t n, bool last_chunk) {
   };
   if (!replay && !record) return run_layers(0, layers);  // launch by launch
   // A recorded chunk: the first layer launch by launch, the others as the recording, in two parts
-  // (layers 1 to kSplitLayer - 1, then the rest). A graph's launch costs the host time per node
-  // (~0.7 ms for a 14B model's 48 layers on the H200's host after an idle gap, ~0.12 ms for one
-  // layer): the GPU starts on the first layer at once, and runs it and the small first part while
-  // the host submits the large one (benchmarks/RESULTS.md run 23).
+  // (layers 1 to kSplitLayer - 1, then the rest). A graph's launch costs the host time per node:
+  // the GPU starts on the first layer at once, and runs it and the small first part while the host
+  // submits the large one (benchmarks/RESULTS.md run 23).
   KEEP_RETURN_IF_ERROR(run_layers(0, 1));
   if (replay) {
     backend_->replay(decision.handle);

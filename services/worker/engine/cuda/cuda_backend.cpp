@@ -49,9 +49,9 @@ void free_pool_floats(float* p) { cudaFreeAsync(p, nullptr); }
 // The device form of an AttentionLayout: one int32 block in stream-ordered memory holding every
 // array the kernels read. The block is made at the plan's first use (upload(), from layer_forward
 // after the QKV product's launch), not when the plan is: the host then builds the schedule and
-// uploads while the GPU runs the first norm and product, which in an isolated 14B request of 1024
-// tokens start 50-85 us earlier (benchmarks/RESULTS.md, run 20). A plan that a capture will use is
-// uploaded before it, by prepare() (a capture cannot upload).
+// uploads while the GPU runs the first norm and product, which so start earlier
+// (benchmarks/RESULTS.md run 20). A plan that a capture will use is uploaded before it, by
+// prepare() (a capture cannot upload).
 class CudaPlan final : public AttentionPlan {
  public:
   CudaPlan(AttentionLayout layout, cudaStream_t stream, bool prefill_kernel)
