@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "benchmarks/model_shapes_json.h"
-#include "services/worker/engine/model_config.h"
+#include "shared/model/model_config.h"
 
 namespace keep::bench {
 

@@ -20,10 +20,10 @@
 #include <vector>
 
 #include "benchmarks/model_shapes.h"
-#include "services/worker/engine/cpu_backend.h"
-#include "services/worker/engine/engine.h"
-#include "services/worker/engine/model_weights.h"
+#include "services/worker/engine/core/engine.h"
+#include "services/worker/engine/cpu/cpu_backend.h"
 #include "shared/blas/gemm.h"
+#include "shared/model/model_weights.h"
 
 using namespace keep::engine;
 using Clock = std::chrono::steady_clock;

@@ -51,8 +51,8 @@
 #include <dlfcn.h>
 
 #include "benchmarks/model_shapes.h"
-#include "services/worker/engine/cuda_backend.h"
-#include "services/worker/engine/engine.h"
+#include "services/worker/engine/core/engine.h"
+#include "services/worker/engine/cuda/cuda_backend.h"
 
 using namespace keep::engine;
 using Clock = std::chrono::steady_clock;

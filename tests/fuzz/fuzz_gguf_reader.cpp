@@ -7,9 +7,9 @@
 #include <string>
 #include <vector>
 
-#include "services/worker/engine/gguf_loader.h"
-#include "services/worker/engine/gguf_reader.h"
 #include "shared/common/log.h"
+#include "shared/model/gguf_loader.h"
+#include "shared/model/gguf_reader.h"
 #include "tests/fuzz/fuzz_common.h"
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {

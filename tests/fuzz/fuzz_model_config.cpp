@@ -3,8 +3,8 @@
 // table) and the manager's BERT encoder config (parse_bert_config).
 // Seeds: tests/fuzz/corpus/fuzz_model_config/ (README.md there says how they were made).
 #include "services/manager/encoder/bert_encoder.h"
-#include "services/worker/engine/model_config.h"
 #include "shared/common/log.h"
+#include "shared/model/model_config.h"
 #include "tests/fuzz/fuzz_common.h"
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {

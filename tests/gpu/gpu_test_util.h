@@ -98,12 +98,6 @@ std::vector<T> nan_vec(size_t n) {
   return std::vector<T>(n, keep::kernels::from_float<T>(std::numeric_limits<float>::quiet_NaN()));
 }
 
-// "fp32" or "bf16".
-template <typename T>
-const char* dtype_name() {
-  return std::is_same_v<T, float> ? "fp32" : "bf16";
-}
-
 // ||got - want|| / ||want|| from the two sums of squares; ||got - want|| when want is all zeros.
 inline double relative_norm(double diff2, double want2) {
   return want2 > 0.0 ? std::sqrt(diff2 / want2) : std::sqrt(diff2);

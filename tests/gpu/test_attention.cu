@@ -1,7 +1,7 @@
 // attention_prefill (services/worker/kernels/attention_prefill.cu) against ref::attention on random
 // layouts: causal chunks after a past, recompute subsets, blocks after a prefix, rows with many
 // spans, rows with no key; GQA shapes of SmolLM2 (9/3, hd 64), Qwen2.5-7B (28/4, hd 128) and 40/8;
-// Q inside a fused QKV row; padded, odd and misaligned strides; KV fp32 and bf16. Outputs are
+// Q inside a fused QKV row; padded, odd and misaligned strides; bf16 K/V. Outputs are
 // NaN-poisoned (every element the kernel must write is checked, the columns past heads * head_dim
 // must stay NaN) and the K/V of keys no row sees are NaN (the kernel must not let them leak). Also
 // times a 4096-row causal prefill (informational). A plain main: exit 0 when all pass.
@@ -17,7 +17,6 @@
 #include <random>
 #include <string>
 #include <thread>
-#include <type_traits>
 #include <vector>
 
 #include "services/worker/kernels/attention_schedule.h"
@@ -36,7 +35,6 @@ namespace kk = keep::kernels;
 namespace ref = keep::kernels::ref;
 
 using keep::gputest::Buf;
-using keep::gputest::dtype_name;
 using keep::gputest::g_checks;
 using keep::gputest::g_failures;
 using keep::kernels::testing::blocks;
@@ -79,10 +77,10 @@ std::vector<kk::PrefillKernel> kernels_here() {
 
 // Runs ref::attention over rows split across threads (each slice of rows is an AttentionRows of
 // its own: row_offsets shifted, spans shared).
-template <typename KV>
 void reference_parallel(std::vector<Bf16>& out, int64_t out_stride, std::vector<float>& lse,
-                        const std::vector<Bf16>& q, int64_t q_stride, const std::vector<KV>& k,
-                        const std::vector<KV>& v, const Layout& lay, const Shape& sh, float scale) {
+                        const std::vector<Bf16>& q, int64_t q_stride, const std::vector<Bf16>& k,
+                        const std::vector<Bf16>& v, const Layout& lay, const Shape& sh,
+                        float scale) {
   const int32_t rows = lay.rows();
   const int threads =
       static_cast<int>(std::clamp<unsigned>(std::thread::hardware_concurrency(), 1, 32));
@@ -92,10 +90,10 @@ void reference_parallel(std::vector<Bf16>& out, int64_t out_stride, std::vector<
     const int32_t n = std::min(per, rows - r0);
     pool.emplace_back([&, r0, n] {
       const AttentionRows sub{lay.offsets.data() + r0, lay.spans.data(), n, lay.num_keys};
-      ref::attention<KV>(out.data() + r0 * out_stride, out_stride,
-                         lse.empty() ? nullptr : lse.data() + static_cast<int64_t>(r0) * sh.heads,
-                         q.data() + r0 * q_stride, q_stride, k.data(), v.data(), sub, sh.heads,
-                         sh.kv_heads, sh.head_dim, scale);
+      ref::attention(out.data() + r0 * out_stride, out_stride,
+                     lse.empty() ? nullptr : lse.data() + static_cast<int64_t>(r0) * sh.heads,
+                     q.data() + r0 * q_stride, q_stride, k.data(), v.data(), sub, sh.heads,
+                     sh.kv_heads, sh.head_dim, scale);
     });
   }
   for (auto& t : pool) t.join();
@@ -108,7 +106,6 @@ struct Compare {
   double ref2 = 0.0;
 };
 
-template <typename KV>
 void run_case(const std::string& name, std::mt19937& rng, const Layout& lay, const Shape& sh,
               const Options& opt) {
   const int32_t rows = lay.rows();
@@ -123,17 +120,17 @@ void run_case(const std::string& name, std::mt19937& rng, const Layout& lay, con
   std::vector<Bf16> q(static_cast<size_t>(rows) * q_stride);
   for (auto& x : q) x = kk::float_to_bf16(opt.q_amplitude * unit(rng));
   const size_t kv_elems = static_cast<size_t>(lay.num_keys) * sh.kv_heads * sh.head_dim;
-  std::vector<KV> k(kv_elems), v(kv_elems);
+  std::vector<Bf16> k(kv_elems), v(kv_elems);
   const size_t per_key = static_cast<size_t>(sh.kv_heads) * sh.head_dim;
   for (size_t i = 0; i < kv_elems; ++i) {
     const float ramp = 1.0f + opt.k_ramp * static_cast<float>(i / per_key) /
                                   static_cast<float>(std::max(lay.num_keys, 1));
-    k[i] = kk::from_float<KV>(ramp * unit(rng));
+    k[i] = kk::float_to_bf16(ramp * unit(rng));
   }
-  for (auto& x : v) x = kk::from_float<KV>(unit(rng));
+  for (auto& x : v) x = kk::float_to_bf16(unit(rng));
   // Keys nobody sees hold NaN: slots of a view never written.
   const auto seen = seen_keys(lay);
-  const KV nan = kk::from_float<KV>(std::numeric_limits<float>::quiet_NaN());
+  const Bf16 nan = kk::float_to_bf16(std::numeric_limits<float>::quiet_NaN());
   for (int32_t t = 0; t < lay.num_keys; ++t) {
     if (seen[t]) continue;
     std::fill(k.begin() + t * per_key, k.begin() + (t + 1) * per_key, nan);
@@ -144,13 +141,13 @@ void run_case(const std::string& name, std::mt19937& rng, const Layout& lay, con
   std::vector<Bf16> want(static_cast<size_t>(rows) * out_stride, bnan);
   std::vector<float> want_lse(opt.with_lse ? static_cast<size_t>(rows) * sh.heads : 0,
                               std::numeric_limits<float>::quiet_NaN());
-  reference_parallel<KV>(want, out_stride, want_lse, q, q_stride, k, v, lay, sh, scale);
+  reference_parallel(want, out_stride, want_lse, q, q_stride, k, v, lay, sh, scale);
 
   const auto sched = kk::build_prefill_schedule(lay.view());
   Buf<int32_t> d_offsets(lay.offsets), d_tile_offsets(sched.tile_offsets), d_tiles(sched.tiles);
   Buf<KeyRange> d_spans(lay.spans);
   Buf<Bf16> d_q(q, shift), d_out(std::vector<Bf16>(want.size(), bnan), shift);
-  Buf<KV> d_k(k, shift), d_v(v, shift);
+  Buf<Bf16> d_k(k, shift), d_v(v, shift);
   Buf<float> d_lse(std::vector<float>(want_lse.size(), std::numeric_limits<float>::quiet_NaN()));
   const AttentionRows d_rows{d_offsets.dev(), d_spans.dev(), rows, lay.num_keys};
   const kk::PrefillSchedule d_sched{d_tile_offsets.dev(), d_tiles.dev()};
@@ -165,7 +162,7 @@ void run_case(const std::string& name, std::mt19937& rng, const Layout& lay, con
                            " rows=" + std::to_string(rows) +
                            " keys=" + std::to_string(lay.num_keys) + " " +
                            std::to_string(sh.heads) + "/" + std::to_string(sh.kv_heads) + " hd" +
-                           std::to_string(sh.head_dim) + " kv " + dtype_name<KV>();
+                           std::to_string(sh.head_dim) + " kv bf16";
   // out: every element of the heads' columns within tolerance; the padding columns untouched.
   Compare c;
   int64_t untouched_bad = 0;
@@ -208,13 +205,9 @@ void run_case(const std::string& name, std::mt19937& rng, const Layout& lay, con
     std::fprintf(stderr, "FAIL %s: %lld padding columns written\n", what.c_str(),
                  static_cast<long long>(untouched_bad));
   }
-  // lse: natural log, -inf for rows with no key. With fp32 K the kernel rounds K to bf16 for the
-  // tensor cores: scores move by ~4e-4 * q_amplitude (std, U(-1,1) inputs), so a row with one key
-  // moves its lse as much; 1e-3 holds for bf16 storage only.
+  // lse: natural log, -inf for rows with no key.
   if (opt.with_lse) {
-    const double tol = std::is_same_v<KV, float>
-                           ? 1e-3 + 4e-3 * static_cast<double>(opt.q_amplitude * (1 + opt.k_ramp))
-                           : 1e-3;
+    const double tol = 1e-3;
     int64_t bad = 0;
     for (size_t i = 0; i < want_lse.size(); ++i) {
       const float g = got_lse[i];
@@ -241,7 +234,6 @@ void run_case(const std::string& name, std::mt19937& rng, const Layout& lay, con
 
 // Times a large call (median of 20 samples of 10 launches) and checks a sample of its rows
 // against the reference.
-template <typename KV>
 void bench(std::mt19937& rng, const Layout& lay, const Shape& sh, kk::PrefillKernel kernel) {
   const int32_t rows = lay.rows();
   const int64_t width = static_cast<int64_t>(sh.heads) * sh.head_dim;
@@ -251,14 +243,14 @@ void bench(std::mt19937& rng, const Layout& lay, const Shape& sh, kk::PrefillKer
   std::vector<Bf16> q(static_cast<size_t>(rows) * q_stride);
   for (auto& x : q) x = kk::float_to_bf16(unit(rng));
   const size_t kv_elems = static_cast<size_t>(lay.num_keys) * sh.kv_heads * sh.head_dim;
-  std::vector<KV> k(kv_elems), v(kv_elems);
-  for (auto& x : k) x = kk::from_float<KV>(unit(rng));
-  for (auto& x : v) x = kk::from_float<KV>(unit(rng));
+  std::vector<Bf16> k(kv_elems), v(kv_elems);
+  for (auto& x : k) x = kk::float_to_bf16(unit(rng));
+  for (auto& x : v) x = kk::float_to_bf16(unit(rng));
   const auto sched = kk::build_prefill_schedule(lay.view());
   Buf<int32_t> d_offsets(lay.offsets), d_tile_offsets(sched.tile_offsets), d_tiles(sched.tiles);
   Buf<KeyRange> d_spans(lay.spans);
   Buf<Bf16> d_q(q), d_out(std::vector<Bf16>(static_cast<size_t>(rows) * width));
-  Buf<KV> d_k(k), d_v(v);
+  Buf<Bf16> d_k(k), d_v(v);
   Buf<float> d_lse(std::vector<float>(static_cast<size_t>(rows) * sh.heads));
   const AttentionRows d_rows{d_offsets.dev(), d_spans.dev(), rows, lay.num_keys};
   const kk::PrefillSchedule d_sched{d_tile_offsets.dev(), d_tiles.dev()};
@@ -274,10 +266,10 @@ void bench(std::mt19937& rng, const Layout& lay, const Shape& sh, kk::PrefillKer
   const double median = times.median_ms;
   const double flops = 4.0 * static_cast<double>(lay.visible()) * sh.head_dim * sh.heads;
   std::printf(
-      "  timing %-5s: %d rows causal, %d/%d hd%d kv %s: %.3f ms median of 20 x 10 (min %.3f), "
+      "  timing %-5s: %d rows causal, %d/%d hd%d kv bf16: %.3f ms median of 20 x 10 (min %.3f), "
       "%.1f TFLOP/s\n",
-      kk::prefill_kernel_name(kernel), rows, sh.heads, sh.kv_heads, sh.head_dim, dtype_name<KV>(),
-      median, times.min_ms, flops / (median * 1e-3) / 1e12);
+      kk::prefill_kernel_name(kernel), rows, sh.heads, sh.kv_heads, sh.head_dim, median,
+      times.min_ms, flops / (median * 1e-3) / 1e12);
 
   // A sample of rows against the reference: a sub-layout of those rows with their Q.
   const auto got = d_out.host();
@@ -295,7 +287,7 @@ void bench(std::mt19937& rng, const Layout& lay, const Shape& sh, kk::PrefillKer
   }
   std::vector<Bf16> want(pick.size() * width);
   std::vector<float> want_lse(pick.size() * sh.heads);
-  reference_parallel<KV>(want, width, want_lse, sub_q, q_stride, k, v, sub, sh, scale);
+  reference_parallel(want, width, want_lse, sub_q, q_stride, k, v, sub, sh, scale);
   int64_t bad = 0;
   for (size_t i = 0; i < pick.size(); ++i) {
     for (int64_t c = 0; c < width; ++c) {
@@ -303,7 +295,7 @@ void bench(std::mt19937& rng, const Layout& lay, const Shape& sh, kk::PrefillKer
       const float w = kk::bf16_to_float(want[i * width + c]);
       if (std::isnan(g) || std::fabs(g - w) > 2e-2f + 2e-2f * std::fabs(w)) ++bad;
     }
-    const double tol = std::is_same_v<KV, float> ? 5e-3 : 1e-3;
+    const double tol = 1e-3;
     for (int h = 0; h < sh.heads; ++h) {
       const float g = got_lse[pick[i] * sh.heads + h];
       const float w = want_lse[i * sh.heads + h];
@@ -313,15 +305,14 @@ void bench(std::mt19937& rng, const Layout& lay, const Shape& sh, kk::PrefillKer
   ++g_checks;
   if (bad > 0) {
     ++g_failures;
-    std::fprintf(stderr, "FAIL timing case %s %d rows %d/%d hd%d kv %s: %lld sampled values off\n",
+    std::fprintf(stderr, "FAIL timing case %s %d rows %d/%d hd%d: %lld sampled values off\n",
                  kk::prefill_kernel_name(kernel), rows, sh.heads, sh.kv_heads, sh.head_dim,
-                 dtype_name<KV>(), static_cast<long long>(bad));
+                 static_cast<long long>(bad));
   }
 }
 
-template <typename KV>
 void run_all(std::mt19937& rng, kk::PrefillKernel kernel) {
-  std::printf("KV %s, %s kernel\n", dtype_name<KV>(), kk::prefill_kernel_name(kernel));
+  std::printf("%s kernel\n", kk::prefill_kernel_name(kernel));
   Options base;
   base.kernel = kernel;
   const Shape shapes[] = {kSmol, kQwen7, kQwen14};
@@ -330,37 +321,33 @@ void run_all(std::mt19937& rng, kk::PrefillKernel kernel) {
   for (int32_t n : {1, 3, 7, 19, 64, 65, 733}) {
     for (int32_t past : {0, 37}) {
       const Shape& sh = n == 733 ? (past == 0 ? kQwen7 : kSmol) : shapes[si++ % 3];
-      run_case<KV>("causal past=" + std::to_string(past), rng, causal(n, past), sh, base);
+      run_case("causal past=" + std::to_string(past), rng, causal(n, past), sh, base);
     }
   }
-  run_case<KV>("causal past=128", rng, causal(200, 128), kQwen14, base);
+  run_case("causal past=128", rng, causal(200, 128), kQwen14, base);
   {
     Options o = base;
     o.q_amplitude = 8.0f;  // peaky softmax: the running max moves by a lot
-    run_case<KV>("causal peaky", rng, causal(300, 20), kQwen7, o);
+    run_case("causal peaky", rng, causal(300, 20), kQwen7, o);
     // Scores rising along the keys (up to 7x): a row's max keeps passing the reference max by
     // more than the slack, so O is rescaled mid-row, after tiles that kept it (a build that
-    // never rescaled there failed this case and "causal peaky"). bf16 K only: fp32 K, rounded to
-    // bf16 for the tensor cores, moves scores this large by more than the outputs' tolerance.
-    if constexpr (std::is_same_v<KV, Bf16>) {
-      o.q_amplitude = 4.0f;
-      o.k_ramp = 6.0f;
-      run_case<KV>("causal rising", rng, causal(300, 20), kQwen14, o);
-    }
+    // never rescaled there failed this case and "causal peaky").
+    o.q_amplitude = 4.0f;
+    o.k_ramp = 6.0f;
+    run_case("causal rising", rng, causal(300, 20), kQwen14, o);
   }
   // Recompute subsets.
-  run_case<KV>("recompute", rng, recompute(rng, 300, 0.4, true), kSmol, base);
-  run_case<KV>("recompute", rng, recompute(rng, 1000, 0.15, true), kQwen7, base);
-  run_case<KV>("recompute sparse", rng, recompute(rng, 700, 0.03, true), kQwen14, base);
+  run_case("recompute", rng, recompute(rng, 300, 0.4, true), kSmol, base);
+  run_case("recompute", rng, recompute(rng, 1000, 0.15, true), kQwen7, base);
+  run_case("recompute sparse", rng, recompute(rng, 700, 0.03, true), kQwen14, base);
   // Blocks after a prefix (adjacent spans when a block starts at the prefix; gaps unseen = NaN).
-  run_case<KV>("blocks", rng, blocks(50, {{50, 120}, {120, 300}, {300, 301}, {301, 420}}), kSmol,
-               base);
-  run_case<KV>("blocks gaps", rng, blocks(64, {{100, 228}, {300, 301}, {320, 512}}), kQwen7, base);
-  run_case<KV>("blocks no prefix", rng, blocks(0, {{0, 90}, {90, 91}, {91, 200}}), kQwen14, base);
+  run_case("blocks", rng, blocks(50, {{50, 120}, {120, 300}, {300, 301}, {301, 420}}), kSmol, base);
+  run_case("blocks gaps", rng, blocks(64, {{100, 228}, {300, 301}, {320, 512}}), kQwen7, base);
+  run_case("blocks no prefix", rng, blocks(0, {{0, 90}, {90, 91}, {91, 200}}), kQwen14, base);
   // Many spans per row, rows with none.
-  run_case<KV>("random spans", rng, random_spans(rng, 150, 500, 8, false), kSmol, base);
-  run_case<KV>("random spans", rng, random_spans(rng, 97, 1300, 20, false), kQwen7, base);
-  run_case<KV>("random spans few keys", rng, random_spans(rng, 70, 9, 3, false), kQwen14, base);
+  run_case("random spans", rng, random_spans(rng, 150, 500, 8, false), kSmol, base);
+  run_case("random spans", rng, random_spans(rng, 97, 1300, 20, false), kQwen7, base);
+  run_case("random spans few keys", rng, random_spans(rng, 70, 9, 3, false), kQwen14, base);
   {
     Layout l;  // zero-key rows among others, and a whole row tile of them
     l.num_keys = 40;
@@ -370,10 +357,10 @@ void run_all(std::mt19937& rng, kk::PrefillKernel kernel) {
     l.add_row({{3, 4}, {10, 40}});
     for (int i = 0; i < 130; ++i) l.add_row({});
     l.add_row({{39, 40}});
-    run_case<KV>("zero-key rows", rng, l, kSmol, base);
+    run_case("zero-key rows", rng, l, kSmol, base);
     Layout none;  // no keys at all
     for (int i = 0; i < 5; ++i) none.add_row({});
-    run_case<KV>("no keys", rng, none, kQwen7, base);
+    run_case("no keys", rng, none, kQwen7, base);
   }
   // Strides: plain Q, odd out stride (scalar stores), everything misaligned (scalar loads), no
   // lse.
@@ -381,29 +368,29 @@ void run_all(std::mt19937& rng, kk::PrefillKernel kernel) {
     Options o = base;
     o.fused_q = false;
     o.out_extra = 0;
-    run_case<KV>("packed strides", rng, causal(130, 5), kQwen7, o);
+    run_case("packed strides", rng, causal(130, 5), kQwen7, o);
     o.out_extra = 3;
-    run_case<KV>("odd out stride", rng, causal(77, 3), kSmol, o);
+    run_case("odd out stride", rng, causal(77, 3), kSmol, o);
     o.fused_q = true;
     o.misalign = true;
-    run_case<KV>("misaligned", rng, blocks(30, {{40, 100}, {100, 190}}), kQwen7, o);
-    run_case<KV>("misaligned", rng, random_spans(rng, 66, 300, 4, false), kSmol, o);
+    run_case("misaligned", rng, blocks(30, {{40, 100}, {100, 190}}), kQwen7, o);
+    run_case("misaligned", rng, random_spans(rng, 66, 300, 4, false), kSmol, o);
     Options n = base;
     n.with_lse = false;
-    run_case<KV>("no lse", rng, causal(70, 0), kQwen14, n);
+    run_case("no lse", rng, causal(70, 0), kQwen14, n);
   }
   if (!keep::gputest::quick()) {  // KEEP_GPU_TEST_QUICK: set under compute-sanitizer
-    bench<KV>(rng, causal(4096, 0), kQwen7, kernel);
-    bench<KV>(rng, causal(2048, 0), kQwen7, kernel);
-    bench<KV>(rng, causal(1024, 0), kQwen7, kernel);
-    bench<KV>(rng, causal(1024, 0), kQwen14, kernel);
-    bench<KV>(rng, causal(512, 3584), kQwen7, kernel);  // a recompute's few rows, long view
-    bench<KV>(rng, causal(4096, 0), kSmol, kernel);
+    bench(rng, causal(4096, 0), kQwen7, kernel);
+    bench(rng, causal(2048, 0), kQwen7, kernel);
+    bench(rng, causal(1024, 0), kQwen7, kernel);
+    bench(rng, causal(1024, 0), kQwen14, kernel);
+    bench(rng, causal(512, 3584), kQwen7, kernel);  // a recompute's few rows, long view
+    bench(rng, causal(4096, 0), kSmol, kernel);
     // Few rows over a long view (decode steps, short recomputes): against the split-key kernel's
     // timings in test_attention_decode, these set CudaBackendOptions::decode_rows.
     for (int32_t rows : {2, 4, 8, 16}) {
-      bench<KV>(rng, causal(rows, 4096 - rows), kQwen7, kernel);
-      bench<KV>(rng, causal(rows, 32768 - rows), kQwen7, kernel);
+      bench(rng, causal(rows, 4096 - rows), kQwen7, kernel);
+      bench(rng, causal(rows, 32768 - rows), kQwen7, kernel);
     }
   }
 }
@@ -457,8 +444,7 @@ int main() {
   std::mt19937 rng(4321);
   test_invalid_arguments();
   for (const auto kernel : kernels_here()) {
-    run_all<Bf16>(rng, kernel);
-    run_all<float>(rng, kernel);
+    run_all(rng, kernel);
   }
   std::printf("test_attention: %d checks, %d failures\n", g_checks, g_failures);
   return g_failures == 0 ? 0 : 1;

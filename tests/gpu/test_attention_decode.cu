@@ -3,7 +3,7 @@
 // random layouts: causal (the last rows of a prompt), recompute-like (rows at random slots, each
 // causal), two spans (a prefix and the row's own block), many short spans, rows with no key; GQA
 // shapes 9/3 hd64 (SmolLM2), 28/4 hd128 (Qwen2.5-7B), 40/8 hd128, and a few others for the
-// remaining head_dim / group-size code paths; KV fp32 and bf16; odd q/out strides. Outputs and the
+// remaining head_dim / group-size code paths; bf16 K/V; odd q/out strides. Outputs and the
 // decode workspace are NaN-poisoned (every element the kernel must write is checked, the columns
 // past heads * head_dim must stay NaN), and the K/V of keys no row sees are NaN (they must not
 // leak). Decode must be bitwise deterministic. Prints decode timings (informational). A plain main:
@@ -39,7 +39,6 @@ namespace kk = keep::kernels;
 namespace ref = keep::kernels::ref;
 
 using keep::gputest::Buf;
-using keep::gputest::dtype_name;
 using keep::gputest::fail;
 using keep::gputest::g_checks;
 using keep::gputest::g_failures;
@@ -105,16 +104,15 @@ Layout make_layout(std::mt19937& rng, int kind, int rows, int32_t num_keys, bool
 }
 
 // Keys no row sees get NaN K and V.
-template <typename KV>
-void poison_unseen(const Layout& l, int kv_heads, int head_dim, std::vector<KV>* k,
-                   std::vector<KV>* v) {
+void poison_unseen(const Layout& l, int kv_heads, int head_dim, std::vector<Bf16>* k,
+                   std::vector<Bf16>* v) {
   const std::vector<bool> seen = keep::kernels::testing::seen_keys(l);
   const size_t per_key = static_cast<size_t>(kv_heads) * head_dim;
   for (int32_t t = 0; t < l.num_keys; ++t) {
     if (seen[t]) continue;
     for (size_t i = 0; i < per_key; ++i) {
-      (*k)[t * per_key + i] = kk::from_float<KV>(kNaN);
-      if (v != nullptr) (*v)[t * per_key + i] = kk::from_float<KV>(kNaN);
+      (*k)[t * per_key + i] = kk::float_to_bf16(kNaN);
+      if (v != nullptr) (*v)[t * per_key + i] = kk::float_to_bf16(kNaN);
     }
   }
 }
@@ -140,17 +138,16 @@ AttentionRows slice(const AttentionRows& a, int r0, int r1) {
   return s;
 }
 
-template <typename KV>
 void ref_attention(std::vector<Bf16>* out, int64_t out_stride, std::vector<float>* lse,
-                   const std::vector<Bf16>& q, int64_t q_stride, const std::vector<KV>& k,
-                   const std::vector<KV>& v, const Layout& l, int heads, int kv_heads, int head_dim,
-                   float scale) {
+                   const std::vector<Bf16>& q, int64_t q_stride, const std::vector<Bf16>& k,
+                   const std::vector<Bf16>& v, const Layout& l, int heads, int kv_heads,
+                   int head_dim, float scale) {
   const AttentionRows rows = l.view();
   parallel_rows(l.rows(), [&](int r0, int r1) {
-    ref::attention<KV>(out->data() + r0 * out_stride, out_stride,
-                       lse != nullptr ? lse->data() + static_cast<int64_t>(r0) * heads : nullptr,
-                       q.data() + r0 * q_stride, q_stride, k.data(), v.data(), slice(rows, r0, r1),
-                       heads, kv_heads, head_dim, scale);
+    ref::attention(out->data() + r0 * out_stride, out_stride,
+                   lse != nullptr ? lse->data() + static_cast<int64_t>(r0) * heads : nullptr,
+                   q.data() + r0 * q_stride, q_stride, k.data(), v.data(), slice(rows, r0, r1),
+                   heads, kv_heads, head_dim, scale);
   });
 }
 
@@ -239,7 +236,6 @@ constexpr Shape kSmol{9, 3, 64};
 constexpr Shape kQwen7{28, 4, 128};
 constexpr Shape kWide{40, 8, 128};
 
-template <typename KV>
 void test_decode(std::mt19937& rng, const Layout& l, Shape sh, const char* label,
                  bool with_lse = true, size_t kv_shift = 0) {
   const int rows = l.rows();
@@ -250,8 +246,8 @@ void test_decode(std::mt19937& rng, const Layout& l, Shape sh, const char* label
   const float scale = 1.0f / std::sqrt(static_cast<float>(sh.head_dim));
   const auto q = random_vec<Bf16>(rng, static_cast<size_t>(rows * q_stride), -2.0f, 2.0f);
   const size_t kv_elems = static_cast<size_t>(n) * sh.kv_heads * sh.head_dim;
-  auto k = random_vec<KV>(rng, kv_elems, -2.0f, 2.0f);
-  auto v = random_vec<KV>(rng, kv_elems, -1.0f, 1.0f);
+  auto k = random_vec<Bf16>(rng, kv_elems, -2.0f, 2.0f);
+  auto v = random_vec<Bf16>(rng, kv_elems, -1.0f, 1.0f);
   poison_unseen(l, sh.kv_heads, sh.head_dim, &k, &v);
 
   std::vector<Bf16> want(static_cast<size_t>(rows * out_stride), kk::float_to_bf16(kNaN));
@@ -262,8 +258,8 @@ void test_decode(std::mt19937& rng, const Layout& l, Shape sh, const char* label
   const size_t ws_floats = kk::attention_decode_workspace_floats(rows, sh.heads, sh.head_dim, n);
   Buf<float> d_ws(std::vector<float>(ws_floats, kNaN));
   Buf<Bf16> d_q(q);
-  Buf<KV> d_k(k, kv_shift);
-  Buf<KV> d_v(v, kv_shift);
+  Buf<Bf16> d_k(k, kv_shift);
+  Buf<Bf16> d_v(v, kv_shift);
   Buf<int32_t> d_off(l.offsets);
   Buf<KeyRange> d_spans(l.spans);
   AttentionRows dr{d_off.dev(), d_spans.dev(), rows, n};
@@ -282,7 +278,7 @@ void test_decode(std::mt19937& rng, const Layout& l, Shape sh, const char* label
   }
   char name[200];
   std::snprintf(name, sizeof name, "decode %s rows=%d keys=%d %d/%d hd%d %s%s%s", label, rows, n,
-                sh.heads, sh.kv_heads, sh.head_dim, dtype_name<KV>(), with_lse ? "" : " no-lse",
+                sh.heads, sh.kv_heads, sh.head_dim, "bf16", with_lse ? "" : " no-lse",
                 kv_shift > 0 ? " misaligned" : "");
   const std::string what = name;
   check_out(what, got[0], want, rows, out_stride, width);
@@ -294,16 +290,14 @@ void test_decode(std::mt19937& rng, const Layout& l, Shape sh, const char* label
   }
 }
 
-template <typename KV>
 void test_decode_case(std::mt19937& rng, int kind, int rows, int32_t n, Shape sh) {
   const bool empty_row = rows >= 2 && (kind == kTwoSpan || kind == kManySpan);
   const Layout l = make_layout(rng, kind, rows, n, empty_row);
   std::printf("  decode %-9s rows=%-3d keys=%-5d %d/%d hd%d %s\n", kind_name(kind), rows, n,
-              sh.heads, sh.kv_heads, sh.head_dim, dtype_name<KV>());
-  test_decode<KV>(rng, l, sh, kind_name(kind));
+              sh.heads, sh.kv_heads, sh.head_dim, "bf16");
+  test_decode(rng, l, sh, kind_name(kind));
 }
 
-template <typename KV>
 void run_decode(std::mt19937& rng) {
   const int row_counts[] = {1, 2, 3, 7, 16, 19};
   const int32_t key_counts[] = {1, 7, 255, 256, 257, 1000, 4099, 32768};
@@ -313,36 +307,35 @@ void run_decode(std::mt19937& rng) {
     if (quick() && &sh != &shapes[0]) continue;
     for (int32_t n : key_counts) {
       if (quick() && n > 1000) continue;
-      for (int rows : row_counts) test_decode_case<KV>(rng, counter++ % kKinds, rows, n, sh);
+      for (int rows : row_counts) test_decode_case(rng, counter++ % kKinds, rows, n, sh);
     }
   }
   // The other instantiations: head_dim 32 / 96 / 256, groups of 1, 8 and 16 (two head packs).
-  test_decode_case<KV>(rng, kManySpan, 3, 1000, Shape{4, 4, 32});
-  test_decode_case<KV>(rng, kCausal, 2, 4099, Shape{12, 4, 96});
-  test_decode_case<KV>(rng, kTwoSpan, 7, 1000, Shape{16, 2, 256});
-  test_decode_case<KV>(rng, kRecompute, 5, 257, Shape{64, 4, 128});
-  if (!quick()) test_decode_case<KV>(rng, kCausal, 1, 32768, Shape{8, 1, 160});
-  test_decode_case<KV>(rng, kManySpan, 2, 4099, Shape{14, 2, 64});
-  test_decode_case<KV>(rng, kTwoSpan, 3, 1000, Shape{32, 8, 128});
-  test_decode_case<KV>(rng, kRecompute, 7, 257, Shape{8, 1, 32});
+  test_decode_case(rng, kManySpan, 3, 1000, Shape{4, 4, 32});
+  test_decode_case(rng, kCausal, 2, 4099, Shape{12, 4, 96});
+  test_decode_case(rng, kTwoSpan, 7, 1000, Shape{16, 2, 256});
+  test_decode_case(rng, kRecompute, 5, 257, Shape{64, 4, 128});
+  if (!quick()) test_decode_case(rng, kCausal, 1, 32768, Shape{8, 1, 160});
+  test_decode_case(rng, kManySpan, 2, 4099, Shape{14, 2, 64});
+  test_decode_case(rng, kTwoSpan, 3, 1000, Shape{32, 8, 128});
+  test_decode_case(rng, kRecompute, 7, 257, Shape{8, 1, 32});
   // A single row seeing nothing (kernel 1 has blocks, all idle), and a call with no keys at all.
   {
     Layout l;
     l.num_keys = 100;
     l.add_row({});
-    test_decode<KV>(rng, l, kQwen7, "keyless row");
+    test_decode(rng, l, kQwen7, "keyless row");
     Layout none;
     none.add_row({});
     none.add_row({});
-    test_decode<KV>(rng, none, kSmol, "no keys");
+    test_decode(rng, none, kSmol, "no keys");
   }
   // lse null; K/V not 16-byte aligned (element copies instead of cp.async).
-  test_decode<KV>(rng, make_layout(rng, kTwoSpan, 7, 1000, true), kQwen7, "two-span", false);
-  test_decode<KV>(rng, make_layout(rng, kManySpan, 3, 4099, true), kWide, "many-span", true, 1);
+  test_decode(rng, make_layout(rng, kTwoSpan, 7, 1000, true), kQwen7, "two-span", false);
+  test_decode(rng, make_layout(rng, kManySpan, 3, 4099, true), kWide, "many-span", true, 1);
 }
 
 // ---- attention_pool ----
-template <typename KV>
 void test_pool(std::mt19937& rng, int kind, int rows, int32_t n, Shape sh, int num_groups,
                bool with_none, size_t k_shift = 0) {
   const bool empty_row = rows >= 3;
@@ -352,8 +345,8 @@ void test_pool(std::mt19937& rng, int kind, int rows, int32_t n, Shape sh, int n
   const float scale = 1.0f / std::sqrt(static_cast<float>(sh.head_dim));
   const auto q = random_vec<Bf16>(rng, static_cast<size_t>(rows * q_stride), -2.0f, 2.0f);
   const size_t kv_elems = static_cast<size_t>(n) * sh.kv_heads * sh.head_dim;
-  auto k = random_vec<KV>(rng, kv_elems, -2.0f, 2.0f);
-  const auto v = random_vec<KV>(rng, kv_elems, -1.0f, 1.0f);
+  auto k = random_vec<Bf16>(rng, kv_elems, -2.0f, 2.0f);
+  const auto v = random_vec<Bf16>(rng, kv_elems, -1.0f, 1.0f);
   std::uniform_int_distribution<int32_t> grp(with_none ? -1 : 0, num_groups - 1);
   std::vector<int32_t> key_group(static_cast<size_t>(n));
   for (auto& g : key_group) g = grp(rng);
@@ -362,19 +355,19 @@ void test_pool(std::mt19937& rng, int kind, int rows, int32_t n, Shape sh, int n
   std::vector<Bf16> att(static_cast<size_t>(rows * width));
   std::vector<float> lse(static_cast<size_t>(rows) * sh.heads);
   ref_attention(&att, width, &lse, q, q_stride, k, v, l, sh.heads, sh.kv_heads, sh.head_dim, scale);
-  poison_unseen<KV>(l, sh.kv_heads, sh.head_dim, &k, nullptr);
+  poison_unseen(l, sh.kv_heads, sh.head_dim, &k, nullptr);
 
   std::vector<float> want(static_cast<size_t>(rows) * num_groups, kNaN);
   const AttentionRows hr = l.view();
   parallel_rows(rows, [&](int r0, int r1) {
-    ref::attention_pool<KV>(
-        want.data() + static_cast<int64_t>(r0) * num_groups, q.data() + r0 * q_stride, q_stride,
-        k.data(), lse.data() + static_cast<int64_t>(r0) * sh.heads, slice(hr, r0, r1),
-        key_group.data(), num_groups, sh.heads, sh.kv_heads, sh.head_dim, scale);
+    ref::attention_pool(want.data() + static_cast<int64_t>(r0) * num_groups,
+                        q.data() + r0 * q_stride, q_stride, k.data(),
+                        lse.data() + static_cast<int64_t>(r0) * sh.heads, slice(hr, r0, r1),
+                        key_group.data(), num_groups, sh.heads, sh.kv_heads, sh.head_dim, scale);
   });
 
   Buf<Bf16> d_q(q);
-  Buf<KV> d_k(k, k_shift);
+  Buf<Bf16> d_k(k, k_shift);
   Buf<float> d_lse(lse);
   Buf<int32_t> d_off(l.offsets);
   Buf<KeyRange> d_spans(l.spans);
@@ -390,7 +383,7 @@ void test_pool(std::mt19937& rng, int kind, int rows, int32_t n, Shape sh, int n
   char name[200];
   std::snprintf(name, sizeof name, "pool %s rows=%d keys=%d %d/%d hd%d groups=%d%s %s%s",
                 kind_name(kind), rows, n, sh.heads, sh.kv_heads, sh.head_dim, num_groups,
-                with_none ? " (with -1)" : "", dtype_name<KV>(), k_shift > 0 ? " misaligned" : "");
+                with_none ? " (with -1)" : "", "bf16", k_shift > 0 ? " misaligned" : "");
   std::printf("  %s\n", name);
   const std::string what = name;
   ++g_checks;
@@ -427,7 +420,6 @@ void test_pool(std::mt19937& rng, int kind, int rows, int32_t n, Shape sh, int n
   }
 }
 
-template <typename KV>
 void run_pool(std::mt19937& rng) {
   struct PoolCase {
     int kind;
@@ -450,10 +442,10 @@ void run_pool(std::mt19937& rng) {
       {kCausal, 2, 255, Shape{64, 4, 128}, 8192},
   };
   for (const PoolCase& c : cases) {
-    test_pool<KV>(rng, c.kind, c.rows, c.keys, c.shape, c.groups, true);
-    test_pool<KV>(rng, c.kind, c.rows, c.keys, c.shape, c.groups, false);
+    test_pool(rng, c.kind, c.rows, c.keys, c.shape, c.groups, true);
+    test_pool(rng, c.kind, c.rows, c.keys, c.shape, c.groups, false);
   }
-  test_pool<KV>(rng, kTwoSpan, 7, 1000, kQwen7, 300, false, 1);  // K not 16-byte aligned
+  test_pool(rng, kTwoSpan, 7, 1000, kQwen7, 300, false, 1);  // K not 16-byte aligned
 }
 
 // ---- launcher argument checks ----
@@ -466,22 +458,22 @@ void test_invalid_arguments() {
   AttentionRows one{ip, nullptr, 1, 16};
   const size_t ws = kk::attention_decode_workspace_floats(1, 4, 64, 16);
   const bool ok =
-      kk::attention_decode(o, 256, f, o, 256, f, f, none, 4, 4, 64, 1.0f, f, 0, nullptr) ==
+      kk::attention_decode(o, 256, f, o, 256, o, o, none, 4, 4, 64, 1.0f, f, 0, nullptr) ==
           cudaSuccess &&  // no rows
-      kk::attention_decode(o, 256, f, o, 256, f, f, one, 4, 4, 48, 1.0f, f, ws, nullptr) ==
+      kk::attention_decode(o, 256, f, o, 256, o, o, one, 4, 4, 48, 1.0f, f, ws, nullptr) ==
           cudaErrorInvalidValue &&  // head_dim not a multiple of 32
-      kk::attention_decode(o, 512, f, o, 512, f, f, one, 4, 4, 288, 1.0f, f, ws, nullptr) ==
+      kk::attention_decode(o, 512, f, o, 512, o, o, one, 4, 4, 288, 1.0f, f, ws, nullptr) ==
           cudaErrorInvalidValue &&  // head_dim > 256
-      kk::attention_decode(o, 256, f, o, 256, f, f, one, 4, 3, 64, 1.0f, f, ws, nullptr) ==
+      kk::attention_decode(o, 256, f, o, 256, o, o, one, 4, 3, 64, 1.0f, f, ws, nullptr) ==
           cudaErrorInvalidValue &&  // heads % kv_heads
-      kk::attention_decode(o, 256, f, o, 256, f, f, one, 4, 4, 64, 1.0f, f, ws, nullptr) ==
+      kk::attention_decode(o, 256, f, o, 256, o, o, one, 4, 4, 64, 1.0f, f, ws, nullptr) ==
           cudaErrorInvalidValue &&  // null pointers
-      kk::attention_pool(f, o, 256, f, f, none, ip, 5, 4, 4, 64, 1.0f, nullptr) == cudaSuccess &&
-      kk::attention_pool(f, o, 256, f, f, one, ip, 5, 4, 4, 40, 1.0f, nullptr) ==
+      kk::attention_pool(f, o, 256, o, f, none, ip, 5, 4, 4, 64, 1.0f, nullptr) == cudaSuccess &&
+      kk::attention_pool(f, o, 256, o, f, one, ip, 5, 4, 4, 40, 1.0f, nullptr) ==
           cudaErrorInvalidValue &&
-      kk::attention_pool(f, o, 256, f, f, one, ip, -1, 4, 4, 64, 1.0f, nullptr) ==
+      kk::attention_pool(f, o, 256, o, f, one, ip, -1, 4, 4, 64, 1.0f, nullptr) ==
           cudaErrorInvalidValue &&
-      kk::attention_pool(f, o, 256, f, f, one, ip, 5, 4, 4, 64, 1.0f, nullptr) ==
+      kk::attention_pool(f, o, 256, o, f, one, ip, 5, 4, 4, 64, 1.0f, nullptr) ==
           cudaErrorInvalidValue &&
       ws > 0 && kk::attention_decode_workspace_floats(0, 4, 64, 16) == 0 &&
       kk::attention_decode_workspace_floats(3, 4, 64, 0) == 0;
@@ -496,7 +488,7 @@ void test_invalid_arguments() {
   AttentionRows dr{d_off.dev(), d_spans.dev(), 2, 300};
   const size_t need = kk::attention_decode_workspace_floats(2, 4, 64, 300);
   Buf<float> d_ws(std::vector<float>(need, 0.0f));
-  Buf<float> d_kv(std::vector<float>(300 * 4 * 64, 0.0f));
+  Buf<Bf16> d_kv(std::vector<Bf16>(300 * 4 * 64));
   Buf<Bf16> d_q(std::vector<Bf16>(2 * 256));
   Buf<Bf16> d_out(std::vector<Bf16>(2 * 256));
   if (kk::attention_decode(d_out.dev(), 256, nullptr, d_q.dev(), 256, d_kv.dev(), d_kv.dev(), dr, 4,
@@ -506,15 +498,14 @@ void test_invalid_arguments() {
 }
 
 // ---- timings (informational) ----
-template <typename KV>
 void time_decode(int rows, int32_t n, Shape sh) {
   std::mt19937 rng(99);
   const Layout l = make_layout(rng, kCausal, rows, n, false);
   const int64_t width = static_cast<int64_t>(sh.heads) * sh.head_dim;
   const size_t kv_elems = static_cast<size_t>(n) * sh.kv_heads * sh.head_dim;
   Buf<Bf16> d_q(random_vec<Bf16>(rng, static_cast<size_t>(rows * width), -2.0f, 2.0f));
-  Buf<KV> d_k(random_vec<KV>(rng, kv_elems, -2.0f, 2.0f));
-  Buf<KV> d_v(random_vec<KV>(rng, kv_elems, -1.0f, 1.0f));
+  Buf<Bf16> d_k(random_vec<Bf16>(rng, kv_elems, -2.0f, 2.0f));
+  Buf<Bf16> d_v(random_vec<Bf16>(rng, kv_elems, -1.0f, 1.0f));
   Buf<Bf16> d_out(std::vector<Bf16>(static_cast<size_t>(rows * width)));
   Buf<float> d_lse(std::vector<float>(static_cast<size_t>(rows) * sh.heads));
   Buf<int32_t> d_off(l.offsets);
@@ -530,9 +521,9 @@ void time_decode(int rows, int32_t n, Shape sh) {
   };
   const double median_ms = keep::gputest::time_launches(run, 20, 1, 3).median_ms;
   // K and V bytes, each key counted once (causal: every row sees nearly all of them).
-  const double bytes = 2.0 * static_cast<double>(n) * sh.kv_heads * sh.head_dim * sizeof(KV);
+  const double bytes = 2.0 * static_cast<double>(n) * sh.kv_heads * sh.head_dim * sizeof(Bf16);
   std::printf("timing decode rows=%d keys=%d %d/%d hd%d %s: %.1f us, %.0f GB/s of K/V\n", rows, n,
-              sh.heads, sh.kv_heads, sh.head_dim, dtype_name<KV>(), median_ms * 1e3,
+              sh.heads, sh.kv_heads, sh.head_dim, "bf16", median_ms * 1e3,
               bytes / (median_ms * 1e-3) / 1e9);
 }
 
@@ -541,23 +532,20 @@ void time_decode(int rows, int32_t n, Shape sh) {
 int main() {
   if (!keep::gputest::print_device()) return 2;
   std::mt19937 rng(20240611);
-  run_decode<float>(rng);
-  run_decode<Bf16>(rng);
+  run_decode(rng);
   if (!quick()) {
     std::printf("  decode recompute rows=733 keys=4099 9/3 hd64 bf16\n");
-    test_decode<Bf16>(rng, make_layout(rng, kRecompute, 733, 4099, true), kSmol, "recompute");
+    test_decode(rng, make_layout(rng, kRecompute, 733, 4099, true), kSmol, "recompute");
   }
-  run_pool<float>(rng);
-  run_pool<Bf16>(rng);
+  run_pool(rng);
   test_invalid_arguments();
   if (!quick()) {  // timings
     for (int32_t n : {4096, 32768}) {
-      time_decode<Bf16>(1, n, kQwen7);
-      time_decode<float>(1, n, kQwen7);
+      time_decode(1, n, kQwen7);
     }
     for (int rows : {2, 4, 8, 16}) {  // against test_attention's few-row prefill timings
-      time_decode<Bf16>(rows, 4096, kQwen7);
-      time_decode<Bf16>(rows, 32768, kQwen7);
+      time_decode(rows, 4096, kQwen7);
+      time_decode(rows, 32768, kQwen7);
     }
   }
   std::printf("test_attention_decode: %d checks, %d failures\n", g_checks, g_failures);

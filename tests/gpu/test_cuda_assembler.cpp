@@ -7,7 +7,7 @@
 
 #include <cmath>
 
-#include "services/worker/engine/cuda_backend.h"
+#include "services/worker/engine/cuda/cuda_backend.h"
 #include "services/worker/keep/kv_assembler.h"
 #include "tests/unit/engine_test_model.h"
 

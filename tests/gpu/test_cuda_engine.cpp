@@ -18,17 +18,21 @@
 
 #include <cuda_runtime.h>
 
-#include "services/worker/engine/cuda_backend.h"
-#include "services/worker/engine/engine.h"
-#include "services/worker/engine/model_weights.h"
+#include "services/worker/engine/core/engine.h"
+#include "services/worker/engine/core/replay_cache.h"
+#include "services/worker/engine/cuda/cuda_backend.h"
 #include "services/worker/kernels/kernels.h"
+#include "shared/model/model_weights.h"
 #include "tests/engine_fixture.h"
 #include "tests/unit/engine_test_model.h"
+#include "tests/unit/replay_scenario.h"
 
 using namespace keep::engine;
+using keep::engine::testing::check_recorded_prefills;
 using keep::engine::testing::make_tiny_model;
 using keep::engine::testing::prefill_keeping_rows;
 using keep::engine::testing::random_tokens;
+using keep::engine::testing::RecordingHooks;
 using keep::engine::testing::TinyShape;
 
 namespace {
@@ -431,8 +435,8 @@ TEST_CASE("CUDA graphs: replayed prefill chunks give bit-identical results; prof
   auto engine = Engine::create(std::move(backend).value(), 64);
   REQUIRE(engine.is_ok());
   Engine& e = **engine;
-  // Chunks of 64, 64 and 22 rows: the first two are kept on their second run (the second after
-  // 64 cached tokens), the last runs launch by launch.
+  // Chunks of 64, 64 and 22 rows: the first two are recorded on their second run (the second
+  // after 64 cached tokens), the last runs launch by launch.
   const auto prompt = random_tokens(150, s.vocab, 8);
   GenerateOptions g;
   g.max_tokens = 10;
@@ -511,15 +515,12 @@ TEST_CASE("CUDA graphs: replayed prefill chunks give bit-identical results; prof
   CHECK(total > 0.0);
 }
 
-// A prefill chunk of a recurring key (cache, size before it, length, last or not) runs launch by
-// launch the first time, is recorded and kept the second, and from the third replays the kept
-// sequence with the new tokens embedded: bit for bit what an eager prefill of those tokens gives
-// (logits and every layer's K/V). Another key is another sequence; at most Engine::kKeptPrefills
-// are kept; a moved workspace, graphs off or another dependent-launch setting make the backend
-// refuse the replay, and the engine runs the chunk afresh.
-TEST_CASE("CUDA graphs: a recurring prefill replays its kept sequence with new tokens") {
+// The engine's recorded prefills on CUDA graphs (tests/unit/replay_scenario.h): a workspace moved
+// by reserve() drops the recordings; another dependent-launch setting, graphs off or profiling make
+// the backend refuse a replay.
+TEST_CASE("CUDA graphs: a recurring prefill replays its recording with new tokens") {
   TinyShape s = kShapes[1];
-  s.layers = Engine::kKeptSplitLayer + 2;  // the first layer, then the kept sequence's two parts
+  s.layers = ReplayCache::kSplitLayer + 2;  // the first layer, then the recording's two parts
   auto w = make_tiny_model(s, 17);
   auto backend = CudaBackend::create(*w);
   REQUIRE(backend.is_ok());
@@ -527,106 +528,19 @@ TEST_CASE("CUDA graphs: a recurring prefill replays its kept sequence with new t
   auto engine = Engine::create(std::move(backend).value(), 128);
   REQUIRE(engine.is_ok());
   Engine& e = **engine;
-  const ModelConfig& c = e.config();
-  const int32_t n = 100;  // one chunk, >= Engine::kKeptMinRows
-  REQUIRE(n >= Engine::kKeptMinRows);
-  const auto t1 = random_tokens(n, s.vocab, 21);
-  const auto t2 = random_tokens(n, s.vocab, 22);
-  const size_t kv_elems = static_cast<size_t>(n) * c.kv_dim();
-  auto kv_of = [&](const KvCache& cache) {
-    std::vector<std::vector<float>> kv;
-    for (int32_t l = 0; l < c.num_layers; ++l) {
-      kv.push_back(view_to_host(e.backend(), cache.layer(l).k, kv_elems));
-      kv.push_back(view_to_host(e.backend(), cache.layer(l).v, kv_elems));
-    }
-    return kv;
+  RecordingHooks h;
+  h.set_recording = [&](bool on) { cuda.set_graphs(on); };
+  h.recordings = [&] { return cuda.recordings(); };
+  h.replays = [&] { return cuda.replays(); };
+  h.drop_all = [&] { REQUIRE(cuda.reserve(e.max_rows() * 2, 4 * e.max_rows()).is_ok()); };
+  h.view_to_host = [&](const void* view, size_t n) { return view_to_host(e.backend(), view, n); };
+  h.not_now = {
+      {[] { keep::kernels::set_dependent_launch(false); },
+       [] { keep::kernels::set_dependent_launch(true); }},
+      {[&] { cuda.set_graphs(false); }, [&] { cuda.set_graphs(true); }},
+      {[&] { cuda.set_profiling(true); }, [&] { cuda.set_profiling(false); }},
   };
-  // Eager references: t1's logits, t2's logits and K/V.
-  cuda.set_graphs(false);
-  auto eager = KvCache::create(e.backend(), 2 * n);
-  REQUIRE(eager.is_ok());
-  auto ref1 = e.prefill(*eager, t1);
-  REQUIRE(ref1.is_ok());
-  eager->set_size(0);
-  auto ref2 = e.prefill(*eager, t2);
-  REQUIRE(ref2.is_ok());
-  const auto ref2_kv = kv_of(*eager);
-  eager->set_size(0);
-  REQUIRE(e.prefill(*eager, t2).is_ok());
-  CHECK(e.kept_prefills() == 0);  // graphs off: nothing recorded, nothing kept
-  CHECK(cuda.kept_sequences() == 0);
-
-  cuda.set_graphs(true);
-  auto cache = KvCache::create(e.backend(), 2 * n);
-  REQUIRE(cache.is_ok());
-  auto run = [&](KvCache& kc, int32_t past, const std::vector<int32_t>& t) {
-    kc.set_size(past);
-    auto r = e.prefill(kc, std::span<const int32_t>(t).first(static_cast<size_t>(n - past)));
-    REQUIRE_MESSAGE(r.is_ok(), r.status().to_string());
-    return *r;
-  };
-  CHECK(run(*cache, 0, t1) == *ref1);  // first sighting: launch by launch
-  CHECK(e.kept_prefills() == 0);
-  CHECK(run(*cache, 0, t1) == *ref1);  // second: recorded and kept
-  CHECK(e.kept_prefills() == 1);
-  CHECK(cuda.kept_sequences() == 1);
-  CHECK(cuda.replays() == 0);
-  CHECK(run(*cache, 0, t2) == *ref2);  // third: replayed with t2's embedding
-  CHECK(cuda.replays() == 1);
-  CHECK(cuda.kept_sequences() == 1);
-  CHECK(kv_of(*cache) == ref2_kv);
-  // Another cache is another key, even of the same shape; so is another size before the chunk.
-  auto other = KvCache::create(e.backend(), 2 * n);
-  REQUIRE(other.is_ok());
-  CHECK(run(*other, 0, t2) == *ref2);
-  CHECK(run(*other, 0, t2) == *ref2);
-  CHECK(run(*cache, 10, t2) == run(*cache, 10, t2));
-  CHECK(cuda.replays() == 1);
-  CHECK(e.kept_prefills() == 3);
-  CHECK(cuda.kept_sequences() == 3);
-  // More keys than are kept: the least recently used go, on both sides.
-  for (int32_t past = 1; past <= 3; ++past) {
-    run(*cache, past, t1);
-    run(*cache, past, t1);
-  }
-  CHECK(e.kept_prefills() == Engine::kKeptPrefills);
-  CHECK(cuda.kept_sequences() == Engine::kKeptPrefills);
-  CHECK(cuda.replays() == 1);
-  // (cache, 0, n) was the least recently used: run twice more before it replays again.
-  CHECK(run(*cache, 0, t1) == *ref1);
-  CHECK(run(*cache, 0, t1) == *ref1);
-  CHECK(cuda.replays() == 1);
-  CHECK(run(*cache, 0, t2) == *ref2);
-  CHECK(cuda.replays() == 2);
-
-  // A workspace moved by reserve() drops every kept sequence: the chunk runs afresh.
-  REQUIRE(cuda.reserve(e.max_rows() * 2, 4 * n).is_ok());
-  CHECK(cuda.kept_sequences() == 0);
-  CHECK(run(*cache, 0, t2) == *ref2);
-  CHECK(run(*cache, 0, t2) == *ref2);
-  CHECK(cuda.kept_sequences() == 1);
-  CHECK(run(*cache, 0, t2) == *ref2);
-  CHECK(cuda.replays() == 3);
-  CHECK(kv_of(*cache) == ref2_kv);
-  // Under another dependent-launch setting, and with graphs off, the kept sequence is not
-  // replayed (the chunk runs launch by launch) but stays kept: back as it was recorded, it replays.
-  keep::kernels::set_dependent_launch(false);
-  const auto nopdl = run(*cache, 0, t2);
-  keep::kernels::set_dependent_launch(true);
-  CHECK(nopdl == *ref2);
-  cuda.set_graphs(false);
-  CHECK(run(*cache, 0, t2) == *ref2);
-  CHECK(run(*cache, 0, t2) == *ref2);
-  CHECK(cuda.replays() == 3);
-  CHECK(cuda.kept_sequences() == 1);
-  cuda.set_graphs(true);
-  CHECK(run(*cache, 0, t1) == *ref1);
-  CHECK(cuda.replays() == 4);
-  // Profiling times every launch: no replay while it is on.
-  cuda.set_profiling(true);
-  CHECK(run(*cache, 0, t2) == *ref2);
-  cuda.set_profiling(false);
-  CHECK(cuda.replays() == 4);
+  check_recorded_prefills(e, h);
 }
 
 TEST_CASE("CUDA: batched candidate scoring equals scoring each candidate by a full prefill") {

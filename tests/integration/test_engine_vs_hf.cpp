@@ -18,9 +18,9 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "services/worker/engine/cpu_backend.h"
-#include "services/worker/engine/engine.h"
-#include "services/worker/engine/model_weights.h"
+#include "services/worker/engine/core/engine.h"
+#include "services/worker/engine/cpu/cpu_backend.h"
+#include "shared/model/model_weights.h"
 #include "tests/engine_fixture.h"
 
 using namespace keep::engine;

@@ -6,9 +6,9 @@
 
 #include <thread>
 
-#include "services/worker/engine/cpu_backend.h"
-#include "services/worker/engine/model_identity.h"
+#include "services/worker/engine/cpu/cpu_backend.h"
 #include "services/worker/server/plan_service.h"
+#include "shared/model/model_identity.h"
 #include "tests/integration/manager/manager_process.h"
 
 using namespace keep::worker;

@@ -9,9 +9,9 @@
 #include <span>
 #include <vector>
 
-#include "services/worker/engine/engine.h"
-#include "services/worker/engine/model_weights.h"
+#include "services/worker/engine/core/engine.h"
 #include "shared/common/status.h"
+#include "shared/model/model_weights.h"
 
 namespace keep::engine::testing {
 

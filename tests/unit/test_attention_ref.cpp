@@ -63,9 +63,8 @@ void check_schedule(const Layout& l, int32_t row_tile, int32_t key_tile) {
 }
 
 // ---- naive attention over the mask matrix ----
-template <typename KV>
 void naive_attention(std::vector<double>& out, std::vector<double>& lse, const std::vector<Bf16>& q,
-                     int64_t q_stride, const std::vector<KV>& k, const std::vector<KV>& v,
+                     int64_t q_stride, const std::vector<Bf16>& k, const std::vector<Bf16>& v,
                      const Layout& l, int heads, int kv_heads, int hd, float scale) {
   const auto m = l.mask();
   const int rep = heads / kv_heads;
@@ -81,7 +80,7 @@ void naive_attention(std::vector<double>& out, std::vector<double>& lse, const s
         double dot = 0.0;
         for (int d = hd - 1; d >= 0; --d) {  // other summation order than the reference
           dot += static_cast<double>(kk::bf16_to_float(q[r * q_stride + h * hd + d])) *
-                 kk::to_float(k[(static_cast<size_t>(t) * kv_heads + g) * hd + d]);
+                 kk::bf16_to_float(k[(static_cast<size_t>(t) * kv_heads + g) * hd + d]);
         }
         score[t] = dot * scale;
         if (m[r][t]) mx = std::max(mx, score[t]);
@@ -93,7 +92,7 @@ void naive_attention(std::vector<double>& out, std::vector<double>& lse, const s
         const double w = std::exp(score[t] - mx);
         z += w;
         for (int d = 0; d < hd; ++d) {
-          o[d] += w * kk::to_float(v[(static_cast<size_t>(t) * kv_heads + g) * hd + d]);
+          o[d] += w * kk::bf16_to_float(v[(static_cast<size_t>(t) * kv_heads + g) * hd + d]);
         }
       }
       if (z == 0.0) {  // no visible key
@@ -106,7 +105,6 @@ void naive_attention(std::vector<double>& out, std::vector<double>& lse, const s
   }
 }
 
-template <typename KV>
 void check_attention(std::mt19937& rng, const Layout& l, int heads, int kv_heads, int hd,
                      int64_t q_extra, int64_t out_extra, bool with_lse) {
   INFO("rows " << l.rows() << " keys " << l.num_keys << " heads " << heads << "/" << kv_heads
@@ -117,14 +115,14 @@ void check_attention(std::mt19937& rng, const Layout& l, int heads, int kv_heads
   std::uniform_real_distribution<float> unit(-2.0f, 2.0f);
   std::vector<Bf16> q(static_cast<size_t>(l.rows()) * q_stride);
   for (auto& x : q) x = kk::float_to_bf16(unit(rng));
-  std::vector<KV> k(static_cast<size_t>(l.num_keys) * kv_heads * hd), v(k.size());
-  for (auto& x : k) x = kk::from_float<KV>(unit(rng));
-  for (auto& x : v) x = kk::from_float<KV>(unit(rng));
+  std::vector<Bf16> k(static_cast<size_t>(l.num_keys) * kv_heads * hd), v(k.size());
+  for (auto& x : k) x = kk::float_to_bf16(unit(rng));
+  for (auto& x : v) x = kk::float_to_bf16(unit(rng));
   const Bf16 sentinel = kk::float_to_bf16(-77.0f);
   std::vector<Bf16> out(static_cast<size_t>(l.rows()) * out_stride, sentinel);
   std::vector<float> lse(static_cast<size_t>(l.rows()) * heads, 12345.0f);
-  kk::ref::attention<KV>(out.data(), out_stride, with_lse ? lse.data() : nullptr, q.data(),
-                         q_stride, k.data(), v.data(), l.view(), heads, kv_heads, hd, scale);
+  kk::ref::attention(out.data(), out_stride, with_lse ? lse.data() : nullptr, q.data(), q_stride,
+                     k.data(), v.data(), l.view(), heads, kv_heads, hd, scale);
   std::vector<double> want, want_lse;
   naive_attention(want, want_lse, q, q_stride, k, v, l, heads, kv_heads, hd, scale);
   for (int32_t r = 0; r < l.rows(); ++r) {
@@ -278,25 +276,25 @@ TEST_CASE(
 TEST_CASE("attention reference matches a naive softmax over the mask matrix") {
   std::mt19937 rng(11);
   for (int32_t n : {1, 3, 7, 19}) {
-    check_attention<float>(rng, causal(n, 0), 2, 1, 8, 0, 0, true);
-    check_attention<Bf16>(rng, causal(n, 5), 6, 2, 16, 3, 5, true);
+    check_attention(rng, causal(n, 0), 2, 1, 8, 0, 0, true);
+    check_attention(rng, causal(n, 5), 6, 2, 16, 3, 5, true);
   }
-  check_attention<float>(rng, causal(70, 11), 9, 3, 64, 2 * 3 * 64, 7, true);  // fused q row
-  check_attention<Bf16>(rng, recompute(rng, 120, 0.2, false), 4, 4, 32, 0, 0, true);
-  check_attention<float>(rng, blocks(10, {{10, 30}, {40, 61}}), 6, 3, 8, 1, 1, false);
-  check_attention<Bf16>(rng, random_spans(rng, 30, 80, 5, true), 8, 2, 12, 0, 4, true);
+  check_attention(rng, causal(70, 11), 9, 3, 64, 2 * 3 * 64, 7, true);  // fused q row
+  check_attention(rng, recompute(rng, 120, 0.2, false), 4, 4, 32, 0, 0, true);
+  check_attention(rng, blocks(10, {{10, 30}, {40, 61}}), 6, 3, 8, 1, 1, false);
+  check_attention(rng, random_spans(rng, 30, 80, 5, true), 8, 2, 12, 0, 4, true);
   Layout zero;  // rows with no key among others
   zero.num_keys = 12;
   zero.add_row({});
   zero.add_row({{2, 3}});
   zero.add_row({});
   zero.add_row({{0, 4}, {4, 5}, {9, 12}});
-  check_attention<float>(rng, zero, 4, 2, 8, 0, 3, true);
-  check_attention<Bf16>(rng, zero, 4, 1, 8, 0, 3, true);
+  check_attention(rng, zero, 4, 2, 8, 0, 3, true);
+  check_attention(rng, zero, 4, 1, 8, 0, 3, true);
   Layout nokeys;  // no keys at all: out 0, lse -inf
   nokeys.add_row({});
   nokeys.add_row({});
-  check_attention<Bf16>(rng, nokeys, 3, 1, 4, 0, 0, true);
+  check_attention(rng, nokeys, 3, 1, 4, 0, 0, true);
 }
 
 TEST_CASE("attention reference: one visible key gives its value, lse its score") {
@@ -304,12 +302,12 @@ TEST_CASE("attention reference: one visible key gives its value, lse its score")
   l.num_keys = 3;
   l.add_row({{1, 2}});
   const std::vector<Bf16> q = {kk::float_to_bf16(1.0f), kk::float_to_bf16(2.0f)};
-  const std::vector<float> k = {9, 9, 0.5f, -0.25f, 9, 9};
-  const std::vector<float> v = {7, 7, 3.0f, -1.5f, 7, 7};
+  std::vector<Bf16> k, v;  // every value exact in bf16
+  for (float x : {9.0f, 9.0f, 0.5f, -0.25f, 9.0f, 9.0f}) k.push_back(kk::float_to_bf16(x));
+  for (float x : {7.0f, 7.0f, 3.0f, -1.5f, 7.0f, 7.0f}) v.push_back(kk::float_to_bf16(x));
   std::vector<Bf16> out(2);
   float lse = 0;
-  kk::ref::attention<float>(out.data(), 2, &lse, q.data(), 2, k.data(), v.data(), l.view(), 1, 1, 2,
-                            0.5f);
+  kk::ref::attention(out.data(), 2, &lse, q.data(), 2, k.data(), v.data(), l.view(), 1, 1, 2, 0.5f);
   CHECK(kk::bf16_to_float(out[0]) == 3.0f);
   CHECK(kk::bf16_to_float(out[1]) == -1.5f);
   CHECK(lse == doctest::Approx((1.0 * 0.5 + 2.0 * -0.25) * 0.5));

@@ -5,9 +5,9 @@
 #include <cmath>
 #include <numeric>
 
-#include "services/worker/engine/cpu_backend.h"
-#include "services/worker/engine/engine.h"
-#include "services/worker/engine/rope.h"
+#include "services/worker/engine/core/engine.h"
+#include "services/worker/engine/core/rope.h"
+#include "services/worker/engine/cpu/cpu_backend.h"
 #include "tests/unit/engine_test_model.h"
 
 using namespace keep::engine;

@@ -4,8 +4,8 @@
 
 #include <numeric>
 
-#include "services/worker/engine/cpu_backend.h"
-#include "services/worker/engine/engine.h"
+#include "services/worker/engine/core/engine.h"
+#include "services/worker/engine/cpu/cpu_backend.h"
 #include "tests/unit/engine_test_model.h"
 
 using namespace keep::engine;

@@ -16,10 +16,10 @@
 #include <string>
 #include <vector>
 
-#include "services/worker/engine/gguf_dequant.h"
-#include "services/worker/engine/gguf_loader.h"
-#include "services/worker/engine/gguf_reader.h"
-#include "services/worker/engine/model_weights.h"
+#include "shared/model/gguf_dequant.h"
+#include "shared/model/gguf_loader.h"
+#include "shared/model/gguf_reader.h"
+#include "shared/model/model_weights.h"
 
 using keep::Code;
 using keep::Result;

@@ -13,8 +13,8 @@
 #include <string>
 #include <vector>
 
-#include "services/worker/engine/hf_loader.h"
-#include "services/worker/engine/model_weights.h"
+#include "shared/model/hf_loader.h"
+#include "shared/model/model_weights.h"
 #include "shared/safetensors/safetensors_reader.h"
 
 using keep::Code;

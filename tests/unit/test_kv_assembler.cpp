@@ -11,7 +11,7 @@
 #include <cmath>
 #include <numeric>
 
-#include "services/worker/engine/cpu_backend.h"
+#include "services/worker/engine/cpu/cpu_backend.h"
 #include "tests/unit/engine_test_model.h"
 
 using namespace keep::worker;

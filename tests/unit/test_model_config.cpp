@@ -5,7 +5,7 @@
 #include <cmath>
 #include <string>
 
-#include "services/worker/engine/model_config.h"
+#include "shared/model/model_config.h"
 
 using keep::Code;
 using namespace keep::engine;

@@ -1,10 +1,10 @@
 // read_model_identity / kv_fingerprint: what keep-manager learns of the planner model without its
 // weights, and the region fingerprint both services derive from it.
-#include "services/worker/engine/model_identity.h"
+#include "shared/model/model_identity.h"
 
 #include <doctest/doctest.h>
 
-#include "services/worker/engine/model_weights.h"
+#include "shared/model/model_weights.h"
 
 using namespace keep::engine;
 namespace kv = keep::kv;

@@ -6,7 +6,7 @@
 #include <set>
 #include <vector>
 
-#include "services/worker/engine/sampling.h"
+#include "services/worker/engine/core/sampling.h"
 
 using namespace keep::engine;
 

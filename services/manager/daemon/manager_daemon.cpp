@@ -19,11 +19,11 @@
 #include "services/manager/encoder/bert_encoder.h"
 #include "services/manager/server/manager_service.h"
 #include "services/manager/store/memory_store.h"
-#include "services/worker/engine/model_identity.h"
 #include "shared/common/log.h"
 #include "shared/kvregion/kv_region.h"
 #include "shared/metrics/http_server.h"
 #include "shared/metrics/metrics.h"
+#include "shared/model/model_identity.h"
 #include "shared/rpc/rpc_server.h"
 #include "shared/tokenizer/bpe_tokenizer.h"
 

@@ -25,17 +25,17 @@
 
 #include <nlohmann/json.hpp>
 
-#include "services/worker/engine/cpu_backend.h"
+#include "services/worker/engine/cpu/cpu_backend.h"
 #ifdef KEEP_HAVE_CUDA
-#include "services/worker/engine/cuda_backend.h"
+#include "services/worker/engine/cuda/cuda_backend.h"
 #endif
-#include "services/worker/engine/engine.h"
-#include "services/worker/engine/hf_loader.h"
-#include "services/worker/engine/model_identity.h"
-#include "services/worker/engine/model_weights.h"
-#include "services/worker/engine/sampling.h"
+#include "services/worker/engine/core/engine.h"
+#include "services/worker/engine/core/sampling.h"
 #include "shared/common/log.h"
 #include "shared/common/options.h"
+#include "shared/model/hf_loader.h"
+#include "shared/model/model_identity.h"
+#include "shared/model/model_weights.h"
 #include "shared/tokenizer/bpe_tokenizer.h"
 #include "shared/tokenizer/chat_template.h"
 

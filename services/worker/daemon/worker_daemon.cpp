@@ -5,16 +5,16 @@
 #include <filesystem>
 #include <functional>
 
-#include "services/worker/engine/cpu_backend.h"
-#include "services/worker/engine/model_identity.h"
+#include "services/worker/engine/cpu/cpu_backend.h"
 #include "services/worker/server/worker_service.h"
 #include "shared/common/log.h"
 #include "shared/metrics/http_server.h"
+#include "shared/model/model_identity.h"
 #include "shared/tokenizer/chat_template.h"
 #ifdef KEEP_HAVE_CUDA
 #include <cuda_runtime.h>
 
-#include "services/worker/engine/cuda_backend.h"
+#include "services/worker/engine/cuda/cuda_backend.h"
 #endif
 
 namespace keep::worker {

@@ -19,7 +19,7 @@
 #include <span>
 #include <vector>
 
-#include "services/worker/engine/engine.h"
+#include "services/worker/engine/core/engine.h"
 #include "services/worker/keep/kv_entry.h"
 #include "services/worker/keep/recompute_plan.h"
 #include "shared/common/status.h"

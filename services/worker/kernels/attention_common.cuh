@@ -47,11 +47,11 @@ struct ReadOnlyLoad {
   }
 };
 
-// E consecutive KV elements at p, as fp32, with the widest aligned loads: p is aligned to the
-// largest power of two (<= 16) dividing E * sizeof(KV).
-template <typename KV, int E, typename Load>
-__device__ __forceinline__ void load_vec(const KV* p, float (&f)[E]) {
-  constexpr int kBytes = E * static_cast<int>(sizeof(KV));
+// E consecutive bf16 elements at p, as fp32, with the widest aligned loads: p is aligned to the
+// largest power of two (<= 16) dividing E * 2 bytes.
+template <int E, typename Load>
+__device__ __forceinline__ void load_vec(const __nv_bfloat16* p, float (&f)[E]) {
+  constexpr int kBytes = E * 2;
   if constexpr (kBytes % 4 == 0) {
     constexpr int kWords = kBytes / 4;
     uint32_t w[kWords];
@@ -75,17 +75,12 @@ __device__ __forceinline__ void load_vec(const KV* p, float (&f)[E]) {
 #pragma unroll
       for (int i = 0; i < kWords; ++i) w[i] = Load::load(reinterpret_cast<const uint32_t*>(p) + i);
     }
-    if constexpr (sizeof(KV) == 4) {
 #pragma unroll
-      for (int i = 0; i < E; ++i) f[i] = __uint_as_float(w[i]);
-    } else {
-#pragma unroll
-      for (int i = 0; i < kWords; ++i) {
-        f[2 * i] = __uint_as_float(w[i] << 16);  // little endian: the first element is the low half
-        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-      }
+    for (int i = 0; i < kWords; ++i) {
+      f[2 * i] = __uint_as_float(w[i] << 16);  // little endian: the first element is the low half
+      f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
     }
-  } else {  // bf16 with odd E: 2-byte loads
+  } else {  // odd E: 2-byte loads
 #pragma unroll
     for (int i = 0; i < E; ++i) {
       f[i] = __uint_as_float(

@@ -26,6 +26,8 @@
 namespace keep::kernels {
 namespace {
 
+using KV = __nv_bfloat16;  // the KV view's storage
+
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 using detail::kFull;
@@ -47,8 +49,8 @@ constexpr int heads_per_block(int head_dim, int group) {
 // rounded up to 16), at most num_keys rounded up to 16. So rows * max_chunks <= kTargetBlocks /
 // units + rows and max_chunks <= kMaxChunks: the workspace stays small for any row count, and few
 // rows over few keys still get short chunks. Why about one wave of blocks with short chunks: a
-// warp's batches run one after another with long dependency chains (~2.4 us a batch on the H200,
-// measured), so the keys per warp set the time; more blocks than fit at once add waves.
+// warp's batches run one after another with long dependency chains, so the keys per warp set the
+// time; more blocks than fit at once add waves.
 // units = 1 gives the most chunks any call of these sizes can have (the workspace bound).
 struct ChunkPlan {
   int64_t chunk = kMinChunk;
@@ -67,9 +69,9 @@ ChunkPlan plan_chunks(int64_t rows, int64_t num_keys, int64_t units) {
   return p;
 }
 
-// Per-(KV, E, HP) shape of kernel 1. A stage holds the K and V rows of one batch of kKB keys (at
+// Per-(E, HP) shape of kernel 1. A stage holds the K and V rows of one batch of kKB keys (at
 // most 4 KB); 4 stages when a stage is at most 2 KB, else 2.
-template <typename KV, int E, int HP>
+template <int E, int HP>
 struct DecodeShape {
   static constexpr int kD = 32 * E;
   static constexpr int kRowBytes = kD * static_cast<int>(sizeof(KV));
@@ -99,7 +101,7 @@ using detail::SpanCursor;
 // not). Always commits one cp.async group, so wait_group counts stay aligned with batches. When k
 // or v is not 16-byte aligned (aligned == false) the rows are copied element by element with
 // plain loads instead (correct, not fast).
-template <typename KV, typename Shape>
+template <typename Shape>
 __device__ __forceinline__ int issue_batch(unsigned char* st, int64_t ob, int chunk_end, int sp_end,
                                            SpanCursor& cur, const KeyRange* __restrict__ spans,
                                            const KV* __restrict__ k, const KV* __restrict__ v,
@@ -140,7 +142,7 @@ __device__ __forceinline__ int issue_batch(unsigned char* st, int64_t ob, int ch
 }
 
 // ---- kernel 1: one chunk of one row for the q heads [h0, h0 + nh) of one kv head ----
-template <typename KV, int E, int HP>
+template <int E, int HP>
 __global__ void __launch_bounds__(kThreads)
     decode_chunk_kernel(float* __restrict__ ws_o,             // (rows, heads, max_chunks, head_dim)
                         float* __restrict__ ws_m,             // (rows, heads, max_chunks)
@@ -153,7 +155,7 @@ __global__ void __launch_bounds__(kThreads)
                         const KeyRange* __restrict__ spans,       // (row_offsets[rows])
                         int heads, int kv_heads, int packs, int chunk, int max_chunks,
                         float scale_log2, bool aligned) {
-  using Shape = DecodeShape<KV, E, HP>;
+  using Shape = DecodeShape<E, HP>;
   constexpr int kD = Shape::kD;
   constexpr int kKB = Shape::kKB;
   constexpr int kLogKB = Shape::kLogKB;
@@ -203,9 +205,9 @@ __global__ void __launch_bounds__(kThreads)
   // Batch i of this warp holds the ordinals chunk_start + (i * kWarps + warp) * kKB + [0, kKB)
   // and goes to stage i % kStages.
   auto issue = [&](int i) {
-    return issue_batch<KV, Shape>(my_ring + (i % kStages) * kStageBytes,
-                                  chunk_start + (static_cast<int64_t>(i) * kWarps + warp) * kKB,
-                                  chunk_end, sp_end, cur, spans, k, v, kv_heads, g, lane, aligned);
+    return issue_batch<Shape>(my_ring + (i % kStages) * kStageBytes,
+                              chunk_start + (static_cast<int64_t>(i) * kWarps + warp) * kKB,
+                              chunk_end, sp_end, cur, spans, k, v, kv_heads, g, lane, aligned);
   };
 
   int nvq[kStages];  // valid keys of the batches in flight, oldest first
@@ -227,7 +229,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int kk = 0; kk < kKB; ++kk) {
       float kf[E];
-      detail::load_vec<KV, E, detail::PlainLoad>(kst + kk * kD + lane * E, kf);
+      detail::load_vec<E, detail::PlainLoad>(kst + kk * kD + lane * E, kf);
 #pragma unroll
       for (int h = 0; h < HP; ++h) {
         float s = 0.0f;
@@ -266,7 +268,7 @@ __global__ void __launch_bounds__(kThreads)
     float vf[kKB][E];
 #pragma unroll
     for (int kk = 0; kk < kKB; ++kk)
-      detail::load_vec<KV, E, detail::PlainLoad>(vst + kk * kD + lane * E, vf[kk]);
+      detail::load_vec<E, detail::PlainLoad>(vst + kk * kD + lane * E, vf[kk]);
 #pragma unroll
     for (int h = 0; h < HP; ++h) {
       if (h < nh) {
@@ -447,7 +449,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   if (lse != nullptr && t == 0) lse[r * heads + h] = (mx + log2f(ls)) * kLn2;
 }
 
-template <typename KV, int E, int HP>
+template <int E, int HP>
 void launch_chunks(float* ws_o, float* ws_m, float* ws_l, const __nv_bfloat16* q, int64_t q_stride,
                    const KV* k, const KV* v, const AttentionRows& rows, int heads, int kv_heads,
                    int chunk, int max_chunks, float scale_log2, bool aligned, cudaStream_t stream) {
@@ -455,25 +457,25 @@ void launch_chunks(float* ws_o, float* ws_m, float* ws_l, const __nv_bfloat16* q
   const int packs = (group + HP - 1) / HP;
   const int64_t blocks = static_cast<int64_t>(rows.rows) * kv_heads * packs * max_chunks;
   // (The launcher checked blocks < 2^31: rows * max_chunks <= rows + kTargetBlocks.)
-  decode_chunk_kernel<KV, E, HP><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+  decode_chunk_kernel<E, HP><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
       ws_o, ws_m, ws_l, q, q_stride, k, v, rows.row_offsets, rows.spans, heads, kv_heads, packs,
       chunk, max_chunks, scale_log2, aligned);
 }
 
 // HP from heads_per_block.
-template <typename KV, int E>
+template <int E>
 void dispatch_hp(float* ws_o, float* ws_m, float* ws_l, const __nv_bfloat16* q, int64_t q_stride,
                  const KV* k, const KV* v, const AttentionRows& rows, int heads, int kv_heads,
                  int chunk, int max_chunks, float scale_log2, bool aligned, cudaStream_t stream) {
   if constexpr (E <= 4) {
     if (heads_per_block(32 * E, heads / kv_heads) == 8) {
-      launch_chunks<KV, E, 8>(ws_o, ws_m, ws_l, q, q_stride, k, v, rows, heads, kv_heads, chunk,
-                              max_chunks, scale_log2, aligned, stream);
+      launch_chunks<E, 8>(ws_o, ws_m, ws_l, q, q_stride, k, v, rows, heads, kv_heads, chunk,
+                          max_chunks, scale_log2, aligned, stream);
       return;
     }
   }
-  launch_chunks<KV, E, 4>(ws_o, ws_m, ws_l, q, q_stride, k, v, rows, heads, kv_heads, chunk,
-                          max_chunks, scale_log2, aligned, stream);
+  launch_chunks<E, 4>(ws_o, ws_m, ws_l, q, q_stride, k, v, rows, heads, kv_heads, chunk, max_chunks,
+                      scale_log2, aligned, stream);
 }
 
 size_t decode_workspace_floats(int64_t rows, int heads, int head_dim, int64_t num_keys) {
@@ -483,7 +485,6 @@ size_t decode_workspace_floats(int64_t rows, int heads, int head_dim, int64_t nu
          static_cast<size_t>(p.max_chunks) * static_cast<size_t>(head_dim + 2);
 }
 
-template <typename KV>
 cudaError_t launch(__nv_bfloat16* out, int64_t out_stride, float* lse, const __nv_bfloat16* q,
                    int64_t q_stride, const KV* k, const KV* v, const AttentionRows& rows, int heads,
                    int kv_heads, int head_dim, float scale, float* workspace, size_t workspace_size,
@@ -523,10 +524,10 @@ cudaError_t launch(__nv_bfloat16* out, int64_t out_stride, float* lse, const __n
         (reinterpret_cast<uintptr_t>(k) | reinterpret_cast<uintptr_t>(v)) % 16 == 0;
     const float scale_log2 = scale * kLog2e;
     switch (head_dim / 32) {
-#define KEEP_DECODE_CASE(E_)                                                               \
-  case E_:                                                                                 \
-    dispatch_hp<KV, E_>(ws_o, ws_m, ws_l, q, q_stride, k, v, rows, heads, kv_heads, chunk, \
-                        max_chunks, scale_log2, aligned, stream);                          \
+#define KEEP_DECODE_CASE(E_)                                                                       \
+  case E_:                                                                                         \
+    dispatch_hp<E_>(ws_o, ws_m, ws_l, q, q_stride, k, v, rows, heads, kv_heads, chunk, max_chunks, \
+                    scale_log2, aligned, stream);                                                  \
     break;
       KEEP_DECODE_CASE(1)
       KEEP_DECODE_CASE(2)
@@ -552,15 +553,6 @@ cudaError_t launch(__nv_bfloat16* out, int64_t out_stride, float* lse, const __n
 
 size_t attention_decode_workspace_floats(int64_t rows, int heads, int head_dim, int64_t num_keys) {
   return decode_workspace_floats(rows, heads, head_dim, num_keys);
-}
-
-cudaError_t attention_decode(__nv_bfloat16* out, int64_t out_stride, float* lse,
-                             const __nv_bfloat16* q, int64_t q_stride, const float* k,
-                             const float* v, const AttentionRows& rows, int heads, int kv_heads,
-                             int head_dim, float scale, float* workspace, size_t workspace_floats,
-                             cudaStream_t stream) {
-  return launch(out, out_stride, lse, q, q_stride, k, v, rows, heads, kv_heads, head_dim, scale,
-                workspace, workspace_floats, stream);
 }
 
 cudaError_t attention_decode(__nv_bfloat16* out, int64_t out_stride, float* lse,

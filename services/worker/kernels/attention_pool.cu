@@ -21,6 +21,8 @@
 namespace keep::kernels {
 namespace {
 
+using KV = __nv_bfloat16;  // the KV view's storage
+
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 using detail::kFull;
@@ -31,7 +33,6 @@ constexpr int kMaxSmemGroups = 8192;   // 32 KB of shared sums
 constexpr int64_t kTargetBlocks = 2048;
 constexpr int kMinSplitKeys = 256;
 
-__device__ __forceinline__ float load_elem(const float* p) { return __ldg(p); }
 __device__ __forceinline__ float load_elem(const __nv_bfloat16* p) {
   return __bfloat162float(__ldg(p));
 }
@@ -43,7 +44,7 @@ __global__ void zero_kernel(float* __restrict__ p, int64_t n) {  // p: (n)
   }
 }
 
-template <typename KV, int E, int HP>
+template <int E, int HP>
 __global__ void __launch_bounds__(kThreads)
     pool_kernel(float* __restrict__ pooled,           // (rows, num_groups), zeroed
                 const __nv_bfloat16* __restrict__ q,  // (rows, q_stride)
@@ -100,7 +101,7 @@ __global__ void __launch_bounds__(kThreads)
       if (s >= 0) {
         const KV* kr = k + (static_cast<int64_t>(s) * kv_heads + g) * kD + lane * E;
         if (aligned) {
-          detail::load_vec<KV, E, detail::ReadOnlyLoad>(kr, kf[kk]);
+          detail::load_vec<E, detail::ReadOnlyLoad>(kr, kf[kk]);
         } else {  // k not 16-byte aligned: element loads
 #pragma unroll
           for (int e = 0; e < E; ++e) kf[kk][e] = load_elem(kr + e);
@@ -152,7 +153,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <typename KV, int E, int HP>
+template <int E, int HP>
 void launch_pool(float* pooled, const __nv_bfloat16* q, int64_t q_stride, const KV* k,
                  const float* lse, const AttentionRows& rows, const int32_t* key_group,
                  int num_groups, int heads, int kv_heads, int key_chunk, int splits,
@@ -161,29 +162,28 @@ void launch_pool(float* pooled, const __nv_bfloat16* q, int64_t q_stride, const 
   const int64_t blocks = static_cast<int64_t>(rows.rows) * kv_heads * packs * splits;
   const bool smem_groups = num_groups <= kMaxSmemGroups;
   const size_t smem = smem_groups ? static_cast<size_t>(num_groups) * sizeof(float) : 0;
-  pool_kernel<KV, E, HP><<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(
+  pool_kernel<E, HP><<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(
       pooled, q, q_stride, k, lse, rows.row_offsets, rows.spans, key_group, num_groups, heads,
       kv_heads, packs, key_chunk, splits, scale_log2, smem_groups, aligned);
 }
 
 // HP (q heads per block): 8 when head_dim <= 128 and the GQA group has more than 4 heads, else 4.
-template <typename KV, int E>
+template <int E>
 void dispatch_hp(float* pooled, const __nv_bfloat16* q, int64_t q_stride, const KV* k,
                  const float* lse, const AttentionRows& rows, const int32_t* key_group,
                  int num_groups, int heads, int kv_heads, int key_chunk, int splits,
                  float scale_log2, bool aligned, cudaStream_t stream) {
   if constexpr (E <= 4) {
     if (heads / kv_heads > 4) {
-      launch_pool<KV, E, 8>(pooled, q, q_stride, k, lse, rows, key_group, num_groups, heads,
-                            kv_heads, key_chunk, splits, scale_log2, aligned, stream);
+      launch_pool<E, 8>(pooled, q, q_stride, k, lse, rows, key_group, num_groups, heads, kv_heads,
+                        key_chunk, splits, scale_log2, aligned, stream);
       return;
     }
   }
-  launch_pool<KV, E, 4>(pooled, q, q_stride, k, lse, rows, key_group, num_groups, heads, kv_heads,
-                        key_chunk, splits, scale_log2, aligned, stream);
+  launch_pool<E, 4>(pooled, q, q_stride, k, lse, rows, key_group, num_groups, heads, kv_heads,
+                    key_chunk, splits, scale_log2, aligned, stream);
 }
 
-template <typename KV>
 cudaError_t launch(float* pooled, const __nv_bfloat16* q, int64_t q_stride, const KV* k,
                    const float* lse, const AttentionRows& rows, const int32_t* key_group,
                    int num_groups, int heads, int kv_heads, int head_dim, float scale,
@@ -225,8 +225,8 @@ cudaError_t launch(float* pooled, const __nv_bfloat16* q, int64_t q_stride, cons
   switch (head_dim / 32) {
 #define KEEP_POOL_CASE(E_)                                                                         \
   case E_:                                                                                         \
-    dispatch_hp<KV, E_>(pooled, q, q_stride, k, lse, rows, key_group, num_groups, heads, kv_heads, \
-                        kc, ns, scale_log2, aligned, stream);                                      \
+    dispatch_hp<E_>(pooled, q, q_stride, k, lse, rows, key_group, num_groups, heads, kv_heads, kc, \
+                    ns, scale_log2, aligned, stream);                                              \
     break;
     KEEP_POOL_CASE(1)
     KEEP_POOL_CASE(2)
@@ -244,14 +244,6 @@ cudaError_t launch(float* pooled, const __nv_bfloat16* q, int64_t q_stride, cons
 }
 
 }  // namespace
-
-cudaError_t attention_pool(float* pooled, const __nv_bfloat16* q, int64_t q_stride, const float* k,
-                           const float* lse, const AttentionRows& rows, const int32_t* key_group,
-                           int num_groups, int heads, int kv_heads, int head_dim, float scale,
-                           cudaStream_t stream) {
-  return launch(pooled, q, q_stride, k, lse, rows, key_group, num_groups, heads, kv_heads, head_dim,
-                scale, stream);
-}
 
 cudaError_t attention_pool(float* pooled, const __nv_bfloat16* q, int64_t q_stride,
                            const __nv_bfloat16* k, const float* lse, const AttentionRows& rows,

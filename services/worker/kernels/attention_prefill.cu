@@ -25,8 +25,8 @@
 // swizzled panels (wgmma.cuh) instead of padded rows; Q gets a buffer of its own. The
 // schedule, masks, softmax and epilogue are the same code.
 //
-// K/V loads: bf16 storage (16-byte aligned) goes through cp.async straight into shared memory;
-// fp32 storage is loaded into registers, converted and stored. The V of a tile the schedule does
+// K/V loads: 16-byte aligned rows go through cp.async straight into shared memory; others are
+// loaded into registers and stored. The V of a tile the schedule does
 // not mark full has its non-finite values replaced by 0: such a tile may hold keys no row of the
 // block sees (slots never written, possibly NaN), and a masked P = 0 times a NaN V would still
 // poison the mma. Through registers that happens on the way; after cp.async, each thread cleans
@@ -36,7 +36,6 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
-#include <type_traits>
 
 #include "services/worker/kernels/attention_common.cuh"
 #include "services/worker/kernels/common.cuh"
@@ -87,8 +86,8 @@ struct Geometry {
 // aligned); row r of a panel is 128 bytes at r * 128, its 16-byte chunk c stored as chunk
 // c ^ (r % 8) (the 128-byte swizzle the descriptors name). The 8 chunks one 128-byte line of a
 // global row holds land in one 128-byte line of shared memory, so cp.async makes one L2 request
-// of them (a layout scattering them costs a request each: measured, 2.8x the L2 tag requests),
-// and the 8 rows a wgmma core matrix reads lie in distinct banks.
+// of them (a layout scattering them costs a request each), and the 8 rows a wgmma core matrix
+// reads lie in distinct banks.
 constexpr uint32_t kPanelBytes = kKeys * 128;
 
 // Where the 16-byte chunk c of tile row r goes (elements from the tile's start).
@@ -101,15 +100,14 @@ __device__ __forceinline__ int chunk_offset(int r, int c) {
   }
 }
 
-template <typename KV>
 struct Params {
   bf16* out;  // (rows, out_stride)
   int64_t out_stride;
   float* lse;     // (rows, heads) or null
   const bf16* q;  // (rows, q_stride)
   int64_t q_stride;
-  const KV* k;                  // (num_keys, kv_heads, head_dim)
-  const KV* v;                  // (num_keys, kv_heads, head_dim)
+  const bf16* k;                // (num_keys, kv_heads, head_dim)
+  const bf16* v;                // (num_keys, kv_heads, head_dim)
   const int32_t* row_offsets;   // (rows + 1)
   const KeyRange* spans;        // (row_offsets[rows])
   const int32_t* tile_offsets;  // (row_tiles + 1)
@@ -193,24 +191,6 @@ __device__ __forceinline__ uint4 load8(const bf16* p, bool vec, bool sanitize) {
   return sanitize ? finite_bf16x8(u) : u;
 }
 
-__device__ __forceinline__ uint4 load8(const float* p, bool vec, bool sanitize) {
-  float f[8];
-  if (vec) {
-    const float4 a = __ldg(reinterpret_cast<const float4*>(p));
-    const float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
-    f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
-  } else {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) f[i] = __ldg(p + i);
-  }
-  if (sanitize) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) f[i] = isfinite(f[i]) ? f[i] : 0.0f;
-  }
-  return make_uint4(pack_bf16x2(f[0], f[1]), pack_bf16x2(f[2], f[3]), pack_bf16x2(f[4], f[5]),
-                    pack_bf16x2(f[6], f[7]));
-}
-
 // ---- tile loaders: 64 rows of HD elements into a shared-memory tile ----
 // Source row `r` is src + (first + r) * row_stride; rows at or past `limit` are zero.
 
@@ -238,9 +218,9 @@ __device__ __forceinline__ void tile_async(bf16* dst, const T* src, int64_t row_
   }
 }
 
-// Through registers (fp32 conversion, unaligned sources, sanitising non-finite values to 0), for
-// N tiles at once (K and V: their loads are in flight together), in batches of at most 64
-// registers of loaded data.
+// Through registers (unaligned sources, sanitising non-finite values to 0), for N tiles at once
+// (K and V: their loads are in flight together), in batches of at most 64 registers of loaded
+// data.
 template <int HD, bool kSwizzled, int N, typename T>
 __device__ __forceinline__ void tile_regs(bf16* const (&dst)[N], const T* const (&src)[N],
                                           const bool (&sanitize)[N], int64_t row_stride,
@@ -277,61 +257,54 @@ __device__ __forceinline__ void tile_regs(bf16* const (&dst)[N], const T* const 
 // Starts loading the K or V tile of schedule entry `entry` into dst: src = the K or V storage at
 // the block's kv head. V of a tile not marked full is sanitised: through registers, or (bf16
 // storage, 16-byte aligned rows: cp.async like any tile) afterwards by sanitize_v.
-template <int HD, bool kSwizzled, typename KV>
-__device__ __forceinline__ void issue_half_tile(bf16* dst, const Params<KV>& p, const KV* src,
+template <int HD, bool kSwizzled>
+__device__ __forceinline__ void issue_half_tile(bf16* dst, const Params& p, const bf16* src,
                                                 int32_t entry, bool is_v, int tid) {
   const int32_t first = (entry >> 1) * kKeys;
   const bool sanitize = is_v && (entry & 1) == 0;
   const int64_t stride = static_cast<int64_t>(p.kv_heads) * HD;
-  if constexpr (std::is_same_v<KV, bf16>) {
-    if (p.kv_vec) {
-      tile_async<HD, kSwizzled>(dst, src, stride, first, p.num_keys, tid);
-      return;
-    }
+  if (p.kv_vec) {
+    tile_async<HD, kSwizzled>(dst, src, stride, first, p.num_keys, tid);
+    return;
   }
   bf16* const d[1] = {dst};
-  const KV* const s[1] = {src};
+  const bf16* const s[1] = {src};
   const bool z[1] = {sanitize};
   tile_regs<HD, kSwizzled>(d, s, z, stride, first, p.num_keys, tid, p.kv_vec);
 }
 
-// Both tiles of the entry into sk / sv. Where they go through registers (fp32 or unaligned
-// storage), their loads are in flight together.
-template <int HD, bool kSwizzled, typename KV>
-__device__ __forceinline__ void issue_kv_tile(bf16* sk, bf16* sv, const Params<KV>& p, const KV* kg,
-                                              const KV* vg, int32_t entry, int tid) {
-  if constexpr (std::is_same_v<KV, bf16>) {
-    if (p.kv_vec) {
-      issue_half_tile<HD, kSwizzled>(sk, p, kg, entry, false, tid);
-      issue_half_tile<HD, kSwizzled>(sv, p, vg, entry, true, tid);
-      return;
-    }
+// Both tiles of the entry into sk / sv. Where they go through registers (unaligned storage), their
+// loads are in flight together.
+template <int HD, bool kSwizzled>
+__device__ __forceinline__ void issue_kv_tile(bf16* sk, bf16* sv, const Params& p, const bf16* kg,
+                                              const bf16* vg, int32_t entry, int tid) {
+  if (p.kv_vec) {
+    issue_half_tile<HD, kSwizzled>(sk, p, kg, entry, false, tid);
+    issue_half_tile<HD, kSwizzled>(sv, p, vg, entry, true, tid);
+    return;
   }
   bf16* const dst[2] = {sk, sv};
-  const KV* const src[2] = {kg, vg};
+  const bf16* const src[2] = {kg, vg};
   const bool sanitize[2] = {false, (entry & 1) == 0};
   tile_regs<HD, kSwizzled>(dst, src, sanitize, static_cast<int64_t>(p.kv_heads) * HD,
                            (entry >> 1) * kKeys, p.num_keys, tid, p.kv_vec);
 }
 
-// V of a tile not marked full that came by cp.async (bf16, aligned): once the thread's own copies
+// V of a tile not marked full that came by cp.async (aligned rows): once the thread's own copies
 // have landed (cp_async_wait), it zeroes the non-finite values of the chunks it copied itself
 // (tile_async's mapping), before the barrier that publishes the tile. Through registers instead,
-// the loads' latency sat on the step's critical path (ncu, Qwen2.5-14B at 1024 causal rows: ~5 %
-// of the kernel's stall samples on the diagonal tiles' V).
-template <int HD, bool kSwizzled, typename KV>
-__device__ __forceinline__ void sanitize_v(bf16* sv, const Params<KV>& p, int32_t entry, int tid) {
-  if constexpr (std::is_same_v<KV, bf16>) {
-    if (!p.kv_vec || (entry & 1) != 0) return;
-    using G = Geometry<HD, kSwizzled>;
-    const int r0 = tid / G::kChunksPerRow;
-    const int c = tid % G::kChunksPerRow;
+// the loads' latency would sit on the step's critical path.
+template <int HD, bool kSwizzled>
+__device__ __forceinline__ void sanitize_v(bf16* sv, const Params& p, int32_t entry, int tid) {
+  if (!p.kv_vec || (entry & 1) != 0) return;
+  using G = Geometry<HD, kSwizzled>;
+  const int r0 = tid / G::kChunksPerRow;
+  const int c = tid % G::kChunksPerRow;
 #pragma unroll
-    for (int i = 0; i < G::kPasses; ++i) {
-      auto* q =
-          reinterpret_cast<uint4*>(sv + chunk_offset<HD, kSwizzled>(r0 + i * G::kRowsPerPass, c));
-      *q = finite_bf16x8(*q);
-    }
+  for (int i = 0; i < G::kPasses; ++i) {
+    auto* q =
+        reinterpret_cast<uint4*>(sv + chunk_offset<HD, kSwizzled>(r0 + i * G::kRowsPerPass, c));
+    *q = finite_bf16x8(*q);
   }
 }
 
@@ -351,8 +324,8 @@ __device__ __forceinline__ KeyRange load_span(const KeyRange* __restrict__ spans
 // Which keys of the tile [first, first + 64) a row sees, as bits; `cursor` (the row's first span
 // not wholly before the tile) only moves forward since the tiles come in ascending order.
 // kCached: `cur` holds a copy of spans[cursor] (while cursor < end), so that a row with one span
-// (the causal prefill's) reads no memory here (the one-warpgroup kernel: ncu put ~2 % of its
-// stall samples on these loads); the wide kernel, at its register limit, reads them.
+// (the causal prefill's) reads no memory here; the wide kernel, at its register limit, reads
+// them.
 template <bool kCached>
 __device__ __forceinline__ uint64_t span_mask(const KeyRange* __restrict__ spans, int32_t& cursor,
                                               int32_t end, KeyRange& cur, int32_t first) {
@@ -378,8 +351,7 @@ struct RowSpans {
   int32_t cursor[2];
   int32_t end[2];
   KeyRange cur[2];  // kCached: spans[cursor[i]] while cursor[i] < end[i]
-  template <typename KV>
-  __device__ __forceinline__ RowSpans(const Params<KV>& p, int32_t row_base, int local_row) {
+  __device__ __forceinline__ RowSpans(const Params& p, int32_t row_base, int local_row) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int32_t r = row_base + local_row + 8 * i;
@@ -482,8 +454,8 @@ __device__ __forceinline__ void softmax_scores(float (&s)[kBlocks][4], float (&m
 }
 
 // kSkip: not where no row of the warp moved its reference max (softmax_scores). The wgmma kernels
-// skip (test_attention: 2-3 % faster); the mma.sync kernel, which rescales right before its P V
-// products, ran ~2 % slower with the vote and always multiplies.
+// skip; the mma.sync kernel, which rescales right before its P V products, gains nothing from the
+// vote and always multiplies.
 template <int HD, bool kSkip = true>
 __device__ __forceinline__ void rescale_o(float (&o)[HD / 8][4], const float (&alpha)[2]) {
   if (kSkip && !__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) return;
@@ -594,9 +566,9 @@ __device__ __forceinline__ void issue_pv_wgmma(float (&o)[HD / 8][4],
 // reads only its own) and stores them with 16-byte writes. Staging rows: padded (HD + 8), or
 // (kSwizzled) HD apart with 16-byte chunk c of row r at c ^ (r % 8), either way free of bank
 // conflicts.
-template <int HD, bool kSwizzled = false, typename KV>
+template <int HD, bool kSwizzled = false>
 __device__ __forceinline__ void store_o(bf16* so, const float (&o)[HD / 8][4], const float (&m)[2],
-                                        const float (&l)[2], const Params<KV>& p, int h,
+                                        const float (&l)[2], const Params& p, int h,
                                         int32_t row_base, int local_row, int warp, int lane) {
   constexpr int kChunksPerRow = HD / 8;
   constexpr int kOStride = kSwizzled ? HD : HD + 8;
@@ -647,9 +619,8 @@ __device__ __forceinline__ void store_o(bf16* so, const float (&o)[HD / 8][4], c
 }
 
 // kAligned: Q, O, K and V allow 16-byte accesses (launch() checked), so the loaders' and the
-// store's element-wise fallbacks are compiled out. They made the main loop's code several times
-// longer (the bf16 wgmma kernel was 115 KB), and instruction fetch was 15 % of its stall samples
-// (benchmarks/RESULTS.md run 11).
+// store's element-wise fallbacks are compiled out: they made the main loop's code several times
+// longer, and instruction fetch a stall of its own (benchmarks/RESULTS.md run 11).
 // kOneK (wgmma only): one K buffer instead of two, 65 KB of shared memory a block at head_dim
 // 128, so that three blocks share an SM (the aligned instance fits the 168 registers that allows).
 template <bool kOneK>
@@ -662,11 +633,11 @@ static_assert(kBlockSmemBytes<128, true, true> >= kRows * (128 + 8) * sizeof(bf1
 static_assert(3 * (kBlockSmemBytes<128, true, true> + 1024) <= 228 * 1024,
               "three blocks an SM with one K buffer");
 
-template <int HD, typename KV, bool kWgmma, bool kAligned, bool kOneK>
+template <int HD, bool kWgmma, bool kAligned, bool kOneK>
 __global__ void __launch_bounds__(kThreads, HD <= 64 || kOneK ? 3 : 2)
-    attention_prefill_kernel(const Params<KV> p_arg) {
+    attention_prefill_kernel(const Params p_arg) {
   static_assert(kWgmma || !kOneK, "one K buffer: the wgmma pipeline");
-  Params<KV> p = p_arg;
+  Params p = p_arg;
   if constexpr (kAligned) p.q_vec = p.out_vec = p.kv_vec = true;
   using G = Geometry<HD, kWgmma>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -686,8 +657,8 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 || kOneK ? 3 : 2)
   const int32_t row_tile = p.row_tiles - 1 - static_cast<int32_t>(block / p.heads);
   const int32_t row_base = row_tile * kRows;
   const int64_t kv_offset = static_cast<int64_t>(h / p.group) * HD;
-  const KV* const kg = p.k + kv_offset;
-  const KV* const vg = p.v + kv_offset;
+  const bf16* const kg = p.k + kv_offset;
+  const bf16* const vg = p.v + kv_offset;
   const int32_t sched_begin = __ldg(p.tile_offsets + row_tile);
   const int32_t n_tiles = __ldg(p.tile_offsets + row_tile + 1) - sched_begin;
   // The schedule's first entries and the rows' span lists: plan data, read before waiting for the
@@ -771,11 +742,9 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 || kOneK ? 3 : 2)
     // as soon as its buffer is free (two K buffers: S of tile j is done, start of step j; one K
     // buffer: every warp's S of tile j + 1 is, mid step j), V of tile j + 2 once O += P_j V_j is
     // (end of step j); step j waits for all but the newest group (V of j + 1). One K buffer keeps
-    // a block at 65 KB of shared memory, so three blocks share an SM instead of two:
-    // test_attention, Qwen2.5 heads, causal, ms: 14B heads at 1024 rows 0.038 -> 0.032, 7B heads
-    // at 2048 rows 0.081 -> 0.072, 4096 0.289 -> 0.246; where a launch has too few blocks to fill
-    // the third slot, K's shorter lead costs: 7B heads at 1024 rows (448 blocks) 0.026 -> 0.030,
-    // 512 rows after 3584 keys 0.080 -> 0.098 (benchmarks/RESULTS.md run 15).
+    // a block at 65 KB of shared memory, so three blocks share an SM instead of two; where a launch
+    // has too few blocks to fill the third slot, K's shorter lead costs more than that gains
+    // (kPrefillOneKMinBlocksPerSm; benchmarks/RESULTS.md run 15).
     float s[kKeys / 8][4];
     float alpha[2];
     uint64_t mask[1][2];
@@ -893,35 +862,26 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 || kOneK ? 3 : 2)
 }
 
 // ---- the two-warpgroup kernel (PrefillKernel::kWgmmaWide) ----
-// A block covers two row tiles (128 rows; consumer warpgroup c owns the rows of tile 2i + c) of
-// one head and steps over the keys 128 at a time (two schedule entries), so that a step has twice
-// the tensor work of the one-warpgroup kernel per wait, rescale of O and load round trip (ncu,
-// Qwen2.5-7B shape, 1024 causal rows: that kernel keeps the tensor pipe 22 % busy, latency bound
-// at two warpgroups per SM). Both consumers walk the union of their tiles' schedules (merged on
-// the fly; an entry is full only where both tiles have it full) and share every K/V tile; a key
-// tile only one of them sees is masked to nothing for the other.
+// A block covers two row tiles (128 rows; consumer warpgroup c owns the rows of tile 2i + c) of one
+// head and steps over the keys 128 at a time (two schedule entries), so that a step has twice the
+// tensor work of the one-warpgroup kernel per wait, rescale of O and load round trip (that kernel
+// is latency bound at two warpgroups per SM). Both consumers walk the union of their tiles'
+// schedules (merged on the fly; an entry is full only where both tiles have it full) and share
+// every K/V tile; a key tile only one of them sees is masked to nothing for the other.
 // Warp-specialized, like gemm_swiglu: warpgroup 0's first warp loads Q, K and V by TMA (two K and
 // two V buffers, mbarriers full / empty); its second warp sanitises V (non-finite values of a tile
 // not marked full to 0, and zeros for the missing half of a step of one tile) before the
 // consumers may read it; warpgroups 1 and 2 run the products and the softmax, each at its own
-// pace. Measured on the way (4096 causal rows, 7B heads): sharing cp.async loads and
-// __syncthreads instead ran the consumers in lockstep at 0.360 ms (one-warpgroup kernel: 0.327);
-// this form runs 0.295-0.298; making the consumers take turns to issue their products (named
-// barriers, FA3's "ping-pong") changed nothing (0.298) and was dropped. Shared memory: K and V of a
+// pace (cp.async loads and __syncthreads would run them in lockstep). Shared memory: K and V of a
 // step as 64-dim panels of 128 key rows (tile 2j's keys in rows 0..63, tile 2j + 1's in 64..127:
 // one K-major B of N = 128 for S = Q K^T, one transposed B of K = 128 for O += P V); Q per consumer
 // as in the other kernel (and its O staging at the end). bf16 K/V and 16-byte aligned Q, K, V
 // only (launch() falls back to kWgmma otherwise). The pipeline, masks, softmax and epilogue are
 // the other kernel's wgmma path.
 constexpr int kWideThreads = 384;
-// kAuto's choice (kPrefillWideMinKeys), from test_attention's timings on the H200 (Qwen2.5-7B
-// heads, bf16 K/V, 10 launches back to back a sample, at a934461): this kernel from 4096 keys on
-// (4096 causal rows 0.298 -> 0.290 ms, 512 rows after 3584 keys 0.083 -> 0.072 ms), the
-// one-warpgroup kernel below that (2048 causal rows: 0.084 vs 0.098 ms, 1024: 0.027 vs 0.038 ms;
-// 14B heads at 1024: 0.040 vs 0.054) and at head_dim 64. A persistent form of this kernel (one
-// block an SM walking (row pair, head) items, the next item's Q and first K/V loaded while the
-// current one finishes) measured the same at 1024 rows (0.039, 0.055) and slower at 4096 (0.295): a
-// block's start and end are not what the short walks lose on.
+// kAuto's choice (kPrefillWideMinKeys), from test_attention's timings on the H200: this kernel
+// from 4096 keys on, the one-warpgroup kernel below that and at head_dim 64
+// (benchmarks/RESULTS.md).
 constexpr int kWideKeys = 2 * kKeys;
 constexpr uint32_t kWidePanelBytes = kWideKeys * 128;  // 128 key rows of one 64-dim panel
 constexpr uint32_t kBoxBytes = kKeys * 128;            // one TMA box: 64 rows x 64 elements
@@ -944,7 +904,7 @@ struct WideGeometry {
 };
 
 struct WideArgs {
-  Params<bf16> p;
+  Params p;
   CUtensorMap q;  // (rows, heads * HD), q_stride apart, 64 x 64 boxes
   CUtensorMap k;  // (num_keys, kv_heads * HD), 64 x 64 boxes
   CUtensorMap v;
@@ -993,7 +953,7 @@ template <int HD>
 __global__ void __launch_bounds__(kWideThreads, 1)
     attention_prefill_wide_kernel(const __grid_constant__ WideArgs args) {
   using W = WideGeometry<HD>;
-  const Params<bf16>& p = args.p;
+  const Params& p = args.p;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   unsigned char* const smem = smem_raw + ((1024 - (detail::smem_u32(smem_raw) & 1023)) & 1023);
   bf16* const sk = reinterpret_cast<bf16*>(smem);  // K of a step [2]
@@ -1209,34 +1169,31 @@ cudaError_t configure_once(size_t smem_bytes) {
   }));
 }
 
-template <int HD, typename KV, bool kWgmma, bool kAligned, bool kOneK = false>
-cudaError_t launch_hd_as(const Params<KV>& p, cudaStream_t stream) {
+template <int HD, bool kWgmma, bool kAligned, bool kOneK = false>
+cudaError_t launch_hd_as(const Params& p, cudaStream_t stream) {
   constexpr size_t kBytes = kBlockSmemBytes<HD, kWgmma, kOneK>;
-  constexpr auto kKernel = attention_prefill_kernel<HD, KV, kWgmma, kAligned, kOneK>;
+  constexpr auto kKernel = attention_prefill_kernel<HD, kWgmma, kAligned, kOneK>;
   const cudaError_t err = configure_once<kKernel>(kBytes);
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned int>(p.row_tiles), static_cast<unsigned int>(p.heads));
   return detail::launch_dependent(kKernel, grid, kThreads, kBytes, stream, p);
 }
 
-// bf16 K/V with every access 16-byte aligned (the engine's layouts) take the kernel without the
-// element-wise fallbacks, and at head_dim 128 on wgmma with one_k the one-K-buffer form; fp32 K/V
-// keep the one kernel (not on the engine's path).
-template <int HD, typename KV, bool kWgmma>
-cudaError_t launch_hd(const Params<KV>& p, bool one_k, cudaStream_t stream) {
-  if constexpr (std::is_same_v<KV, bf16>) {
-    if (p.q_vec && p.out_vec && p.kv_vec) {
-      if constexpr (kWgmma && HD == 128) {
-        if (one_k) return launch_hd_as<HD, KV, kWgmma, true, true>(p, stream);
-      }
-      return launch_hd_as<HD, KV, kWgmma, true>(p, stream);
+// Every access 16-byte aligned (the engine's layouts): the kernel without the element-wise
+// fallbacks, and at head_dim 128 on wgmma with one_k the one-K-buffer form.
+template <int HD, bool kWgmma>
+cudaError_t launch_hd(const Params& p, bool one_k, cudaStream_t stream) {
+  if (p.q_vec && p.out_vec && p.kv_vec) {
+    if constexpr (kWgmma && HD == 128) {
+      if (one_k) return launch_hd_as<HD, kWgmma, true, true>(p, stream);
     }
+    return launch_hd_as<HD, kWgmma, true>(p, stream);
   }
-  return launch_hd_as<HD, KV, kWgmma, false>(p, stream);
+  return launch_hd_as<HD, kWgmma, false>(p, stream);
 }
 
 template <int HD>
-cudaError_t launch_wide(const Params<bf16>& p, cudaStream_t stream) {
+cudaError_t launch_wide(const Params& p, cudaStream_t stream) {
   constexpr size_t kBytes = WideGeometry<HD>::kSmemBytes;
   WideArgs args;
   args.p = p;
@@ -1255,9 +1212,8 @@ cudaError_t launch_wide(const Params<bf16>& p, cudaStream_t stream) {
                                   stream, args);
 }
 
-template <typename KV>
 cudaError_t launch(bf16* out, int64_t out_stride, float* lse, const bf16* q, int64_t q_stride,
-                   const KV* k, const KV* v, const AttentionRows& rows,
+                   const bf16* k, const bf16* v, const AttentionRows& rows,
                    const PrefillSchedule& schedule, int heads, int kv_heads, int head_dim,
                    float scale, PrefillKernel kernel, cudaStream_t stream) {
   if (kernel == PrefillKernel::kAuto) {
@@ -1281,7 +1237,7 @@ cudaError_t launch(bf16* out, int64_t out_stride, float* lse, const bf16* q, int
       (k == nullptr || v == nullptr || rows.spans == nullptr || schedule.tiles == nullptr)) {
     return cudaErrorInvalidValue;
   }
-  Params<KV> p{};
+  Params p{};
   p.out = out;
   p.out_stride = out_stride;
   p.lse = lse;
@@ -1305,21 +1261,18 @@ cudaError_t launch(bf16* out, int64_t out_stride, float* lse, const bf16* q, int
   p.kv_vec =
       detail::aligned16(k) && detail::aligned16(v);  // rows are head_dim (a multiple of 8) apart
   // The one place head_dim becomes a compile-time constant.
-  if constexpr (std::is_same_v<KV, bf16>) {
-    if (kernel == PrefillKernel::kWgmmaWide && p.q_vec && p.kv_vec && p.num_keys > 0 &&
-        detail::tensor_map_encoder() != nullptr) {
-      return head_dim == 64 ? launch_wide<64>(p, stream) : launch_wide<128>(p, stream);
-    }
+  if (kernel == PrefillKernel::kWgmmaWide && p.q_vec && p.kv_vec && p.num_keys > 0 &&
+      detail::tensor_map_encoder() != nullptr) {
+    return head_dim == 64 ? launch_wide<64>(p, stream) : launch_wide<128>(p, stream);
   }
   const bool wgmma = kernel != PrefillKernel::kMma;
   const bool one_k = kernel == PrefillKernel::kWgmmaOneK;
   switch (head_dim) {
     case 64:
-      return wgmma ? launch_hd<64, KV, true>(p, one_k, stream)
-                   : launch_hd<64, KV, false>(p, one_k, stream);
+      return wgmma ? launch_hd<64, true>(p, one_k, stream) : launch_hd<64, false>(p, one_k, stream);
     case 128:
-      return wgmma ? launch_hd<128, KV, true>(p, one_k, stream)
-                   : launch_hd<128, KV, false>(p, one_k, stream);
+      return wgmma ? launch_hd<128, true>(p, one_k, stream)
+                   : launch_hd<128, false>(p, one_k, stream);
     default:
       return cudaErrorInvalidValue;
   }
@@ -1345,15 +1298,6 @@ bool wgmma_available() {
 #endif
 }
 
-cudaError_t attention_prefill(__nv_bfloat16* out, int64_t out_stride, float* lse,
-                              const __nv_bfloat16* q, int64_t q_stride, const float* k,
-                              const float* v, const AttentionRows& rows,
-                              const PrefillSchedule& schedule, int heads, int kv_heads,
-                              int head_dim, float scale, cudaStream_t stream,
-                              PrefillKernel kernel) {
-  return launch(out, out_stride, lse, q, q_stride, k, v, rows, schedule, heads, kv_heads, head_dim,
-                scale, kernel, stream);
-}
 cudaError_t attention_prefill(__nv_bfloat16* out, int64_t out_stride, float* lse,
                               const __nv_bfloat16* q, int64_t q_stride, const __nv_bfloat16* k,
                               const __nv_bfloat16* v, const AttentionRows& rows,

@@ -54,9 +54,8 @@ inline bool parse_prefill_kernel(const char* name, PrefillKernel* out) {
   return false;
 }
 constexpr int32_t kPrefillWideMinKeys = 4096;  // kAuto's kWgmmaWide threshold (head_dim 128)
-// kAuto's kWgmmaOneK threshold: row tiles x heads per SM (H200, test_attention: 14B heads at 1024
-// rows, 4.8 blocks an SM, 0.038 -> 0.032 ms with one K buffer; 7B heads, 3.4 an SM, 0.026 ->
-// 0.030).
+// kAuto's kWgmmaOneK threshold: row tiles x heads per SM. With fewer the third block slot stays
+// empty and one K buffer only shortens K's lead (benchmarks/RESULTS.md run 15).
 constexpr int kPrefillOneKMinBlocksPerSm = 4;
 
 // The kernel attention_prefill runs for `asked`: kAuto resolved as PrefillKernel's comment says,

@@ -11,11 +11,6 @@
 
 namespace keep::kernels::detail {
 
-__device__ __forceinline__ float load(const float* p) { return *p; }
-__device__ __forceinline__ float load(const __nv_bfloat16* p) { return __bfloat162float(*p); }
-__device__ __forceinline__ void store(float* p, float v) { *p = v; }
-__device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
-
 // Whether a pointer allows 16-byte vector accesses (host side, before choosing a kernel form).
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
@@ -63,10 +58,9 @@ class DeviceMemo {
 // with the previous kernel's last blocks. So a kernel that writes weights must not let the next
 // one launch early. The non-coherent path (__ldg, const __restrict__) promises data read-only for
 // the kernel's lifetime, which a dependent launch starts before the previous kernel's writes land:
-// gemv reading x that way broke token-by-token prefill on the H200 and was reverted
-// (benchmarks/RESULTS.md run 15). add_rmsnorm's norm-only form reads the residual that way and
-// passes every test (an L2-only read measured no faster); new code reads the previous kernels'
-// output with coherent loads.
+// gemv reading x that way broke token-by-token prefill (benchmarks/RESULTS.md run 15).
+// add_rmsnorm's norm-only form reads the residual that way and passes every test; new code reads
+// the previous kernels' output with coherent loads.
 __device__ __forceinline__ void wait_previous_grid() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");

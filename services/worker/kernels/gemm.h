@@ -88,13 +88,12 @@ struct GemmShape {
 };
 
 // cuBLAS's default pick (cublasGemmEx's heuristic) is not always its fastest algorithm for our
-// shapes: on the H200 at 4096 rows cuBLASLt has algorithms 5-17 % faster for Qwen2.5-7B's QKV,
-// o_proj and down products (test_gemm's survey), none at 1024; nor is cuBLAS always faster than
-// our own product (gemm_wgmma), nor slower. tune() times cuBLASLt's heuristic candidates and, once
-// use_own_products() gave it scratch, gemm_wgmma (where the shape fits) against gemm_nt's default
-// on real operands and keeps the fastest where it wins by kTuneMargin; run() then uses it for
-// products of about that many rows. Not thread-safe (one per stream, like the backend that owns
-// it). Move-only.
+// shapes (test_gemm's survey finds faster cuBLASLt algorithms at large row counts); nor is cuBLAS
+// always faster than our own product (gemm_wgmma), nor slower. tune() times cuBLASLt's heuristic
+// candidates and, once use_own_products() gave it scratch, gemm_wgmma (where the shape fits)
+// against gemm_nt's default on real operands and keeps the fastest where it wins by kTuneMargin;
+// run() then uses it for products of about that many rows. Not thread-safe (one per stream, like
+// the backend that owns it). Move-only.
 class GemmTuner {
  public:
   static constexpr double kTuneMargin = 0.03;  // an algorithm must be 3 % faster to be kept

@@ -10,14 +10,14 @@
 // idles more than 5 % (GemmSchedule::kAuto) the clusters work in lanes: cluster c < lanes * tiles_m
 // stays on row tile c % tiles_m, lane c / tiles_m, and the lanes split the columns; a lane's
 // clusters walk the same columns and k steps together, so each weight tile comes from memory about
-// once and then from L2 (cutting single tiles instead put the row tiles of one column at different
-// k steps: 7B's down product, 136 MB of weights, ran 20 % slower than whole tiles). Of the lanes'
-// columns, those that would not fill a wave of lanes (their count % lanes + lanes, or all when
-// there are fewer than lanes) are cut by k steps into one equal, contiguous range per lane
-// (stream-K, Osama et al. 2023); the rest are dealt whole round robin after that. A lane's range
-// ends with the head (first k steps) of a column and may start inside another. The cluster that
-// holds a tile's head finishes it: the others (at most one piece per cluster: the tile its range
-// starts in) hand it their fp32 partial sums (gemm_wgmma.cu).
+// once and then from L2 (cutting single tiles instead puts the row tiles of one column at different
+// k steps, so their weights are read from memory more than once). Of the lanes' columns, those that
+// would not fill a wave of lanes (their count % lanes + lanes, or all when there are fewer than
+// lanes) are cut by k steps into one equal, contiguous range per lane (stream-K, Osama et al.
+// 2023); the rest are dealt whole round robin after that. A lane's range ends with the head (first
+// k steps) of a column and may start inside another. The cluster that holds a tile's head finishes
+// it: the others (at most one piece per cluster: the tile its range starts in) hand it their fp32
+// partial sums (gemm_wgmma.cu).
 //
 // The clusters no lane takes (clusters % tiles_m: 2 of 66 at 1024 rows, 3 % of the GPU) are spare:
 // where some of them divide the row tiles, each takes spare_rows = tiles_m / spare of the row

@@ -30,9 +30,9 @@
 // fp32 accumulation (stream-K partials included), one rounding to bf16 at the end (kStore,
 // kSwiglu); kAccumulate adds the fp32 sums to y in fp32. silu(g) = g * sigmoid(g) = h + h *
 // tanh(h) with h = g / 2, on the hardware's approximate tanh (one MUFU operation; max relative
-// error 2^-11, a quarter of bf16's rounding step; exactly 0 and g at the saturated ends). With expf
-// and an IEEE division the epilogue took ~5100 of a tile's ~63000 cycles (7B gate/up, one k step
-// ~1040); __expf and __fdividef (two MUFU operations an element) made the kernel 5-6 % faster.
+// error 2^-11, a quarter of bf16's rounding step; exactly 0 and g at the saturated ends): one MUFU
+// operation instead of expf and a division in an epilogue that is a visible share of a tile's
+// time (benchmarks/RESULTS.md run 10).
 #include <algorithm>
 #include <cstdint>
 #include <iterator>
@@ -328,8 +328,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       if constexpr (E == Epilogue::kAccumulate) {
         // y += acc straight from registers, with reductions in L2 (red.add: each y element gets
         // exactly one, from this thread, so the sum is y + acc rounded once, as a load, add and
-        // store would give, without waiting for the load: 2-4 % faster than that in test_gemm). A
-        // warp's reductions of one block n cover 8 rows x 32 contiguous bytes.
+        // store would give, without waiting for the load). A warp's reductions of one block n
+        // cover 8 rows x 32 contiguous bytes.
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           // A row past the end adds zeros to the last row instead: no branch around the
@@ -349,8 +349,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         // Staged in shared memory as bf16 (64-column swizzled panels of up to 128 columns), then
         // written by TMA stores, which drop rows past the end. kSwiglu: column j of the gate half
         // and column j of the up half sit in the same thread (blocks n and n + 16): one pass of
-        // act = silu(gate) * up. kStore: passes of 128 columns (bf16 pairs stored from registers
-        // instead, 8 rows x 16 bytes per warp access, ran 5-10 % slower); a width with 32 columns
+        // act = silu(gate) * up. kStore: passes of 128 columns (faster than bf16 pairs stored from
+        // registers, 8 rows x 16 bytes per warp access); a width with 32 columns
         // over whole panels (160, 224) ends on a 32-column panel of 64-byte rows, stored through
         // y_tail (64-byte swizzle: chunk c of row r at c ^ ((r / 2) % 4), conflict-free too).
         constexpr int kPasses = E == Epilogue::kSwiglu ? 1 : (BN + 127) / 128;

@@ -1,10 +1,10 @@
 // Few-row products for decode (kernels.h, "gemv.cu"): y = x W^T for 1 to 8 rows of x, bf16 W and
 // x, fp32 accumulation. At one row a product is a read of W and nothing else; every warp here owns
 // one output and streams its W row with 16-byte non-caching loads, four in flight per lane, while
-// the x rows (a few KB, shared by all warps) come through L1. H200, one row of Qwen2.5-7B's four
-// products: 2.5-3.9 TB/s against cuBLAS's 1.5-3.5 (tests/gpu/test_gemm.cu prints both); from 4 rows
-// cuBLAS is faster (each W piece is reused from registers, but the x loads grow with the rows), so
-// the CUDA backend uses this up to CudaBackendOptions::gemv_rows (2). Reference: ref::gemv.
+// the x rows (a few KB, shared by all warps) come through L1. At one and two rows this beats
+// cuBLAS (tests/gpu/test_gemm.cu times both; benchmarks/RESULTS.md); from 4 rows cuBLAS is faster
+// (each W piece is reused from registers, but the x loads grow with the rows), so the CUDA backend
+// uses this up to CudaBackendOptions::gemv_rows (2). Reference: ref::gemv.
 #include <algorithm>
 #include <cstdint>
 

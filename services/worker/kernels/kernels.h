@@ -26,34 +26,18 @@ namespace keep::kernels {
 void set_dependent_launch(bool on);
 bool dependent_launch();
 
-// out (n, hidden) = table (vocab, hidden)[ids[t], :]; ids (n) outside [0, vocab) give zero rows.
-cudaError_t embedding(float* out, const float* table, const int32_t* ids, int64_t n, int64_t hidden,
-                      int64_t vocab, cudaStream_t stream);
-cudaError_t embedding(__nv_bfloat16* out, const __nv_bfloat16* table, const int32_t* ids, int64_t n,
-                      int64_t hidden, int64_t vocab, cudaStream_t stream);
-
-// residual (rows, cols) += x (rows, cols) (skipped when x is null), rounded to storage; then
-// out (rows, cols) = rmsnorm(residual) * weight (cols), eps inside the square root. One block per
-// row. out may equal x; out must not overlap residual.
+// residual (rows, cols) += x (rows, cols) (skipped when x is null); then out (rows, cols) =
+// rmsnorm(residual) * weight (cols), eps inside the square root, all fp32. One block per row. out
+// may equal x; out must not overlap residual.
 cudaError_t rmsnorm_residual(float* out, float* residual, const float* x, const float* weight,
                              int64_t rows, int64_t cols, float eps, cudaStream_t stream);
-cudaError_t rmsnorm_residual(__nv_bfloat16* out, __nv_bfloat16* residual, const __nv_bfloat16* x,
-                             const __nv_bfloat16* weight, int64_t rows, int64_t cols, float eps,
-                             cudaStream_t stream);
 
-// RoPE in place, HF half-split layout (services/worker/engine/rope.h): x (n, row_stride) holding
-// (heads, head_dim) at the start of each row, row r rotated to positions[r] (n, int32) with
+// RoPE in place, HF half-split layout (services/worker/engine/core/rope.h): x (n, row_stride)
+// holding (heads, head_dim) at the start of each row, row r rotated to positions[r] (n, int32) with
 // inv_freq (head_dim / 2, fp32). head_dim must be even, row_stride >= heads * head_dim. Serves Q,
 // K, and pre-RoPE K loaded from the cache alike.
 cudaError_t rope(float* x, const int32_t* positions, const float* inv_freq, int64_t n,
                  int64_t heads, int64_t head_dim, int64_t row_stride, cudaStream_t stream);
-cudaError_t rope(__nv_bfloat16* x, const int32_t* positions, const float* inv_freq, int64_t n,
-                 int64_t heads, int64_t head_dim, int64_t row_stride, cudaStream_t stream);
-
-// out (n) = silu(gate (n)) * up (n). out may equal gate or up.
-cudaError_t swiglu(float* out, const float* gate, const float* up, int64_t n, cudaStream_t stream);
-cudaError_t swiglu(__nv_bfloat16* out, const __nv_bfloat16* gate, const __nv_bfloat16* up,
-                   int64_t n, cudaStream_t stream);
 
 // ---- element-wise and normalisation kernels of the bf16 transformer block (misc.cu) ----
 // The CUDA backend keeps the residual stream (engine hidden) in fp32 and feeds the matrix products
@@ -92,14 +76,10 @@ cudaError_t swiglu_rows(__nv_bfloat16* out, const __nv_bfloat16* gate_up, int64_
 //   q (in place, bf16)     = bf16(rope(float(q) + bq, positions[r]))
 //   k_pre[r] (fp32)        = float(k) + bk                (skipped when k_pre is null)
 //   v_out[r] (fp32)        = float(v) + bv                (skipped when v_out is null)
-//   kv_k[slots[r]] (KV)    = KV(rope(float(k) + bk, positions[r]))   (fp32 RoPE, as ref::rope)
-//   kv_v[slots[r]] (KV)    = KV(float(v) + bv)
+//   kv_k[slots[r]] (bf16)  = bf16(rope(float(k) + bk, positions[r]))   (fp32 RoPE, as ref::rope)
+//   kv_v[slots[r]] (bf16)  = bf16(float(v) + bv)
 // bq/bk/bv (fp32) may be null (no bias). kv_k / kv_v: (capacity, kv_heads, head_dim). positions,
-// slots: (rows) device int32. inv_freq: (head_dim / 2) fp32. KV is float or bf16.
-cudaError_t qkv_finish(__nv_bfloat16* qkv, float* k_pre, float* v_out, float* kv_k, float* kv_v,
-                       const float* bq, const float* bk, const float* bv, const int32_t* positions,
-                       const int32_t* slots, const float* inv_freq, int64_t rows, int64_t heads,
-                       int64_t kv_heads, int64_t head_dim, cudaStream_t stream);
+// slots: (rows) device int32. inv_freq: (head_dim / 2) fp32.
 cudaError_t qkv_finish(__nv_bfloat16* qkv, float* k_pre, float* v_out, __nv_bfloat16* kv_k,
                        __nv_bfloat16* kv_v, const float* bq, const float* bk, const float* bv,
                        const int32_t* positions, const int32_t* slots, const float* inv_freq,
@@ -152,7 +132,7 @@ cudaError_t convert(float* out, const __nv_bfloat16* in, int64_t n, cudaStream_t
 //   lse[r, h] = log Σ_t exp(s_t)                      (natural log; -inf when no key)
 //   out[r, h, :] = Σ_t exp(s_t - lse) v[t, g, :]      (0 when no key)
 // q: (rows, q_stride) bf16, heads * head_dim used at the start of each row (rotated Q, e.g. inside
-// the fused qkv buffer); k, v: (num_keys, kv_heads, head_dim) in KV = float or bf16; out: (rows,
+// the fused qkv buffer); k, v: (num_keys, kv_heads, head_dim) bf16 (the KV view); out: (rows,
 // out_stride) bf16; lse (rows, heads) fp32 or null. heads % kv_heads == 0.
 
 // Whether the current device runs our wgmma code: this library was built for sm_90a
@@ -161,12 +141,6 @@ bool wgmma_available();
 
 // Tiled flash-style kernel (tensor cores), for any number of rows; schedule from
 // build_prefill_schedule over the same rows. head_dim 64 or 128 (else cudaErrorInvalidValue).
-cudaError_t attention_prefill(__nv_bfloat16* out, int64_t out_stride, float* lse,
-                              const __nv_bfloat16* q, int64_t q_stride, const float* k,
-                              const float* v, const AttentionRows& rows,
-                              const PrefillSchedule& schedule, int heads, int kv_heads,
-                              int head_dim, float scale, cudaStream_t stream,
-                              PrefillKernel kernel = PrefillKernel::kAuto);
 cudaError_t attention_prefill(__nv_bfloat16* out, int64_t out_stride, float* lse,
                               const __nv_bfloat16* q, int64_t q_stride, const __nv_bfloat16* k,
                               const __nv_bfloat16* v, const AttentionRows& rows,
@@ -180,11 +154,6 @@ cudaError_t attention_prefill(__nv_bfloat16* out, int64_t out_stride, float* lse
 // num_keys) floats. head_dim a multiple of 32, at most 256.
 size_t attention_decode_workspace_floats(int64_t rows, int heads, int head_dim, int64_t num_keys);
 cudaError_t attention_decode(__nv_bfloat16* out, int64_t out_stride, float* lse,
-                             const __nv_bfloat16* q, int64_t q_stride, const float* k,
-                             const float* v, const AttentionRows& rows, int heads, int kv_heads,
-                             int head_dim, float scale, float* workspace, size_t workspace_floats,
-                             cudaStream_t stream);
-cudaError_t attention_decode(__nv_bfloat16* out, int64_t out_stride, float* lse,
                              const __nv_bfloat16* q, int64_t q_stride, const __nv_bfloat16* k,
                              const __nv_bfloat16* v, const AttentionRows& rows, int heads,
                              int kv_heads, int head_dim, float scale, float* workspace,
@@ -195,16 +164,12 @@ cudaError_t attention_decode(__nv_bfloat16* out, int64_t out_stride, float* lse,
 // with s_t as above and lse from the attention call over the same rows. key_group (num_keys)
 // device int32; a key whose group is outside [0, num_groups) (-1: in no group) is skipped. head_dim
 // a multiple of 32, at most 256.
-cudaError_t attention_pool(float* pooled, const __nv_bfloat16* q, int64_t q_stride, const float* k,
-                           const float* lse, const AttentionRows& rows, const int32_t* key_group,
-                           int num_groups, int heads, int kv_heads, int head_dim, float scale,
-                           cudaStream_t stream);
 cudaError_t attention_pool(float* pooled, const __nv_bfloat16* q, int64_t q_stride,
                            const __nv_bfloat16* k, const float* lse, const AttentionRows& rows,
                            const int32_t* key_group, int num_groups, int heads, int kv_heads,
                            int head_dim, float scale, cudaStream_t stream);
 
-// ---- logits (logits.cu): greedy, sampling, scoring over fp32 logits (rows, vocab) ----
+// ---- logits (logits.cu): greedy and scoring over fp32 logits (rows, vocab) ----
 // out (rows) = index of the largest logit of each row, lowest index on ties, NaN never wins (an
 // all-NaN row gives 0) — engine::argmax's rule.
 cudaError_t argmax(int32_t* out, const float* logits, int64_t rows, int64_t vocab,
@@ -215,17 +180,5 @@ cudaError_t argmax(int32_t* out, const float* logits, int64_t rows, int64_t voca
 // as does a row holding a NaN logit; an infinite max m gives logits[r, tokens[r]] - m.
 cudaError_t token_logprob(float* out, const float* logits, const int32_t* tokens, int64_t rows,
                           int64_t vocab, cudaStream_t stream);
-
-// Temperature / top-k / top-p sampling, one draw per row with uniforms (rows) in [0, 1); the
-// result is bit-identical to ref::sample (reference_logits.cpp has the rule in full). Each token's
-// mass is an exact integer w_i = floor(2^40 * p_i), p_i = exp((l_i - max) / temperature) from a
-// fixed fma polynomial (NaN logits and p_i < 2^-40 weigh 0), so sums do not depend on order. Keep
-// the shortest prefix of the tokens ordered by (logit desc, index asc) whose mass reaches
-// ceil(top_p * W) (all of W when top_p >= 1), at most top_k tokens when top_k > 0; then walk the
-// kept tokens in INDEX order and return the first whose running mass exceeds floor(u * kept).
-// temperature finite and > 0, top_p in (0, 1], vocab < 2^24 (else cudaErrorInvalidValue).
-cudaError_t sample(int32_t* out, const float* logits, const float* uniforms, int64_t rows,
-                   int64_t vocab, float temperature, float top_p, int32_t top_k,
-                   cudaStream_t stream);
 
 }  // namespace keep::kernels

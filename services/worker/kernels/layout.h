@@ -1,6 +1,6 @@
 // Plain types shared by the attention kernels, their CPU references and the host-side planner
 // (no CUDA): the device form of an engine AttentionLayout
-// (services/worker/engine/attention_layout.h).
+// (services/worker/engine/core/attention_layout.h).
 #pragma once
 
 #include <cstdint>

@@ -6,7 +6,7 @@
 // pointer it touches is 16-byte aligned and the row widths are multiples of 8 (the vector path,
 // W = 8); otherwise the same code runs one element at a time (W = 1). Row-wise kernels run one
 // block per row, grid-strided over rows; element-wise ones are grid-stride loops. No fast math:
-// expf and sincosf are the accurate ones, as in swiglu.cu and rope.cu.
+// expf and sincosf are the accurate ones, as in rope.cu.
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -225,9 +225,8 @@ constexpr int kNormMaxWarps = kNormMaxThreads / 32;
 // No register cap: with kHeld > 0 the norm's weights load with the residual, before the sum of
 // squares, so a block's path has one load round trip less (the weights were read after the
 // reduction, which let 32 registers hold the norm-only form and 4 blocks of 512 threads share an
-// SM). Two held chunks now take 54 registers (a 14B row: 3 blocks of 320 threads an SM). H200,
-// test_kernels (1024 rows, back to back): 14B 7.86 -> 7.53 us, 7B 5.72 -> 5.63 us
-// (benchmarks/RESULTS.md run 22).
+// SM). Two held chunks now take 54 registers (a 14B row: 3 blocks of 320 threads an SM), and the
+// norm is faster for it (benchmarks/RESULTS.md run 22).
 
 // One block per row (grid-strided over rows). Thread tid owns the W-chunks tid + j * blockDim.x
 // of the row. kHeld > 0: the launcher sized the block so that every chunk is owned with
@@ -376,11 +375,9 @@ __global__ void swiglu_rows_kernel(__nv_bfloat16* __restrict__ out,            /
 
 // ---- qkv_finish: bias, RoPE on q in place, pre-RoPE K / V out, rotated K and V to the view ----
 
-// A block of 128 threads per row. Measured slower on the H200 (1024 rows, per layer):
-// - a thread per work unit of the row (320 for 7B, 512 for 14B): 12.3 against 10.2 us for 7B,
-//   17.0 against 13.7 for 14B (fewer rows in flight per SM);
-// - a thread per (row, unit) over all rows, reading the cos/sin from a table made once per plan:
-//   11.2 against 10.1 us for 7B, 14.8 against 13.3 for 14B.
+// A block of 128 threads per row: a thread per work unit of the row (fewer rows in flight per
+// SM), or a thread per (row, unit) over all rows reading the cos/sin from a table made once per
+// plan, are both slower (benchmarks/RESULTS.md).
 constexpr int kQkvThreads = 128;
 
 // One block per row (grid-strided over rows). The row's cos/sin (half each) are computed once
@@ -389,16 +386,16 @@ constexpr int kQkvThreads = 128;
 // of them per head: first the Q heads' (unit u: head u / hc, the pairs at j = u % hc * W .. j + W
 // and half + j ..), then the same over the K heads, then the V units (W consecutive elements each).
 // Each unit reads and writes only its own elements.
-template <int W, typename KV>
+template <int W>
 __global__ void __launch_bounds__(kQkvThreads)
-    qkv_finish_kernel(__nv_bfloat16* __restrict__ qkv,  // (rows, (heads + 2*kv_heads) * head_dim)
-                      float* __restrict__ k_pre,        // (rows, kv_heads * head_dim) or null
-                      float* __restrict__ v_out,        // (rows, kv_heads * head_dim) or null
-                      KV* __restrict__ kv_k,            // (capacity, kv_heads, head_dim)
-                      KV* __restrict__ kv_v,            // (capacity, kv_heads, head_dim)
-                      const float* __restrict__ bq,     // (heads * head_dim) or null
-                      const float* __restrict__ bk,     // (kv_heads * head_dim) or null
-                      const float* __restrict__ bv,     // (kv_heads * head_dim) or null
+    qkv_finish_kernel(__nv_bfloat16* __restrict__ qkv,   // (rows, (heads + 2*kv_heads) * head_dim)
+                      float* __restrict__ k_pre,         // (rows, kv_heads * head_dim) or null
+                      float* __restrict__ v_out,         // (rows, kv_heads * head_dim) or null
+                      __nv_bfloat16* __restrict__ kv_k,  // (capacity, kv_heads, head_dim)
+                      __nv_bfloat16* __restrict__ kv_v,  // (capacity, kv_heads, head_dim)
+                      const float* __restrict__ bq,      // (heads * head_dim) or null
+                      const float* __restrict__ bk,      // (kv_heads * head_dim) or null
+                      const float* __restrict__ bv,      // (kv_heads * head_dim) or null
                       const int32_t* __restrict__ positions,  // (rows)
                       const int32_t* __restrict__ slots,      // (rows)
                       const float* __restrict__ inv_freq,     // (head_dim / 2)
@@ -467,7 +464,7 @@ __global__ void __launch_bounds__(kQkvThreads)
           st<W>(p + j, o1);
           st<W>(p + half + j, o2);
         } else {
-          KV* dst = kv_k + slot * kvd + static_cast<int64_t>(h) * head_dim;
+          __nv_bfloat16* dst = kv_k + slot * kvd + static_cast<int64_t>(h) * head_dim;
           st<W>(dst + j, o1);
           st<W>(dst + half + j, o2);
         }
@@ -666,12 +663,13 @@ cudaError_t launch_add_rmsnorm_w(__nv_bfloat16* out, float* residual, const __nv
                                                         eps, stream);
 }
 
-template <typename KV>
-cudaError_t launch_qkv_finish(__nv_bfloat16* qkv, float* k_pre, float* v_out, KV* kv_k, KV* kv_v,
-                              const float* bq, const float* bk, const float* bv,
-                              const int32_t* positions, const int32_t* slots, const float* inv_freq,
-                              int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                              cudaStream_t stream) {
+}  // namespace
+
+cudaError_t qkv_finish(__nv_bfloat16* qkv, float* k_pre, float* v_out, __nv_bfloat16* kv_k,
+                       __nv_bfloat16* kv_v, const float* bq, const float* bk, const float* bv,
+                       const int32_t* positions, const int32_t* slots, const float* inv_freq,
+                       int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                       cudaStream_t stream) {
   if (rows < 0 || heads < 0 || kv_heads < 0 || head_dim < 0 || head_dim % 2 != 0) {
     return cudaErrorInvalidValue;
   }
@@ -691,13 +689,11 @@ cudaError_t launch_qkv_finish(__nv_bfloat16* qkv, float* k_pre, float* v_out, KV
   const int h = static_cast<int>(heads);
   const int kvh = static_cast<int>(kv_heads);
   const int hd = static_cast<int>(head_dim);
-  return detail::launch_dependent(vec ? qkv_finish_kernel<8, KV> : qkv_finish_kernel<1, KV>,
+  return detail::launch_dependent(vec ? qkv_finish_kernel<8> : qkv_finish_kernel<1>,
                                   row_blocks(rows), kQkvThreads, smem, stream, qkv, k_pre, v_out,
                                   kv_k, kv_v, bq, bk, bv, positions, slots, inv_freq, rows, h, kvh,
                                   hd);
 }
-
-}  // namespace
 
 cudaError_t embedding(float* out, const __nv_bfloat16* table, const int32_t* ids, int64_t n,
                       int64_t hidden, int64_t vocab, cudaStream_t stream) {
@@ -767,22 +763,6 @@ cudaError_t swiglu_rows(__nv_bfloat16* out, const __nv_bfloat16* gate_up, int64_
     swiglu_rows_kernel<1><<<grid, kSwigluThreads, 0, stream>>>(out, gate_up, rows, inter);
   }
   return cudaGetLastError();
-}
-
-cudaError_t qkv_finish(__nv_bfloat16* qkv, float* k_pre, float* v_out, float* kv_k, float* kv_v,
-                       const float* bq, const float* bk, const float* bv, const int32_t* positions,
-                       const int32_t* slots, const float* inv_freq, int64_t rows, int64_t heads,
-                       int64_t kv_heads, int64_t head_dim, cudaStream_t stream) {
-  return launch_qkv_finish(qkv, k_pre, v_out, kv_k, kv_v, bq, bk, bv, positions, slots, inv_freq,
-                           rows, heads, kv_heads, head_dim, stream);
-}
-cudaError_t qkv_finish(__nv_bfloat16* qkv, float* k_pre, float* v_out, __nv_bfloat16* kv_k,
-                       __nv_bfloat16* kv_v, const float* bq, const float* bk, const float* bv,
-                       const int32_t* positions, const int32_t* slots, const float* inv_freq,
-                       int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                       cudaStream_t stream) {
-  return launch_qkv_finish(qkv, k_pre, v_out, kv_k, kv_v, bq, bk, bv, positions, slots, inv_freq,
-                           rows, heads, kv_heads, head_dim, stream);
 }
 
 cudaError_t fill_uniform(__nv_bfloat16* out, int64_t n, uint64_t seed, float lo, float hi,

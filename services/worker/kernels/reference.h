@@ -12,33 +12,21 @@
 
 namespace keep::kernels::ref {
 
-// out (n, hidden) = table[ids[t], :] per token; rows of ids outside [0, vocab) become zeros.
-template <typename T>
-void embedding(T* out, const T* table, const int32_t* ids, int64_t n, int64_t hidden,
-               int64_t vocab);
-
 // Fused residual add + RMSNorm, HF's LlamaRMSNorm in fp32, row by row:
-//   residual[r] = T(residual[r] + x[r])            (skipped when x is null)
-//   out[r][i]   = T(weight[i] * (residual[r][i] * 1 / sqrt(mean(residual[r]^2) + eps)))
+//   residual[r] = residual[r] + x[r]            (skipped when x is null)
+//   out[r][i]   = weight[i] * (residual[r][i] * 1 / sqrt(mean(residual[r]^2) + eps))
 // residual, x, out: (rows, cols); weight: (cols). out may equal x.
-template <typename T>
-void rmsnorm_residual(T* out, T* residual, const T* x, const T* weight, int64_t rows, int64_t cols,
-                      float eps);
+void rmsnorm_residual(float* out, float* residual, const float* x, const float* weight,
+                      int64_t rows, int64_t cols, float eps);
 
-// RoPE in place, HF half-split ("rotate_half") layout, as services/worker/engine/rope.h: for row r,
-// head h and i < head_dim/2, angle = float(positions[r]) * inv_freq[i] (fp32 product),
+// RoPE in place, HF half-split ("rotate_half") layout, as services/worker/engine/core/rope.h: for
+// row r, head h and i < head_dim/2, angle = float(positions[r]) * inv_freq[i] (fp32 product),
 //   x[i]        = x[i] * cos - x[i + half] * sin
 //   x[i + half] = x[i + half] * cos + x[i] * sin
 // x: (n, row_stride) with the heads packed at the start of each row: (n, heads, head_dim) when
 // row_stride == heads * head_dim; inv_freq: (head_dim / 2); positions: (n).
-template <typename T>
-void rope(T* x, const int32_t* positions, const float* inv_freq, int64_t n, int64_t heads,
+void rope(float* x, const int32_t* positions, const float* inv_freq, int64_t n, int64_t heads,
           int64_t head_dim, int64_t row_stride);
-
-// SwiGLU: out[i] = T(silu(gate[i]) * up[i]), silu(g) = g / (1 + exp(-g)). All (n). out may equal
-// gate or up.
-template <typename T>
-void swiglu(T* out, const T* gate, const T* up, int64_t n);
 
 // ---- misc.cu (reference_misc.cpp) ----
 // out fp32 = table bf16 rows (zero rows for ids outside [0, vocab)).
@@ -51,9 +39,8 @@ void add_rmsnorm(Bf16* out, float* residual, const Bf16* x, const float* bias, c
 void gather_rows(float* out, const float* in, const int32_t* rows, int64_t n, int64_t cols);
 // out (rows, inter) = Bf16(silu(gate) * up), gate_up (rows, 2 * inter) = [gate | up].
 void swiglu_rows(Bf16* out, const Bf16* gate_up, int64_t rows, int64_t inter);
-// kernels.h qkv_finish, KV = float or Bf16.
-template <typename KV>
-void qkv_finish(Bf16* qkv, float* k_pre, float* v_out, KV* kv_k, KV* kv_v, const float* bq,
+// kernels.h qkv_finish.
+void qkv_finish(Bf16* qkv, float* k_pre, float* v_out, Bf16* kv_k, Bf16* kv_v, const float* bq,
                 const float* bk, const float* bv, const int32_t* positions, const int32_t* slots,
                 const float* inv_freq, int64_t rows, int64_t heads, int64_t kv_heads,
                 int64_t head_dim);
@@ -78,14 +65,12 @@ void fill_uniform(T* out, int64_t n, uint64_t seed, float lo, float hi);
 
 // ---- attention (reference_attention.cpp) ----
 // kernels.h attention semantics in double accumulation: out (rows, out_stride) stored as Bf16,
-// lse (rows, heads) or null. KV = float or Bf16.
-template <typename KV>
+// lse (rows, heads) or null.
 void attention(Bf16* out, int64_t out_stride, float* lse, const Bf16* q, int64_t q_stride,
-               const KV* k, const KV* v, const AttentionRows& rows, int heads, int kv_heads,
+               const Bf16* k, const Bf16* v, const AttentionRows& rows, int heads, int kv_heads,
                int head_dim, float scale);
 // kernels.h attention_pool, in double.
-template <typename KV>
-void attention_pool(float* pooled, const Bf16* q, int64_t q_stride, const KV* k, const float* lse,
+void attention_pool(float* pooled, const Bf16* q, int64_t q_stride, const Bf16* k, const float* lse,
                     const AttentionRows& rows, const int32_t* key_group, int num_groups, int heads,
                     int kv_heads, int head_dim, float scale);
 
@@ -93,9 +78,5 @@ void attention_pool(float* pooled, const Bf16* q, int64_t q_stride, const KV* k,
 void argmax(int32_t* out, const float* logits, int64_t rows, int64_t vocab);
 void token_logprob(float* out, const float* logits, const int32_t* tokens, int64_t rows,
                    int64_t vocab);
-// kernels.h sample's rule, exactly (the same fma polynomial for p, integer masses). Returns the
-// token per row in out.
-void sample(int32_t* out, const float* logits, const float* uniforms, int64_t rows, int64_t vocab,
-            float temperature, float top_p, int32_t top_k);
 
 }  // namespace keep::kernels::ref

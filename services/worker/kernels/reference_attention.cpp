@@ -1,5 +1,5 @@
 // CPU reference of the attention kernels (kernels.h, attention_prefill.cu / attention_decode.cu):
-// scores, log-sum-exp and the weighted sum of values in double, from bf16 Q and KV-storage K/V;
+// scores, log-sum-exp and the weighted sum of values in double, from bf16 Q, K and V;
 // the output rounded to bf16 once.
 #include <cmath>
 #include <limits>
@@ -9,9 +9,8 @@
 
 namespace keep::kernels::ref {
 
-template <typename KV>
 void attention(Bf16* out, int64_t out_stride, float* lse, const Bf16* q, int64_t q_stride,
-               const KV* k, const KV* v, const AttentionRows& rows, int heads, int kv_heads,
+               const Bf16* k, const Bf16* v, const AttentionRows& rows, int heads, int kv_heads,
                int head_dim, float scale) {
   const int group = heads / kv_heads;
   const int64_t kv_row = static_cast<int64_t>(kv_heads) * head_dim;  // elements per key slot
@@ -30,9 +29,10 @@ void attention(Bf16* out, int64_t out_stride, float* lse, const Bf16* q, int64_t
       double max_score = -std::numeric_limits<double>::infinity();
       for (const KeyRange* s = span_begin; s != span_end; ++s) {
         for (int64_t t = s->begin; t < s->end; ++t) {
-          const KV* kt = k + t * kv_row + g * head_dim;
+          const Bf16* kt = k + t * kv_row + g * head_dim;
           double dot = 0.0;
-          for (int d = 0; d < head_dim; ++d) dot += qd[d] * static_cast<double>(to_float(kt[d]));
+          for (int d = 0; d < head_dim; ++d)
+            dot += qd[d] * static_cast<double>(bf16_to_float(kt[d]));
           const double score = dot * static_cast<double>(scale);
           scores.push_back(score);
           if (score > max_score) max_score = score;
@@ -52,8 +52,9 @@ void attention(Bf16* out, int64_t out_stride, float* lse, const Bf16* q, int64_t
       for (const KeyRange* s = span_begin; s != span_end; ++s) {
         for (int64_t t = s->begin; t < s->end; ++t) {
           const double p = std::exp(scores[i++] - log_sum);
-          const KV* vt = v + t * kv_row + g * head_dim;
-          for (int d = 0; d < head_dim; ++d) acc[d] += p * static_cast<double>(to_float(vt[d]));
+          const Bf16* vt = v + t * kv_row + g * head_dim;
+          for (int d = 0; d < head_dim; ++d)
+            acc[d] += p * static_cast<double>(bf16_to_float(vt[d]));
         }
       }
       for (int d = 0; d < head_dim; ++d) oh[d] = float_to_bf16(static_cast<float>(acc[d]));
@@ -61,10 +62,5 @@ void attention(Bf16* out, int64_t out_stride, float* lse, const Bf16* q, int64_t
     }
   }
 }
-
-template void attention<float>(Bf16*, int64_t, float*, const Bf16*, int64_t, const float*,
-                               const float*, const AttentionRows&, int, int, int, float);
-template void attention<Bf16>(Bf16*, int64_t, float*, const Bf16*, int64_t, const Bf16*,
-                              const Bf16*, const AttentionRows&, int, int, int, float);
 
 }  // namespace keep::kernels::ref

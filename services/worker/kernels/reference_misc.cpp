@@ -61,9 +61,8 @@ void swiglu_rows(Bf16* out, const Bf16* gate_up, int64_t rows, int64_t inter) {
 }
 
 // Row by row: the biased fp32 Q and K of the row are rotated by ref::rope itself (so that the
-// rotated K is exactly ref::rope of k_pre), then rounded once to their storage.
-template <typename KV>
-void qkv_finish(Bf16* qkv, float* k_pre, float* v_out, KV* kv_k, KV* kv_v, const float* bq,
+// rotated K is exactly ref::rope of k_pre), then rounded once to bf16.
+void qkv_finish(Bf16* qkv, float* k_pre, float* v_out, Bf16* kv_k, Bf16* kv_v, const float* bq,
                 const float* bk, const float* bv, const int32_t* positions, const int32_t* slots,
                 const float* inv_freq, int64_t rows, int64_t heads, int64_t kv_heads,
                 int64_t head_dim) {
@@ -88,13 +87,13 @@ void qkv_finish(Bf16* qkv, float* k_pre, float* v_out, KV* kv_k, KV* kv_v, const
       if (k_pre != nullptr) k_pre[r * kvd + i] = k[i];
     }
     rope(k.data(), positions + r, inv_freq, 1, kv_heads, head_dim, kvd);
-    for (int64_t i = 0; i < kvd; ++i) kv_k[slot * kvd + i] = from_float<KV>(k[i]);
+    for (int64_t i = 0; i < kvd; ++i) kv_k[slot * kvd + i] = float_to_bf16(k[i]);
 
     for (int64_t i = 0; i < kvd; ++i) {
       float v = bf16_to_float(row[qd + kvd + i]);
       if (bv != nullptr) v = v + bv[i];
       if (v_out != nullptr) v_out[r * kvd + i] = v;
-      kv_v[slot * kvd + i] = from_float<KV>(v);
+      kv_v[slot * kvd + i] = float_to_bf16(v);
     }
   }
 }
@@ -159,12 +158,6 @@ void fill_uniform(T* out, int64_t n, uint64_t seed, float lo, float hi) {
   for (int64_t i = 0; i < n; ++i) out[i] = store_in_range<T>(uniform_at(key, i, lo, hi), lo, hi);
 }
 
-template void qkv_finish<float>(Bf16*, float*, float*, float*, float*, const float*, const float*,
-                                const float*, const int32_t*, const int32_t*, const float*, int64_t,
-                                int64_t, int64_t, int64_t);
-template void qkv_finish<Bf16>(Bf16*, float*, float*, Bf16*, Bf16*, const float*, const float*,
-                               const float*, const int32_t*, const int32_t*, const float*, int64_t,
-                               int64_t, int64_t, int64_t);
 template void fill_uniform<float>(float*, int64_t, uint64_t, float, float);
 template void fill_uniform<Bf16>(Bf16*, int64_t, uint64_t, float, float);
 

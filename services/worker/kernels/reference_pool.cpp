@@ -10,8 +10,7 @@ namespace keep::kernels::ref {
 // pooled (rows, num_groups) = Σ_h Σ_{t seen by r, key_group[t] == g} exp(s_t(r, h) - lse[r, h]),
 // s_t = (q[r, h, :] · k[t, h / group, :]) * scale summed in double from the stored values. Keys
 // whose group is outside [0, num_groups) (-1: no group) are skipped.
-template <typename KV>
-void attention_pool(float* pooled, const Bf16* q, int64_t q_stride, const KV* k, const float* lse,
+void attention_pool(float* pooled, const Bf16* q, int64_t q_stride, const Bf16* k, const float* lse,
                     const AttentionRows& rows, const int32_t* key_group, int num_groups, int heads,
                     int kv_heads, int head_dim, float scale) {
   const int group = heads / kv_heads;
@@ -28,9 +27,10 @@ void attention_pool(float* pooled, const Bf16* q, int64_t q_stride, const KV* k,
         for (int32_t t = rows.spans[s].begin; t < rows.spans[s].end; ++t) {
           const int32_t grp = key_group[t];
           if (grp < 0 || grp >= num_groups) continue;
-          const KV* kt = k + (static_cast<int64_t>(t) * kv_heads + g) * head_dim;
+          const Bf16* kt = k + (static_cast<int64_t>(t) * kv_heads + g) * head_dim;
           double dot = 0.0;
-          for (int d = 0; d < head_dim; ++d) dot += qd[d] * static_cast<double>(to_float(kt[d]));
+          for (int d = 0; d < head_dim; ++d)
+            dot += qd[d] * static_cast<double>(bf16_to_float(kt[d]));
           sums[grp] += std::exp(dot * static_cast<double>(scale) - l);
         }
       }
@@ -39,11 +39,5 @@ void attention_pool(float* pooled, const Bf16* q, int64_t q_stride, const KV* k,
     for (int i = 0; i < num_groups; ++i) out[i] = static_cast<float>(sums[i]);
   }
 }
-
-template void attention_pool<float>(float*, const Bf16*, int64_t, const float*, const float*,
-                                    const AttentionRows&, const int32_t*, int, int, int, int,
-                                    float);
-template void attention_pool<Bf16>(float*, const Bf16*, int64_t, const Bf16*, const float*,
-                                   const AttentionRows&, const int32_t*, int, int, int, int, float);
 
 }  // namespace keep::kernels::ref

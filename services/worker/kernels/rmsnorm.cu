@@ -15,29 +15,27 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 // One block per row (grid-strided over rows). Pass 1: each thread adds x into its elements of the
-// residual, stores them rounded, and sums their squares; a warp-then-block reduction gives the
-// row's sum. Pass 2: each thread normalises the same elements it wrote (no cross-thread reads of
-// the residual, so no barrier is needed between the passes beyond the reduction's).
-template <typename T>
+// residual, stores them, and sums their squares; a warp-then-block reduction gives the row's sum.
+// Pass 2: each thread normalises the same elements it wrote (no cross-thread reads of the
+// residual, so no barrier is needed between the passes beyond the reduction's).
 __global__ void __launch_bounds__(kThreads)
-    rmsnorm_residual_kernel(T* out,                        // (rows, cols)
-                            T* residual,                   // (rows, cols)
-                            const T* x,                    // (rows, cols) or null
-                            const T* __restrict__ weight,  // (cols)
+    rmsnorm_residual_kernel(float* out,                        // (rows, cols)
+                            float* residual,                   // (rows, cols)
+                            const float* x,                    // (rows, cols) or null
+                            const float* __restrict__ weight,  // (cols)
                             int64_t rows, int64_t cols, float eps) {
   __shared__ float partial[kWarps];
   __shared__ float inv_rms;
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    T* res = residual + r * cols;
+    float* res = residual + r * cols;
     float ss = 0.0f;
     for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) {
-      float v = detail::load(res + i);
+      float v = res[i];
       if (x != nullptr) {
-        v += detail::load(x + r * cols + i);
-        detail::store(res + i, v);
-        v = detail::load(res + i);  // the rounded value, as the reference squares it
+        v += x[r * cols + i];
+        res[i] = v;
       }
       ss += v * v;
     }
@@ -52,34 +50,23 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
     const float inv = inv_rms;
     for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) {
-      detail::store(out + r * cols + i, detail::load(weight + i) * (detail::load(res + i) * inv));
+      out[r * cols + i] = weight[i] * (res[i] * inv);
     }
     __syncthreads();  // partial and inv_rms are reused by the next row
   }
-}
-
-template <typename T>
-cudaError_t launch(T* out, T* residual, const T* x, const T* weight, int64_t rows, int64_t cols,
-                   float eps, cudaStream_t stream) {
-  if (rows < 0 || cols < 0) return cudaErrorInvalidValue;
-  if (rows == 0 || cols == 0) return cudaSuccess;
-  if (out == nullptr || residual == nullptr || weight == nullptr) return cudaErrorInvalidValue;
-  const unsigned int blocks = static_cast<unsigned int>(rows < 65536 ? rows : 65536);
-  rmsnorm_residual_kernel<T>
-      <<<blocks, kThreads, 0, stream>>>(out, residual, x, weight, rows, cols, eps);
-  return cudaGetLastError();
 }
 
 }  // namespace
 
 cudaError_t rmsnorm_residual(float* out, float* residual, const float* x, const float* weight,
                              int64_t rows, int64_t cols, float eps, cudaStream_t stream) {
-  return launch(out, residual, x, weight, rows, cols, eps, stream);
-}
-cudaError_t rmsnorm_residual(__nv_bfloat16* out, __nv_bfloat16* residual, const __nv_bfloat16* x,
-                             const __nv_bfloat16* weight, int64_t rows, int64_t cols, float eps,
-                             cudaStream_t stream) {
-  return launch(out, residual, x, weight, rows, cols, eps, stream);
+  if (rows < 0 || cols < 0) return cudaErrorInvalidValue;
+  if (rows == 0 || cols == 0) return cudaSuccess;
+  if (out == nullptr || residual == nullptr || weight == nullptr) return cudaErrorInvalidValue;
+  const unsigned int blocks = static_cast<unsigned int>(rows < 65536 ? rows : 65536);
+  rmsnorm_residual_kernel<<<blocks, kThreads, 0, stream>>>(out, residual, x, weight, rows, cols,
+                                                           eps);
+  return cudaGetLastError();
 }
 
 }  // namespace keep::kernels

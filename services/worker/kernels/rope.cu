@@ -1,4 +1,4 @@
-// RoPE in place, HF half-split layout; the semantics of services/worker/engine/rope.h.
+// RoPE in place, HF half-split layout; the semantics of services/worker/engine/core/rope.h.
 #include "services/worker/kernels/common.cuh"
 #include "services/worker/kernels/kernels.h"
 
@@ -10,8 +10,7 @@ constexpr int kThreads = 256;
 // One thread per (row, head, i < half) pair, grid-strided. The angle is the fp32 product
 // float(pos) * inv_freq[i] (as HF and the CPU engine), its sin/cos the accurate sincosf (this
 // folder never builds with fast math).
-template <typename T>
-__global__ void rope_kernel(T* __restrict__ x,                      // (n, row_stride)
+__global__ void rope_kernel(float* __restrict__ x,                  // (n, row_stride)
                             const int32_t* __restrict__ positions,  // (n)
                             const float* __restrict__ inv_freq,     // (half)
                             int64_t n, int64_t heads, int64_t half, int64_t row_stride) {
@@ -25,37 +24,27 @@ __global__ void rope_kernel(T* __restrict__ x,                      // (n, row_s
     float s;
     float c;
     sincosf(angle, &s, &c);
-    T* xh = x + r * row_stride + h * 2 * half;
-    const float x1 = detail::load(xh + i);
-    const float x2 = detail::load(xh + i + half);
-    detail::store(xh + i, x1 * c - x2 * s);
-    detail::store(xh + i + half, x2 * c + x1 * s);
+    float* xh = x + r * row_stride + h * 2 * half;
+    const float x1 = xh[i];
+    const float x2 = xh[i + half];
+    xh[i] = x1 * c - x2 * s;
+    xh[i + half] = x2 * c + x1 * s;
   }
-}
-
-template <typename T>
-cudaError_t launch(T* x, const int32_t* positions, const float* inv_freq, int64_t n, int64_t heads,
-                   int64_t head_dim, int64_t row_stride, cudaStream_t stream) {
-  if (n < 0 || heads < 0 || head_dim < 0 || head_dim % 2 != 0 || row_stride < heads * head_dim) {
-    return cudaErrorInvalidValue;
-  }
-  if (n == 0 || heads == 0 || head_dim == 0) return cudaSuccess;
-  if (x == nullptr || positions == nullptr || inv_freq == nullptr) return cudaErrorInvalidValue;
-  const int64_t half = head_dim / 2;
-  rope_kernel<T><<<detail::elementwise_blocks(n * heads * half, kThreads), kThreads, 0, stream>>>(
-      x, positions, inv_freq, n, heads, half, row_stride);
-  return cudaGetLastError();
 }
 
 }  // namespace
 
 cudaError_t rope(float* x, const int32_t* positions, const float* inv_freq, int64_t n,
                  int64_t heads, int64_t head_dim, int64_t row_stride, cudaStream_t stream) {
-  return launch(x, positions, inv_freq, n, heads, head_dim, row_stride, stream);
-}
-cudaError_t rope(__nv_bfloat16* x, const int32_t* positions, const float* inv_freq, int64_t n,
-                 int64_t heads, int64_t head_dim, int64_t row_stride, cudaStream_t stream) {
-  return launch(x, positions, inv_freq, n, heads, head_dim, row_stride, stream);
+  if (n < 0 || heads < 0 || head_dim < 0 || head_dim % 2 != 0 || row_stride < heads * head_dim) {
+    return cudaErrorInvalidValue;
+  }
+  if (n == 0 || heads == 0 || head_dim == 0) return cudaSuccess;
+  if (x == nullptr || positions == nullptr || inv_freq == nullptr) return cudaErrorInvalidValue;
+  const int64_t half = head_dim / 2;
+  rope_kernel<<<detail::elementwise_blocks(n * heads * half, kThreads), kThreads, 0, stream>>>(
+      x, positions, inv_freq, n, heads, half, row_stride);
+  return cudaGetLastError();
 }
 
 }  // namespace keep::kernels

@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "services/worker/engine/engine.h"
+#include "services/worker/engine/core/engine.h"
 #include "services/worker/keep/kv_assembler.h"
 #include "services/worker/keep/prompt_builder.h"
 #include "shared/client/manager_client.h"

@@ -1,4 +1,4 @@
-#include "services/worker/engine/gguf_dequant.h"
+#include "shared/model/gguf_dequant.h"
 
 #include <cstring>
 #include <limits>

@@ -11,8 +11,8 @@
 #include <optional>
 #include <string>
 
-#include "services/worker/engine/model_weights.h"
 #include "shared/common/status.h"
+#include "shared/model/model_weights.h"
 
 namespace keep::engine {
 

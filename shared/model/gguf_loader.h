@@ -21,9 +21,9 @@
 
 #include <string>
 
-#include "services/worker/engine/gguf_reader.h"
-#include "services/worker/engine/model_weights.h"
 #include "shared/common/status.h"
+#include "shared/model/gguf_reader.h"
+#include "shared/model/model_weights.h"
 #include "shared/tokenizer/bpe_tokenizer.h"
 
 namespace keep::engine {

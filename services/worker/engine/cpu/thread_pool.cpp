@@ -1,4 +1,4 @@
-#include "services/worker/engine/thread_pool.h"
+#include "services/worker/engine/cpu/thread_pool.h"
 
 namespace keep::engine {
 

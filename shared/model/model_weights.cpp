@@ -1,4 +1,4 @@
-#include "services/worker/engine/model_weights.h"
+#include "shared/model/model_weights.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -11,8 +11,8 @@
 #include <sstream>
 #include <thread>
 
-#include "services/worker/engine/gguf_loader.h"
-#include "services/worker/engine/hf_loader.h"
+#include "shared/model/gguf_loader.h"
+#include "shared/model/hf_loader.h"
 
 namespace keep::engine {
 

@@ -1,4 +1,4 @@
-#include "services/worker/engine/cuda_backend.h"
+#include "services/worker/engine/cuda/cuda_backend.h"
 
 #include <algorithm>
 #include <cmath>
@@ -49,9 +49,9 @@ void free_pool_floats(float* p) { cudaFreeAsync(p, nullptr); }
 // The device form of an AttentionLayout: one int32 block in stream-ordered memory holding every
 // array the kernels read. The block is made at the plan's first use (upload(), from layer_forward
 // after the QKV product's launch), not when the plan is: the host then builds the schedule and
-// uploads while the GPU runs the first norm and product, which in an isolated 14B request of 1024
-// tokens start 50-85 us earlier (benchmarks/RESULTS.md, run 20). A plan that a capture will use is
-// uploaded before it, by prepare() (a capture cannot upload).
+// uploads while the GPU runs the first norm and product, which so start earlier
+// (benchmarks/RESULTS.md run 20). A plan that a capture will use is uploaded before it, by
+// prepare() (a capture cannot upload).
 class CudaPlan final : public AttentionPlan {
  public:
   CudaPlan(AttentionLayout layout, cudaStream_t stream, bool prefill_kernel)
@@ -151,7 +151,7 @@ CudaBackend::CudaBackend(const ModelConfig& config, const CudaBackendOptions& op
 CudaBackend::~CudaBackend() {
   if (stream_ != nullptr) cudaStreamSynchronize(stream_);
   for (auto& e : graph_execs_) cudaGraphExecDestroy(e.second);
-  drop_all_kept();
+  drop_all_recordings();
   for (cudaEvent_t e : events_) cudaEventDestroy(e);
   blas_ = kernels::BlasHandle();
   cudaFree(workspace_);
@@ -551,7 +551,7 @@ Status CudaBackend::reserve(int32_t max_rows, int32_t max_keys) {
   const size_t scratch_bytes = kernels::wgmma_available() ? kernels::gemm_wgmma_scratch_bytes() : 0;
   const size_t o_gemm = take(scratch_bytes);
   synchronize();
-  drop_all_kept();  // they point into the workspace and at the old cuBLAS handle's
+  drop_all_recordings();  // they point into the workspace and at the old cuBLAS handle's
   blas_ = kernels::BlasHandle();
   cudaFree(workspace_);
   workspace_ = nullptr;
@@ -949,14 +949,14 @@ std::vector<cudaGraphExec_t> CudaBackend::launch_parts(const std::vector<cudaGra
   return execs;
 }
 
-uint64_t CudaBackend::end_capture_kept() {
+uint64_t CudaBackend::end_capture_for_replay() {
   if (!capturing_) return 0;
-  Kept k;
-  k.handle = ++next_kept_;
-  k.dependent_launch = kernels::dependent_launch();
-  k.parts = launch_parts(end_capture_parts());
-  kept_.push_back(std::move(k));
-  return kept_.back().handle;
+  Recording r;
+  r.handle = ++next_recording_;
+  r.dependent_launch = kernels::dependent_launch();
+  r.parts = launch_parts(end_capture_parts());
+  recordings_.push_back(std::move(r));
+  return recordings_.back().handle;
 }
 
 void CudaBackend::capture_split() {
@@ -967,39 +967,40 @@ void CudaBackend::capture_split() {
   KEEP_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
 }
 
-std::vector<CudaBackend::Kept>::const_iterator CudaBackend::find_kept(uint64_t handle) const {
-  return std::find_if(kept_.begin(), kept_.end(),
-                      [&](const Kept& k) { return k.handle == handle; });
+std::vector<CudaBackend::Recording>::const_iterator CudaBackend::find_recording(
+    uint64_t handle) const {
+  return std::find_if(recordings_.begin(), recordings_.end(),
+                      [&](const Recording& r) { return r.handle == handle; });
 }
 
-Backend::KeptState CudaBackend::kept_state(uint64_t handle) const {
-  const auto k = find_kept(handle);
-  if (k == kept_.end()) return KeptState::kGone;
+Backend::ReplayState CudaBackend::replay_state(uint64_t handle) const {
+  const auto r = find_recording(handle);
+  if (r == recordings_.end()) return ReplayState::kGone;
   const bool now = options_.graphs && !profiling_ && !capturing_ &&
-                   k->dependent_launch == kernels::dependent_launch();
-  return now ? KeptState::kReplayable : KeptState::kNotNow;
+                   r->dependent_launch == kernels::dependent_launch();
+  return now ? ReplayState::kReplayable : ReplayState::kNotNow;
 }
 
 void CudaBackend::replay(uint64_t handle) {
-  KEEP_CHECK(kept_state(handle) == KeptState::kReplayable);
-  for (cudaGraphExec_t exec : find_kept(handle)->parts) {
+  KEEP_CHECK(replay_state(handle) == ReplayState::kReplayable);
+  for (cudaGraphExec_t exec : find_recording(handle)->parts) {
     KEEP_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
   }
   ++replays_;
 }
 
-void CudaBackend::drop_kept(uint64_t handle) {
-  const auto k = find_kept(handle);
-  if (k == kept_.end()) return;
-  for (cudaGraphExec_t exec : k->parts) cudaGraphExecDestroy(exec);
-  kept_.erase(k);
+void CudaBackend::drop_recording(uint64_t handle) {
+  const auto r = find_recording(handle);
+  if (r == recordings_.end()) return;
+  for (cudaGraphExec_t exec : r->parts) cudaGraphExecDestroy(exec);
+  recordings_.erase(r);
 }
 
-void CudaBackend::drop_all_kept() {
-  for (const Kept& k : kept_) {
-    for (cudaGraphExec_t exec : k.parts) cudaGraphExecDestroy(exec);
+void CudaBackend::drop_all_recordings() {
+  for (const Recording& r : recordings_) {
+    for (cudaGraphExec_t exec : r.parts) cudaGraphExecDestroy(exec);
   }
-  kept_.clear();
+  recordings_.clear();
 }
 
 // ---- profiling ----

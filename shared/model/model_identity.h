@@ -8,9 +8,9 @@
 #include <string>
 #include <string_view>
 
-#include "services/worker/engine/model_config.h"
 #include "shared/common/status.h"
 #include "shared/kvregion/model_fingerprint.h"
+#include "shared/model/model_config.h"
 #include "shared/tokenizer/bpe_tokenizer.h"
 
 namespace keep::engine {

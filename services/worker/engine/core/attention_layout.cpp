@@ -1,4 +1,4 @@
-#include "services/worker/engine/attention_layout.h"
+#include "services/worker/engine/core/attention_layout.h"
 
 #include <algorithm>
 #include <utility>
@@ -48,7 +48,7 @@ Status AttentionLayout::validate() const {
   // A repeated slot: in the usual layouts slots ascend and none can repeat; otherwise a sorted copy
   // finds the first row (in row order) whose slot an earlier row holds. This runs on every prefill
   // before the first kernel, so nothing here allocates per row (an error message is built only
-  // for the row that fails: building one per row took ~0.1 ms at 1024 rows).
+  // for the row that fails).
   size_t first_repeat = rows;
   const bool ascending =
       std::adjacent_find(row_slot.begin(), row_slot.end(),

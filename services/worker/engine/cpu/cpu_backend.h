@@ -9,10 +9,10 @@
 #include <memory>
 #include <vector>
 
-#include "services/worker/engine/backend.h"
-#include "services/worker/engine/model_weights.h"
-#include "services/worker/engine/rope.h"
-#include "services/worker/engine/thread_pool.h"
+#include "services/worker/engine/core/backend.h"
+#include "services/worker/engine/core/rope.h"
+#include "services/worker/engine/cpu/thread_pool.h"
+#include "shared/model/model_weights.h"
 
 namespace keep::engine {
 

@@ -1,8 +1,8 @@
 // ThreadPool: a fixed set of worker threads for the CPU backend's loops (attention, norms).
 //
 // Idle workers block on a condition variable instead of spinning: OpenBLAS's own threads run the
-// matrix products in between, and spinning OpenMP workers (libgomp's default wait policy) were
-// measured to halve decode speed on 2 cores by stealing their CPU time.
+// matrix products in between, and spinning workers (as libgomp's default wait policy has them)
+// steal those threads' CPU time on machines with few cores.
 #pragma once
 
 #include <atomic>

@@ -1,4 +1,4 @@
-#include "services/worker/engine/model_config.h"
+#include "shared/model/model_config.h"
 
 #include <cmath>
 #include <fstream>

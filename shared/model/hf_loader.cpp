@@ -1,4 +1,4 @@
-#include "services/worker/engine/hf_loader.h"
+#include "shared/model/hf_loader.h"
 
 #include <chrono>
 #include <filesystem>

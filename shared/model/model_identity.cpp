@@ -1,12 +1,12 @@
-#include "services/worker/engine/model_identity.h"
+#include "shared/model/model_identity.h"
 
 #include <sys/stat.h>
 
 #include <filesystem>
 
-#include "services/worker/engine/gguf_loader.h"
-#include "services/worker/engine/gguf_reader.h"
-#include "services/worker/engine/hf_loader.h"
+#include "shared/model/gguf_loader.h"
+#include "shared/model/gguf_reader.h"
+#include "shared/model/hf_loader.h"
 
 namespace keep::engine {
 

@@ -21,11 +21,12 @@
 #include <span>
 #include <vector>
 
-#include "services/worker/engine/attention_layout.h"
-#include "services/worker/engine/backend.h"
-#include "services/worker/engine/model_config.h"
-#include "services/worker/engine/sampling.h"
+#include "services/worker/engine/core/attention_layout.h"
+#include "services/worker/engine/core/backend.h"
+#include "services/worker/engine/core/replay_cache.h"
+#include "services/worker/engine/core/sampling.h"
 #include "shared/common/status.h"
+#include "shared/model/model_config.h"
 
 namespace keep::engine {
 
@@ -42,7 +43,7 @@ class KvCache {
   void set_size(int32_t size) { size_ = size; }
   KvView layer(int32_t i) const { return KvView{k_[i].data(), v_[i].data(), capacity_, type_}; }
   KvType type() const { return type_; }
-  // Unique among the caches of this process (the engine's kept prefills are keyed by it).
+  // Unique among the caches of this process (the engine's recorded prefills are keyed by it).
   uint64_t id() const { return id_; }
 
  private:
@@ -110,19 +111,10 @@ class Engine {
 
   // ---- whole-model calls ----
   // Appends `tokens` to the cache causally (positions = slots), in chunks of max_rows; returns the
-  // logits of the last token (vocab). A chunk of at least kKeptMinRows rows whose key (the
-  // cache, its size before the chunk, the chunk's length, whether it is the last) comes again is
-  // recorded on its second run as a replayable sequence where the backend keeps one
-  // (Backend::end_capture_kept: the CUDA backend with graphs on); from the third on it runs as that
-  // sequence, its new tokens embedded first (no plan; the first layer launch by launch, the rest
-  // as two graph launches). The kKeptPrefills most recently used are kept.
+  // logits of the last token (vocab). A long chunk that recurs (same cache, size before it, length)
+  // is recorded on its second run where the backend records launches (the CUDA backend with graphs
+  // on) and replayed from its third, its new tokens embedded first (replay_cache.h).
   Result<std::vector<float>> prefill(KvCache& cache, std::span<const int32_t> tokens);
-  static constexpr int32_t kKeptMinRows = 64;
-  // A kept chunk runs its first layer launch by launch and layers [1, kKeptSplitLayer) and
-  // [kKeptSplitLayer, layers) as two graphs (see prefill_chunk).
-  static constexpr int32_t kKeptSplitLayer = 4;
-  static constexpr size_t kKeptPrefills = 4;
-  size_t kept_prefills() const { return kept_.size(); }
   // One token at slot cache.size(); returns its logits.
   Result<std::vector<float>> decode_step(KvCache& cache, int32_t token);
   // Prefill + up to max_tokens new tokens (greedy or sampled). Returns the new tokens only.
@@ -151,31 +143,9 @@ class Engine {
 
   std::unique_ptr<Backend> backend_;
   int32_t max_rows_ = 0;
-  DeviceBuffer hidden_;  // (max_rows, C) for the whole-model calls
-  DeviceBuffer logits_;  // (kLogitRows, vocab)
-
-  // What makes a prefill chunk's layer loop the same launches again: the cache, its size before
-  // the chunk, the chunk's rows, whether it is the last (one output row) and the hidden buffer
-  // (ensure_rows may move it). The weights and the backend's workspace are the backend's to track.
-  struct ChunkKey {
-    uint64_t cache_id = 0;
-    int32_t past = 0;
-    int32_t rows = 0;
-    bool last_chunk = false;
-    const float* hidden = nullptr;
-    bool operator==(const ChunkKey&) const = default;
-  };
-  // Chunks kept as replayable sequences, least recently used first; an entry owns the plan its
-  // sequence reads. seen_: keys run once and not kept yet (a chunk is recorded on its second
-  // sighting, so a one-off prompt pays no capture).
-  struct KeptPrefill {
-    ChunkKey key;
-    std::unique_ptr<AttentionPlan> plan;
-    uint64_t handle = 0;
-  };
-  static constexpr size_t kSeenPrefills = 8;
-  std::vector<KeptPrefill> kept_;
-  std::vector<ChunkKey> seen_;
+  DeviceBuffer hidden_;       // (max_rows, C) for the whole-model calls
+  DeviceBuffer logits_;       // (kLogitRows, vocab)
+  ReplayCache replay_cache_;  // prefill chunks recorded for replay
   // Runs one causal chunk of `n` rows at the cache's size through every layer (embedding done).
   Status prefill_chunk(KvCache& cache, int32_t n, bool last_chunk);
 };

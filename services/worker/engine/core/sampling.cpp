@@ -1,4 +1,4 @@
-#include "services/worker/engine/sampling.h"
+#include "services/worker/engine/core/sampling.h"
 
 #include <algorithm>
 #include <cmath>

@@ -27,8 +27,8 @@
 #include <string_view>
 #include <vector>
 
-#include "services/worker/engine/gguf_dequant.h"
 #include "shared/common/status.h"
+#include "shared/model/gguf_dequant.h"
 
 namespace keep::engine {
 

@@ -27,18 +27,17 @@
 #include <string>
 #include <vector>
 
-#include "services/worker/engine/backend.h"
-#include "services/worker/engine/model_weights.h"
+#include "services/worker/engine/core/backend.h"
 #include "services/worker/kernels/gemm.h"
 #include "services/worker/kernels/kernels.h"
+#include "shared/model/model_weights.h"
 
 namespace keep::engine {
 
 struct CudaBackendOptions {
   int device = 0;
-  // Rows up to which attention uses the split-key decode kernel instead of the tiled one. On the
-  // H200 (28/4 heads, hd 128, bf16 K/V) the split-key kernel wins up to 8 rows (8 rows x 32k keys:
-  // 0.62 vs 0.73 ms) and loses from 16 (1.22 vs 0.73 ms); benchmarks/RESULTS.md.
+  // Rows up to which attention uses the split-key decode kernel instead of the tiled one: the
+  // crossover on the H200 lies between 8 and 16 rows (benchmarks/RESULTS.md).
   int32_t decode_rows = 8;
   // How the logits are made (final norm + lm_head); they are fp32 in every mode.
   enum class Logits : uint8_t {
@@ -53,19 +52,15 @@ struct CudaBackendOptions {
   };
   Logits logits = Logits::kF32Rows;
   // Rows up to which the block's products run on our few-row kernel (kernels::gemv) instead of
-  // cuBLAS; 0 = always cuBLAS. Needs every product's `in` to be a multiple of 8 (else cuBLAS). On
-  // the H200 (Qwen2.5-7B products) gemv wins at 1 and 2 rows (o_proj 10.3 vs 16.7 us, QKV 12.1 vs
-  // 17.8, gate|up 68.9 vs 77.3, down 41.7 vs 44.6 at one row) and loses from 4.
+  // cuBLAS; 0 = always cuBLAS. Needs every product's `in` to be a multiple of 8 (else cuBLAS).
+  // gemv beats cuBLAS on the H200 at 1 and 2 rows and loses from 4 (benchmarks/RESULTS.md).
   int32_t gemv_rows = 2;
-  // CUDA graphs for recurring prefill chunks (Engine::prefill: a chunk of 64 rows or more whose
-  // key -- cache, size before it, length -- comes again is recorded on its second run and replayed
-  // from its third: its first layer kernel by kernel, the others as two graph launches, instead of
-  // ~10 launches a layer). Everything else runs kernel by kernel either way. On the H200, isolated
-  // 1024-token prefills of Qwen2.5-14B, the two in alternation in one process: 37.69 / 37.70 ms
-  // replayed against 38.12 / 37.99 kernel by kernel (benchmarks/RESULTS.md run 23). A layer loop
-  // captured through Backend::Capture::finish() (not kept) is captured again on every call and
-  // updated into an instantiated graph of the same topology; that never paid (run 3), and the
-  // engine no longer does it.
+  // CUDA graphs for recurring prefill chunks (Engine::prefill, replay_cache.h: a chunk of 64 rows
+  // or more whose key -- cache, size before it, length -- comes again is recorded on its second run
+  // and replayed from its third: its first layer kernel by kernel, the others as two graph
+  // launches, instead of ~10 launches a layer): less host time per prefill (benchmarks/RESULTS.md
+  // run 23). Everything else runs kernel by kernel either way: capturing a layer loop on every
+  // call costs more than it saves (run 3).
   bool graphs = true;
   // The tiled prefill attention kernel (kernels.h PrefillKernel): kAuto = wgmma on Hopper (an
   // sm_90a build; one K buffer and three blocks an SM for launches of kPrefillOneKMinBlocksPerSm
@@ -76,19 +71,16 @@ struct CudaBackendOptions {
   // Steps of at least this many rows run the MLP's gate/up product with the SwiGLU fused into it
   // (kernels::gemm_swiglu: our wgmma kernel, where wgmma_available() and the model's intermediate
   // size is a multiple of 128 and hidden of 64); fewer rows, and other devices, take cuBLAS and
-  // swiglu_rows. 0 = never. H200, Qwen2.5-7B gate/up (test_gemm, against cuBLAS + swiglu_rows,
-  // with the backend's stream-K scratch): 0.109 vs 0.093 ms at 128 rows, 0.111 vs 0.121 at 256,
-  // 0.188 vs 0.162 at 384 (the second 256-row tile half empty), 0.194 vs 0.215 at 512, 0.365 vs
-  // 0.401 at 1024 (benchmarks/RESULTS.md run 8).
+  // swiglu_rows. 0 = never. On the H200 the fused kernel wins from 512 rows on; fewer rows fill its
+  // 256-row tiles too unevenly for it to win reliably (benchmarks/RESULTS.md run 8).
   int32_t fused_swiglu_rows = 512;
   // cuBLAS products (QKV, o_proj, down; gate/up where gemm_swiglu does not run) of about this many
   // rows or more take cuBLASLt algorithms chosen by timing at reserve() (kernels::GemmTuner), at
   // this many rows, twice, four times ... up to the reserved rows; an algorithm is kept where it
-  // beats cuBLAS's default pick by gemm_autotune_margin. 0 = never. On the H200 (test_gemm's
-  // survey) cuBLASLt has 5-17 % faster algorithms for Qwen2.5-7B's QKV, o_proj and down at 4096
-  // rows and few at 1024. Tuning runs cuBLAS's default, up to 8 cuBLASLt candidates and (with
-  // gemm_own_products) ours 16 times each per product and row count (5 samples of 3 launches back
-  // to back, after one), on every reserve() that grows the rows: reserve the largest step at
+  // beats cuBLAS's default pick by gemm_autotune_margin (that pick is not always cuBLAS's fastest
+  // for our shapes). 0 = never. Tuning runs cuBLAS's default, up to 8 cuBLASLt candidates and
+  // (with gemm_own_products) ours 16 times each per product and row count (5 samples of 3 launches
+  // back to back, after one), on every reserve() that grows the rows: reserve the largest step at
   // start-up.
   int32_t gemm_autotune_rows = 1024;
   double gemm_autotune_margin = kernels::GemmTuner::kTuneMargin;
@@ -103,11 +95,8 @@ struct CudaBackendOptions {
   // Keep a layer call's residual rows (fp32, rows x hidden x 4 bytes: read and written by o_proj's
   // and down's accumulation and read by both norms) in a persisting share of the L2 cache while
   // the weights stream past (cudaAccessPolicyWindow on the stream; reserve() sets aside up to
-  // cudaDevAttrMaxPersistingL2CacheSize, 37.5 MiB of the H200's 60). Off by default: it keeps the
-  // residual out of DRAM (ncu, 14B at 1024 rows: a norm reads 0.03 MB from DRAM instead of 21.0,
-  // down 174 MB instead of 191) but the L2 it sets aside costs the products more than that saves
-  // beyond 1024 rows. H200, isolated prefills, on against off: 14B 1024 tokens -0.04 to -0.14 ms
-  // (0.5-1.3 % less energy back to back), 2048 +1.8 %, 4096 +3.3 %; 7B 2048 +0.0-1.1 %
+  // cudaDevAttrMaxPersistingL2CacheSize). Off by default: it keeps the residual out of DRAM, but
+  // the L2 it sets aside costs the products more than that saves beyond 1024 rows
   // (benchmarks/RESULTS.md runs 13 and 22). Where the device has no persisting L2 nothing changes;
   // inside a graph capture the window is not set (a later call outside one sets it). The set-aside
   // is the process's (one backend with the option at a time); the backend's destructor resets it.
@@ -171,13 +160,13 @@ class CudaBackend final : public Backend {
 
   void begin_capture() override;
   void end_capture(bool run) override;
-  uint64_t end_capture_kept() override;
-  KeptState kept_state(uint64_t handle) const override;
+  uint64_t end_capture_for_replay() override;
+  ReplayState replay_state(uint64_t handle) const override;
   void replay(uint64_t handle) override;
-  void drop_kept(uint64_t handle) override;
+  void drop_recording(uint64_t handle) override;
   void capture_split() override;
-  size_t kept_sequences() const { return kept_.size(); }
-  uint64_t replays() const { return replays_; }  // kept sequences run again since creation
+  size_t recordings() const { return recordings_.size(); }
+  uint64_t replays() const { return replays_; }  // recordings run again since creation
 
   // Profiling: while on, layer_forward records a CUDA event after each stage (and captures are not
   // made into graphs, so every launch is timed on its own). profile() waits for the stream, returns
@@ -255,23 +244,23 @@ class CudaBackend final : public Backend {
   // chunk differ; steps of one kind update the same executable in place).
   bool capturing_ = false;
   std::vector<std::pair<size_t, cudaGraphExec_t>> graph_execs_;
-  // Kept sequences (end_capture_kept): handle, executable, and the dependent-launch setting they
-  // were recorded under. Dropped when reserve() moves the workspace.
-  struct Kept {
+  // Recordings for replay (end_capture_for_replay): handle, executables, and the dependent-launch
+  // setting they were recorded under. Dropped when reserve() moves the workspace.
+  struct Recording {
     uint64_t handle = 0;
     std::vector<cudaGraphExec_t> parts;  // launched in order
     bool dependent_launch = true;
   };
   std::vector<cudaGraph_t> captured_parts_;  // the open capture's parts before capture_split()s
-  std::vector<Kept> kept_;
-  uint64_t next_kept_ = 0;
+  std::vector<Recording> recordings_;
+  uint64_t next_recording_ = 0;
   uint64_t replays_ = 0;
   // Ends the open capture: the parts capture_split() cut off, then the last, in order.
   std::vector<cudaGraph_t> end_capture_parts();
   // Instantiates and launches each part (destroying the graphs); returns the executables.
   std::vector<cudaGraphExec_t> launch_parts(const std::vector<cudaGraph_t>& parts);
-  std::vector<Kept>::const_iterator find_kept(uint64_t handle) const;
-  void drop_all_kept();
+  std::vector<Recording>::const_iterator find_recording(uint64_t handle) const;
+  void drop_all_recordings();
 
   // l2_persist_residual: the device's limits (0: none), the set-aside reserve() asked for, and the
   // window the stream has now.

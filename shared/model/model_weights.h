@@ -16,8 +16,8 @@
 #include <string>
 #include <vector>
 
-#include "services/worker/engine/model_config.h"
 #include "shared/common/status.h"
+#include "shared/model/model_config.h"
 #include "shared/tokenizer/bpe_tokenizer.h"
 
 namespace keep::engine {

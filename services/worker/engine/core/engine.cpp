@@ -1,4 +1,4 @@
-#include "services/worker/engine/engine.h"
+#include "services/worker/engine/core/engine.h"
 
 #include <algorithm>
 #include <atomic>
@@ -247,38 +247,20 @@ Result<int32_t> Engine::run_prefill(KvCache& cache, std::span<const int32_t> tok
 }
 
 Status Engine::prefill_chunk(KvCache& cache, int32_t n, bool last_chunk) {
-  const ChunkKey key{cache.id(), cache.size(), n, last_chunk, hidden_.data()};
-  // Chunks of kKeptMinRows rows or more: replayed where kept; recorded and kept when seen before;
-  // otherwise run kernel by kernel and remembered as seen. Shorter ones (decode steps, whose key
-  // moves with every token) run kernel by kernel.
-  bool record = false;
-  KeptPrefill* kept = nullptr;
-  if (n >= kKeptMinRows && config().num_layers > 1) {  // one layer: nothing to keep past the first
-    auto hit = std::find_if(kept_.begin(), kept_.end(),
-                            [&](const KeptPrefill& k) { return k.key == key; });
-    const Backend::KeptState state =
-        hit != kept_.end() ? backend_->kept_state(hit->handle) : Backend::KeptState::kGone;
-    if (state == Backend::KeptState::kReplayable) {
-      std::rotate(hit, hit + 1, kept_.end());  // most recently used last
-      kept = &kept_.back();
-    } else if (state == Backend::KeptState::kGone) {
-      if (hit != kept_.end()) kept_.erase(hit);  // dropped on the backend's side
-      auto seen = std::find(seen_.begin(), seen_.end(), key);
-      if (seen != seen_.end()) {
-        seen_.erase(seen);
-        record = true;
-      } else {
-        if (seen_.size() == kSeenPrefills) seen_.erase(seen_.begin());
-        seen_.push_back(key);
-      }
-    }
-    // Otherwise kept but not replayable under the backend's present settings: run as it is.
+  const ReplayCache::Key key{cache.id(), cache.size(), n, last_chunk, hidden_.data()};
+  // Long chunks: replayed where recorded, recorded when seen before (replay_cache.h); everything
+  // else runs launch by launch. One layer: nothing to record past the first.
+  ReplayCache::Decision decision;
+  if (n >= ReplayCache::kMinRows && config().num_layers > 1) {
+    decision = replay_cache_.find(*backend_, key);
   }
+  const bool record = decision.action == ReplayCache::Action::kRecord;
+  const bool replay = decision.action == ReplayCache::Action::kReplay;
   std::unique_ptr<AttentionPlan> fresh;
-  if (kept == nullptr) {
+  if (!replay) {
     KEEP_ASSIGN_OR_RETURN(fresh, plan(AttentionLayout::causal(n, key.past)));
   }
-  const AttentionPlan& p = kept != nullptr ? *kept->plan : *fresh;
+  const AttentionPlan& p = replay ? *decision.plan : *fresh;
   // The last layer's output matters for the last token only: earlier chunks need just its K/V.
   LayerExtras last_layer;
   last_layer.out_rows = last_chunk ? 1 : 0;
@@ -287,31 +269,26 @@ Status Engine::prefill_chunk(KvCache& cache, int32_t n, bool last_chunk) {
     for (int32_t l = from; l < to; ++l) {
       KEEP_RETURN_IF_ERROR(prefill_layer(l, hidden_, cache.layer(l), p,
                                          l + 1 == layers ? last_layer : LayerExtras{}));
-      if (record && l + 1 == kKeptSplitLayer) backend_->capture_split();
+      if (record && l + 1 == ReplayCache::kSplitLayer) backend_->capture_split();
     }
     return Status::ok();
   };
-  if (kept == nullptr && !record) return run_layers(0, layers);  // kernel by kernel
-  // A kept chunk: the first layer kernel by kernel, the others as the kept sequence, in two parts
-  // (layers 1 to kKeptSplitLayer - 1, then the rest). A graph's launch costs the host time per node
-  // (~0.7 ms for a 14B model's 48 layers on the H200's host after an idle gap, ~0.12 ms for one
-  // layer): the GPU starts on the first layer at once, and runs it and the small first part while
-  // the host submits the large one (benchmarks/RESULTS.md run 23).
+  if (!replay && !record) return run_layers(0, layers);  // launch by launch
+  // A recorded chunk: the first layer launch by launch, the others as the recording, in two parts
+  // (layers 1 to kSplitLayer - 1, then the rest). A graph's launch costs the host time per node:
+  // the GPU starts on the first layer at once, and runs it and the small first part while the host
+  // submits the large one (benchmarks/RESULTS.md run 23).
   KEEP_RETURN_IF_ERROR(run_layers(0, 1));
-  if (kept != nullptr) {
-    backend_->replay(kept->handle);
+  if (replay) {
+    backend_->replay(decision.handle);
     return Status::ok();
   }
   KEEP_RETURN_IF_ERROR(backend_->prepare(p));  // no planning inside the capture
-  Backend::Capture capture(*backend_);  // layers 1.. as CUDA graphs where the backend keeps them
+  Backend::Capture capture(*backend_);  // layers 1.. as CUDA graphs where the backend records them
   KEEP_RETURN_IF_ERROR(run_layers(1, layers));
-  const uint64_t handle = capture.finish_kept();
-  if (handle == 0) return Status::ok();  // the backend keeps nothing (graphs off): it ran
-  if (kept_.size() == kKeptPrefills) {
-    backend_->drop_kept(kept_.front().handle);
-    kept_.erase(kept_.begin());
-  }
-  kept_.push_back(KeptPrefill{key, std::move(fresh), handle});
+  const uint64_t handle = capture.finish_for_replay();
+  if (handle == 0) return Status::ok();  // the backend records nothing (graphs off): it ran
+  replay_cache_.add(*backend_, key, std::move(fresh), handle);
   return Status::ok();
 }
 

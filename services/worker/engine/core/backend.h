@@ -17,9 +17,9 @@
 #include <memory>
 #include <string>
 
-#include "services/worker/engine/attention_layout.h"
-#include "services/worker/engine/model_config.h"
+#include "services/worker/engine/core/attention_layout.h"
 #include "shared/common/status.h"
+#include "shared/model/model_config.h"
 
 namespace keep::engine {
 
@@ -182,27 +182,27 @@ class Backend {
   // what was recorded (an error stopped the sequence). Default: launches run as called.
   virtual void begin_capture() {}
   virtual void end_capture(bool run) { (void)run; }
-  // Kept sequences, for a sequence that will recur with the same arguments (a prefill chunk of a
-  // recurring shape into the same buffers): end_capture_kept() runs the recorded sequence as
-  // end_capture(true) does and keeps it, returning a handle (> 0) for replay(); 0 when nothing was
-  // recorded (no capture was open: the launches already ran). A kept sequence holds the pointers,
-  // sizes and plan it was recorded with, so the caller replays it only where those are unchanged,
-  // the plan still alive. kept_state(): kReplayable, or kNotNow while the backend would not
-  // capture (graphs off, profiling) or runs another dependent-launch setting than the sequence was
-  // recorded under (it stays kept), or kGone for a handle dropped or unknown (reserve() moving the
-  // workspace drops them all). replay() runs a kReplayable one again (anything else: a bug).
-  // drop_kept() releases one; the backend's destruction, all.
-  enum class KeptState : uint8_t { kReplayable, kNotNow, kGone };
-  virtual uint64_t end_capture_kept() {
+  // Recordings for replay, for a sequence that will recur with the same arguments (a prefill chunk
+  // of a recurring shape into the same buffers: replay_cache.h): end_capture_for_replay() runs the
+  // recorded sequence as end_capture(true) does and keeps it, returning a handle (> 0) for
+  // replay(); 0 when nothing was recorded (no capture was open: the launches already ran). A
+  // recording holds the pointers, sizes and plan it was made with, so the caller replays it only
+  // where those are unchanged, the plan still alive. replay_state(): kReplayable, or kNotNow while
+  // the backend would not capture (graphs off, profiling) or runs another dependent-launch setting
+  // than the recording was made under (it stays), or kGone for a handle dropped or unknown
+  // (reserve() moving the workspace drops them all). replay() runs a kReplayable one again
+  // (anything else: a bug). drop_recording() releases one; the backend's destruction, all.
+  enum class ReplayState : uint8_t { kReplayable, kNotNow, kGone };
+  virtual uint64_t end_capture_for_replay() {
     end_capture(true);
     return 0;
   }
-  virtual KeptState kept_state(uint64_t handle) const {
+  virtual ReplayState replay_state(uint64_t handle) const {
     (void)handle;
-    return KeptState::kGone;
+    return ReplayState::kGone;
   }
   virtual void replay(uint64_t handle) { (void)handle; }
-  virtual void drop_kept(uint64_t handle) { (void)handle; }
+  virtual void drop_recording(uint64_t handle) { (void)handle; }
   // Inside a capture: the recorded sequence may be cut here into parts that run one after
   // another, so that the GPU starts on the first while the host still submits the next (a
   // graph's launch costs host time per node). No effect outside a capture.
@@ -220,10 +220,11 @@ class Backend {
       open_ = false;
       b_.end_capture(true);
     }
-    // finish(), keeping the sequence: Backend::end_capture_kept's handle (0: none kept).
-    uint64_t finish_kept() {
+    // finish(), keeping the sequence for replay: Backend::end_capture_for_replay's handle (0: none
+    // recorded).
+    uint64_t finish_for_replay() {
       open_ = false;
-      return b_.end_capture_kept();
+      return b_.end_capture_for_replay();
     }
     Capture(const Capture&) = delete;
     Capture& operator=(const Capture&) = delete;

@@ -1,4 +1,4 @@
-#include "services/worker/engine/cpu_backend.h"
+#include "services/worker/engine/cpu/cpu_backend.h"
 
 #include <cblas.h>
 #include <sched.h>

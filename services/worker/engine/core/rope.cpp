@@ -1,4 +1,4 @@
-#include "services/worker/engine/rope.h"
+#include "services/worker/engine/core/rope.h"
 
 #include <cmath>
 

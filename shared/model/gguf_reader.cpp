@@ -1,4 +1,4 @@
-#include "services/worker/engine/gguf_reader.h"
+#include "shared/model/gguf_reader.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>

@@ -1,4 +1,4 @@
-#include "services/worker/engine/gguf_loader.h"
+#include "shared/model/gguf_loader.h"
 
 #include <algorithm>
 #include <chrono>
