@@ -327,7 +327,8 @@ TEST_CASE("deploy/worker.conf is read by keep-worker; a worker starts before its
        it::unique_name("noregion"),
        {"--config", std::string(KEEP_SOURCE_DIR) + "/deploy/worker.conf", "--endpoint",
         "tcp://127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", "--model", it::model_path(),
-        "--device", "cpu", "--manager", "tcp://127.0.0.1:1", "--manager-timeout-ms", "300"}});
+        "--device", "cpu", "--manager", "tcp://127.0.0.1:1", "--manager-timeout-ms", "300",
+        "--manager-retry-ms", "0"}});
   auto wc = worker_client(w.endpoint(), 10s);
   CHECK(wc->ping().is_ok());
   const std::string text = metrics_text(w.metrics());

@@ -7,6 +7,9 @@ void declare_worker_options(Options* o) {
          "ZeroMQ ROUTER endpoint(s) for planners; comma-separated; tcp:// or ipc://");
   o->add("manager", "tcp://127.0.0.1:7601", "keep-manager's endpoint");
   o->add("manager-timeout-ms", "20000", "how long a call to keep-manager may take");
+  o->add("manager-retry-ms", "30000",
+         "how long a request's retrieve is retried while keep-manager does not answer (a "
+         "restart), at most the request's own timeout; 0: not retried");
   o->add("metrics-listen", "127.0.0.1:9465", "host:port serving GET /metrics; 'off' disables it");
   o->add("model", "models/SmolLM2-135M-Instruct.Q4_1.gguf",
          "the planner model: a GGUF file or a HF directory (the same as keep-manager's --model)");
@@ -52,6 +55,8 @@ Result<WorkerConfig> read_worker_config(const Options& o) {
   KEEP_ASSIGN_OR_RETURN(uint64_t mt, o.uint64("manager-timeout-ms"));
   if (mt == 0) return bad("--manager-timeout-ms: must be >= 1");
   c.manager_timeout = std::chrono::milliseconds(mt);
+  KEEP_ASSIGN_OR_RETURN(uint64_t mr, o.uint64("manager-retry-ms"));
+  c.manager_retry = std::chrono::milliseconds(mr);
   c.metrics_listen = o.str("metrics-listen") == "off" ? "" : o.str("metrics-listen");
   c.model_path = o.str("model");
   if (c.model_path.empty()) return bad("--model: empty");

@@ -18,6 +18,7 @@ struct WorkerConfig {
   std::vector<std::string> endpoints;  // ZeroMQ ROUTER endpoints for planners
   std::string manager;                 // keep-manager's endpoint
   std::chrono::milliseconds manager_timeout{20000};
+  std::chrono::milliseconds manager_retry{30000};
   std::string metrics_listen;  // host:port of GET /metrics; empty: off
   std::string model_path;      // GGUF file or HF directory (the manager's --model)
   std::string device;          // auto, cpu or cuda

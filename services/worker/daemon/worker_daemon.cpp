@@ -170,6 +170,7 @@ Result<std::unique_ptr<WorkerDaemon>> WorkerDaemon::start(const WorkerConfig& co
   so.produce = config.produce;
   so.worker_id = worker_id;
   so.job_poll = config.job_poll;
+  so.manager_retry = config.manager_retry;
   so.shm_name = config.shm_name;
   so.fingerprint = fingerprint;
   so.server_version = std::string("keep-worker ") + KEEP_VERSION_STRING + " (" + backend_name + ")";

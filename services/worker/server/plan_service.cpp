@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <thread>
 #include <utility>
 
 #include "shared/common/log.h"
@@ -38,7 +39,8 @@ PlanService::PlanService(KvAssembler* assembler, const PromptBuilder* prompts,
       region_(region),
       defaults_(std::move(defaults)) {}
 
-Result<CompleteResult> PlanService::complete(const CompleteArgs& args, Clock::time_point received) {
+Result<CompleteResult> PlanService::complete(const CompleteArgs& args, Clock::time_point received,
+                                             Clock::time_point retry_until) {
   if (args.instruction.empty()) {
     return Status(Code::kInvalidArgument, "complete: the instruction is empty");
   }
@@ -52,7 +54,20 @@ Result<CompleteResult> PlanService::complete(const CompleteArgs& args, Clock::ti
   const uint32_t k = args.k > 0 ? args.k : defaults_.k;
 
   const auto t_retrieve = Clock::now();
-  KEEP_ASSIGN_OR_RETURN(auto retrieved, manager_->retrieve(args.agent, args.instruction, k));
+  auto retrieved = manager_->retrieve(args.agent, args.instruction, k);
+  // No answer (timeout: the client reconnects) or no connection: the manager may be restarting.
+  while (!retrieved.is_ok() &&
+         (retrieved.status().code() == Code::kTimeout ||
+          retrieved.status().code() == Code::kUnavailable) &&
+         Clock::now() + manager_->options().timeout <= retry_until) {
+    KEEP_LOG_WARN(kLog, "retrieve for agent '%s': %s; retrying", args.agent.c_str(),
+                  retrieved.status().to_string().c_str());
+    if (retrieved.status().code() == Code::kUnavailable) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    retrieved = manager_->retrieve(args.agent, args.instruction, k);
+  }
+  if (!retrieved.is_ok()) return retrieved.status();
   out.retrieve_seconds = seconds(t_retrieve, Clock::now());
 
   // Request-private copies of the entries, validated: an entry rewritten after its copy cannot
@@ -63,7 +78,7 @@ Result<CompleteResult> PlanService::complete(const CompleteArgs& args, Clock::ti
   req.knobs = args.knobs;
   // full and prefix never load an entry: no copy, and nothing counted as hit, missing or stale.
   const bool loads = out.method != Method::kFull && out.method != Method::kPrefix;
-  for (const auto& seg : retrieved) {
+  for (const auto& seg : *retrieved) {
     out.segment_ids.push_back(seg.id);
     PromptSegment ps;
     ps.tokens = prompts_->segment(seg.text);

@@ -72,9 +72,12 @@ class PlanService {
   const PlanDefaults& defaults() const { return defaults_; }
   // The region entries are read from (null: none, every memory is recomputed).
   void set_region(const kv::KvRegionView* region) { region_ = region; }
-  // `received`: when the request arrived (TTFT counts from there).
+  // `received`: when the request arrived (TTFT counts from there). The manager's retrieve is
+  // retried while keep-manager does not answer (a restart) until `retry_until`, so a planner
+  // whose deadline outlasts the manager's restart does not see it.
   Result<CompleteResult> complete(const CompleteArgs& args,
-                                  std::chrono::steady_clock::time_point received);
+                                  std::chrono::steady_clock::time_point received,
+                                  std::chrono::steady_clock::time_point retry_until = {});
 
  private:
   KvAssembler* assembler_;

@@ -310,7 +310,10 @@ void WorkerService::run_one(Queued q) {
     call.fail(Status(Code::kTimeout, "the caller's timeout passed while the request was queued"));
     code = Code::kTimeout;
   } else {
-    auto result = plans_->complete(q.args, call.received());
+    // Retried across a manager restart while the caller still waits (or for --manager-retry-ms
+    // when it said no deadline).
+    const auto retry_until = std::min(call.deadline(), call.received() + options_.manager_retry);
+    auto result = plans_->complete(q.args, call.received(), retry_until);
     if (!result.is_ok()) {
       code = result.status().code();
       if (code == Code::kTimeout || code == Code::kUnavailable) {

@@ -48,6 +48,9 @@ struct WorkerServiceOptions {
   uint64_t worker_id = 1;                        // this worker's id in the manager's leases
   std::chrono::milliseconds job_poll{100};       // idle: how often to ask for jobs
   std::chrono::milliseconds region_retry{1000};  // how often to try attaching the region
+  // How long a request's retrieve is retried while keep-manager does not answer (bounded by the
+  // request's own timeoutMs).
+  std::chrono::milliseconds manager_retry{30000};
   std::string shm_name = "keep-kv";
   kv::ModelFingerprint fingerprint;  // what the region must have been made for
   std::string server_version;
