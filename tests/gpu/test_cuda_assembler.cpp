@@ -3,12 +3,18 @@
 //   keep at d = 1 and cacheblend at 100 % -> full's logits (the same launches: bit for bit)
 //   full_reuse over entries computed in the same context at the same positions -> full's logits
 //   a missing entry is computed; keep below d = 1 checks and loads
+// and keep-worker's registration of the shared KV region's mapping (HostRegistration).
+#include <cuda_runtime.h>
 #include <doctest/doctest.h>
+#include <unistd.h>
 
 #include <cmath>
+#include <cstring>
 
 #include "services/worker/engine/cuda/cuda_backend.h"
+#include "services/worker/engine/cuda/host_registration.h"
 #include "services/worker/keep/kv_assembler.h"
+#include "shared/kvregion/kv_region.h"
 #include "tests/unit/engine_test_model.h"
 
 using namespace keep::worker;
@@ -167,5 +173,56 @@ TEST_CASE("CUDA: generation and scoring after an assembled prompt match the engi
   REQUIRE((scores.is_ok() && ref.is_ok()));
   for (size_t i = 0; i < cands.size(); ++i) {
     CHECK((*scores)[i].log_prob == doctest::Approx((*ref)[i].log_prob).epsilon(2e-2));
+  }
+}
+
+TEST_CASE("CUDA: the region's mapping is registered per attach and read by the GPU in place") {
+  kv::RegionOptions o;
+  o.name = "keep-gpu-test-" + std::to_string(::getpid());
+  o.fingerprint.num_layers = 4;
+  o.fingerprint.num_kv_heads = 2;
+  o.fingerprint.head_dim = 64;
+  o.fingerprint.dtype = kv::KvDType::kBF16;
+  o.fingerprint.rope_theta = 10000.0;
+  o.fingerprint.tokenizer_hash = kv::fnv1a_64("gpu test");
+  o.fingerprint.set_model_name("gpu-test");
+  o.block_bytes = 64 * 1024;
+  o.num_blocks = 16;
+  o.max_entries = 4;
+  o.replace = true;
+  auto region = kv::KvRegion::create(o);
+  REQUIRE_MESSAGE(region.is_ok(), region.status().to_string());
+  kv::EntryKey key;
+  key.object_id = 1;
+  auto d = (*region)->reserve(key, 16, 7, std::chrono::milliseconds(10000));
+  REQUIRE(d.is_ok());
+  for (int round = 0; round < 2; ++round) {  // a second attach registers its own mapping
+    auto view = kv::KvRegionView::attach(o.name, o.fingerprint);
+    REQUIRE_MESSAGE(view.is_ok(), view.status().to_string());
+    auto reg = eng::HostRegistration::register_memory((*view)->base(), (*view)->size());
+    REQUIRE_MESSAGE(reg.is_ok(), reg.status().to_string());
+    cudaPointerAttributes attr{};
+    REQUIRE(cudaPointerGetAttributes(&attr, (*view)->base()) == cudaSuccess);
+    CHECK(attr.type == cudaMemoryTypeHost);  // registered (pageable memory reports unregistered)
+
+    // The CPU writes the entry through the view; the GPU reads it through the mapping.
+    auto entry = (*view)->entry_data(*d);
+    REQUIRE(entry.is_ok());
+    for (size_t i = 0; i < entry->size(); ++i) {
+      (*entry)[i] = static_cast<std::byte>((i * 7 + round) & 0xff);
+    }
+    const size_t n = entry->size();
+    void* dev = nullptr;
+    REQUIRE(cudaMalloc(&dev, n) == cudaSuccess);
+    const auto* src =
+        static_cast<const std::byte*>((*reg)->device()) + (entry->data() - (*view)->base());
+    REQUIRE(cudaMemcpy(dev, src, n, cudaMemcpyDeviceToDevice) == cudaSuccess);
+    std::vector<std::byte> back(n);
+    REQUIRE(cudaMemcpy(back.data(), dev, n, cudaMemcpyDeviceToHost) == cudaSuccess);
+    CHECK(std::memcmp(back.data(), entry->data(), n) == 0);
+    cudaFree(dev);
+    reg.value().reset();  // unregistered before the view unmaps
+    REQUIRE(cudaPointerGetAttributes(&attr, (*view)->base()) == cudaSuccess);
+    CHECK(attr.type == cudaMemoryTypeUnregistered);
   }
 }

@@ -12,9 +12,8 @@
 #include "shared/model/model_identity.h"
 #include "shared/tokenizer/chat_template.h"
 #ifdef KEEP_HAVE_CUDA
-#include <cuda_runtime.h>
-
 #include "services/worker/engine/cuda/cuda_backend.h"
+#include "services/worker/engine/cuda/host_registration.h"
 #endif
 
 namespace keep::worker {
@@ -45,24 +44,6 @@ Result<metrics::MetricsHttpServerOptions> parse_listen(const std::string& listen
   return mo;
 }
 
-#ifdef KEEP_HAVE_CUDA
-// The region's mapping, registered once per attach: the GPU reads entries from it directly
-// (zero-copy) and copies out of it run at pinned-memory speed.
-void register_region(const kv::KvRegionView& region, bool attached) {
-  if (attached) {
-    const cudaError_t e = cudaHostRegister(region.base(), region.size(), cudaHostRegisterPortable);
-    if (e != cudaSuccess) {
-      KEEP_LOG_WARN(kLog, "cudaHostRegister of the KV region (%zu bytes): %s", region.size(),
-                    cudaGetErrorString(e));
-      cudaGetLastError();
-    }
-  } else {
-    cudaHostUnregister(region.base());
-    cudaGetLastError();
-  }
-}
-#endif
-
 }  // namespace
 
 struct WorkerDaemon::Impl {
@@ -79,6 +60,10 @@ struct WorkerDaemon::Impl {
   std::unique_ptr<WorkerService> service;
   std::unique_ptr<WorkerRpcServer> server;
   std::unique_ptr<metrics::MetricsHttpServer> http;
+#ifdef KEEP_HAVE_CUDA
+  // The attached region's mapping, page-locked for the GPU (engine thread only).
+  std::unique_ptr<eng::HostRegistration> registered;
+#endif
 
   ~Impl() {
     // Order: the engine thread finishes the queued requests and hands their answers to the
@@ -175,7 +160,19 @@ Result<std::unique_ptr<WorkerDaemon>> WorkerDaemon::start(const WorkerConfig& co
   so.fingerprint = fingerprint;
   so.server_version = std::string("keep-worker ") + KEEP_VERSION_STRING + " (" + backend_name + ")";
 #ifdef KEEP_HAVE_CUDA
-  if (backend_name.find("cuda") != std::string::npos) so.on_region = register_region;
+  if (backend_name.find("cuda") != std::string::npos) {
+    // Once per attach: the GPU reads entries from the mapping in place (zero-copy).
+    so.on_region = [&d](const kv::KvRegionView& region, bool attached) {
+      d.registered.reset();
+      if (!attached) return;
+      auto r = eng::HostRegistration::register_memory(region.base(), region.size());
+      if (!r.is_ok()) {
+        KEEP_LOG_WARN(kLog, "the KV region stays pageable: %s", r.status().message().c_str());
+        return;
+      }
+      d.registered = std::move(r).value();
+    };
+  }
 #endif
   d.service = std::make_unique<WorkerService>(&*d.plans, &*d.producer, so, d.metrics.get());
 
