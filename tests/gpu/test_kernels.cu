@@ -484,7 +484,56 @@ void test_convert(std::mt19937& rng, int64_t n, size_t offset = 0) {
   check_bits(s + " bf16->fp32 exact", slice(d_back.host(), offset), exact, true);
 }
 
+// The loader's pass: bf16 pre-RoPE K and V rows into a bf16 view, from device memory or (mapped)
+// read in place from registered host memory, as keep-worker reads the shared KV region.
+void test_load_kv_rope(std::mt19937& rng, int64_t n, int64_t heads, int64_t head_dim, bool mapped) {
+  const std::vector<float> inv_freq = rope_inv_freq(1000000.0, head_dim);
+  std::uniform_int_distribution<int32_t> pos(0, 40000);
+  std::vector<int32_t> positions(n);
+  for (auto& p : positions) p = pos(rng);
+  if (n > 0) positions[0] = 0;
+  const size_t elems = static_cast<size_t>(n * heads * head_dim);
+  auto k_pre = random_vec<Bf16>(rng, elems, -2.0f, 2.0f);
+  auto v = random_vec<Bf16>(rng, elems, -2.0f, 2.0f);
+  std::vector<Bf16> want_k(elems), want_v(elems);
+  ref::load_kv_rope(want_k.data(), want_v.data(), k_pre.data(), v.data(), positions.data(),
+                    inv_freq.data(), n, heads, head_dim);
+  Buf<Bf16> d_k(keep::gputest::nan_vec<Bf16>(elems)), d_v(keep::gputest::nan_vec<Bf16>(elems));
+  Buf<int32_t> d_pos(positions);
+  Buf<float> d_inv(inv_freq);
+  Buf<Bf16> src_k(k_pre), src_v(v);
+  const __nv_bfloat16* in_k = src_k.dev();
+  const __nv_bfloat16* in_v = src_v.dev();
+  if (mapped && elems > 0) {  // the kernel reads host memory in place
+    CUDA_OK(cudaHostRegister(k_pre.data(), elems * sizeof(Bf16), cudaHostRegisterMapped));
+    CUDA_OK(cudaHostRegister(v.data(), elems * sizeof(Bf16), cudaHostRegisterMapped));
+    void* hk = nullptr;
+    void* hv = nullptr;
+    CUDA_OK(cudaHostGetDevicePointer(&hk, k_pre.data(), 0));
+    CUDA_OK(cudaHostGetDevicePointer(&hv, v.data(), 0));
+    in_k = static_cast<const __nv_bfloat16*>(hk);
+    in_v = static_cast<const __nv_bfloat16*>(hv);
+  }
+  CUDA_OK(keep::kernels::load_kv_rope(d_k.dev(), d_v.dev(), in_k, in_v,
+                                      d_pos.template dev<int32_t>(), d_inv.dev(), n, heads,
+                                      head_dim, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  if (mapped && elems > 0) {
+    CUDA_OK(cudaHostUnregister(k_pre.data()));
+    CUDA_OK(cudaHostUnregister(v.data()));
+  }
+  const std::string what =
+      std::string(mapped ? "load_kv_rope mapped " : "load_kv_rope ") + shape({n, heads, head_dim});
+  check(what + " k", d_k.host(), want_k);
+  check_bits(what + " v", d_v.host(), want_v);  // V is copied, bit for bit
+}
+
 void run_misc(std::mt19937& rng) {
+  for (const int64_t n : {1, 3, 7, 19, 733}) {
+    test_load_kv_rope(rng, n, 3, 64, false);
+    test_load_kv_rope(rng, n, 8, 128, n == 19);  // Qwen2.5-7B/14B's K rows
+  }
+  test_load_kv_rope(rng, 0, 8, 128, false);
   const int64_t odd[] = {1, 3, 7, 19, 733};
   const int64_t cols[] = {1, 3, 7, 19, 733, 576, 3584, 5120};
   for (int64_t n : odd) {

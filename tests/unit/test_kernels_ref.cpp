@@ -120,6 +120,40 @@ TEST_CASE("rmsnorm_residual reference equals residual add then HF RMSNorm in dou
   }
 }
 
+TEST_CASE("load_kv_rope reference: the engine's RoPE of bf16 pre-RoPE K, one rounding; V as is") {
+  std::mt19937 rng(5);
+  const int64_t heads = 2;
+  const int64_t head_dim = 64;
+  std::vector<float> inv_freq(head_dim / 2);
+  for (int64_t i = 0; i < head_dim / 2; ++i) {
+    inv_freq[i] = static_cast<float>(std::pow(1e6, -2.0 * i / static_cast<double>(head_dim)));
+  }
+  for (int64_t n : kSizes) {
+    const size_t elems = static_cast<size_t>(n * heads * head_dim);
+    std::vector<keep::kernels::Bf16> k(elems), v(elems), k_out(elems), v_out(elems);
+    const auto kf = random_floats(rng, elems, -2, 2);
+    const auto vf = random_floats(rng, elems, -2, 2);
+    for (size_t i = 0; i < elems; ++i) {
+      k[i] = keep::kernels::float_to_bf16(kf[i]);
+      v[i] = keep::kernels::float_to_bf16(vf[i]);
+    }
+    std::vector<int32_t> pos(static_cast<size_t>(n));
+    std::uniform_int_distribution<int32_t> d(0, 9000);
+    for (auto& p : pos) p = d(rng);
+    ref::load_kv_rope(k_out.data(), v_out.data(), k.data(), v.data(), pos.data(), inv_freq.data(),
+                      n, heads, head_dim);
+    // What the CPU engine loads (fp32 K rotated by its RopeTable), rounded once to bf16.
+    std::vector<float> engine(elems);
+    for (size_t i = 0; i < elems; ++i) engine[i] = keep::kernels::bf16_to_float(k[i]);
+    keep::engine::RopeTable table(inv_freq, 4096);
+    table.apply(engine.data(), pos.data(), n, heads);
+    for (size_t i = 0; i < elems; ++i) {
+      REQUIRE(k_out[i].bits == keep::kernels::float_to_bf16(engine[i]).bits);
+      REQUIRE(v_out[i].bits == v[i].bits);
+    }
+  }
+}
+
 TEST_CASE("rope reference rotates half-split pairs and equals the CPU engine's RopeTable") {
   std::mt19937 rng(3);
   for (int64_t n : kSizes) {

@@ -89,3 +89,37 @@ TEST_CASE("rows round-trip: f32 exactly, bf16 as round-to-nearest-even; slices l
               .code() == Code::kInvalidArgument);
   }
 }
+
+TEST_CASE("a bf16 entry's rows are handed out in place; they read as read_entry_layer's") {
+  auto g = EntryGeometry::of(fingerprint(kv::KvDType::kBF16), 5);
+  REQUIRE(g.is_ok());
+  std::vector<std::byte> entry(g->bytes());
+  std::vector<float> k(5 * g->row_elems()), v(k.size());
+  for (size_t i = 0; i < k.size(); ++i) {
+    k[i] = 0.25f * static_cast<float>(i) - 3.0f;
+    v[i] = 1.0f / (1.0f + static_cast<float>(i));
+  }
+  for (int32_t l = 0; l < g->layers; ++l) {
+    REQUIRE(write_entry_layer(entry, *g, l, 0, 5, k.data(), v.data()).is_ok());
+  }
+  auto rows = entry_rows_bf16(entry, *g, 2, 1, 3);
+  REQUIRE(rows.has_value());
+  std::vector<float> want_k(3 * g->row_elems()), want_v(want_k.size());
+  REQUIRE(read_entry_layer(entry, *g, 2, 1, 3, want_k.data(), want_v.data()).is_ok());
+  for (size_t i = 0; i < want_k.size(); ++i) {
+    const uint32_t kb = static_cast<uint32_t>(rows->first[i]) << 16;
+    const uint32_t vb = static_cast<uint32_t>(rows->second[i]) << 16;
+    float kf, vf;
+    std::memcpy(&kf, &kb, 4);
+    std::memcpy(&vf, &vb, 4);
+    CHECK(kf == want_k[i]);
+    CHECK(vf == want_v[i]);
+  }
+  CHECK_FALSE(entry_rows_bf16(entry, *g, 2, 3, 3).has_value());  // past the entry's tokens
+  CHECK_FALSE(entry_rows_bf16(entry, *g, 3, 0, 1).has_value());  // no such layer
+  CHECK_FALSE(entry_rows_bf16(std::span(entry).first(entry.size() - 1), *g, 0, 0, 1).has_value());
+  auto f32 = EntryGeometry::of(fingerprint(kv::KvDType::kF32), 5);
+  REQUIRE(f32.is_ok());
+  std::vector<std::byte> e32(f32->bytes());
+  CHECK_FALSE(entry_rows_bf16(e32, *f32, 0, 0, 1).has_value());  // f32 entries: read_entry_layer
+}

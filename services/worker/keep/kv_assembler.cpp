@@ -174,15 +174,21 @@ Result<Prefilled> KvAssembler::prefill(const AssembleRequest& req) {
     for (const LoadRun& run : load_runs(plan.loaded_memory_slots(), shape)) {
       const SegmentKv& kv = req.segments[run.segment].kv;
       const size_t n = static_cast<size_t>(run.count) * kvd;
-      k_host.resize(n);
-      v_host.resize(n);
       const int32_t row = kv.first_row + (run.slot - shape.segments[run.segment].begin);
-      KEEP_RETURN_IF_ERROR(
-          read_entry_layer(kv.bytes, kv.geometry, l, row, run.count, k_host.data(), v_host.data()));
       std::vector<int32_t> positions(static_cast<size_t>(run.count));
       for (int32_t k = 0; k < run.count; ++k) positions[k] = run.slot + k;
-      KEEP_RETURN_IF_ERROR(
-          engine_.load_kv(view, run.slot, positions, k_host.data(), v_host.data()));
+      if (const auto planes = entry_rows_bf16(kv.bytes, kv.geometry, l, row, run.count)) {
+        // bf16 rows straight from the entry: the backend rotates and stores them in one pass.
+        KEEP_RETURN_IF_ERROR(
+            engine_.load_kv_bf16(view, run.slot, positions, planes->first, planes->second));
+      } else {
+        k_host.resize(n);
+        v_host.resize(n);
+        KEEP_RETURN_IF_ERROR(read_entry_layer(kv.bytes, kv.geometry, l, row, run.count,
+                                              k_host.data(), v_host.data()));
+        KEEP_RETURN_IF_ERROR(
+            engine_.load_kv(view, run.slot, positions, k_host.data(), v_host.data()));
+      }
       st.bytes_loaded += 2 * n * kv.geometry.elem_bytes();
       first_loaded = std::min(first_loaded, run.slot);
     }

@@ -87,4 +87,17 @@ Status read_entry_layer(std::span<const std::byte> entry, const EntryGeometry& g
   return Status::ok();
 }
 
+std::optional<std::pair<const uint16_t*, const uint16_t*>> entry_rows_bf16(
+    std::span<const std::byte> entry, const EntryGeometry& g, int32_t layer, int32_t first,
+    int32_t rows) {
+  if (g.dtype != kv::KvDType::kBF16 || layer < 0 || layer >= g.layers || first < 0 || rows < 0 ||
+      first + rows > g.tokens || entry.size() < g.bytes()) {
+    return std::nullopt;
+  }
+  const size_t at = static_cast<size_t>(first) * g.row_elems() * sizeof(uint16_t);
+  const auto* k = reinterpret_cast<const uint16_t*>(entry.data() + g.k_offset(layer) + at);
+  const auto* v = reinterpret_cast<const uint16_t*>(entry.data() + g.v_offset(layer) + at);
+  return std::make_pair(k, v);
+}
+
 }  // namespace keep::worker

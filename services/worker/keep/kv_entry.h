@@ -10,7 +10,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
+#include <utility>
 
 #include "shared/common/status.h"
 #include "shared/kvregion/model_fingerprint.h"
@@ -39,6 +41,12 @@ struct EntryGeometry {
 // fp32. kInvalidArgument when the rows or layer fall outside the entry or `entry` is too small.
 Status write_entry_layer(std::span<std::byte> entry, const EntryGeometry& g, int32_t layer,
                          int32_t first, int32_t rows, const float* k_pre, const float* v);
+
+// The K and V rows [first, first + rows) of layer `layer` as they lie in a bf16 entry (uint16 bits,
+// (rows, kv_heads, head_dim) each, contiguous); nullopt for another dtype or rows outside it.
+std::optional<std::pair<const uint16_t*, const uint16_t*>> entry_rows_bf16(
+    std::span<const std::byte> entry, const EntryGeometry& g, int32_t layer, int32_t first,
+    int32_t rows);
 
 // Reads rows [first, first + rows) of layer `layer` into fp32 (rows, kv_heads, head_dim).
 Status read_entry_layer(std::span<const std::byte> entry, const EntryGeometry& g, int32_t layer,

@@ -39,6 +39,14 @@ cudaError_t rmsnorm_residual(float* out, float* residual, const float* x, const 
 cudaError_t rope(float* x, const int32_t* positions, const float* inv_freq, int64_t n,
                  int64_t heads, int64_t head_dim, int64_t row_stride, cudaStream_t stream);
 
+// The loader's pass over cached rows (n, heads, head_dim), bf16: k_out = bf16(rope(float(k_pre),
+// positions)) (the rotation of rope(), fp32, one rounding), v_out = v. k_pre and v may be device
+// memory or host memory mapped for the device (the registered KV region: read in place). The
+// outputs must not overlap the inputs; head_dim even.
+cudaError_t load_kv_rope(__nv_bfloat16* k_out, __nv_bfloat16* v_out, const __nv_bfloat16* k_pre,
+                         const __nv_bfloat16* v, const int32_t* positions, const float* inv_freq,
+                         int64_t n, int64_t heads, int64_t head_dim, cudaStream_t stream);
+
 // ---- element-wise and normalisation kernels of the bf16 transformer block (misc.cu) ----
 // The CUDA backend keeps the residual stream (engine hidden) in fp32 and feeds the matrix products
 // bf16; these kernels sit at those boundaries.

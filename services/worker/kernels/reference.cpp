@@ -1,6 +1,7 @@
 #include "services/worker/kernels/reference.h"
 
 #include <cmath>
+#include <vector>
 
 namespace keep::kernels::ref {
 
@@ -35,6 +36,21 @@ void rope(float* x, const int32_t* positions, const float* inv_freq, int64_t n, 
         xh[i] = x1 * c - x2 * s;
         xh[i + half] = x2 * c + x1 * s;
       }
+    }
+  }
+}
+
+void load_kv_rope(Bf16* k_out, Bf16* v_out, const Bf16* k_pre, const Bf16* v,
+                  const int32_t* positions, const float* inv_freq, int64_t n, int64_t heads,
+                  int64_t head_dim) {
+  const int64_t row = heads * head_dim;
+  std::vector<float> k(static_cast<size_t>(row));
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t j = 0; j < row; ++j) k[j] = bf16_to_float(k_pre[r * row + j]);
+    rope(k.data(), positions + r, inv_freq, 1, heads, head_dim, row);
+    for (int64_t j = 0; j < row; ++j) {
+      k_out[r * row + j] = float_to_bf16(k[j]);
+      v_out[r * row + j] = v[r * row + j];
     }
   }
 }

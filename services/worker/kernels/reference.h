@@ -27,6 +27,11 @@ void rmsnorm_residual(float* out, float* residual, const float* x, const float* 
 // row_stride == heads * head_dim; inv_freq: (head_dim / 2); positions: (n).
 void rope(float* x, const int32_t* positions, const float* inv_freq, int64_t n, int64_t heads,
           int64_t head_dim, int64_t row_stride);
+// The loader's pass (kernels::load_kv_rope): k_out = Bf16(rope(float(k_pre))) row by row at
+// positions, v_out = v; (n, heads, head_dim) each.
+void load_kv_rope(Bf16* k_out, Bf16* v_out, const Bf16* k_pre, const Bf16* v,
+                  const int32_t* positions, const float* inv_freq, int64_t n, int64_t heads,
+                  int64_t head_dim);
 
 // ---- misc.cu (reference_misc.cpp) ----
 // out fp32 = table bf16 rows (zero rows for ids outside [0, vocab)).

@@ -32,7 +32,53 @@ __global__ void rope_kernel(float* __restrict__ x,                  // (n, row_s
   }
 }
 
+// Cached K/V rows into a bf16 view in one pass (the loader: keep-worker's reused segments). One
+// thread per (row, head, i < half) pair: reads the pre-RoPE K pair and the V pair (bf16; from
+// device memory or, zero-copy, from the registered region), rotates K in fp32 exactly as
+// rope_kernel, rounds once.
+__global__ void load_kv_rope_kernel(__nv_bfloat16* __restrict__ k_out,
+                                    __nv_bfloat16* __restrict__ v_out,
+                                    const __nv_bfloat16* __restrict__ k_pre,
+                                    const __nv_bfloat16* __restrict__ v,
+                                    const int32_t* __restrict__ positions,
+                                    const float* __restrict__ inv_freq, int64_t n, int64_t heads,
+                                    int64_t half) {
+  const int64_t total = n * heads * half;
+  for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < total;
+       k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t i = k % half;
+    const int64_t h = (k / half) % heads;
+    const int64_t r = k / (half * heads);
+    const int64_t at = r * heads * 2 * half + h * 2 * half + i;
+    const float angle = __fmul_rn(static_cast<float>(positions[r]), inv_freq[i]);
+    float s;
+    float c;
+    sincosf(angle, &s, &c);
+    const float x1 = __bfloat162float(k_pre[at]);
+    const float x2 = __bfloat162float(k_pre[at + half]);
+    k_out[at] = __float2bfloat16(x1 * c - x2 * s);
+    k_out[at + half] = __float2bfloat16(x2 * c + x1 * s);
+    v_out[at] = v[at];
+    v_out[at + half] = v[at + half];
+  }
+}
+
 }  // namespace
+
+cudaError_t load_kv_rope(__nv_bfloat16* k_out, __nv_bfloat16* v_out, const __nv_bfloat16* k_pre,
+                         const __nv_bfloat16* v, const int32_t* positions, const float* inv_freq,
+                         int64_t n, int64_t heads, int64_t head_dim, cudaStream_t stream) {
+  if (n < 0 || heads < 0 || head_dim < 0 || head_dim % 2 != 0) return cudaErrorInvalidValue;
+  if (n == 0 || heads == 0 || head_dim == 0) return cudaSuccess;
+  if (k_out == nullptr || v_out == nullptr || k_pre == nullptr || v == nullptr ||
+      positions == nullptr || inv_freq == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  const int64_t half = head_dim / 2;
+  load_kv_rope_kernel<<<detail::elementwise_blocks(n * heads * half, kThreads), kThreads, 0,
+                        stream>>>(k_out, v_out, k_pre, v, positions, inv_freq, n, heads, half);
+  return cudaGetLastError();
+}
 
 cudaError_t rope(float* x, const int32_t* positions, const float* inv_freq, int64_t n,
                  int64_t heads, int64_t head_dim, int64_t row_stride, cudaStream_t stream) {

@@ -158,6 +158,12 @@ class Backend {
   // shared KV region, registered or not) or device memory.
   virtual void load_kv(const KvView& kv, int32_t first_slot, const float* k_pre, const float* v,
                        const int32_t* positions, int32_t n) = 0;
+  // The same from bf16 rows (the shared region's entries: uint16 bits of bf16, (n, kv_heads,
+  // head_dim) each), host or device memory. The default widens them to fp32 on the host and calls
+  // load_kv; the CUDA backend rotates and stores them in one kernel, reading registered host
+  // memory in place and staging pageable memory through one copy.
+  virtual void load_kv_bf16(const KvView& kv, int32_t first_slot, const uint16_t* k_pre,
+                            const uint16_t* v, const int32_t* positions, int32_t n);
   // logits (n, vocab) = lm_head(final_norm(hidden[rows[i]])); hidden (device) has >= max(rows)+1
   // rows of C; rows (host).
   virtual void final_logits(float* logits, const float* hidden, const int32_t* rows, int32_t n) = 0;

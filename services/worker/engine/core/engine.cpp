@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <string>
 
 namespace keep::engine {
@@ -40,6 +41,20 @@ void Backend::argmax(int32_t* out_host, const float* logits, int32_t rows) {
   for (int32_t r = 0; r < rows; ++r) {
     out_host[r] = engine::argmax(std::span<const float>(host.data() + r * vocab, vocab));
   }
+}
+
+void Backend::load_kv_bf16(const KvView& kv, int32_t first_slot, const uint16_t* k_pre,
+                           const uint16_t* v, const int32_t* positions, int32_t n) {
+  // bf16 is the top half of an fp32: widening is a shift.
+  const size_t elems = static_cast<size_t>(n) * static_cast<size_t>(config().kv_dim());
+  std::vector<float> k32(elems), v32(elems);
+  for (size_t i = 0; i < elems; ++i) {
+    const uint32_t kb = static_cast<uint32_t>(k_pre[i]) << 16;
+    const uint32_t vb = static_cast<uint32_t>(v[i]) << 16;
+    std::memcpy(&k32[i], &kb, 4);
+    std::memcpy(&v32[i], &vb, 4);
+  }
+  load_kv(kv, first_slot, k32.data(), v32.data(), positions, n);
 }
 
 void Backend::final_logits_to_host(float* logits_host, float* logits, const float* hidden,
@@ -143,10 +158,11 @@ Result<std::unique_ptr<AttentionPlan>> Engine::plan(const AttentionLayout& layou
   return backend_->plan(layout);
 }
 
-Status Engine::load_kv(const KvView& kv, int32_t first_slot, std::span<const int32_t> positions,
-                       const float* k_pre, const float* v) {
+// The checks of both load_kv forms: slots inside the view, positions >= 0, the view this
+// backend's.
+Status Engine::check_load(const KvView& kv, int32_t first_slot, std::span<const int32_t> positions,
+                          const void* k_pre, const void* v) const {
   const auto n = static_cast<int64_t>(positions.size());
-  if (n == 0) return Status::ok();
   if (k_pre == nullptr || v == nullptr) return invalid("load_kv: null source");
   if (first_slot < 0 || first_slot + n > kv.capacity) {
     return invalid("load_kv: slots [" + std::to_string(first_slot) + ", " +
@@ -159,7 +175,25 @@ Status Engine::load_kv(const KvView& kv, int32_t first_slot, std::span<const int
   if (kv.type != backend_->kv_type() || kv.k == nullptr || kv.v == nullptr) {
     return invalid("load_kv: the view is not one of this backend's");
   }
-  backend_->load_kv(kv, first_slot, k_pre, v, positions.data(), static_cast<int32_t>(n));
+  return Status::ok();
+}
+
+Status Engine::load_kv(const KvView& kv, int32_t first_slot, std::span<const int32_t> positions,
+                       const float* k_pre, const float* v) {
+  if (positions.empty()) return Status::ok();
+  KEEP_RETURN_IF_ERROR(check_load(kv, first_slot, positions, k_pre, v));
+  backend_->load_kv(kv, first_slot, k_pre, v, positions.data(),
+                    static_cast<int32_t>(positions.size()));
+  return Status::ok();
+}
+
+Status Engine::load_kv_bf16(const KvView& kv, int32_t first_slot,
+                            std::span<const int32_t> positions, const uint16_t* k_pre,
+                            const uint16_t* v) {
+  if (positions.empty()) return Status::ok();
+  KEEP_RETURN_IF_ERROR(check_load(kv, first_slot, positions, k_pre, v));
+  backend_->load_kv_bf16(kv, first_slot, k_pre, v, positions.data(),
+                         static_cast<int32_t>(positions.size()));
   return Status::ok();
 }
 

@@ -102,6 +102,9 @@ class Engine {
   // host memory (the KV region) or backend memory.
   Status load_kv(const KvView& kv, int32_t first_slot, std::span<const int32_t> positions,
                  const float* k_pre, const float* v);
+  // load_kv from bf16 rows (uint16 bits), as the shared region stores them (Backend::load_kv_bf16).
+  Status load_kv_bf16(const KvView& kv, int32_t first_slot, std::span<const int32_t> positions,
+                      const uint16_t* k_pre, const uint16_t* v);
   // One block for the plan's rows: hidden (rows, C) in place; new rotated K/V go into `kv` at the
   // rows' slots; `extras` receive pre-RoPE K, V, lse, pooled attention.
   Status prefill_layer(int32_t layer, DeviceBuffer& hidden, const KvView& kv,
@@ -133,6 +136,8 @@ class Engine {
       const std::vector<std::vector<int32_t>>& candidates);
 
  private:
+  Status check_load(const KvView& kv, int32_t first_slot, std::span<const int32_t> positions,
+                    const void* k_pre, const void* v) const;
   explicit Engine(std::unique_ptr<Backend> backend) : backend_(std::move(backend)) {}
   Status ensure_rows(int32_t rows);
   // Runs `tokens` through every layer into the cache (chunks of max_rows); returns the row of the

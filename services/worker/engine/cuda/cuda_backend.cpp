@@ -156,6 +156,7 @@ CudaBackend::~CudaBackend() {
   blas_ = kernels::BlasHandle();
   cudaFree(workspace_);
   cudaFree(weight_arena_);
+  cudaFree(kv_staging_);
   for (cudaEvent_t e : slice_done_) {
     if (e != nullptr) cudaEventDestroy(e);
   }
@@ -1066,6 +1067,52 @@ void CudaBackend::load_kv(const KvView& kv, int32_t first_slot, const float* k_p
   KEEP_CUDA_CHECK(kernels::convert(v_out, k32, static_cast<int64_t>(elems), stream_));
   release_ints(pos);
   KEEP_CUDA_CHECK(cudaFreeAsync(tmp, stream_));
+}
+
+namespace {
+// Whether the device may read `p` in place: device memory, or host memory registered (mapped).
+bool device_readable(const void* p) {
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged ||
+         (a.type == cudaMemoryTypeHost && a.devicePointer != nullptr);
+}
+}  // namespace
+
+void CudaBackend::load_kv_bf16(const KvView& kv, int32_t first_slot, const uint16_t* k_pre,
+                               const uint16_t* v, const int32_t* positions, int32_t n) {
+  KEEP_CHECK(kv.type == KvType::kBF16);
+  const int64_t kvd = config_.kv_dim();
+  const size_t bytes = static_cast<size_t>(n) * static_cast<size_t>(kvd) * sizeof(uint16_t);
+  const auto* k_src = reinterpret_cast<const bf16*>(k_pre);
+  const auto* v_src = reinterpret_cast<const bf16*>(v);
+  // The registered region (or device memory) is read in place; pageable memory goes through one
+  // copy into the staging buffer, still bf16 (half of load_kv's fp32 bytes).
+  if (!device_readable(k_pre) || !device_readable(v)) {
+    if (kv_staging_bytes_ < 2 * bytes) {
+      KEEP_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the old buffer may still be read
+      cudaFree(kv_staging_);
+      kv_staging_ = nullptr;
+      kv_staging_bytes_ = 0;
+      KEEP_CUDA_CHECK(cudaMalloc(&kv_staging_, 2 * bytes));
+      kv_staging_bytes_ = 2 * bytes;
+    }
+    auto* staged = static_cast<bf16*>(kv_staging_);
+    KEEP_CUDA_CHECK(cudaMemcpyAsync(staged, k_pre, bytes, cudaMemcpyDefault, stream_));
+    KEEP_CUDA_CHECK(cudaMemcpyAsync(reinterpret_cast<std::byte*>(staged) + bytes, v, bytes,
+                                    cudaMemcpyDefault, stream_));
+    k_src = staged;
+    v_src = reinterpret_cast<const bf16*>(reinterpret_cast<const std::byte*>(staged) + bytes);
+  }
+  auto* k_out = static_cast<bf16*>(kv.k) + static_cast<int64_t>(first_slot) * kvd;
+  auto* v_out = static_cast<bf16*>(kv.v) + static_cast<int64_t>(first_slot) * kvd;
+  int32_t* pos = upload_ints(positions, static_cast<size_t>(n));
+  KEEP_CUDA_CHECK(kernels::load_kv_rope(k_out, v_out, k_src, v_src, pos, inv_freq_, n,
+                                        config_.num_kv_heads, config_.head_dim, stream_));
+  release_ints(pos);
 }
 
 bool CudaBackend::logit_gemv() const {

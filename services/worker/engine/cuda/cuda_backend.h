@@ -147,6 +147,8 @@ class CudaBackend final : public Backend {
                        const KvView& kv, const AttentionPlan& plan) override;
   void load_kv(const KvView& kv, int32_t first_slot, const float* k_pre, const float* v,
                const int32_t* positions, int32_t n) override;
+  void load_kv_bf16(const KvView& kv, int32_t first_slot, const uint16_t* k_pre, const uint16_t* v,
+                    const int32_t* positions, int32_t n) override;
   void final_logits(float* logits, const float* hidden, const int32_t* rows, int32_t n) override;
   // kF32Rows with at most kGemvMaxRows rows (a prefill's last token): lm_head in kLogitSlices
   // slices of the vocabulary, each copied to the host on a second stream while the next is
@@ -220,6 +222,9 @@ class CudaBackend final : public Backend {
   const float* lm_head_f32_ = nullptr;  // (vocab, C) fp32 when options_.logits == kF32
   const float* final_norm_ = nullptr;   // (C)
   const float* inv_freq_ = nullptr;     // (hd / 2)
+  // Staging for bf16 KV rows loaded from pageable host memory (load_kv_bf16); grows, never shrinks.
+  void* kv_staging_ = nullptr;
+  size_t kv_staging_bytes_ = 0;
 
   // Workspace (reserve()).
   void* workspace_ = nullptr;
