@@ -154,11 +154,14 @@ Result<Prefilled> KvAssembler::prefill(const AssembleRequest& req) {
     const std::vector<int32_t>& now = plan.rows();
     if (now != rows) {  // a subset: move the surviving rows' hidden states down
       const int next = 1 - cur;
+      std::vector<int32_t> keep_rows(now.size());  // where each surviving row is now
       size_t i = 0;
       for (size_t k = 0; k < now.size(); ++k) {
         while (rows[i] != now[k]) ++i;
-        be.copy_on_device(hidden_[next].data() + k * hid, hidden_[cur].data() + i * hid, hid);
+        keep_rows[k] = static_cast<int32_t>(i);
       }
+      be.gather_rows(hidden_[next].data(), hidden_[cur].data(), keep_rows.data(),
+                     static_cast<int32_t>(keep_rows.size()), hid);
       cur = next;
       rows = now;
       attn.reset();

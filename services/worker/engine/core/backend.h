@@ -126,6 +126,10 @@ class Backend {
   virtual void copy_to_device(float* dst, const float* src_host, size_t floats) = 0;
   virtual void copy_to_host(float* dst_host, const float* src, size_t floats) = 0;
   virtual void copy_on_device(float* dst, const float* src, size_t floats) = 0;
+  // dst (n, cols) = src[rows[i], :] (device memory; rows on the host, dst not overlapping src).
+  // The default copies row by row; the CUDA backend gathers in one kernel.
+  virtual void gather_rows(float* dst, const float* src, const int32_t* rows, int32_t n,
+                           size_t cols);
   // Waits for all launched work (no-op on the CPU).
   virtual void synchronize() = 0;
 

@@ -43,6 +43,14 @@ void Backend::argmax(int32_t* out_host, const float* logits, int32_t rows) {
   }
 }
 
+void Backend::gather_rows(float* dst, const float* src, const int32_t* rows, int32_t n,
+                          size_t cols) {
+  for (int32_t i = 0; i < n; ++i) {
+    copy_on_device(dst + static_cast<size_t>(i) * cols, src + static_cast<size_t>(rows[i]) * cols,
+                   cols);
+  }
+}
+
 void Backend::load_kv_bf16(const KvView& kv, int32_t first_slot, const uint16_t* k_pre,
                            const uint16_t* v, const int32_t* positions, int32_t n) {
   // bf16 is the top half of an fp32: widening is a shift.

@@ -512,6 +512,13 @@ void CudaBackend::copy_to_host(float* dst_host, const float* src, size_t floats)
 void CudaBackend::copy_on_device(float* dst, const float* src, size_t floats) {
   KEEP_CUDA_CHECK(cudaMemcpyAsync(dst, src, floats * 4, cudaMemcpyDeviceToDevice, stream_));
 }
+void CudaBackend::gather_rows(float* dst, const float* src, const int32_t* rows, int32_t n,
+                              size_t cols) {
+  if (n <= 0) return;
+  int32_t* idx = upload_ints(rows, static_cast<size_t>(n));
+  KEEP_CUDA_CHECK(kernels::gather_rows(dst, src, idx, n, static_cast<int64_t>(cols), stream_));
+  release_ints(idx);
+}
 void CudaBackend::synchronize() { KEEP_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
 
 int32_t* CudaBackend::upload_ints(const int32_t* host, size_t n) {

@@ -149,6 +149,8 @@ class CudaBackend final : public Backend {
                const int32_t* positions, int32_t n) override;
   void load_kv_bf16(const KvView& kv, int32_t first_slot, const uint16_t* k_pre, const uint16_t* v,
                     const int32_t* positions, int32_t n) override;
+  void gather_rows(float* dst, const float* src, const int32_t* rows, int32_t n,
+                   size_t cols) override;
   void final_logits(float* logits, const float* hidden, const int32_t* rows, int32_t n) override;
   // kF32Rows with at most kGemvMaxRows rows (a prefill's last token): lm_head in kLogitSlices
   // slices of the vocabulary, each copied to the host on a second stream while the next is
