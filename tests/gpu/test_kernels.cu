@@ -13,6 +13,7 @@
 #include <cstring>
 #include <iterator>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <string>
@@ -528,7 +529,85 @@ void test_load_kv_rope(std::mt19937& rng, int64_t n, int64_t heads, int64_t head
   check_bits(what + " v", d_v.host(), want_v);  // V is copied, bit for bit
 }
 
+// load_kv_runs: several runs into one layer view in one launch, against load_kv_rope's reference
+// run by run (positions = slots); slots between the runs stay untouched.
+void test_load_kv_runs(std::mt19937& rng, int n_runs, int64_t heads, int64_t head_dim,
+                       bool mapped) {
+  const std::vector<float> inv_freq = rope_inv_freq(1000000.0, head_dim);
+  const int64_t row = heads * head_dim;
+  std::uniform_int_distribution<int32_t> len(1, 90), gap(0, 5);
+  std::vector<int32_t> slot, count;
+  int32_t at = gap(rng);
+  for (int i = 0; i < n_runs; ++i) {
+    slot.push_back(at);
+    count.push_back(len(rng));
+    at += count.back() + gap(rng);
+  }
+  const int64_t capacity = at + 1;
+  std::vector<std::vector<Bf16>> k(n_runs), v(n_runs);
+  auto want_k = nan_vec<Bf16>(static_cast<size_t>(capacity * row));
+  auto want_v = want_k;
+  for (int i = 0; i < n_runs; ++i) {
+    k[i] = random_vec<Bf16>(rng, static_cast<size_t>(count[i] * row), -2.0f, 2.0f);
+    v[i] = random_vec<Bf16>(rng, k[i].size(), -2.0f, 2.0f);
+    std::vector<int32_t> pos(static_cast<size_t>(count[i]));
+    for (int32_t r = 0; r < count[i]; ++r) pos[r] = slot[i] + r;
+    ref::load_kv_rope(want_k.data() + slot[i] * row, want_v.data() + slot[i] * row, k[i].data(),
+                      v[i].data(), pos.data(), inv_freq.data(), count[i], heads, head_dim);
+  }
+  std::vector<std::unique_ptr<Buf<Bf16>>> src;
+  std::vector<keep::kernels::KvLoadRun> runs;
+  for (int i = 0; i < n_runs; ++i) {
+    keep::kernels::KvLoadRun r{};
+    if (mapped) {
+      CUDA_OK(cudaHostRegister(k[i].data(), k[i].size() * sizeof(Bf16), cudaHostRegisterMapped));
+      CUDA_OK(cudaHostRegister(v[i].data(), v[i].size() * sizeof(Bf16), cudaHostRegisterMapped));
+      void* hk = nullptr;
+      void* hv = nullptr;
+      CUDA_OK(cudaHostGetDevicePointer(&hk, k[i].data(), 0));
+      CUDA_OK(cudaHostGetDevicePointer(&hv, v[i].data(), 0));
+      r.k_pre = static_cast<const __nv_bfloat16*>(hk);
+      r.v = static_cast<const __nv_bfloat16*>(hv);
+    } else {
+      src.push_back(std::make_unique<Buf<Bf16>>(k[i]));
+      r.k_pre = src.back()->dev();
+      src.push_back(std::make_unique<Buf<Bf16>>(v[i]));
+      r.v = src.back()->dev();
+    }
+    r.slot = slot[i];
+    r.count = count[i];
+    runs.push_back(r);
+  }
+  void* d_runs = nullptr;
+  CUDA_OK(cudaMalloc(&d_runs, std::max<size_t>(1, runs.size()) * sizeof(runs[0])));
+  if (!runs.empty()) {
+    CUDA_OK(cudaMemcpy(d_runs, runs.data(), runs.size() * sizeof(runs[0]), cudaMemcpyHostToDevice));
+  }
+  Buf<Bf16> view_k(nan_vec<Bf16>(want_k.size())), view_v(nan_vec<Bf16>(want_v.size()));
+  Buf<float> d_inv(inv_freq);
+  const int32_t max_count = count.empty() ? 0 : *std::max_element(count.begin(), count.end());
+  CUDA_OK(keep::kernels::load_kv_runs(view_k.dev(), view_v.dev(),
+                                      static_cast<const keep::kernels::KvLoadRun*>(d_runs), n_runs,
+                                      max_count, d_inv.dev(), heads, head_dim, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  cudaFree(d_runs);
+  if (mapped) {
+    for (int i = 0; i < n_runs; ++i) {
+      CUDA_OK(cudaHostUnregister(k[i].data()));
+      CUDA_OK(cudaHostUnregister(v[i].data()));
+    }
+  }
+  const std::string what = std::string(mapped ? "load_kv_runs mapped " : "load_kv_runs ") +
+                           shape({n_runs, heads, head_dim});
+  check(what + " k", view_k.host(), want_k);
+  check_bits(what + " v", view_v.host(), want_v, /*nan_any=*/true);
+}
+
 void run_misc(std::mt19937& rng) {
+  test_load_kv_runs(rng, 1, 3, 64, false);
+  test_load_kv_runs(rng, 40, 8, 128, false);
+  test_load_kv_runs(rng, 40, 8, 128, true);  // the registered region, read in place
+  test_load_kv_runs(rng, 0, 8, 128, false);
   for (const int64_t n : {1, 3, 7, 19, 733}) {
     test_load_kv_rope(rng, n, 3, 64, false);
     test_load_kv_rope(rng, n, 8, 128, n == 19);  // Qwen2.5-7B/14B's K rows

@@ -173,18 +173,17 @@ Result<Prefilled> KvAssembler::prefill(const AssembleRequest& req) {
     }
     const engine::KvView view = cache_.layer(l);
 
-    // Load what this layer does not compute.
+    // Load what this layer does not compute: bf16 entries' rows in one call for the layer.
+    std::vector<engine::Backend::KvRun> bf16_runs;
     for (const LoadRun& run : load_runs(plan.loaded_memory_slots(), shape)) {
       const SegmentKv& kv = req.segments[run.segment].kv;
       const size_t n = static_cast<size_t>(run.count) * kvd;
       const int32_t row = kv.first_row + (run.slot - shape.segments[run.segment].begin);
-      std::vector<int32_t> positions(static_cast<size_t>(run.count));
-      for (int32_t k = 0; k < run.count; ++k) positions[k] = run.slot + k;
       if (const auto planes = entry_rows_bf16(kv.bytes, kv.geometry, l, row, run.count)) {
-        // bf16 rows straight from the entry: the backend rotates and stores them in one pass.
-        KEEP_RETURN_IF_ERROR(
-            engine_.load_kv_bf16(view, run.slot, positions, planes->first, planes->second));
+        bf16_runs.push_back({run.slot, run.count, planes->first, planes->second});
       } else {
+        std::vector<int32_t> positions(static_cast<size_t>(run.count));
+        for (int32_t k = 0; k < run.count; ++k) positions[k] = run.slot + k;
         k_host.resize(n);
         v_host.resize(n);
         KEEP_RETURN_IF_ERROR(read_entry_layer(kv.bytes, kv.geometry, l, row, run.count,
@@ -195,6 +194,7 @@ Result<Prefilled> KvAssembler::prefill(const AssembleRequest& req) {
       st.bytes_loaded += 2 * n * kv.geometry.elem_bytes();
       first_loaded = std::min(first_loaded, run.slot);
     }
+    KEEP_RETURN_IF_ERROR(engine_.load_kv_bf16_runs(view, bf16_runs));
 
     const RecomputePlan::Check check = plan.check();
     engine::LayerExtras extras;

@@ -47,6 +47,21 @@ cudaError_t load_kv_rope(__nv_bfloat16* k_out, __nv_bfloat16* v_out, const __nv_
                          const __nv_bfloat16* v, const int32_t* positions, const float* inv_freq,
                          int64_t n, int64_t heads, int64_t head_dim, cudaStream_t stream);
 
+// One run of cached rows for load_kv_runs: `count` bf16 rows (heads, head_dim) at k_pre / v
+// (device or mapped host memory) into view slots [slot, slot + count), at positions = slots.
+struct KvLoadRun {
+  const __nv_bfloat16* k_pre;
+  const __nv_bfloat16* v;
+  int32_t slot;
+  int32_t count;
+};
+// load_kv_rope over `n_runs` runs (the table in device memory, at most 65535 runs, each at most
+// max_count rows) in one launch: a layer's loads of every reused segment. k_view / v_view are the
+// layer's bf16 view (capacity, heads, head_dim).
+cudaError_t load_kv_runs(__nv_bfloat16* k_view, __nv_bfloat16* v_view, const KvLoadRun* runs,
+                         int32_t n_runs, int32_t max_count, const float* inv_freq, int64_t heads,
+                         int64_t head_dim, cudaStream_t stream);
+
 // ---- element-wise and normalisation kernels of the bf16 transformer block (misc.cu) ----
 // The CUDA backend keeps the residual stream (engine hidden) in fp32 and feeds the matrix products
 // bf16; these kernels sit at those boundaries.

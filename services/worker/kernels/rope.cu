@@ -63,7 +63,57 @@ __global__ void load_kv_rope_kernel(__nv_bfloat16* __restrict__ k_out,
   }
 }
 
+// The same over many runs in one launch: blockIdx.y picks the run, its threads stride over the
+// run's (row, head, i < half) pairs; a run's rows go to slots [slot, slot + count) at positions
+// equal to their slots.
+__global__ void load_kv_runs_kernel(__nv_bfloat16* __restrict__ k_view,
+                                    __nv_bfloat16* __restrict__ v_view,
+                                    const KvLoadRun* __restrict__ runs,
+                                    const float* __restrict__ inv_freq, int64_t heads,
+                                    int64_t half) {
+  const KvLoadRun run = runs[blockIdx.y];
+  const int64_t row_elems = heads * 2 * half;
+  const int64_t total = static_cast<int64_t>(run.count) * heads * half;
+  for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < total;
+       k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t i = k % half;
+    const int64_t h = (k / half) % heads;
+    const int64_t r = k / (half * heads);
+    const int64_t src = r * row_elems + h * 2 * half + i;
+    const int64_t dst = (run.slot + r) * row_elems + h * 2 * half + i;
+    const float angle = __fmul_rn(static_cast<float>(run.slot + r), inv_freq[i]);
+    float s;
+    float c;
+    sincosf(angle, &s, &c);
+    const float x1 = __bfloat162float(run.k_pre[src]);
+    const float x2 = __bfloat162float(run.k_pre[src + half]);
+    k_view[dst] = __float2bfloat16(x1 * c - x2 * s);
+    k_view[dst + half] = __float2bfloat16(x2 * c + x1 * s);
+    v_view[dst] = run.v[src];
+    v_view[dst + half] = run.v[src + half];
+  }
+}
+
 }  // namespace
+
+cudaError_t load_kv_runs(__nv_bfloat16* k_view, __nv_bfloat16* v_view, const KvLoadRun* runs,
+                         int32_t n_runs, int32_t max_count, const float* inv_freq, int64_t heads,
+                         int64_t head_dim, cudaStream_t stream) {
+  if (n_runs < 0 || max_count < 0 || heads < 0 || head_dim < 0 || head_dim % 2 != 0 ||
+      n_runs > 65535) {
+    return cudaErrorInvalidValue;
+  }
+  if (n_runs == 0 || max_count == 0 || heads == 0 || head_dim == 0) return cudaSuccess;
+  if (k_view == nullptr || v_view == nullptr || runs == nullptr || inv_freq == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  const int64_t half = head_dim / 2;
+  const dim3 grid(
+      static_cast<unsigned>(detail::elementwise_blocks(max_count * heads * half, kThreads)),
+      static_cast<unsigned>(n_runs));
+  load_kv_runs_kernel<<<grid, kThreads, 0, stream>>>(k_view, v_view, runs, inv_freq, heads, half);
+  return cudaGetLastError();
+}
 
 cudaError_t load_kv_rope(__nv_bfloat16* k_out, __nv_bfloat16* v_out, const __nv_bfloat16* k_pre,
                          const __nv_bfloat16* v, const int32_t* positions, const float* inv_freq,

@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 
 #include "services/worker/engine/core/attention_layout.h"
@@ -168,6 +169,16 @@ class Backend {
   // memory in place and staging pageable memory through one copy.
   virtual void load_kv_bf16(const KvView& kv, int32_t first_slot, const uint16_t* k_pre,
                             const uint16_t* v, const int32_t* positions, int32_t n);
+  // Many runs of bf16 rows into one layer view at once (a layer's loads of every reused segment):
+  // run r fills slots [first_slot, first_slot + n) at positions equal to the slots. The default
+  // calls load_kv_bf16 per run; the CUDA backend launches one kernel for all of them.
+  struct KvRun {
+    int32_t first_slot = 0;
+    int32_t n = 0;
+    const uint16_t* k_pre = nullptr;
+    const uint16_t* v = nullptr;
+  };
+  virtual void load_kv_bf16_runs(const KvView& kv, std::span<const KvRun> runs);
   // logits (n, vocab) = lm_head(final_norm(hidden[rows[i]])); hidden (device) has >= max(rows)+1
   // rows of C; rows (host).
   virtual void final_logits(float* logits, const float* hidden, const int32_t* rows, int32_t n) = 0;

@@ -51,6 +51,15 @@ void Backend::gather_rows(float* dst, const float* src, const int32_t* rows, int
   }
 }
 
+void Backend::load_kv_bf16_runs(const KvView& kv, std::span<const KvRun> runs) {
+  std::vector<int32_t> positions;
+  for (const KvRun& r : runs) {
+    positions.resize(static_cast<size_t>(r.n));
+    for (int32_t k = 0; k < r.n; ++k) positions[k] = r.first_slot + k;
+    load_kv_bf16(kv, r.first_slot, r.k_pre, r.v, positions.data(), r.n);
+  }
+}
+
 void Backend::load_kv_bf16(const KvView& kv, int32_t first_slot, const uint16_t* k_pre,
                            const uint16_t* v, const int32_t* positions, int32_t n) {
   // bf16 is the top half of an fp32: widening is a shift.
@@ -192,6 +201,17 @@ Status Engine::load_kv(const KvView& kv, int32_t first_slot, std::span<const int
   KEEP_RETURN_IF_ERROR(check_load(kv, first_slot, positions, k_pre, v));
   backend_->load_kv(kv, first_slot, k_pre, v, positions.data(),
                     static_cast<int32_t>(positions.size()));
+  return Status::ok();
+}
+
+Status Engine::load_kv_bf16_runs(const KvView& kv, std::span<const Backend::KvRun> runs) {
+  for (const auto& r : runs) {
+    if (r.n <= 0) return invalid("load_kv: an empty run");
+    std::vector<int32_t> slots(static_cast<size_t>(r.n));
+    for (int32_t k = 0; k < r.n; ++k) slots[k] = r.first_slot + k;
+    KEEP_RETURN_IF_ERROR(check_load(kv, r.first_slot, slots, r.k_pre, r.v));
+  }
+  if (!runs.empty()) backend_->load_kv_bf16_runs(kv, runs);
   return Status::ok();
 }
 

@@ -105,6 +105,9 @@ class Engine {
   // load_kv from bf16 rows (uint16 bits), as the shared region stores them (Backend::load_kv_bf16).
   Status load_kv_bf16(const KvView& kv, int32_t first_slot, std::span<const int32_t> positions,
                       const uint16_t* k_pre, const uint16_t* v);
+  // Runs of bf16 rows into one view at once, each at positions equal to its slots
+  // (Backend::load_kv_bf16_runs).
+  Status load_kv_bf16_runs(const KvView& kv, std::span<const Backend::KvRun> runs);
   // One block for the plan's rows: hidden (rows, C) in place; new rotated K/V go into `kv` at the
   // rows' slots; `extras` receive pre-RoPE K, V, lse, pooled attention.
   Status prefill_layer(int32_t layer, DeviceBuffer& hidden, const KvView& kv,

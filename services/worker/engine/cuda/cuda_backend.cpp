@@ -157,6 +157,7 @@ CudaBackend::~CudaBackend() {
   cudaFree(workspace_);
   cudaFree(weight_arena_);
   cudaFree(kv_staging_);
+  cudaFree(kv_runs_);
   for (cudaEvent_t e : slice_done_) {
     if (e != nullptr) cudaEventDestroy(e);
   }
@@ -1088,6 +1089,37 @@ bool device_readable(const void* p) {
          (a.type == cudaMemoryTypeHost && a.devicePointer != nullptr);
 }
 }  // namespace
+
+void CudaBackend::load_kv_bf16_runs(const KvView& kv, std::span<const KvRun> runs) {
+  KEEP_CHECK(kv.type == KvType::kBF16);
+  std::vector<kernels::KvLoadRun> table;
+  table.reserve(runs.size());
+  int32_t max_count = 0;
+  for (const KvRun& r : runs) {
+    if (!device_readable(r.k_pre) || !device_readable(r.v) || table.size() == 65535) {
+      Backend::load_kv_bf16_runs(kv, runs);  // pageable sources: staged run by run
+      return;
+    }
+    table.push_back({reinterpret_cast<const bf16*>(r.k_pre), reinterpret_cast<const bf16*>(r.v),
+                     r.first_slot, r.n});
+    max_count = std::max(max_count, r.n);
+  }
+  const size_t bytes = table.size() * sizeof(kernels::KvLoadRun);
+  if (kv_runs_bytes_ < bytes) {
+    KEEP_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the old table may still be read
+    cudaFree(kv_runs_);
+    kv_runs_ = nullptr;
+    kv_runs_bytes_ = 0;
+    KEEP_CUDA_CHECK(cudaMalloc(&kv_runs_, bytes));
+    kv_runs_bytes_ = bytes;
+  }
+  // From pageable memory the copy returns once the bytes are staged: `table` may go.
+  KEEP_CUDA_CHECK(cudaMemcpyAsync(kv_runs_, table.data(), bytes, cudaMemcpyHostToDevice, stream_));
+  KEEP_CUDA_CHECK(kernels::load_kv_runs(static_cast<bf16*>(kv.k), static_cast<bf16*>(kv.v),
+                                        static_cast<const kernels::KvLoadRun*>(kv_runs_),
+                                        static_cast<int32_t>(table.size()), max_count, inv_freq_,
+                                        config_.num_kv_heads, config_.head_dim, stream_));
+}
 
 void CudaBackend::load_kv_bf16(const KvView& kv, int32_t first_slot, const uint16_t* k_pre,
                                const uint16_t* v, const int32_t* positions, int32_t n) {

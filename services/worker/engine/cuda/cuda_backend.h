@@ -149,6 +149,7 @@ class CudaBackend final : public Backend {
                const int32_t* positions, int32_t n) override;
   void load_kv_bf16(const KvView& kv, int32_t first_slot, const uint16_t* k_pre, const uint16_t* v,
                     const int32_t* positions, int32_t n) override;
+  void load_kv_bf16_runs(const KvView& kv, std::span<const KvRun> runs) override;
   void gather_rows(float* dst, const float* src, const int32_t* rows, int32_t n,
                    size_t cols) override;
   void final_logits(float* logits, const float* hidden, const int32_t* rows, int32_t n) override;
@@ -227,6 +228,9 @@ class CudaBackend final : public Backend {
   // Staging for bf16 KV rows loaded from pageable host memory (load_kv_bf16); grows, never shrinks.
   void* kv_staging_ = nullptr;
   size_t kv_staging_bytes_ = 0;
+  // load_kv_bf16_runs' run table on the device; grows, never shrinks.
+  void* kv_runs_ = nullptr;
+  size_t kv_runs_bytes_ = 0;
 
   // Workspace (reserve()).
   void* workspace_ = nullptr;
