@@ -3,6 +3,7 @@
 //
 //   build/bin/bench_keep --shape qwen2.5-14b --segments 10,20,40,80 [--memory-tokens 4096]
 //                        [--reps 10] [--warmup 3] [--decays 0.96,0.80] [--json FILE]
+//                        [--methods full,keep,...]   (default: all; with CUPTI, one at a time)
 //
 // A prompt is [system prefix (32)][segments][query (128)], random token ids. Segments come in
 // the household kinds' relative lengths (object state 25, task record 15, example plan 80; in
@@ -35,7 +36,7 @@ using Clock = std::chrono::steady_clock;
 
 constexpr const char* kUsage =
     "usage: bench_keep --shape NAME [--segments N[,N...]] [--memory-tokens T] [--reps R]\n"
-    "                  [--warmup W] [--decays D[,D...]] [--json FILE]\n";
+    "                  [--warmup W] [--decays D[,D...]] [--json FILE] [--methods M[,M...]]\n";
 
 int fail(const Status& st) {
   std::fprintf(stderr, "bench_keep: %s\n", st.to_string().c_str());
@@ -76,7 +77,7 @@ struct Case {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string shape, json;
+  std::string shape, json, methods = "full,full_reuse,cacheblend,epic,keep";
   std::vector<int32_t> segment_counts = {10, 20, 40, 80};
   std::vector<double> decays = {0.96};
   int64_t memory_tokens = 4096;
@@ -103,6 +104,8 @@ int main(int argc, char** argv) {
       warmup = std::atoi(v.c_str());
     } else if (a == "--json") {
       json = v;
+    } else if (a == "--methods") {
+      methods = v;
     } else {
       return refuse("unknown argument '" + a + "'");
     }
@@ -193,6 +196,15 @@ int main(int argc, char** argv) {
     cases.push_back({label, Method::kKeep, k});
   }
 
+  // --methods: a case runs when its method's name is in the list (full is the ratios' base).
+  const std::string wanted = "," + methods + ",";
+  cases.erase(std::remove_if(cases.begin(), cases.end(),
+                             [&](const Case& c) {
+                               return wanted.find("," + std::string(method_name(c.method)) +
+                                                  ",") == std::string::npos;
+                             }),
+              cases.end());
+  if (cases.empty()) return refuse("--methods: none of full, full_reuse, cacheblend, epic, keep");
   std::ofstream out;
   if (!json.empty()) out.open(json, std::ios::app);
   std::printf("%-8s %-12s %8s %10s %9s %9s %8s %9s %11s %8s\n", "segments", "method", "mem_tok",
@@ -229,7 +241,7 @@ int main(int argc, char** argv) {
       std::printf("%-8d %-12s %8lld %10.2f %9.2f %9.2f %8.2f %9.3f %11.1f %8.1f\n", n,
                   c.label.c_str(), static_cast<long long>(mem), med,
                   *std::min_element(ms.begin(), ms.end()), *std::max_element(ms.begin(), ms.end()),
-                  full_ms / med, st.recompute_ratio, mib,
+                  full_ms > 0 ? full_ms / med : 0.0, st.recompute_ratio, mib,
                   static_cast<double>(st.bytes_loaded) / (med * 1e6));
       if (out) {
         out << "{\"shape\":\"" << shape << "\",\"segments\":" << n << ",\"method\":\"" << c.label
