@@ -7,27 +7,29 @@ by total time.
   CUDA_INJECTION64_PATH=libkernel_trace.so KEEP_TRACE_OUT=t.csv \\
       bench_keep --shape qwen2.5-14b --segments 40 --reps 1 --warmup 1 --methods keep > b.log
   benchmarks/keep/kernel_time.py t.csv b.log
-(one --segments value and one method per run: the window is the last request's)."""
+(one --segments value and one method per run: the window is the last request's).
+  benchmarks/keep/kernel_time.py --self-test     (its arithmetic on a synthetic trace)"""
 import collections
 import re
 import sys
 
 
-def main(csv_path, log_path, top=25):
+def summarize(csv_path, log_path, top=25):
+    """Returns (ttft_ms, busy_ms, idle_ms, [(name, ms, count), ...] by time)."""
     ttft = None
     for line in open(log_path):
         m = re.match(r"\s*\d+\s+(keep d=\S+|\S+)\s+\d+\s+([\d.]+)", line)
         if m:
             ttft = float(m.group(2))
     if ttft is None:
-        sys.exit("kernel_time: no result line in " + log_path)
+        raise ValueError("no result line in " + log_path)
     events = []
     for line in open(csv_path):
         parts = line.rstrip("\n").split(",", 5)
         if parts[0] in ("kernel", "memcpy"):
             events.append((int(parts[1]), int(parts[2]), parts[0] + ":" + parts[5]))
     if not events:
-        sys.exit("kernel_time: no events in " + csv_path)
+        raise ValueError("no events in " + csv_path)
     events.sort()
     end = max(e[1] for e in events)
     start = end - int(ttft * 1e6)
@@ -41,17 +43,54 @@ def main(csv_path, log_path, top=25):
         else:
             span_end = max(span_end, e)
     busy += span_end - span_start
-    print(f"request {ttft:.1f} ms: GPU busy {busy / 1e6:.1f} ms, idle {(end - start - busy) / 1e6:.1f}"
-          f" ms, {len(window)} kernels and copies")
     total = collections.defaultdict(lambda: [0, 0])
     for s, e, name in window:
         total[name[:90]][0] += e - s
         total[name[:90]][1] += 1
-    for name, (ns, count) in sorted(total.items(), key=lambda x: -x[1][0])[:top]:
-        print(f"{ns / 1e6:9.2f} ms {count:6d}x  {name}")
+    ranked = sorted(total.items(), key=lambda x: -x[1][0])[:top]
+    return (ttft, busy / 1e6, (end - start - busy) / 1e6,
+            [(name, ns / 1e6, count) for name, (ns, count) in ranked])
+
+
+def self_test():
+    import os
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        csv = os.path.join(d, "t.csv")
+        log = os.path.join(d, "b.log")
+        with open(csv, "w") as f:
+            f.write("what,start_ns,end_ns,stream,blocks_or_bytes,name\n")
+            f.write("kernel,0,5000000,7,1,earlier_request\n")         # outside the window
+            f.write("kernel,10000000,14000000,7,1,pool\n")            # 4 ms
+            f.write("kernel,13000000,15000000,7,1,gemm\n")            # overlaps: 1 ms more busy
+            f.write("memcpy,17000000,18000000,7,64,kind1\n")          # 1 ms, after a 2 ms gap
+            f.write("kernel,18000000,20000000,7,1,pool\n")            # 2 ms
+        with open(log, "w") as f:
+            f.write("segments method mem_tok ttft_ms\n")
+            f.write("40       keep d=0.85      4108      10.00     10.00  10.00\n")
+        ttft, busy, idle, ranked = summarize(csv, log)
+        assert ttft == 10.0, ttft
+        assert abs(busy - 8.0) < 1e-9, busy     # [10,15] + [17,20]
+        assert abs(idle - 2.0) < 1e-9, idle
+        assert ranked[0][0] == "kernel:pool" and abs(ranked[0][1] - 6.0) < 1e-9 and ranked[0][2] == 2
+        assert all(name != "kernel:earlier_request" for name, _, _ in ranked)
+    print("kernel_time.py: self-test passed")
+
+
+def main(csv_path, log_path):
+    try:
+        ttft, busy, idle, ranked = summarize(csv_path, log_path)
+    except ValueError as e:
+        sys.exit("kernel_time: " + str(e))
+    print(f"request {ttft:.1f} ms: GPU busy {busy:.1f} ms, idle {idle:.1f} ms")
+    for name, ms, count in ranked:
+        print(f"{ms:9.2f} ms {count:6d}x  {name}")
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
+    if len(sys.argv) == 2 and sys.argv[1] == "--self-test":
+        self_test()
+    elif len(sys.argv) == 3:
+        main(sys.argv[1], sys.argv[2])
+    else:
         sys.exit(__doc__)
-    main(sys.argv[1], sys.argv[2])
