@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build the CUDA kernels and their GPU tests for sm_90a, run them, run
-# them again under compute-sanitizer (memcheck, racecheck), run the engine's GPU test, and with
-# --bench time the prefill benchmark against HF transformers. Exits non-zero on any failure.
+# the engine-level GPU tests, then the kernel tests again under compute-sanitizer (memcheck,
+# racecheck), and with --bench time the prefill benchmark against HF transformers. Exits non-zero
+# on any failure.
 #
 #   scripts/gpu-check.sh [--bench] [--skip-sanitizer] [build-dir]     (default build-dir: build-gpu)
 #
@@ -78,6 +79,28 @@ for t in "${gpu_tests[@]}"; do
   (cd "$root" && "$bin") || mark "$t"
 done
 
+# The engine-level GPU tests (built here with the whole repository, or prebuilt in .gpu-bundle),
+# before the sanitizer passes: they must run within one call's ten minutes even when those do not.
+engine_tests=(test_cuda_engine test_cuda_assembler)
+bench_bin=""
+if ((whole)); then
+  bench_bin="$build/bin/bench_prefill"
+else
+  "$root/scripts/gpu-bundle.sh" --unpack  # its programs travel gzip-compressed
+  bench_bin="$root/.gpu-bundle/bin/bench_prefill"
+  [[ -x "$bench_bin" ]] && echo "engine programs from .gpu-bundle (built by scripts/gpu-bundle.sh)"
+fi
+for t in "${engine_tests[@]}"; do
+  if ((whole)); then bin="$(find_bin "$t")"; else bin="$root/.gpu-bundle/bin/$t"; fi
+  if [[ -x "$bin" ]]; then
+    step "$t"
+    (cd "$root" && "$bin") || mark "$t"
+  else
+    echo "gpu-check: no $t (run scripts/gpu-bundle.sh and carry .gpu-bundle)"
+    mark "$t-missing"
+  fi
+done
+
 if ((sanitize)); then
   for t in "${gpu_tests[@]}"; do
     bin="$(find_bin "$t")"
@@ -100,27 +123,6 @@ if ((sanitize)); then
     done
   done
 fi
-
-# The engine-level GPU tests: built here with the whole repository, or prebuilt in .gpu-bundle.
-engine_tests=(test_cuda_engine test_cuda_assembler)
-bench_bin=""
-if ((whole)); then
-  bench_bin="$build/bin/bench_prefill"
-else
-  "$root/scripts/gpu-bundle.sh" --unpack  # its programs travel gzip-compressed
-  bench_bin="$root/.gpu-bundle/bin/bench_prefill"
-  [[ -x "$bench_bin" ]] && echo "engine programs from .gpu-bundle (built by scripts/gpu-bundle.sh)"
-fi
-for t in "${engine_tests[@]}"; do
-  if ((whole)); then bin="$(find_bin "$t")"; else bin="$root/.gpu-bundle/bin/$t"; fi
-  if [[ -x "$bin" ]]; then
-    step "$t"
-    (cd "$root" && "$bin") || mark "$t"
-  else
-    echo "gpu-check: no $t (run scripts/gpu-bundle.sh and carry .gpu-bundle)"
-    mark "$t-missing"
-  fi
-done
 
 if ((bench)) && [[ -x "$bench_bin" ]]; then
   step "benchmarks/prefill (KEEP vs HF transformers)"
