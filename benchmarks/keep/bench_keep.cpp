@@ -111,7 +111,8 @@ int main(int argc, char** argv) {
     }
   }
   if (shape.empty()) return refuse("--shape is required");
-  if (reps < 1 || warmup < 0 || memory_tokens < 0) return refuse("bad --reps/--warmup/--memory-tokens");
+  if (reps < 1 || warmup < 0 || memory_tokens < 0)
+    return refuse("bad --reps/--warmup/--memory-tokens");
   const auto cfg = keep::bench::model_shape(shape);
   if (!cfg.is_ok()) return fail(cfg.status());
 
@@ -172,16 +173,16 @@ int main(int argc, char** argv) {
   const auto t_produce = Clock::now();
   for (size_t s = 0; s < segments.size(); ++s) {
     std::span<std::byte> entry(region.data() + offset[s], geometry[s].bytes());
-    Status st =
-        (*assembler)->produce(segments[s], KvAssembler::entry_writer(entry, geometry[s]));
+    Status st = (*assembler)->produce(segments[s], KvAssembler::entry_writer(entry, geometry[s]));
     if (!st.is_ok()) return fail(st);
   }
   auto reg = engine::HostRegistration::register_memory(region.data(), region.size());
   if (!reg.is_ok()) return fail(reg.status());
-  std::printf("# %s | %s | %d segments, %lld memory tokens, %.1f MiB of entries, produced in %.1f s\n",
-              shape.c_str(), backend_name.c_str(), max_segments,
-              static_cast<long long>(total_memory), static_cast<double>(bytes) / (1 << 20),
-              std::chrono::duration<double>(Clock::now() - t_produce).count());
+  std::printf(
+      "# %s | %s | %d segments, %lld memory tokens, %.1f MiB of entries, produced in %.1f s\n",
+      shape.c_str(), backend_name.c_str(), max_segments, static_cast<long long>(total_memory),
+      static_cast<double>(bytes) / (1 << 20),
+      std::chrono::duration<double>(Clock::now() - t_produce).count());
 
   std::vector<Case> cases;
   cases.push_back({"full", Method::kFull, {}});
@@ -200,8 +201,8 @@ int main(int argc, char** argv) {
   const std::string wanted = "," + methods + ",";
   cases.erase(std::remove_if(cases.begin(), cases.end(),
                              [&](const Case& c) {
-                               return wanted.find("," + std::string(method_name(c.method)) +
-                                                  ",") == std::string::npos;
+                               return wanted.find("," + std::string(method_name(c.method)) + ",") ==
+                                      std::string::npos;
                              }),
               cases.end());
   if (cases.empty()) return refuse("--methods: none of full, full_reuse, cacheblend, epic, keep");

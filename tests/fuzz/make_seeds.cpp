@@ -15,8 +15,8 @@
 
 #include "services/manager/durability/snapshot_file.h"
 #include "shared/client/protocols.h"
-#include "shared/rpc/wire_codec.h"
 #include "shared/kvregion/kv_region.h"
+#include "shared/rpc/wire_codec.h"
 #include "tests/fuzz/fuzz_store.h"
 
 namespace {

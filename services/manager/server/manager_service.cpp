@@ -8,8 +8,8 @@
 #include <optional>
 #include <unordered_set>
 
-#include "shared/rpc/wire_codec.h"
 #include "shared/common/log.h"
+#include "shared/rpc/wire_codec.h"
 
 namespace keep::manager {
 

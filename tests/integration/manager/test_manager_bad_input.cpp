@@ -10,8 +10,8 @@
 #include <zmq.hpp>
 
 #include "shared/client/manager_client.h"
-#include "shared/rpc/wire_codec.h"
 #include "shared/common/utf8.h"
+#include "shared/rpc/wire_codec.h"
 #include "tests/integration/manager/manager_process.h"
 #include "tests/integration/manager/raw_peer.h"
 
