@@ -71,14 +71,14 @@ EntryDescriptor entry_from_wire(proto::EntryDescriptor::Reader r) {
                          r.getTokens()};
 }
 
-std::string text(capnp::Text::Reader t) { return std::string(t.begin(), t.size()); }
+using wire::to_string;
 
 // The fields proto::RetrievedSegment and proto::MemoryInfo share (the server's twin is
 // set_segment_fields in manager_service.cpp).
 template <typename Reader>
 Status read_segment_fields(Reader s, SegmentFields* out) {
   out->id = s.getId();
-  out->text = text(s.getText());
+  out->text = to_string(s.getText());
   KEEP_ASSIGN_OR_RETURN(out->kind, kind_from_wire(s.getKind()));
   out->tokens = s.getTokens();
   out->version = s.getVersion();
@@ -144,7 +144,7 @@ Result<std::string> ManagerClient::ping() {
   KEEP_RETURN_IF_ERROR(round_trip(
       *channel_, proto::Response::PING, [](auto req) { req.initPing(); },
       [&](proto::Response::Reader r) {
-        version = text(r.getPing().getServerVersion());
+        version = to_string(r.getPing().getServerVersion());
         return Status::ok();
       }));
   return version;
@@ -324,7 +324,8 @@ Result<Stats> ManagerClient::stats() {
         out.groups_static = s.getGroupsStatic();
         out.groups_dynamic = s.getGroupsDynamic();
         out.jobs_pending = s.getJobsPending();
-        for (auto c : s.getCounters()) out.counters.emplace_back(text(c.getName()), c.getValue());
+        for (auto c : s.getCounters())
+          out.counters.emplace_back(to_string(c.getName()), c.getValue());
         return Status::ok();
       }));
   return out;
@@ -344,12 +345,12 @@ Result<std::vector<KvJob>> ManagerClient::fetch_jobs(uint64_t worker_id, uint32_
           KvJob job;
           job.job_id = j.getJobId();
           KEEP_ASSIGN_OR_RETURN(job.kind, job_kind_from_wire(j.getKind()));
-          job.agent = text(j.getAgent());
+          job.agent = to_string(j.getAgent());
           job.group_id = j.getGroupId();
           job.group_version = j.getGroupVersion();
           for (auto s : j.getSegments()) {
             job.segments.push_back(
-                JobSegment{s.getId(), s.getVersion(), text(s.getText()), s.getTokens()});
+                JobSegment{s.getId(), s.getVersion(), to_string(s.getText()), s.getTokens()});
           }
           out.push_back(std::move(job));
         }

@@ -19,8 +19,8 @@ static_assert(static_cast<int>(PlanMethod::kFullReuse) == static_cast<int>(wp::M
 constexpr const char* kMethodNames[] = {"default",    "full", "prefix", "full_reuse",
                                         "cacheblend", "epic", "keep"};
 
-std::string text(capnp::Text::Reader t) { return std::string(t.begin(), t.size()); }
-capnp::Text::Reader sized(const std::string& s) { return capnp::Text::Reader(s.data(), s.size()); }
+using wire::as_text;
+using wire::to_string;
 
 }  // namespace
 
@@ -57,8 +57,8 @@ Result<WorkerPing> WorkerClient::ping() {
   KEEP_RETURN_IF_ERROR(channel_->call<WorkerProtocol>(
       wp::Response::PING, [](auto req) { req.setPing(); },
       [&](wp::Response::Reader r) {
-        out.server_version = text(r.getPing().getServerVersion());
-        out.model = text(r.getPing().getModel());
+        out.server_version = to_string(r.getPing().getServerVersion());
+        out.model = to_string(r.getPing().getModel());
         return Status::ok();
       }));
   return out;
@@ -70,10 +70,10 @@ Result<CompleteReply> WorkerClient::complete(const CompleteArgs& a) {
       wp::Response::COMPLETE,
       [&](wp::Request::Builder req) {
         auto c = req.initComplete();
-        c.setAgent(sized(a.agent));
-        c.setInstruction(sized(a.instruction));
+        c.setAgent(as_text(a.agent));
+        c.setInstruction(as_text(a.instruction));
         auto h = c.initHistory(static_cast<unsigned>(a.history.size()));
-        for (unsigned i = 0; i < a.history.size(); ++i) h.set(i, sized(a.history[i]));
+        for (unsigned i = 0; i < a.history.size(); ++i) h.set(i, as_text(a.history[i]));
         c.setK(a.k);
         c.setMethod(static_cast<wp::Method>(a.method));
         auto k = c.initKnobs();
@@ -99,13 +99,13 @@ Result<CompleteReply> WorkerClient::complete(const CompleteArgs& a) {
         }
         c.setMaxTokens(a.max_tokens);
         auto cands = c.initCandidates(static_cast<unsigned>(a.candidates.size()));
-        for (unsigned i = 0; i < a.candidates.size(); ++i) cands.set(i, sized(a.candidates[i]));
+        for (unsigned i = 0; i < a.candidates.size(); ++i) cands.set(i, as_text(a.candidates[i]));
         c.setTemperature(a.temperature);
         c.setSeed(a.seed);
       },
       [&](wp::Response::Reader r) {
         auto c = r.getComplete();
-        out.text = text(c.getText());
+        out.text = to_string(c.getText());
         for (int32_t t : c.getTokens()) out.tokens.push_back(t);
         for (auto s : c.getScores()) out.scores.push_back({s.getLogProb(), s.getTokens()});
         out.best = c.getBest();

@@ -136,6 +136,11 @@ std::string encode_error_response(uint64_t request_id, const Status& status) {
   return encode(message);
 }
 
+// Text for a builder, sized (Text::Reader's implicit conversion from std::string goes through
+// c_str() and stops at a NUL), and a received Text as a string.
+inline capnp::Text::Reader as_text(std::string_view s) { return {s.data(), s.size()}; }
+inline std::string to_string(capnp::Text::Reader t) { return std::string(t.begin(), t.size()); }
+
 inline std::span<const std::byte> as_bytes(std::string_view s) {
   return {reinterpret_cast<const std::byte*>(s.data()), s.size()};
 }

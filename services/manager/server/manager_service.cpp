@@ -18,8 +18,7 @@ namespace {
 constexpr const char* kLog = "service";
 
 std::string str(capnp::Text::Reader t) { return std::string(t.begin(), t.size()); }
-// Sized, unlike Text::Reader's implicit conversion from std::string (through c_str()).
-capnp::Text::Reader text(const std::string& s) { return capnp::Text::Reader(s.data(), s.size()); }
+using wire::as_text;
 
 Result<SegmentKind> kind_from_wire(proto::SegmentKind kind) {
   KEEP_RETURN_IF_ERROR(wire::check_enum(kind, "kind"));
@@ -64,7 +63,7 @@ proto::GroupState state_to_wire(GroupState state) {
 template <typename Builder, typename Segment>
 void set_segment_fields(Builder o, const Segment& s) {
   o.setId(s.id);
-  o.setText(text(s.text));
+  o.setText(as_text(s.text));
   o.setKind(kind_to_wire(s.kind));
   o.setTokens(s.tokens);
   o.setVersion(s.version);
@@ -418,7 +417,7 @@ void ManagerService::do_fetch_jobs(ManagerCall& call) {
     auto o = jobs[static_cast<unsigned>(i)];
     o.setJobId(j.job_id);
     o.setKind(j.kind == KvJobKind::kGroup ? proto::JobKind::GROUP : proto::JobKind::SEGMENT);
-    o.setAgent(text(j.agent));
+    o.setAgent(as_text(j.agent));
     o.setGroupId(j.group_id);
     o.setGroupVersion(j.group_version);
     auto segs = o.initSegments(static_cast<unsigned>(j.segments.size()));
@@ -426,7 +425,7 @@ void ManagerService::do_fetch_jobs(ManagerCall& call) {
       auto s = segs[static_cast<unsigned>(k)];
       s.setId(j.segments[k].id);
       s.setVersion(j.segments[k].version);
-      s.setText(text(j.segments[k].text));
+      s.setText(as_text(j.segments[k].text));
       s.setTokens(j.segments[k].tokens);
     }
     JobState state;

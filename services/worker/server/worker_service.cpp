@@ -17,8 +17,7 @@ namespace wp = proto::worker;
 
 Status invalid(std::string what) { return Status(Code::kInvalidArgument, std::move(what)); }
 
-// Sized, unlike Text::Reader's conversion from std::string (through c_str()).
-capnp::Text::Reader sized(const std::string& s) { return capnp::Text::Reader(s.data(), s.size()); }
+using wire::as_text;
 
 Result<std::string> text_field(capnp::Text::Reader t, std::string_view field, bool required) {
   std::string s(t.begin(), t.size());
@@ -145,7 +144,7 @@ Result<CompleteArgs> decode_complete(wp::CompleteRequest::Reader r,
 }
 
 void encode_complete(const CompleteResult& res, wp::CompleteResponse::Builder out) {
-  out.setText(sized(res.text));
+  out.setText(as_text(res.text));
   auto tokens = out.initTokens(static_cast<unsigned>(res.tokens.size()));
   for (unsigned i = 0; i < res.tokens.size(); ++i) tokens.set(i, res.tokens[i]);
   auto scores = out.initScores(static_cast<unsigned>(res.scores.size()));
@@ -209,9 +208,9 @@ void WorkerService::handle_batch(std::span<WorkerCall> calls) {
     switch (req.which()) {
       case wp::Request::PING: {
         auto p = call.reply().initPing();
-        p.setServerVersion(sized(options_.server_version + " protocol " +
-                                 std::to_string(client::WorkerProtocol::kVersion)));
-        p.setModel(sized(options_.fingerprint.describe()));
+        p.setServerVersion(as_text(options_.server_version + " protocol " +
+                                   std::to_string(client::WorkerProtocol::kVersion)));
+        p.setModel(as_text(options_.fingerprint.describe()));
         break;
       }
       case wp::Request::COMPLETE: {
