@@ -13,6 +13,7 @@
 #include <condition_variable>
 #include <cstdarg>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <thread>
@@ -288,5 +289,21 @@ uint64_t MetricsHttpServer::scrapes() const {
 }
 
 std::string MetricsHttpServer::address() const { return host_port(impl_->host, impl_->port); }
+
+Result<MetricsHttpServerOptions> parse_metrics_listen(const std::string& listen) {
+  MetricsHttpServerOptions mo;
+  const size_t colon = listen.rfind(':');
+  if (colon == std::string::npos) {
+    return Status(Code::kInvalidArgument,
+                  "--metrics-listen: expected host:port, got '" + listen + "'");
+  }
+  mo.host = listen.substr(0, colon);
+  const int port = std::atoi(listen.c_str() + colon + 1);
+  if (port < 0 || port > 65535) {
+    return Status(Code::kInvalidArgument, "--metrics-listen: bad port in '" + listen + "'");
+  }
+  mo.port = static_cast<uint16_t>(port);
+  return mo;
+}
 
 }  // namespace keep::metrics

@@ -38,6 +38,10 @@ struct MetricsHttpServerOptions {
   int max_request_header_bytes = 16 * 1024;
 };
 
+// MetricsHttpServerOptions with host and port from "host:port" (the daemons' --metrics-listen);
+// kInvalidArgument naming --metrics-listen otherwise. The other fields keep their defaults.
+Result<MetricsHttpServerOptions> parse_metrics_listen(const std::string& listen);
+
 class MetricsHttpServer {
  public:
   // Binds host:port and starts serving `registry` (which must outlive the server). A bind failure

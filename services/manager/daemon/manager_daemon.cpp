@@ -665,19 +665,7 @@ Result<std::unique_ptr<ManagerDaemon>> ManagerDaemon::start(const ManagerConfig&
   });
 
   if (!config.metrics_listen.empty()) {
-    metrics::MetricsHttpServerOptions mo;
-    size_t colon = config.metrics_listen.rfind(':');
-    if (colon == std::string::npos) {
-      return Status(Code::kInvalidArgument,
-                    "--metrics-listen: expected host:port, got '" + config.metrics_listen + "'");
-    }
-    mo.host = config.metrics_listen.substr(0, colon);
-    int port = std::atoi(config.metrics_listen.c_str() + colon + 1);
-    if (port < 0 || port > 65535) {
-      return Status(Code::kInvalidArgument,
-                    "--metrics-listen: bad port in '" + config.metrics_listen + "'");
-    }
-    mo.port = static_cast<uint16_t>(port);
+    KEEP_ASSIGN_OR_RETURN(auto mo, metrics::parse_metrics_listen(config.metrics_listen));
     KEEP_ASSIGN_OR_RETURN(d.http, metrics::MetricsHttpServer::start(d.registry, mo));
   }
 

@@ -28,22 +28,6 @@ uint64_t derived_worker_id() {
   return id == 0 ? 1 : id;
 }
 
-Result<metrics::MetricsHttpServerOptions> parse_listen(const std::string& listen) {
-  metrics::MetricsHttpServerOptions mo;
-  const size_t colon = listen.rfind(':');
-  if (colon == std::string::npos) {
-    return Status(Code::kInvalidArgument,
-                  "--metrics-listen: expected host:port, got '" + listen + "'");
-  }
-  mo.host = listen.substr(0, colon);
-  const int port = std::atoi(listen.c_str() + colon + 1);
-  if (port < 0 || port > 65535) {
-    return Status(Code::kInvalidArgument, "--metrics-listen: bad port in '" + listen + "'");
-  }
-  mo.port = static_cast<uint16_t>(port);
-  return mo;
-}
-
 }  // namespace
 
 struct WorkerDaemon::Impl {
@@ -185,7 +169,7 @@ Result<std::unique_ptr<WorkerDaemon>> WorkerDaemon::start(const WorkerConfig& co
     server->complete(std::move(call));
   });
   if (!config.metrics_listen.empty()) {
-    KEEP_ASSIGN_OR_RETURN(auto mo, parse_listen(config.metrics_listen));
+    KEEP_ASSIGN_OR_RETURN(auto mo, metrics::parse_metrics_listen(config.metrics_listen));
     KEEP_ASSIGN_OR_RETURN(d.http, metrics::MetricsHttpServer::start(d.registry, mo));
   }
   d.registry.add_collect_hook(
