@@ -175,19 +175,15 @@ Result<std::unique_ptr<AttentionPlan>> Engine::plan(const AttentionLayout& layou
   return backend_->plan(layout);
 }
 
-// The checks of both load_kv forms: slots inside the view, positions >= 0, the view this
-// backend's.
-Status Engine::check_load(const KvView& kv, int32_t first_slot, std::span<const int32_t> positions,
-                          const void* k_pre, const void* v) const {
-  const auto n = static_cast<int64_t>(positions.size());
+// The checks of every load_kv form: sources set, slots [first_slot, first_slot + n) inside the
+// view, the view this backend's. (Explicit positions are checked by check_positions.)
+Status Engine::check_load(const KvView& kv, int32_t first_slot, int64_t n, const void* k_pre,
+                          const void* v) const {
   if (k_pre == nullptr || v == nullptr) return invalid("load_kv: null source");
   if (first_slot < 0 || first_slot + n > kv.capacity) {
     return invalid("load_kv: slots [" + std::to_string(first_slot) + ", " +
                    std::to_string(first_slot + n) + ") outside the view's " +
                    std::to_string(kv.capacity));
-  }
-  for (int32_t p : positions) {
-    if (p < 0) return invalid("load_kv: negative position");
   }
   if (kv.type != backend_->kv_type() || kv.k == nullptr || kv.v == nullptr) {
     return invalid("load_kv: the view is not one of this backend's");
@@ -195,10 +191,21 @@ Status Engine::check_load(const KvView& kv, int32_t first_slot, std::span<const 
   return Status::ok();
 }
 
+namespace {
+Status check_positions(std::span<const int32_t> positions) {
+  for (int32_t p : positions) {
+    if (p < 0) return invalid("load_kv: negative position");
+  }
+  return Status::ok();
+}
+}  // namespace
+
 Status Engine::load_kv(const KvView& kv, int32_t first_slot, std::span<const int32_t> positions,
                        const float* k_pre, const float* v) {
   if (positions.empty()) return Status::ok();
-  KEEP_RETURN_IF_ERROR(check_load(kv, first_slot, positions, k_pre, v));
+  KEEP_RETURN_IF_ERROR(
+      check_load(kv, first_slot, static_cast<int64_t>(positions.size()), k_pre, v));
+  KEEP_RETURN_IF_ERROR(check_positions(positions));
   backend_->load_kv(kv, first_slot, k_pre, v, positions.data(),
                     static_cast<int32_t>(positions.size()));
   return Status::ok();
@@ -207,9 +214,8 @@ Status Engine::load_kv(const KvView& kv, int32_t first_slot, std::span<const int
 Status Engine::load_kv_bf16_runs(const KvView& kv, std::span<const Backend::KvRun> runs) {
   for (const auto& r : runs) {
     if (r.n <= 0) return invalid("load_kv: an empty run");
-    std::vector<int32_t> slots(static_cast<size_t>(r.n));
-    for (int32_t k = 0; k < r.n; ++k) slots[k] = r.first_slot + k;
-    KEEP_RETURN_IF_ERROR(check_load(kv, r.first_slot, slots, r.k_pre, r.v));
+    // Positions are the slots: in range once the slots are.
+    KEEP_RETURN_IF_ERROR(check_load(kv, r.first_slot, r.n, r.k_pre, r.v));
   }
   if (!runs.empty()) backend_->load_kv_bf16_runs(kv, runs);
   return Status::ok();
@@ -219,7 +225,9 @@ Status Engine::load_kv_bf16(const KvView& kv, int32_t first_slot,
                             std::span<const int32_t> positions, const uint16_t* k_pre,
                             const uint16_t* v) {
   if (positions.empty()) return Status::ok();
-  KEEP_RETURN_IF_ERROR(check_load(kv, first_slot, positions, k_pre, v));
+  KEEP_RETURN_IF_ERROR(
+      check_load(kv, first_slot, static_cast<int64_t>(positions.size()), k_pre, v));
+  KEEP_RETURN_IF_ERROR(check_positions(positions));
   backend_->load_kv_bf16(kv, first_slot, k_pre, v, positions.data(),
                          static_cast<int32_t>(positions.size()));
   return Status::ok();

@@ -139,8 +139,8 @@ class Engine {
       const std::vector<std::vector<int32_t>>& candidates);
 
  private:
-  Status check_load(const KvView& kv, int32_t first_slot, std::span<const int32_t> positions,
-                    const void* k_pre, const void* v) const;
+  Status check_load(const KvView& kv, int32_t first_slot, int64_t n, const void* k_pre,
+                    const void* v) const;
   explicit Engine(std::unique_ptr<Backend> backend) : backend_(std::move(backend)) {}
   Status ensure_rows(int32_t rows);
   // Runs `tokens` through every layer into the cache (chunks of max_rows); returns the row of the
