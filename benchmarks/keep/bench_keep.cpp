@@ -4,6 +4,16 @@
 //   build/bin/bench_keep --shape qwen2.5-14b --segments 10,20,40,80 [--memory-tokens 4096]
 //                        [--reps 10] [--warmup 3] [--decays 0.96,0.80] [--json FILE]
 //                        [--methods full,keep,...]   (default: all; with CUPTI, one at a time)
+//                        [--pool tensor|fp32]  (importance pooling: CudaBackendOptions)
+//                        [--loads queue|sync] [--prefetch-mib M] [--loader-blocks B]
+//                        (layer-balanced loading: LoadOptions, CudaBackendOptions)
+//                        [--loader-bench B[,B...]]  (then the loader alone, below)
+//
+// --loader-bench: the loader on its own over every entry's every layer (all --segments' largest
+// count), against the link in the same run: one cudaMemcpyAsync of the registered entries to the
+// device (the host->device bandwidth), the loader's kernel with each B blocks (zero-copy from the
+// mapping, RoPE fused), and cudaMemcpyBatchAsync of the entries' planes into device staging then
+// the same kernel from there (the DMA alternative). Medians of --reps after --warmup.
 //
 // A prompt is [system prefix (32)][segments][query (128)], random token ids. Segments come in
 // the household kinds' relative lengths (object state 25, task record 15, example plan 80; in
@@ -23,10 +33,13 @@
 #include <string>
 #include <vector>
 
+#include <cuda_runtime.h>
+
 #include "benchmarks/model_shapes.h"
 #include "services/worker/engine/cuda/cuda_backend.h"
 #include "services/worker/engine/cuda/host_registration.h"
 #include "services/worker/keep/kv_assembler.h"
+#include "services/worker/kernels/kernels.h"
 
 namespace {
 
@@ -36,7 +49,9 @@ using Clock = std::chrono::steady_clock;
 
 constexpr const char* kUsage =
     "usage: bench_keep --shape NAME [--segments N[,N...]] [--memory-tokens T] [--reps R]\n"
-    "                  [--warmup W] [--decays D[,D...]] [--json FILE] [--methods M[,M...]]\n";
+    "                  [--warmup W] [--decays D[,D...]] [--json FILE] [--methods M[,M...]]\n"
+    "                  [--pool tensor|fp32] [--loads queue|sync] [--prefetch-mib M]\n"
+    "                  [--loader-blocks B] [--loader-bench B[,B...]]\n";
 
 int fail(const Status& st) {
   std::fprintf(stderr, "bench_keep: %s\n", st.to_string().c_str());
@@ -74,6 +89,127 @@ struct Case {
   MethodKnobs knobs;
 };
 
+int64_t offset_tokens(const std::vector<int32_t>& lengths, size_t s) {
+  int64_t sum = 0;
+  for (size_t i = 0; i < s; ++i) sum += lengths[i];
+  return sum;
+}
+
+// One segment's entry and the slot of its first token in the prompt.
+struct EntryPlanes {
+  std::span<const std::byte> entry;
+  EntryGeometry geometry;
+  int32_t slot;
+};
+
+double gbps(double bytes, double ms) { return bytes / (ms * 1e6); }
+
+template <typename F>
+Result<double> time_ms(int reps, int warmup, F&& body) {
+  std::vector<double> ms;
+  for (int r = 0; r < warmup + reps; ++r) {
+    if (cudaDeviceSynchronize() != cudaSuccess) return Status(Code::kInternal, "cuda sync");
+    const auto t0 = Clock::now();
+    KEEP_RETURN_IF_ERROR(body());
+    if (cudaDeviceSynchronize() != cudaSuccess) return Status(Code::kInternal, "cuda sync");
+    if (r >= warmup)
+      ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+  }
+  return median(ms);
+}
+
+// The loader alone (--loader-bench): every entry's every layer into a working cache.
+Status bench_loader(engine::Engine& eng, engine::CudaBackend& cuda,
+                    const std::vector<EntryPlanes>& entries, const std::vector<std::byte>& region,
+                    const std::vector<int32_t>& blocks, int reps, int warmup) {
+  const auto& cfg = eng.config();
+  const int32_t layers = static_cast<int32_t>(cfg.num_layers);
+  int32_t capacity = 0;
+  for (const auto& e : entries) capacity = std::max(capacity, e.slot + e.geometry.tokens);
+  KEEP_ASSIGN_OR_RETURN(engine::KvCache cache, engine::KvCache::create(eng.backend(), capacity));
+  std::vector<engine::Backend::KvRun> runs;
+  uint64_t bytes = 0;
+  for (int32_t l = 0; l < layers; ++l) {
+    const engine::KvView view = cache.layer(l);
+    for (const auto& e : entries) {
+      const auto p = entry_rows_bf16(e.entry, e.geometry, l, 0, e.geometry.tokens);
+      if (!p) return Status(Code::kInternal, "bench_keep: entries are bf16");
+      runs.push_back({view, l, e.slot, e.geometry.tokens, p->first, p->second});
+      bytes += 2 * static_cast<uint64_t>(e.geometry.tokens) * cfg.kv_dim() * 2;
+    }
+  }
+  std::printf("# loader alone: %zu runs (%d layers x %zu entries), %.1f MiB\n", runs.size(), layers,
+              entries.size(), static_cast<double>(bytes) / (1 << 20));
+  std::printf("%-34s %9s %8s %9s\n", "path", "ms", "GB/s", "vs_link");
+  // The link: the registered entries in one copy.
+  void* dev = nullptr;
+  if (cudaMalloc(&dev, region.size()) != cudaSuccess) return Status(Code::kInternal, "cudaMalloc");
+  KEEP_ASSIGN_OR_RETURN(double link_ms, time_ms(reps, warmup, [&] {
+                          return cudaMemcpyAsync(dev, region.data(), region.size(),
+                                                 cudaMemcpyHostToDevice, nullptr) == cudaSuccess
+                                     ? Status::ok()
+                                     : Status(Code::kInternal, "cudaMemcpyAsync");
+                        }));
+  const double link = gbps(static_cast<double>(region.size()), link_ms);
+  std::printf("%-34s %9.2f %8.1f %9.2f\n", "cudaMemcpyAsync (one copy)", link_ms, link, 1.0);
+  for (int32_t b : blocks) {
+    cuda.set_loader_blocks(b);
+    KEEP_ASSIGN_OR_RETURN(double ms, time_ms(reps, warmup, [&] {
+                            KEEP_RETURN_IF_ERROR(eng.queue_kv_bf16_runs(runs));
+                            return Status::ok();
+                          }));
+    char label[64];
+    std::snprintf(label, sizeof label, "loader kernel, %d blocks", b);
+    std::printf("%-34s %9.2f %8.1f %9.2f\n", label, ms, gbps(static_cast<double>(bytes), ms),
+                gbps(static_cast<double>(bytes), ms) / link);
+  }
+  cuda.set_loader_blocks(engine::CudaBackendOptions{}.loader_blocks);
+  // DMA: each run's K and V planes into device staging (cudaMemcpyBatchAsync), then the kernel
+  // from there over the whole GPU.
+  std::vector<void*> dsts;
+  std::vector<const void*> srcs;
+  std::vector<size_t> sizes;
+  std::vector<engine::Backend::KvRun> staged = runs;
+  auto* base = static_cast<std::byte*>(dev);
+  size_t at = 0;
+  for (auto& r : staged) {
+    const size_t plane = static_cast<size_t>(r.n) * cfg.kv_dim() * 2;
+    dsts.push_back(base + at);
+    srcs.push_back(r.k_pre);
+    sizes.push_back(plane);
+    r.k_pre = reinterpret_cast<const uint16_t*>(base + at);
+    at += plane;
+    dsts.push_back(base + at);
+    srcs.push_back(r.v);
+    sizes.push_back(plane);
+    r.v = reinterpret_cast<const uint16_t*>(base + at);
+    at += plane;
+  }
+  if (at > region.size()) return Status(Code::kInternal, "bench_keep: staging overflow");
+  cudaMemcpyAttributes attr{};
+  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  size_t attr_idx = 0;
+  auto batch = [&] {
+    return cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), dsts.size(), &attr,
+                                &attr_idx, 1, nullptr) == cudaSuccess
+               ? Status::ok()
+               : Status(Code::kInternal, "cudaMemcpyBatchAsync");
+  };
+  KEEP_ASSIGN_OR_RETURN(double copy_ms, time_ms(reps, warmup, batch));
+  std::printf("%-34s %9.2f %8.1f %9.2f\n", "cudaMemcpyBatchAsync (planes)", copy_ms,
+              gbps(static_cast<double>(bytes), copy_ms),
+              gbps(static_cast<double>(bytes), copy_ms) / link);
+  KEEP_ASSIGN_OR_RETURN(double both_ms, time_ms(reps, warmup, [&] {
+                          KEEP_RETURN_IF_ERROR(batch());
+                          return eng.load_kv_bf16_runs(staged);  // device sources: the whole GPU
+                        }));
+  std::printf("%-34s %9.2f %8.1f %9.2f\n", "  + kernel from device staging", both_ms,
+              gbps(static_cast<double>(bytes), both_ms),
+              gbps(static_cast<double>(bytes), both_ms) / link);
+  cudaFree(dev);
+  return Status::ok();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -82,6 +218,9 @@ int main(int argc, char** argv) {
   std::vector<double> decays = {0.96};
   int64_t memory_tokens = 4096;
   int reps = 10, warmup = 3;
+  engine::CudaBackendOptions options;
+  LoadOptions loads;
+  std::vector<int32_t> loader_bench;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--help" || a == "-h") {
@@ -106,6 +245,21 @@ int main(int argc, char** argv) {
       json = v;
     } else if (a == "--methods") {
       methods = v;
+    } else if (a == "--pool") {
+      if (v != "tensor" && v != "fp32") return refuse("--pool: tensor or fp32");
+      options.pool_tensor_cores = v == "tensor";
+    } else if (a == "--loads") {
+      if (v != "queue" && v != "sync") return refuse("--loads: queue or sync");
+      loads.queue = v == "queue";
+    } else if (a == "--prefetch-mib") {
+      const double mib = std::atof(v.c_str());
+      if (!(mib >= 0)) return refuse("--prefetch-mib: M >= 0");
+      loads.prefetch_bytes = static_cast<uint64_t>(mib * (1 << 20));
+    } else if (a == "--loader-bench") {
+      if (!parse_list(v, &loader_bench)) return refuse("--loader-bench: B[,B...] >= 1");
+    } else if (a == "--loader-blocks") {
+      options.loader_blocks = std::atoi(v.c_str());
+      if (options.loader_blocks < 1) return refuse("--loader-blocks: B >= 1");
     } else {
       return refuse("unknown argument '" + a + "'");
     }
@@ -134,7 +288,7 @@ int main(int argc, char** argv) {
   const int32_t prefix_len = 32, query_len = 128;
   const int32_t capacity = static_cast<int32_t>(prefix_len + total_memory + query_len + 8);
 
-  auto backend = engine::CudaBackend::create_random(*cfg, 20261202);
+  auto backend = engine::CudaBackend::create_random(*cfg, 20261202, options);
   if (!backend.is_ok()) return fail(backend.status());
   const std::string backend_name = (*backend)->name();
   auto eng = engine::Engine::create(std::move(backend).value(), capacity);
@@ -152,6 +306,7 @@ int main(int argc, char** argv) {
   for (int32_t len : lengths) segments.push_back(random_tokens(len));
   auto assembler = KvAssembler::create(**eng, prefix, capacity);
   if (!assembler.is_ok()) return fail(assembler.status());
+  (*assembler)->set_load_options(loads);
 
   // Every segment's entry, bf16, in one registered buffer (the region's stand-in).
   kv::ModelFingerprint fp;
@@ -183,6 +338,18 @@ int main(int argc, char** argv) {
       shape.c_str(), backend_name.c_str(), max_segments, static_cast<long long>(total_memory),
       static_cast<double>(bytes) / (1 << 20),
       std::chrono::duration<double>(Clock::now() - t_produce).count());
+
+  if (!loader_bench.empty()) {
+    auto* cuda = static_cast<engine::CudaBackend*>(&(*eng)->backend());
+    std::vector<EntryPlanes> planes;
+    for (size_t s = 0; s < segments.size(); ++s) {
+      planes.push_back({std::span<const std::byte>(region.data() + offset[s], geometry[s].bytes()),
+                        geometry[s], prefix_len + static_cast<int32_t>(offset_tokens(lengths, s))});
+    }
+    const Status st = bench_loader(**eng, *cuda, planes, region, loader_bench, reps, warmup);
+    if (!st.is_ok()) return fail(st);
+    return 0;
+  }
 
   std::vector<Case> cases;
   cases.push_back({"full", Method::kFull, {}});

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Where one bench_keep request's GPU time goes, from a CUPTI trace (benchmarks/prefill/
 kernel_trace.cpp's CSV): the last request's window (its TTFT, read from bench_keep's output,
-back from the trace's last event), the GPU's busy and idle time in it, and the kernels and copies
-by total time.
+back from the trace's last event), the GPU's busy and idle time in it (any stream), each stream's
+busy time (the layers' and the loader's), and the kernels and copies by total time.
 
   CUDA_INJECTION64_PATH=libkernel_trace.so KEEP_TRACE_OUT=t.csv \\
       bench_keep --shape qwen2.5-14b --segments 40 --reps 1 --warmup 1 --methods keep > b.log
@@ -27,29 +27,41 @@ def summarize(csv_path, log_path, top=25):
     for line in open(csv_path):
         parts = line.rstrip("\n").split(",", 5)
         if parts[0] in ("kernel", "memcpy"):
-            events.append((int(parts[1]), int(parts[2]), parts[0] + ":" + parts[5]))
+            events.append((int(parts[1]), int(parts[2]), parts[0] + ":" + parts[5], parts[3]))
     if not events:
         raise ValueError("no events in " + csv_path)
     events.sort()
     end = max(e[1] for e in events)
     start = end - int(ttft * 1e6)
     window = [e for e in events if e[0] >= start]
+    busy = union_ns(window)
+    streams = collections.defaultdict(list)
+    for ev in window:
+        streams[ev[3]].append(ev)
+    per_stream = sorted(((sid, union_ns(evs) / 1e6) for sid, evs in streams.items()),
+                        key=lambda x: -x[1])
+    total = collections.defaultdict(lambda: [0, 0])
+    for s, e, name, _ in window:
+        total[name[:90]][0] += e - s
+        total[name[:90]][1] += 1
+    ranked = sorted(total.items(), key=lambda x: -x[1][0])[:top]
+    return (ttft, busy / 1e6, (end - start - busy) / 1e6,
+            [(name, ns / 1e6, count) for name, (ns, count) in ranked], per_stream)
+
+
+def union_ns(events):
+    """Time covered by the union of the events' [start, end) intervals (sorted by start)."""
     busy, span_start, span_end = 0, None, None
-    for s, e, _ in window:
+    for s, e, *_ in sorted(events):
         if span_end is None or s > span_end:
             if span_end is not None:
                 busy += span_end - span_start
             span_start, span_end = s, e
         else:
             span_end = max(span_end, e)
-    busy += span_end - span_start
-    total = collections.defaultdict(lambda: [0, 0])
-    for s, e, name in window:
-        total[name[:90]][0] += e - s
-        total[name[:90]][1] += 1
-    ranked = sorted(total.items(), key=lambda x: -x[1][0])[:top]
-    return (ttft, busy / 1e6, (end - start - busy) / 1e6,
-            [(name, ns / 1e6, count) for name, (ns, count) in ranked])
+    if span_end is not None:
+        busy += span_end - span_start
+    return busy
 
 
 def self_test():
@@ -65,24 +77,28 @@ def self_test():
             f.write("kernel,13000000,15000000,7,1,gemm\n")            # overlaps: 1 ms more busy
             f.write("memcpy,17000000,18000000,7,64,kind1\n")          # 1 ms, after a 2 ms gap
             f.write("kernel,18000000,20000000,7,1,pool\n")            # 2 ms
+            f.write("kernel,11000000,12000000,9,1,load\n")           # another stream, covered
         with open(log, "w") as f:
             f.write("segments method mem_tok ttft_ms\n")
             f.write("40       keep d=0.85      4108      10.00     10.00  10.00\n")
-        ttft, busy, idle, ranked = summarize(csv, log)
+        ttft, busy, idle, ranked, per_stream = summarize(csv, log)
         assert ttft == 10.0, ttft
         assert abs(busy - 8.0) < 1e-9, busy     # [10,15] + [17,20]
         assert abs(idle - 2.0) < 1e-9, idle
         assert ranked[0][0] == "kernel:pool" and abs(ranked[0][1] - 6.0) < 1e-9 and ranked[0][2] == 2
         assert all(name != "kernel:earlier_request" for name, _, _ in ranked)
+        assert per_stream == [("7", 8.0), ("9", 1.0)], per_stream
     print("kernel_time.py: self-test passed")
 
 
 def main(csv_path, log_path):
     try:
-        ttft, busy, idle, ranked = summarize(csv_path, log_path)
+        ttft, busy, idle, ranked, per_stream = summarize(csv_path, log_path)
     except ValueError as e:
         sys.exit("kernel_time: " + str(e))
     print(f"request {ttft:.1f} ms: GPU busy {busy:.1f} ms, idle {idle:.1f} ms")
+    for sid, ms in per_stream:
+        print(f"  stream {sid}: busy {ms:.1f} ms")
     for name, ms, count in ranked:
         print(f"{ms:9.2f} ms {count:6d}x  {name}")
 

@@ -24,6 +24,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "services/worker/kernels/attention_schedule.h"
 #include "services/worker/kernels/bf16.h"
 #include "services/worker/kernels/kernels.h"
 #include "services/worker/kernels/reference.h"
@@ -336,6 +337,45 @@ void run_decode(std::mt19937& rng) {
 }
 
 // ---- attention_pool ----
+// got against want elementwise (|g - w| <= abs_tol + rel_tol |w|); with every key in a group,
+// each row with keys pools to `heads`.
+void check_pooled(const std::string& what, const std::vector<float>& got,
+                  const std::vector<float>& want, const Layout& l, int rows, int num_groups,
+                  int heads, bool with_none, float abs_tol, float rel_tol) {
+  ++g_checks;
+  int bad = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const float g = got[i];
+    const float w = want[i];
+    if (std::isnan(g) || !(std::fabs(g - w) <= abs_tol + rel_tol * std::fabs(w))) {
+      if (bad < 3) {
+        std::fprintf(stderr, "FAIL %s pooled row %zu group %zu: got %.8g want %.8g\n", what.c_str(),
+                     i / num_groups, i % num_groups, g, w);
+      }
+      ++bad;
+    }
+  }
+  if (bad > 0) {
+    char buf[100];
+    std::snprintf(buf, sizeof buf, "%d pooled elements off", bad);
+    fail(what, buf);
+  }
+  if (!with_none) {
+    ++g_checks;
+    for (int r = 0; r < rows; ++r) {
+      double sum = 0.0;
+      for (int g = 0; g < num_groups; ++g) sum += got[static_cast<size_t>(r) * num_groups + g];
+      const double expect = l.row_empty(r) ? 0.0 : heads;
+      if (!(std::fabs(sum - expect) <= std::max(1e-3, static_cast<double>(rel_tol)) * heads)) {
+        char buf[120];
+        std::snprintf(buf, sizeof buf, "row %d pools to %.6f, expected %d", r, sum, heads);
+        fail(what, buf);
+        break;
+      }
+    }
+  }
+}
+
 void test_pool(std::mt19937& rng, int kind, int rows, int32_t n, Shape sh, int num_groups,
                bool with_none, size_t k_shift = 0) {
   const bool empty_row = rows >= 3;
@@ -385,38 +425,35 @@ void test_pool(std::mt19937& rng, int kind, int rows, int32_t n, Shape sh, int n
                 kind_name(kind), rows, n, sh.heads, sh.kv_heads, sh.head_dim, num_groups,
                 with_none ? " (with -1)" : "", "bf16", k_shift > 0 ? " misaligned" : "");
   std::printf("  %s\n", name);
-  const std::string what = name;
+  check_pooled(name, got, want, l, rows, num_groups, sh.heads, with_none, 1e-4f, 1e-3f);
+
+  // The tensor-core form (head_dim 64 / 128): bf16 probabilities, so a looser bound.
+  if ((sh.head_dim != 64 && sh.head_dim != 128) || k_shift > 0) return;
+  const auto sched = kk::build_prefill_schedule(l.view());
+  Buf<int32_t> d_tile_offsets(sched.tile_offsets), d_tiles(sched.tiles);
+  const kk::PrefillSchedule ds{d_tile_offsets.dev(), d_tiles.dev()};
+  const size_t scratch_bytes =
+      kk::attention_pool_tiled_scratch_bytes(rows, n, sh.heads, sh.kv_heads, sh.head_dim);
+  Buf<char> scratch{std::vector<char>(scratch_bytes)};
+  std::vector<kk::PrefillKernel> tiled{kk::PrefillKernel::kMma};
+  if (kk::wgmma_available()) tiled.push_back(kk::PrefillKernel::kAuto);
+  for (const auto kernel : tiled) {
+    Buf<float> d_tiled(std::vector<float>(want.size(), kNaN));
+    CUDA_OK(kk::attention_pool_tiled(d_tiled.dev(), d_q.dev(), q_stride, d_k.dev(), dr, ds,
+                                     d_group.dev(), num_groups, sh.heads, sh.kv_heads, sh.head_dim,
+                                     scale, scratch.dev(), scratch_bytes, nullptr, kernel));
+    CUDA_OK(cudaDeviceSynchronize());
+    const std::string tname = std::string(name) + " tiled " + kk::prefill_kernel_name(kernel);
+    check_pooled(tname, d_tiled.host(), want, l, rows, num_groups, sh.heads, with_none, 2e-3f,
+                 1.5e-2f);
+  }
+  // Too little scratch is refused, not overrun.
   ++g_checks;
-  int bad = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    const float g = got[i];
-    const float w = want[i];
-    if (std::isnan(g) || !(std::fabs(g - w) <= 1e-4f + 1e-3f * std::fabs(w))) {
-      if (bad < 3) {
-        std::fprintf(stderr, "FAIL %s pooled row %zu group %zu: got %.8g want %.8g\n", what.c_str(),
-                     i / num_groups, i % num_groups, g, w);
-      }
-      ++bad;
-    }
-  }
-  if (bad > 0) {
-    char buf[100];
-    std::snprintf(buf, sizeof buf, "%d pooled elements off", bad);
-    fail(what, buf);
-  }
-  if (!with_none) {  // every key in a group: each row with keys pools to `heads`
-    ++g_checks;
-    for (int r = 0; r < rows; ++r) {
-      double sum = 0.0;
-      for (int g = 0; g < num_groups; ++g) sum += got[static_cast<size_t>(r) * num_groups + g];
-      const double expect = l.row_empty(r) ? 0.0 : sh.heads;
-      if (!(std::fabs(sum - expect) <= 1e-3 * sh.heads)) {
-        char buf[120];
-        std::snprintf(buf, sizeof buf, "row %d pools to %.6f, expected %.1f", r, sum, expect);
-        fail(what, buf);
-        break;
-      }
-    }
+  if (kk::attention_pool_tiled(d_pooled.dev(), d_q.dev(), q_stride, d_k.dev(), dr, ds,
+                               d_group.dev(), num_groups, sh.heads, sh.kv_heads, sh.head_dim, scale,
+                               scratch.dev(), scratch_bytes - 1,
+                               nullptr) != cudaErrorInvalidValue) {
+    fail(name, "tiled pool accepted too little scratch");
   }
 }
 

@@ -529,10 +529,12 @@ void test_load_kv_rope(std::mt19937& rng, int64_t n, int64_t heads, int64_t head
   check_bits(what + " v", d_v.host(), want_v);  // V is copied, bit for bit
 }
 
-// load_kv_runs: several runs into one layer view in one launch, against load_kv_rope's reference
-// run by run (positions = slots); slots between the runs stay untouched.
-void test_load_kv_runs(std::mt19937& rng, int n_runs, int64_t heads, int64_t head_dim,
-                       bool mapped) {
+// load_kv_runs: several runs into two layer views in one launch, against load_kv_rope's
+// reference run by run (positions = slots); slots between the runs stay untouched. `blocks`
+// bounds the grid (the loader's few SMs: one block strides over every run); `vec` takes the
+// 16-byte path, else the sources sit one element off 16-byte alignment (the element path).
+void test_load_kv_runs(std::mt19937& rng, int n_runs, int64_t heads, int64_t head_dim, bool mapped,
+                       int32_t blocks, bool vec) {
   const std::vector<float> inv_freq = rope_inv_freq(1000000.0, head_dim);
   const int64_t row = heads * head_dim;
   std::uniform_int_distribution<int32_t> len(1, 90), gap(0, 5);
@@ -544,21 +546,30 @@ void test_load_kv_runs(std::mt19937& rng, int n_runs, int64_t heads, int64_t hea
     at += count.back() + gap(rng);
   }
   const int64_t capacity = at + 1;
+  // Run i goes to view i % 2 (two layers' views in one launch).
   std::vector<std::vector<Bf16>> k(n_runs), v(n_runs);
-  auto want_k = nan_vec<Bf16>(static_cast<size_t>(capacity * row));
+  std::vector<std::vector<Bf16>> want_k(2, nan_vec<Bf16>(static_cast<size_t>(capacity * row)));
   auto want_v = want_k;
   for (int i = 0; i < n_runs; ++i) {
-    k[i] = random_vec<Bf16>(rng, static_cast<size_t>(count[i] * row), -2.0f, 2.0f);
+    k[i] = random_vec<Bf16>(rng, static_cast<size_t>(count[i] * row + 8), -2.0f, 2.0f);
     v[i] = random_vec<Bf16>(rng, k[i].size(), -2.0f, 2.0f);
     std::vector<int32_t> pos(static_cast<size_t>(count[i]));
     for (int32_t r = 0; r < count[i]; ++r) pos[r] = slot[i] + r;
-    ref::load_kv_rope(want_k.data() + slot[i] * row, want_v.data() + slot[i] * row, k[i].data(),
-                      v[i].data(), pos.data(), inv_freq.data(), count[i], heads, head_dim);
+    const size_t off = vec ? 0 : 1;
+    ref::load_kv_rope(want_k[i % 2].data() + slot[i] * row, want_v[i % 2].data() + slot[i] * row,
+                      k[i].data() + off, v[i].data() + off, pos.data(), inv_freq.data(), count[i],
+                      heads, head_dim);
+  }
+  std::vector<std::unique_ptr<Buf<Bf16>>> views;
+  for (int l = 0; l < 2; ++l) {
+    views.push_back(std::make_unique<Buf<Bf16>>(nan_vec<Bf16>(want_k[l].size())));
+    views.push_back(std::make_unique<Buf<Bf16>>(nan_vec<Bf16>(want_v[l].size())));
   }
   std::vector<std::unique_ptr<Buf<Bf16>>> src;
   std::vector<keep::kernels::KvLoadRun> runs;
   for (int i = 0; i < n_runs; ++i) {
     keep::kernels::KvLoadRun r{};
+    const size_t off = vec ? 0 : 1;
     if (mapped) {
       CUDA_OK(cudaHostRegister(k[i].data(), k[i].size() * sizeof(Bf16), cudaHostRegisterMapped));
       CUDA_OK(cudaHostRegister(v[i].data(), v[i].size() * sizeof(Bf16), cudaHostRegisterMapped));
@@ -566,14 +577,16 @@ void test_load_kv_runs(std::mt19937& rng, int n_runs, int64_t heads, int64_t hea
       void* hv = nullptr;
       CUDA_OK(cudaHostGetDevicePointer(&hk, k[i].data(), 0));
       CUDA_OK(cudaHostGetDevicePointer(&hv, v[i].data(), 0));
-      r.k_pre = static_cast<const __nv_bfloat16*>(hk);
-      r.v = static_cast<const __nv_bfloat16*>(hv);
+      r.k_pre = static_cast<const __nv_bfloat16*>(hk) + off;
+      r.v = static_cast<const __nv_bfloat16*>(hv) + off;
     } else {
       src.push_back(std::make_unique<Buf<Bf16>>(k[i]));
-      r.k_pre = src.back()->dev();
+      r.k_pre = src.back()->dev() + off;
       src.push_back(std::make_unique<Buf<Bf16>>(v[i]));
-      r.v = src.back()->dev();
+      r.v = src.back()->dev() + off;
     }
+    r.k_view = views[2 * (i % 2)]->dev();
+    r.v_view = views[2 * (i % 2) + 1]->dev();
     r.slot = slot[i];
     r.count = count[i];
     runs.push_back(r);
@@ -583,12 +596,9 @@ void test_load_kv_runs(std::mt19937& rng, int n_runs, int64_t heads, int64_t hea
   if (!runs.empty()) {
     CUDA_OK(cudaMemcpy(d_runs, runs.data(), runs.size() * sizeof(runs[0]), cudaMemcpyHostToDevice));
   }
-  Buf<Bf16> view_k(nan_vec<Bf16>(want_k.size())), view_v(nan_vec<Bf16>(want_v.size()));
   Buf<float> d_inv(inv_freq);
-  const int32_t max_count = count.empty() ? 0 : *std::max_element(count.begin(), count.end());
-  CUDA_OK(keep::kernels::load_kv_runs(view_k.dev(), view_v.dev(),
-                                      static_cast<const keep::kernels::KvLoadRun*>(d_runs), n_runs,
-                                      max_count, d_inv.dev(), heads, head_dim, nullptr));
+  CUDA_OK(keep::kernels::load_kv_runs(static_cast<const keep::kernels::KvLoadRun*>(d_runs), n_runs,
+                                      d_inv.dev(), heads, head_dim, blocks, vec, nullptr));
   CUDA_OK(cudaDeviceSynchronize());
   cudaFree(d_runs);
   if (mapped) {
@@ -598,16 +608,42 @@ void test_load_kv_runs(std::mt19937& rng, int n_runs, int64_t heads, int64_t hea
     }
   }
   const std::string what = std::string(mapped ? "load_kv_runs mapped " : "load_kv_runs ") +
-                           shape({n_runs, heads, head_dim});
-  check(what + " k", view_k.host(), want_k);
-  check_bits(what + " v", view_v.host(), want_v, /*nan_any=*/true);
+                           shape({n_runs, heads, head_dim}) + " blocks " + std::to_string(blocks) +
+                           (vec ? " vec" : " scalar");
+  for (int l = 0; l < 2; ++l) {
+    check(what + " k" + std::to_string(l), views[2 * l]->host(), want_k[l]);
+    check_bits(what + " v" + std::to_string(l), views[2 * l + 1]->host(), want_v[l],
+               /*nan_any=*/true);
+  }
+}
+
+// Arguments load_kv_runs refuses before launching.
+void test_load_kv_runs_arguments() {
+  ++g_checks;
+  const auto* runs = reinterpret_cast<const keep::kernels::KvLoadRun*>(uintptr_t{256});
+  const auto* f = reinterpret_cast<const float*>(uintptr_t{256});
+  const bool ok =
+      keep::kernels::load_kv_runs(runs, 1, f, 8, 128, 0, true, nullptr) == cudaErrorInvalidValue &&
+      keep::kernels::load_kv_runs(runs, 1, f, 8, 72, 4, true, nullptr) == cudaErrorInvalidValue &&
+      keep::kernels::load_kv_runs(runs, -1, f, 8, 128, 4, true, nullptr) == cudaErrorInvalidValue &&
+      keep::kernels::load_kv_runs(nullptr, 1, f, 8, 128, 4, true, nullptr) ==
+          cudaErrorInvalidValue &&
+      keep::kernels::load_kv_runs(nullptr, 0, nullptr, 8, 128, 4, true, nullptr) == cudaSuccess;
+  if (!ok) {
+    ++g_failures;
+    std::fprintf(stderr, "FAIL load_kv_runs argument checks\n");
+  }
 }
 
 void run_misc(std::mt19937& rng) {
-  test_load_kv_runs(rng, 1, 3, 64, false);
-  test_load_kv_runs(rng, 40, 8, 128, false);
-  test_load_kv_runs(rng, 40, 8, 128, true);  // the registered region, read in place
-  test_load_kv_runs(rng, 0, 8, 128, false);
+  test_load_kv_runs_arguments();
+  test_load_kv_runs(rng, 1, 3, 64, false, 4, true);
+  test_load_kv_runs(rng, 3, 3, 64, false, 1, false);  // one block over every run
+  test_load_kv_runs(rng, 40, 8, 128, false, 32, true);
+  test_load_kv_runs(rng, 40, 8, 128, false, 7, false);
+  test_load_kv_runs(rng, 40, 8, 128, true, 32, true);  // the registered region, read in place
+  test_load_kv_runs(rng, 40, 4, 64, true, 1000, false);
+  test_load_kv_runs(rng, 0, 8, 128, false, 32, true);
   for (const int64_t n : {1, 3, 7, 19, 733}) {
     test_load_kv_rope(rng, n, 3, 64, false);
     test_load_kv_rope(rng, n, 8, 128, n == 19);  // Qwen2.5-7B/14B's K rows

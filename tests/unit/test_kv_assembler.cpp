@@ -239,6 +239,34 @@ TEST_CASE("keep below d = 1 checks, selects, loads, and reports what it did") {
   for (int32_t n : epic->stats.recomputed_per_layer) CHECK(n == 8);
 }
 
+TEST_CASE("the load order does not change what a request computes") {
+  // Queued with prefetch of every later layer, with none, and on the compute path: the loads of
+  // a segment excluded at a check reach every later layer, whenever they are issued.
+  Fixture f(8);
+  Entries e = dynamic_entries(f, kv::KvDType::kBF16);
+  for (const Method m : {Method::kKeep, Method::kCacheBlend, Method::kFullReuse, Method::kEpic}) {
+    auto r = request(f, &e, m);
+    r.knobs.keep_decay = 0.7;
+    r.knobs.epic_tokens = 2;
+    std::vector<std::vector<float>> logits;
+    std::vector<uint64_t> bytes;
+    for (const LoadOptions& o : {LoadOptions{true, uint64_t{1} << 40}, LoadOptions{true, 0},
+                                 LoadOptions{false, 0}, LoadOptions{true, 2048}}) {
+      f.assembler->set_load_options(o);
+      auto p = f.assembler->prefill(r);
+      REQUIRE_MESSAGE(p.is_ok(), p.status().to_string());
+      logits.push_back(p->last_logits);
+      bytes.push_back(p->stats.bytes_loaded);
+    }
+    f.assembler->set_load_options({});
+    for (size_t i = 1; i < logits.size(); ++i) {
+      CHECK_MESSAGE(logits[0] == logits[i], method_name(m));
+      CHECK(bytes[i] == bytes[0]);
+    }
+    CHECK(bytes[0] > 0);
+  }
+}
+
 TEST_CASE("prefix reuses the exactly computed prefix of the last prompt") {
   Fixture f;
   auto first = f.assembler->prefill(request(f, nullptr, Method::kFull, {0, 1, 2, 3}));

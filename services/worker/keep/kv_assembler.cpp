@@ -1,7 +1,10 @@
 #include "services/worker/keep/kv_assembler.h"
 
 #include <algorithm>
+#include <iterator>
 #include <string>
+
+#include "services/worker/keep/load_schedule.h"
 
 namespace keep::worker {
 namespace {
@@ -150,6 +153,24 @@ Result<Prefilled> KvAssembler::prefill(const AssembleRequest& req) {
   std::unique_ptr<engine::AttentionPlan> attn;
   int32_t first_loaded = shape.total;  // the earliest slot ever loaded: exactness ends there
   std::vector<float> k_host, v_host, k_new;
+  // Layer-balanced loading: a slot loaded at layer l is loaded at every later layer (the
+  // recomputed set only shrinks), so each layer's newly loaded slots form a cohort whose
+  // layers LoadSchedule queues beside the compute. Entries not stored as bf16 load layer by
+  // layer on the compute stream.
+  LoadSchedule schedule(layers, load_options_.queue ? load_options_.prefetch_bytes : 0);
+  std::vector<std::vector<LoadRun>> cohorts;
+  std::vector<LoadRun> f32_runs;
+  std::vector<int32_t> loaded_before;
+  std::vector<engine::Backend::KvRun> batch;
+  engine_.fence_queue();
+  // Loads may still be in flight when a layer fails: let them land before the cache is reused.
+  struct SyncOnExit {
+    engine::Backend& be;
+    bool armed = true;
+    ~SyncOnExit() {
+      if (armed) be.synchronize();
+    }
+  } sync_on_error{be};
   for (int32_t l = 0; l < layers; ++l) {
     const std::vector<int32_t>& now = plan.rows();
     if (now != rows) {  // a subset: move the surviving rows' hidden states down
@@ -173,28 +194,68 @@ Result<Prefilled> KvAssembler::prefill(const AssembleRequest& req) {
     }
     const engine::KvView view = cache_.layer(l);
 
-    // Load what this layer does not compute: bf16 entries' rows in one call for the layer.
-    std::vector<engine::Backend::KvRun> bf16_runs;
-    for (const LoadRun& run : load_runs(plan.loaded_memory_slots(), shape)) {
+    // This layer's newly loaded slots: a cohort (bf16 entries) or layer-by-layer runs (fp32).
+    const std::vector<int32_t> loaded = plan.loaded_memory_slots();
+    if (!std::includes(loaded.begin(), loaded.end(), loaded_before.begin(), loaded_before.end())) {
+      return Status(Code::kInternal, "kv assembly: a slot loaded at layer " +
+                                         std::to_string(l - 1) + " is computed again at layer " +
+                                         std::to_string(l));
+    }
+    std::vector<int32_t> fresh;
+    std::set_difference(loaded.begin(), loaded.end(), loaded_before.begin(), loaded_before.end(),
+                        std::back_inserter(fresh));
+    loaded_before = loaded;
+    if (!fresh.empty()) {
+      std::vector<LoadRun> cohort;
+      uint64_t cohort_bytes = 0;
+      for (const LoadRun& run : load_runs(fresh, shape)) {
+        const SegmentKv& kv = req.segments[run.segment].kv;
+        const int32_t row = kv.first_row + (run.slot - shape.segments[run.segment].begin);
+        first_loaded = std::min(first_loaded, run.slot);
+        if (entry_rows_bf16(kv.bytes, kv.geometry, l, row, run.count)) {
+          cohort.push_back(run);
+          cohort_bytes += 2 * static_cast<uint64_t>(run.count) * kvd * kv.geometry.elem_bytes();
+        } else {
+          f32_runs.push_back(run);
+        }
+      }
+      if (!cohort.empty()) {
+        schedule.add_cohort(l, cohort_bytes);
+        cohorts.push_back(std::move(cohort));
+      }
+    }
+    batch.clear();
+    for (const LoadSchedule::Item& item : schedule.before_layer(l)) {
+      const engine::KvView target = cache_.layer(item.layer);
+      for (const LoadRun& run : cohorts[static_cast<size_t>(item.cohort)]) {
+        const SegmentKv& kv = req.segments[run.segment].kv;
+        const int32_t row = kv.first_row + (run.slot - shape.segments[run.segment].begin);
+        const auto planes = entry_rows_bf16(kv.bytes, kv.geometry, item.layer, row, run.count);
+        if (!planes) return Status(Code::kInternal, "kv assembly: a bf16 entry lost its planes");
+        batch.push_back({target, item.layer, run.slot, run.count, planes->first, planes->second});
+        st.bytes_loaded += 2 * static_cast<uint64_t>(run.count) * kvd * kv.geometry.elem_bytes();
+      }
+    }
+    if (load_options_.queue) {
+      KEEP_RETURN_IF_ERROR(engine_.queue_kv_bf16_runs(batch));
+      engine_.wait_queued(l);
+    } else {
+      KEEP_RETURN_IF_ERROR(engine_.load_kv_bf16_runs(batch));
+    }
+    for (const LoadRun& run : f32_runs) {
       const SegmentKv& kv = req.segments[run.segment].kv;
       const size_t n = static_cast<size_t>(run.count) * kvd;
       const int32_t row = kv.first_row + (run.slot - shape.segments[run.segment].begin);
-      if (const auto planes = entry_rows_bf16(kv.bytes, kv.geometry, l, row, run.count)) {
-        bf16_runs.push_back({run.slot, run.count, planes->first, planes->second});
-      } else {
-        std::vector<int32_t> positions(static_cast<size_t>(run.count));
-        for (int32_t k = 0; k < run.count; ++k) positions[k] = run.slot + k;
-        k_host.resize(n);
-        v_host.resize(n);
-        KEEP_RETURN_IF_ERROR(read_entry_layer(kv.bytes, kv.geometry, l, row, run.count,
-                                              k_host.data(), v_host.data()));
-        KEEP_RETURN_IF_ERROR(
-            engine_.load_kv(view, run.slot, positions, k_host.data(), v_host.data()));
-      }
+      std::vector<int32_t> positions(static_cast<size_t>(run.count));
+      for (int32_t k = 0; k < run.count; ++k) positions[k] = run.slot + k;
+      k_host.resize(n);
+      v_host.resize(n);
+      KEEP_RETURN_IF_ERROR(
+          read_entry_layer(kv.bytes, kv.geometry, l, row, run.count, k_host.data(), v_host.data()));
+      KEEP_RETURN_IF_ERROR(
+          engine_.load_kv(view, run.slot, positions, k_host.data(), v_host.data()));
       st.bytes_loaded += 2 * n * kv.geometry.elem_bytes();
-      first_loaded = std::min(first_loaded, run.slot);
     }
-    KEEP_RETURN_IF_ERROR(engine_.load_kv_bf16_runs(view, bf16_runs));
 
     const RecomputePlan::Check check = plan.check();
     engine::LayerExtras extras;
@@ -246,6 +307,7 @@ Result<Prefilled> KvAssembler::prefill(const AssembleRequest& req) {
   const int32_t last = static_cast<int32_t>(rows.size()) - 1;
   KEEP_ASSIGN_OR_RETURN(out.last_logits,
                         engine_.logits(hidden_[cur], std::span<const int32_t>(&last, 1)));
+  sync_on_error.armed = false;  // every load was waited for by its layer, the logits after them
   cache_.set_size(shape.total);
   exact_.assign(tokens.begin(), tokens.begin() + first_loaded);
   st.recomputed_per_layer = plan.memory_rows_per_layer();

@@ -62,6 +62,17 @@ struct Prefilled {
   AssembleStats stats;
 };
 
+// How a request's loads run (layer-balanced loading, ARCHITECTURE §5; LoadSchedule).
+struct LoadOptions {
+  // Beside the layers on the backend's loader (Backend::queue_kv_bf16_runs); false: each layer's
+  // loads on the compute stream right before it (the sequential baseline).
+  bool queue = true;
+  // Bytes of loads queued for layers beyond the next one: how far the loader runs ahead. Loads
+  // land in the working cache itself (no staging); the budget bounds how long the loads of
+  // segments a later check excludes wait behind those already queued (budget / link bandwidth).
+  uint64_t prefetch_bytes = uint64_t{64} << 20;
+};
+
 class KvAssembler {
  public:
   // Prefills `prefix` (non-empty) into a working cache of `capacity` slots.
@@ -69,6 +80,8 @@ class KvAssembler {
                                                      std::vector<int32_t> prefix, int32_t capacity);
 
   const std::vector<int32_t>& prefix() const { return prefix_; }
+  void set_load_options(const LoadOptions& options) { load_options_ = options; }
+  const LoadOptions& load_options() const { return load_options_; }
   int32_t capacity() const { return cache_.capacity(); }
   // The working cache: after prefill(), size() = the prompt's tokens; decode steps append.
   engine::KvCache& cache() { return cache_; }
@@ -104,6 +117,7 @@ class KvAssembler {
   engine::Engine& engine_;
   engine::KvCache cache_;
   std::vector<int32_t> prefix_;
+  LoadOptions load_options_;
   // Tokens whose KV in the cache equals a full prefill's, for `prefix` (vLLM-style) reuse.
   std::vector<int32_t> exact_;
   engine::DeviceBuffer hidden_[2];  // (capacity, C): ping-pong as the computed rows shrink

@@ -243,7 +243,92 @@ cudaError_t launch(float* pooled, const __nv_bfloat16* q, int64_t q_stride, cons
   return cudaGetLastError();
 }
 
+// ---- the tensor-core form (attention_pool_tiled) ----
+
+// v (num_keys, kv_heads, head_dim) = the one-hot code of key t's group in [base, base + head_dim).
+__global__ void onehot_kernel(__nv_bfloat16* __restrict__ v, const int32_t* __restrict__ key_group,
+                              int64_t num_keys, int kv_heads, int head_dim, int base) {
+  const int64_t per_key = static_cast<int64_t>(kv_heads) * head_dim;
+  const int64_t n = num_keys * per_key;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t t = i / per_key;
+    const int e = static_cast<int>(i % head_dim);
+    v[i] = __float2bfloat16(key_group[t] - base == e ? 1.0f : 0.0f);
+  }
+}
+
+// pooled[r, base + e] = Σ_h out[r, h * head_dim + e] for e < count; one block per row.
+__global__ void sum_heads_kernel(float* __restrict__ pooled, const __nv_bfloat16* __restrict__ out,
+                                 int num_groups, int heads, int head_dim, int base, int count) {
+  const int64_t r = blockIdx.x;
+  const __nv_bfloat16* o = out + r * heads * head_dim;
+  for (int e = static_cast<int>(threadIdx.x); e < count; e += static_cast<int>(blockDim.x)) {
+    float s = 0.0f;
+    for (int h = 0; h < heads; ++h) s += __bfloat162float(o[h * head_dim + e]);
+    pooled[r * num_groups + base + e] = s;
+  }
+}
+
+constexpr size_t kScratchAlign = 256;
+
+size_t align_scratch(size_t b) { return (b + kScratchAlign - 1) / kScratchAlign * kScratchAlign; }
+
 }  // namespace
+
+size_t attention_pool_tiled_scratch_bytes(int64_t rows, int64_t num_keys, int heads, int kv_heads,
+                                          int head_dim) {
+  if (rows < 0 || num_keys < 0 || heads <= 0 || kv_heads <= 0 || head_dim <= 0) return 0;
+  const size_t out = static_cast<size_t>(rows) * heads * head_dim * sizeof(__nv_bfloat16);
+  const size_t v = static_cast<size_t>(num_keys) * kv_heads * head_dim * sizeof(__nv_bfloat16);
+  return align_scratch(out) + align_scratch(v);
+}
+
+cudaError_t attention_pool_tiled(float* pooled, const __nv_bfloat16* q, int64_t q_stride,
+                                 const __nv_bfloat16* k, const AttentionRows& rows,
+                                 const PrefillSchedule& schedule, const int32_t* key_group,
+                                 int num_groups, int heads, int kv_heads, int head_dim, float scale,
+                                 void* scratch, size_t scratch_bytes, cudaStream_t stream,
+                                 PrefillKernel kernel) {
+  if (rows.rows < 0 || rows.num_keys < 0 || num_groups < 0 || heads <= 0 || kv_heads <= 0 ||
+      heads % kv_heads != 0 || (head_dim != 64 && head_dim != 128)) {
+    return cudaErrorInvalidValue;
+  }
+  if (rows.rows == 0 || num_groups == 0) return cudaSuccess;
+  const int64_t total = static_cast<int64_t>(rows.rows) * num_groups;
+  const int zero_blocks = static_cast<int>(std::min<int64_t>((total + 255) / 256, 4096));
+  if (pooled == nullptr) return cudaErrorInvalidValue;
+  if (rows.num_keys == 0) {  // nobody sees a key: all zeros
+    zero_kernel<<<zero_blocks, 256, 0, stream>>>(pooled, total);
+    return cudaGetLastError();
+  }
+  const size_t need =
+      attention_pool_tiled_scratch_bytes(rows.rows, rows.num_keys, heads, kv_heads, head_dim);
+  if (key_group == nullptr || scratch == nullptr || scratch_bytes < need ||
+      reinterpret_cast<uintptr_t>(scratch) % 16 != 0) {
+    return cudaErrorInvalidValue;
+  }
+  const int64_t width = static_cast<int64_t>(heads) * head_dim;
+  auto* out = static_cast<__nv_bfloat16*>(scratch);
+  auto* onehot = reinterpret_cast<__nv_bfloat16*>(
+      static_cast<char*>(scratch) +
+      align_scratch(static_cast<size_t>(rows.rows) * width * sizeof(__nv_bfloat16)));
+  const int64_t v_elems = rows.num_keys * kv_heads * static_cast<int64_t>(head_dim);
+  const int v_blocks = static_cast<int>(std::min<int64_t>((v_elems + 255) / 256, 4096));
+  for (int base = 0; base < num_groups; base += head_dim) {
+    onehot_kernel<<<v_blocks, 256, 0, stream>>>(onehot, key_group, rows.num_keys, kv_heads,
+                                                head_dim, base);
+    cudaError_t err = attention_prefill(out, width, nullptr, q, q_stride, k, onehot, rows, schedule,
+                                        heads, kv_heads, head_dim, scale, stream, kernel);
+    if (err != cudaSuccess) return err;
+    const int count = std::min(head_dim, num_groups - base);
+    sum_heads_kernel<<<static_cast<unsigned>(rows.rows), 128, 0, stream>>>(
+        pooled, out, num_groups, heads, head_dim, base, count);
+    err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
 
 cudaError_t attention_pool(float* pooled, const __nv_bfloat16* q, int64_t q_stride,
                            const __nv_bfloat16* k, const float* lse, const AttentionRows& rows,

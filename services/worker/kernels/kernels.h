@@ -48,19 +48,24 @@ cudaError_t load_kv_rope(__nv_bfloat16* k_out, __nv_bfloat16* v_out, const __nv_
                          int64_t n, int64_t heads, int64_t head_dim, cudaStream_t stream);
 
 // One run of cached rows for load_kv_runs: `count` bf16 rows (heads, head_dim) at k_pre / v
-// (device or mapped host memory) into view slots [slot, slot + count), at positions = slots.
+// (device or mapped host memory) into slots [slot, slot + count) of the layer view k_view / v_view
+// ((capacity, heads, head_dim) bf16), at positions = slots.
 struct KvLoadRun {
   const __nv_bfloat16* k_pre;
   const __nv_bfloat16* v;
+  __nv_bfloat16* k_view;
+  __nv_bfloat16* v_view;
   int32_t slot;
   int32_t count;
 };
-// load_kv_rope over `n_runs` runs (the table in device memory, at most 65535 runs, each at most
-// max_count rows) in one launch: a layer's loads of every reused segment. k_view / v_view are the
-// layer's bf16 view (capacity, heads, head_dim).
-cudaError_t load_kv_runs(__nv_bfloat16* k_view, __nv_bfloat16* v_view, const KvLoadRun* runs,
-                         int32_t n_runs, int32_t max_count, const float* inv_freq, int64_t heads,
-                         int64_t head_dim, cudaStream_t stream);
+// load_kv_rope over `n_runs` runs (the table in device memory; runs may go to different layers'
+// views) in one launch of at most `max_blocks` blocks: the loader's kernel, which runs beside the
+// layers on a few SMs. The runs' rows are one index space strided over the grid (a run of any
+// length keeps every thread busy). With `vec` every source and view is 16-byte aligned and
+// head_dim a multiple of 16: each thread moves 8 elements of each half with 16-byte accesses.
+cudaError_t load_kv_runs(const KvLoadRun* runs, int32_t n_runs, const float* inv_freq,
+                         int64_t heads, int64_t head_dim, int32_t max_blocks, bool vec,
+                         cudaStream_t stream);
 
 // ---- element-wise and normalisation kernels of the bf16 transformer block (misc.cu) ----
 // The CUDA backend keeps the residual stream (engine hidden) in fp32 and feeds the matrix products
@@ -191,6 +196,22 @@ cudaError_t attention_pool(float* pooled, const __nv_bfloat16* q, int64_t q_stri
                            const __nv_bfloat16* k, const float* lse, const AttentionRows& rows,
                            const int32_t* key_group, int num_groups, int heads, int kv_heads,
                            int head_dim, float scale, cudaStream_t stream);
+
+// The same pooled values on tensor cores: attention_prefill run again over the same rows and
+// schedule with V replaced by the one-hot code of each key's group (v[t, :, e] = 1 where
+// key_group[t] == base + e), so that its output for head h, column e is Σ_{t in group base + e}
+// exp(s_t - lse) — the pooling — then summed over heads in fp32. One such pass per head_dim groups.
+// The probabilities go through the kernel's bf16 P and its bf16 output (relative error ~2^-8 per
+// head and group, where attention_pool is fp32 throughout); head_dim 64 or 128. scratch: device
+// memory of attention_pool_tiled_scratch_bytes() bytes (16-byte aligned).
+size_t attention_pool_tiled_scratch_bytes(int64_t rows, int64_t num_keys, int heads, int kv_heads,
+                                          int head_dim);
+cudaError_t attention_pool_tiled(float* pooled, const __nv_bfloat16* q, int64_t q_stride,
+                                 const __nv_bfloat16* k, const AttentionRows& rows,
+                                 const PrefillSchedule& schedule, const int32_t* key_group,
+                                 int num_groups, int heads, int kv_heads, int head_dim, float scale,
+                                 void* scratch, size_t scratch_bytes, cudaStream_t stream,
+                                 PrefillKernel kernel = PrefillKernel::kAuto);
 
 // ---- logits (logits.cu): greedy and scoring over fp32 logits (rows, vocab) ----
 // out (rows) = index of the largest logit of each row, lowest index on ties, NaN never wins (an

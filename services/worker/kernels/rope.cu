@@ -63,55 +63,91 @@ __global__ void load_kv_rope_kernel(__nv_bfloat16* __restrict__ k_out,
   }
 }
 
-// The same over many runs in one launch: blockIdx.y picks the run, its threads stride over the
-// run's (row, head, i < half) pairs; a run's rows go to slots [slot, slot + count) at positions
-// equal to their slots.
-__global__ void load_kv_runs_kernel(__nv_bfloat16* __restrict__ k_view,
-                                    __nv_bfloat16* __restrict__ v_view,
-                                    const KvLoadRun* __restrict__ runs,
+// The same over many runs in one launch. Units of V consecutive i (< half) of one (row, head)
+// are numbered across the runs in table order; thread t takes units t, t + stride, ... The run
+// table is small and read by every thread (cached).
+template <int V>
+__global__ void load_kv_runs_kernel(const KvLoadRun* __restrict__ runs, int32_t n_runs,
                                     const float* __restrict__ inv_freq, int64_t heads,
                                     int64_t half) {
-  const KvLoadRun run = runs[blockIdx.y];
+  const int64_t per_head = half / V;
+  const int64_t per_row = heads * per_head;
   const int64_t row_elems = heads * 2 * half;
-  const int64_t total = static_cast<int64_t>(run.count) * heads * half;
-  for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < total;
-       k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t i = k % half;
-    const int64_t h = (k / half) % heads;
-    const int64_t r = k / (half * heads);
-    const int64_t src = r * row_elems + h * 2 * half + i;
-    const int64_t dst = (run.slot + r) * row_elems + h * 2 * half + i;
-    const float angle = __fmul_rn(static_cast<float>(run.slot + r), inv_freq[i]);
-    float s;
-    float c;
-    sincosf(angle, &s, &c);
-    const float x1 = __bfloat162float(run.k_pre[src]);
-    const float x2 = __bfloat162float(run.k_pre[src + half]);
-    k_view[dst] = __float2bfloat16(x1 * c - x2 * s);
-    k_view[dst + half] = __float2bfloat16(x2 * c + x1 * s);
-    v_view[dst] = run.v[src];
-    v_view[dst + half] = run.v[src + half];
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  int64_t base = 0;  // the first unit of run ri
+  for (int32_t ri = 0; ri < n_runs; ++ri) {
+    const KvLoadRun run = runs[ri];
+    const int64_t units = run.count * per_row;
+    // The first unit of this run that is thread t's: u >= base, u = t (mod stride).
+    int64_t u = base + ((t - base) % stride + stride) % stride;
+    for (; u < base + units; u += stride) {
+      const int64_t k = u - base;
+      const int64_t r = k / per_row;
+      const int64_t h = (k / per_head) % heads;
+      const int64_t i0 = (k % per_head) * V;
+      const int64_t src = r * row_elems + h * 2 * half + i0;
+      const int64_t dst = (run.slot + r) * row_elems + h * 2 * half + i0;
+      const float pos = static_cast<float>(run.slot + r);
+      if constexpr (V == 8) {
+        const uint4 a = *reinterpret_cast<const uint4*>(run.k_pre + src);
+        const uint4 b = *reinterpret_cast<const uint4*>(run.k_pre + src + half);
+        const uint4 va = *reinterpret_cast<const uint4*>(run.v + src);
+        const uint4 vb = *reinterpret_cast<const uint4*>(run.v + src + half);
+        const auto* x1 = reinterpret_cast<const __nv_bfloat16*>(&a);
+        const auto* x2 = reinterpret_cast<const __nv_bfloat16*>(&b);
+        uint4 oa, ob;
+        auto* y1 = reinterpret_cast<__nv_bfloat16*>(&oa);
+        auto* y2 = reinterpret_cast<__nv_bfloat16*>(&ob);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          float s;
+          float c;
+          sincosf(__fmul_rn(pos, inv_freq[i0 + e]), &s, &c);
+          const float f1 = __bfloat162float(x1[e]);
+          const float f2 = __bfloat162float(x2[e]);
+          y1[e] = __float2bfloat16(f1 * c - f2 * s);
+          y2[e] = __float2bfloat16(f2 * c + f1 * s);
+        }
+        *reinterpret_cast<uint4*>(run.k_view + dst) = oa;
+        *reinterpret_cast<uint4*>(run.k_view + dst + half) = ob;
+        *reinterpret_cast<uint4*>(run.v_view + dst) = va;
+        *reinterpret_cast<uint4*>(run.v_view + dst + half) = vb;
+      } else {
+        float s;
+        float c;
+        sincosf(__fmul_rn(pos, inv_freq[i0]), &s, &c);
+        const float x1 = __bfloat162float(run.k_pre[src]);
+        const float x2 = __bfloat162float(run.k_pre[src + half]);
+        run.k_view[dst] = __float2bfloat16(x1 * c - x2 * s);
+        run.k_view[dst + half] = __float2bfloat16(x2 * c + x1 * s);
+        run.v_view[dst] = run.v[src];
+        run.v_view[dst + half] = run.v[src + half];
+      }
+    }
+    base += units;
   }
 }
 
 }  // namespace
 
-cudaError_t load_kv_runs(__nv_bfloat16* k_view, __nv_bfloat16* v_view, const KvLoadRun* runs,
-                         int32_t n_runs, int32_t max_count, const float* inv_freq, int64_t heads,
-                         int64_t head_dim, cudaStream_t stream) {
-  if (n_runs < 0 || max_count < 0 || heads < 0 || head_dim < 0 || head_dim % 2 != 0 ||
-      n_runs > 65535) {
+cudaError_t load_kv_runs(const KvLoadRun* runs, int32_t n_runs, const float* inv_freq,
+                         int64_t heads, int64_t head_dim, int32_t max_blocks, bool vec,
+                         cudaStream_t stream) {
+  if (n_runs < 0 || heads < 0 || head_dim < 0 || head_dim % 2 != 0 || max_blocks < 1 ||
+      (vec && head_dim % 16 != 0)) {
     return cudaErrorInvalidValue;
   }
-  if (n_runs == 0 || max_count == 0 || heads == 0 || head_dim == 0) return cudaSuccess;
-  if (k_view == nullptr || v_view == nullptr || runs == nullptr || inv_freq == nullptr) {
-    return cudaErrorInvalidValue;
-  }
+  if (n_runs == 0 || heads == 0 || head_dim == 0) return cudaSuccess;
+  if (runs == nullptr || inv_freq == nullptr) return cudaErrorInvalidValue;
   const int64_t half = head_dim / 2;
-  const dim3 grid(
-      static_cast<unsigned>(detail::elementwise_blocks(max_count * heads * half, kThreads)),
-      static_cast<unsigned>(n_runs));
-  load_kv_runs_kernel<<<grid, kThreads, 0, stream>>>(k_view, v_view, runs, inv_freq, heads, half);
+  if (vec) {
+    load_kv_runs_kernel<8>
+        <<<max_blocks, kThreads, 0, stream>>>(runs, n_runs, inv_freq, heads, half);
+  } else {
+    load_kv_runs_kernel<1>
+        <<<max_blocks, kThreads, 0, stream>>>(runs, n_runs, inv_freq, heads, half);
+  }
   return cudaGetLastError();
 }
 

@@ -169,16 +169,26 @@ class Backend {
   // memory in place and staging pageable memory through one copy.
   virtual void load_kv_bf16(const KvView& kv, int32_t first_slot, const uint16_t* k_pre,
                             const uint16_t* v, const int32_t* positions, int32_t n);
-  // Many runs of bf16 rows into one layer view at once (a layer's loads of every reused segment):
-  // run r fills slots [first_slot, first_slot + n) at positions equal to the slots. The default
-  // calls load_kv_bf16 per run; the CUDA backend launches one kernel for all of them.
+  // Many runs of bf16 rows at once (a layer's loads of every reused segment, or several layers'):
+  // run r fills slots [first_slot, first_slot + n) of its layer's view at positions equal to the
+  // slots. The default calls load_kv_bf16 per run; the CUDA backend launches one kernel for all.
   struct KvRun {
+    KvView kv;          // the layer's view
+    int32_t layer = 0;  // which layer's (queue_kv_bf16_runs orders that layer after it)
     int32_t first_slot = 0;
     int32_t n = 0;
     const uint16_t* k_pre = nullptr;
     const uint16_t* v = nullptr;
   };
-  virtual void load_kv_bf16_runs(const KvView& kv, std::span<const KvRun> runs);
+  virtual void load_kv_bf16_runs(std::span<const KvRun> runs);
+  // Layer-balanced loading (ARCHITECTURE §5). queue_kv_bf16_runs runs the loads beside the layers
+  // (the CUDA backend: on its loader stream, in the order queued); wait_queued(layer) orders the
+  // next layer_forward after every load queued so far for `layer`; fence_queue() orders the loads
+  // queued after it behind the work issued before it, and that work behind the loads queued
+  // before it (a request's start). The defaults load at once and order nothing.
+  virtual void queue_kv_bf16_runs(std::span<const KvRun> runs) { load_kv_bf16_runs(runs); }
+  virtual void wait_queued(int32_t layer) { (void)layer; }
+  virtual void fence_queue() {}
   // logits (n, vocab) = lm_head(final_norm(hidden[rows[i]])); hidden (device) has >= max(rows)+1
   // rows of C; rows (host).
   virtual void final_logits(float* logits, const float* hidden, const int32_t* rows, int32_t n) = 0;

@@ -51,12 +51,12 @@ void Backend::gather_rows(float* dst, const float* src, const int32_t* rows, int
   }
 }
 
-void Backend::load_kv_bf16_runs(const KvView& kv, std::span<const KvRun> runs) {
+void Backend::load_kv_bf16_runs(std::span<const KvRun> runs) {
   std::vector<int32_t> positions;
   for (const KvRun& r : runs) {
     positions.resize(static_cast<size_t>(r.n));
     for (int32_t k = 0; k < r.n; ++k) positions[k] = r.first_slot + k;
-    load_kv_bf16(kv, r.first_slot, r.k_pre, r.v, positions.data(), r.n);
+    load_kv_bf16(r.kv, r.first_slot, r.k_pre, r.v, positions.data(), r.n);
   }
 }
 
@@ -211,13 +211,27 @@ Status Engine::load_kv(const KvView& kv, int32_t first_slot, std::span<const int
   return Status::ok();
 }
 
-Status Engine::load_kv_bf16_runs(const KvView& kv, std::span<const Backend::KvRun> runs) {
+Status Engine::check_runs(std::span<const Backend::KvRun> runs) const {
   for (const auto& r : runs) {
     if (r.n <= 0) return invalid("load_kv: an empty run");
+    if (r.layer < 0 || r.layer >= config().num_layers) {
+      return invalid("load_kv: layer " + std::to_string(r.layer) + " outside the model");
+    }
     // Positions are the slots: in range once the slots are.
-    KEEP_RETURN_IF_ERROR(check_load(kv, r.first_slot, r.n, r.k_pre, r.v));
+    KEEP_RETURN_IF_ERROR(check_load(r.kv, r.first_slot, r.n, r.k_pre, r.v));
   }
-  if (!runs.empty()) backend_->load_kv_bf16_runs(kv, runs);
+  return Status::ok();
+}
+
+Status Engine::load_kv_bf16_runs(std::span<const Backend::KvRun> runs) {
+  KEEP_RETURN_IF_ERROR(check_runs(runs));
+  if (!runs.empty()) backend_->load_kv_bf16_runs(runs);
+  return Status::ok();
+}
+
+Status Engine::queue_kv_bf16_runs(std::span<const Backend::KvRun> runs) {
+  KEEP_RETURN_IF_ERROR(check_runs(runs));
+  if (!runs.empty()) backend_->queue_kv_bf16_runs(runs);
   return Status::ok();
 }
 

@@ -105,9 +105,14 @@ class Engine {
   // load_kv from bf16 rows (uint16 bits), as the shared region stores them (Backend::load_kv_bf16).
   Status load_kv_bf16(const KvView& kv, int32_t first_slot, std::span<const int32_t> positions,
                       const uint16_t* k_pre, const uint16_t* v);
-  // Runs of bf16 rows into one view at once, each at positions equal to its slots
-  // (Backend::load_kv_bf16_runs).
-  Status load_kv_bf16_runs(const KvView& kv, std::span<const Backend::KvRun> runs);
+  // Runs of bf16 rows into their layers' views at once, each at positions equal to its slots
+  // (Backend::load_kv_bf16_runs), ordered with the layer calls.
+  Status load_kv_bf16_runs(std::span<const Backend::KvRun> runs);
+  // The same beside the layer calls (Backend::queue_kv_bf16_runs): a layer that reads them must
+  // follow wait_queued(its layer); fence_queue() at a request's start (Backend::fence_queue).
+  Status queue_kv_bf16_runs(std::span<const Backend::KvRun> runs);
+  void wait_queued(int32_t layer) { backend_->wait_queued(layer); }
+  void fence_queue() { backend_->fence_queue(); }
   // One block for the plan's rows: hidden (rows, C) in place; new rotated K/V go into `kv` at the
   // rows' slots; `extras` receive pre-RoPE K, V, lse, pooled attention.
   Status prefill_layer(int32_t layer, DeviceBuffer& hidden, const KvView& kv,
@@ -139,6 +144,7 @@ class Engine {
       const std::vector<std::vector<int32_t>>& candidates);
 
  private:
+  Status check_runs(std::span<const Backend::KvRun> runs) const;
   Status check_load(const KvView& kv, int32_t first_slot, int64_t n, const void* k_pre,
                     const void* v) const;
   explicit Engine(std::unique_ptr<Backend> backend) : backend_(std::move(backend)) {}

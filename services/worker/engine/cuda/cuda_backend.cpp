@@ -157,7 +157,13 @@ CudaBackend::~CudaBackend() {
   cudaFree(workspace_);
   cudaFree(weight_arena_);
   cudaFree(kv_staging_);
-  cudaFree(kv_runs_);
+  if (load_stream_ != nullptr) cudaStreamSynchronize(load_stream_);
+  cudaFreeHost(runs_host_);
+  cudaFree(runs_dev_);
+  for (cudaEvent_t e : load_done_) cudaEventDestroy(e);
+  if (fence_compute_ != nullptr) cudaEventDestroy(fence_compute_);
+  if (fence_load_ != nullptr) cudaEventDestroy(fence_load_);
+  if (load_stream_ != nullptr) cudaStreamDestroy(load_stream_);
   for (cudaEvent_t e : slice_done_) {
     if (e != nullptr) cudaEventDestroy(e);
   }
@@ -273,6 +279,32 @@ Status CudaBackend::init_device() {
   }
   KEEP_RETURN_IF_ERROR(
       cuda_status(cudaEventCreateWithFlags(&copies_done_, cudaEventDisableTiming), "event"));
+  // The loader (layer-balanced loading): the highest priority, so that its few blocks take SMs
+  // as the layers' blocks retire instead of queueing behind a whole product.
+  int lowest = 0, highest = 0;
+  KEEP_RETURN_IF_ERROR(
+      cuda_status(cudaDeviceGetStreamPriorityRange(&lowest, &highest), "stream priorities"));
+  KEEP_RETURN_IF_ERROR(cuda_status(
+      cudaStreamCreateWithPriority(&load_stream_, cudaStreamNonBlocking, highest), "stream"));
+  load_done_.assign(static_cast<size_t>(std::max<int64_t>(config_.num_layers, 0)), nullptr);
+  for (cudaEvent_t& e : load_done_) {
+    KEEP_RETURN_IF_ERROR(
+        cuda_status(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "event"));
+  }
+  for (cudaEvent_t* e : {&fence_compute_, &fence_load_}) {
+    KEEP_RETURN_IF_ERROR(cuda_status(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "event"));
+  }
+  KEEP_RETURN_IF_ERROR(
+      cuda_status(cudaHostAlloc(reinterpret_cast<void**>(&runs_host_),
+                                kRunRing * sizeof(kernels::KvLoadRun), cudaHostAllocDefault),
+                  "loader run table"));
+  KEEP_RETURN_IF_ERROR(cuda_status(
+      cudaMalloc(reinterpret_cast<void**>(&runs_dev_), kRunRing * sizeof(kernels::KvLoadRun)),
+      "loader run table"));
+  int sms = 0;
+  KEEP_RETURN_IF_ERROR(cuda_status(
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, options_.device), "attribute"));
+  sm_count_ = std::max(sms, 1);
   return Status::ok();
 }
 
@@ -520,7 +552,10 @@ void CudaBackend::gather_rows(float* dst, const float* src, const int32_t* rows,
   KEEP_CUDA_CHECK(kernels::gather_rows(dst, src, idx, n, static_cast<int64_t>(cols), stream_));
   release_ints(idx);
 }
-void CudaBackend::synchronize() { KEEP_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+void CudaBackend::synchronize() {
+  KEEP_CUDA_CHECK(cudaStreamSynchronize(load_stream_));
+  KEEP_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
 
 int32_t* CudaBackend::upload_ints(const int32_t* host, size_t n) {
   void* p = nullptr;
@@ -556,6 +591,13 @@ Status CudaBackend::reserve(int32_t max_rows, int32_t max_keys) {
                o_lse = take(R * H * 4), o_rows = take(R * C * 4), o_normed = take(R * C * 4),
                o_dec = take(dec * 4), o_blas = take(kBlasWorkspace), o_sc = take(R * 4),
                o_scf = take(R * 4);
+  const size_t pool_bytes =
+      options_.pool_tensor_cores && (c.head_dim == 64 || c.head_dim == 128)
+          ? kernels::attention_pool_tiled_scratch_bytes(R, keys, static_cast<int>(H),
+                                                        static_cast<int>(c.num_kv_heads),
+                                                        static_cast<int>(c.head_dim))
+          : 0;
+  const size_t o_pool = take(pool_bytes);
   // Our products' stream-K scratch (partial tiles and flags), where they run.
   const size_t scratch_bytes = kernels::wgmma_available() ? kernels::gemm_wgmma_scratch_bytes() : 0;
   const size_t o_gemm = take(scratch_bytes);
@@ -580,6 +622,8 @@ Status CudaBackend::reserve(int32_t max_rows, int32_t max_keys) {
   normed_f32_ = reinterpret_cast<float*>(base + o_normed);
   decode_ws_ = reinterpret_cast<float*>(base + o_dec);
   decode_ws_floats_ = dec;
+  pool_scratch_ = pool_bytes > 0 ? base + o_pool : nullptr;
+  pool_scratch_bytes_ = pool_bytes;
   blas_ws_ = base + o_blas;
   scalars_ = reinterpret_cast<int32_t*>(base + o_sc);
   scalars_f_ = reinterpret_cast<float*>(base + o_scf);
@@ -827,9 +871,16 @@ Status CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_i
   }
   mark(kAttention);
   if (pool) {
-    KEEP_CUDA_CHECK(kernels::attention_pool(out.pooled, qkv, qkv_w, view_k, lse, plan.rows,
-                                            plan.key_group, plan.layout().num_groups, heads,
-                                            kv_heads, hd, scale, stream_));
+    if (plan.tiled && pool_scratch_ != nullptr) {
+      KEEP_CUDA_CHECK(kernels::attention_pool_tiled(
+          out.pooled, qkv, qkv_w, view_k, plan.rows, plan.schedule, plan.key_group,
+          plan.layout().num_groups, heads, kv_heads, hd, scale, pool_scratch_, pool_scratch_bytes_,
+          stream_, options_.prefill_attention));
+    } else {
+      KEEP_CUDA_CHECK(kernels::attention_pool(out.pooled, qkv, qkv_w, view_k, lse, plan.rows,
+                                              plan.key_group, plan.layout().num_groups, heads,
+                                              kv_heads, hd, scale, stream_));
+    }
     mark(kPool);
   }
   if (keep == 0) return Status::ok();
@@ -1090,35 +1141,90 @@ bool device_readable(const void* p) {
 }
 }  // namespace
 
-void CudaBackend::load_kv_bf16_runs(const KvView& kv, std::span<const KvRun> runs) {
-  KEEP_CHECK(kv.type == KvType::kBF16);
-  std::vector<kernels::KvLoadRun> table;
-  table.reserve(runs.size());
-  int32_t max_count = 0;
+bool CudaBackend::launch_runs(cudaStream_t stream, std::span<const KvRun> runs, int32_t blocks) {
+  bool vec = config_.head_dim % 16 == 0;
   for (const KvRun& r : runs) {
-    if (!device_readable(r.k_pre) || !device_readable(r.v) || table.size() == 65535) {
-      Backend::load_kv_bf16_runs(kv, runs);  // pageable sources: staged run by run
-      return;
+    if (!device_readable(r.k_pre) || !device_readable(r.v)) return false;
+    for (const void* p : {static_cast<const void*>(r.k_pre), static_cast<const void*>(r.v),
+                          static_cast<const void*>(r.kv.k), static_cast<const void*>(r.kv.v)}) {
+      vec = vec && reinterpret_cast<uintptr_t>(p) % 16 == 0;
     }
-    table.push_back({reinterpret_cast<const bf16*>(r.k_pre), reinterpret_cast<const bf16*>(r.v),
-                     r.first_slot, r.n});
-    max_count = std::max(max_count, r.n);
   }
-  const size_t bytes = table.size() * sizeof(kernels::KvLoadRun);
-  if (kv_runs_bytes_ < bytes) {
-    KEEP_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the old table may still be read
-    cudaFree(kv_runs_);
-    kv_runs_ = nullptr;
-    kv_runs_bytes_ = 0;
-    KEEP_CUDA_CHECK(cudaMalloc(&kv_runs_, bytes));
-    kv_runs_bytes_ = bytes;
+  for (size_t at = 0; at < runs.size();) {
+    if (runs_at_ == kRunRing) {  // full mid-request: every entry handed out may still be read
+      KEEP_CUDA_CHECK(cudaStreamSynchronize(load_stream_));
+      KEEP_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      runs_at_ = 0;
+    }
+    const size_t n = std::min(runs.size() - at, kRunRing - runs_at_);
+    kernels::KvLoadRun* host = runs_host_ + runs_at_;
+    for (size_t i = 0; i < n; ++i) {
+      const KvRun& r = runs[at + i];
+      host[i] = {reinterpret_cast<const bf16*>(r.k_pre),
+                 reinterpret_cast<const bf16*>(r.v),
+                 static_cast<bf16*>(r.kv.k),
+                 static_cast<bf16*>(r.kv.v),
+                 r.first_slot,
+                 r.n};
+    }
+    kernels::KvLoadRun* dev = runs_dev_ + runs_at_;
+    KEEP_CUDA_CHECK(
+        cudaMemcpyAsync(dev, host, n * sizeof(kernels::KvLoadRun), cudaMemcpyHostToDevice, stream));
+    KEEP_CUDA_CHECK(kernels::load_kv_runs(dev, static_cast<int32_t>(n), inv_freq_,
+                                          config_.num_kv_heads, config_.head_dim, blocks, vec,
+                                          stream));
+    runs_at_ += n;
+    at += n;
   }
-  // From pageable memory the copy returns once the bytes are staged: `table` may go.
-  KEEP_CUDA_CHECK(cudaMemcpyAsync(kv_runs_, table.data(), bytes, cudaMemcpyHostToDevice, stream_));
-  KEEP_CUDA_CHECK(kernels::load_kv_runs(static_cast<bf16*>(kv.k), static_cast<bf16*>(kv.v),
-                                        static_cast<const kernels::KvLoadRun*>(kv_runs_),
-                                        static_cast<int32_t>(table.size()), max_count, inv_freq_,
-                                        config_.num_kv_heads, config_.head_dim, stream_));
+  return true;
+}
+
+void CudaBackend::load_kv_bf16_runs(std::span<const KvRun> runs) {
+  for (const KvRun& r : runs) KEEP_CHECK(r.kv.type == KvType::kBF16);
+  // Nothing runs beside it: the whole GPU.
+  if (!launch_runs(stream_, runs, 8 * sm_count_)) {
+    Backend::load_kv_bf16_runs(runs);  // pageable sources: staged run by run
+  }
+}
+
+void CudaBackend::queue_kv_bf16_runs(std::span<const KvRun> runs) {
+  for (const KvRun& r : runs) KEEP_CHECK(r.kv.type == KvType::kBF16);
+  // One launch per stretch of one layer's runs, its event right after: a layer waits for its own
+  // loads only, not for the later layers queued with them.
+  for (size_t at = 0; at < runs.size();) {
+    size_t end = at + 1;
+    while (end < runs.size() && runs[end].layer == runs[at].layer) ++end;
+    const std::span<const KvRun> part = runs.subspan(at, end - at);
+    if (capturing_ || !launch_runs(load_stream_, part, std::max(options_.loader_blocks, 1))) {
+      load_kv_bf16_runs(part);  // on the compute stream, ordered with the layers
+    } else {
+      KEEP_CUDA_CHECK(
+          cudaEventRecord(load_done_[static_cast<size_t>(runs[at].layer)], load_stream_));
+    }
+    at = end;
+  }
+}
+
+void CudaBackend::set_loader_blocks(int32_t blocks) {
+  options_.loader_blocks = std::max(blocks, 1);
+}
+
+void CudaBackend::wait_queued(int32_t layer) {
+  if (capturing_ || layer < 0 || static_cast<size_t>(layer) >= load_done_.size()) return;
+  KEEP_CUDA_CHECK(cudaStreamWaitEvent(stream_, load_done_[static_cast<size_t>(layer)], 0));
+}
+
+void CudaBackend::fence_queue() {
+  if (capturing_) return;
+  if (runs_at_ > kRunRing / 2) {  // between requests both streams are idle: a cheap wait
+    KEEP_CUDA_CHECK(cudaStreamSynchronize(load_stream_));
+    KEEP_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    runs_at_ = 0;
+  }
+  KEEP_CUDA_CHECK(cudaEventRecord(fence_compute_, stream_));
+  KEEP_CUDA_CHECK(cudaStreamWaitEvent(load_stream_, fence_compute_, 0));
+  KEEP_CUDA_CHECK(cudaEventRecord(fence_load_, load_stream_));
+  KEEP_CUDA_CHECK(cudaStreamWaitEvent(stream_, fence_load_, 0));
 }
 
 void CudaBackend::load_kv_bf16(const KvView& kv, int32_t first_slot, const uint16_t* k_pre,

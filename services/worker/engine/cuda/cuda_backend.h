@@ -101,6 +101,16 @@ struct CudaBackendOptions {
   // inside a graph capture the window is not set (a later call outside one sets it). The set-aside
   // is the process's (one backend with the option at a time); the backend's destructor resets it.
   bool l2_persist_residual = false;
+  // Importance pooling at check layers (Backend::layer_forward's pooled) on tensor cores
+  // (kernels::attention_pool_tiled: the prefill attention kernel again with one-hot group values)
+  // where the plan is tiled and head_dim 64 or 128; else, or when false, kernels::attention_pool
+  // (CUDA cores, fp32). On the H200 the fp32 form took 6.5 ms a check layer at 4k rows x 4k keys
+  // (14B), most of a KEEP request (benchmarks/RESULTS.md, KEEP's TTFT).
+  bool pool_tensor_cores = true;
+  // Blocks of the loader's kernel (queue_kv_bf16_runs, on its own stream beside the layers): few
+  // enough to leave the layers most SMs, enough to keep the link busy (ARCHITECTURE §7: 8 SMs
+  // read a registered mapping at ~51 GB/s).
+  int32_t loader_blocks = 32;
 };
 
 // Where the GPU time goes (CudaBackend::profile): one entry per stage of layer_forward, then
@@ -149,7 +159,14 @@ class CudaBackend final : public Backend {
                const int32_t* positions, int32_t n) override;
   void load_kv_bf16(const KvView& kv, int32_t first_slot, const uint16_t* k_pre, const uint16_t* v,
                     const int32_t* positions, int32_t n) override;
-  void load_kv_bf16_runs(const KvView& kv, std::span<const KvRun> runs) override;
+  void load_kv_bf16_runs(std::span<const KvRun> runs) override;
+  // On the loader stream (high priority, options.loader_blocks blocks a launch); an event per
+  // layer. Runs from memory the GPU cannot read in place go the staged way on the compute stream.
+  void queue_kv_bf16_runs(std::span<const KvRun> runs) override;
+  void wait_queued(int32_t layer) override;
+  void fence_queue() override;
+  // CudaBackendOptions::loader_blocks from the next queued load on (benchmarks).
+  void set_loader_blocks(int32_t blocks);
   void gather_rows(float* dst, const float* src, const int32_t* rows, int32_t n,
                    size_t cols) override;
   void final_logits(float* logits, const float* hidden, const int32_t* rows, int32_t n) override;
@@ -228,9 +245,22 @@ class CudaBackend final : public Backend {
   // Staging for bf16 KV rows loaded from pageable host memory (load_kv_bf16); grows, never shrinks.
   void* kv_staging_ = nullptr;
   size_t kv_staging_bytes_ = 0;
-  // load_kv_bf16_runs' run table on the device; grows, never shrinks.
-  void* kv_runs_ = nullptr;
-  size_t kv_runs_bytes_ = 0;
+  // Run tables of load_kv_bf16_runs / queue_kv_bf16_runs: a ring of pinned host entries, each
+  // batch copied into the same place of a device ring on the stream that launches it. Reused from
+  // the start at fence_queue() once past half (both streams synchronized first), or when full.
+  static constexpr size_t kRunRing = 1 << 16;
+  kernels::KvLoadRun* runs_host_ = nullptr;
+  kernels::KvLoadRun* runs_dev_ = nullptr;
+  size_t runs_at_ = 0;
+  // The loader: its stream, one event per layer (the last load queued for it), the fence's two.
+  cudaStream_t load_stream_ = nullptr;
+  std::vector<cudaEvent_t> load_done_;
+  cudaEvent_t fence_compute_ = nullptr;
+  cudaEvent_t fence_load_ = nullptr;
+  int32_t sm_count_ = 1;
+  // Puts `runs` in the ring and launches the loader's kernel on `stream` with at most `blocks`
+  // blocks; false (nothing launched) when a source is memory the GPU cannot read in place.
+  bool launch_runs(cudaStream_t stream, std::span<const KvRun> runs, int32_t blocks);
 
   // Workspace (reserve()).
   void* workspace_ = nullptr;
@@ -246,6 +276,8 @@ class CudaBackend final : public Backend {
   float* normed_f32_ = nullptr;  // (rows, C) their final norm (fp32 rows modes)
   float* decode_ws_ = nullptr;
   size_t decode_ws_floats_ = 0;
+  void* pool_scratch_ = nullptr;  // kernels::attention_pool_tiled's scratch
+  size_t pool_scratch_bytes_ = 0;
   void* blas_ws_ = nullptr;
   kernels::GemmScratch gemm_scratch_;  // in workspace_, zeroed when allocated
   int32_t* scalars_ = nullptr;         // (rows) device ints for argmax results
