@@ -259,14 +259,17 @@ Result<Prefilled> KvAssembler::prefill(const AssembleRequest& req) {
 
     const RecomputePlan::Check check = plan.check();
     engine::LayerExtras extras;
-    if (check == RecomputePlan::Check::kImportance) extras.pooled = &pooled_;
+    if (check == RecomputePlan::Check::kImportance) {
+      extras.pooled = &pooled_;
+      extras.pooled_to_host = true;  // decided on the host while the layer's MLP runs
+    }
     if (check == RecomputePlan::Check::kDeviation) extras.k_pre = &k_pre_;
     if (l + 1 == layers) extras.out_rows = 1;  // only the last token's output is wanted
     KEEP_RETURN_IF_ERROR(engine_.prefill_layer(l, hidden_[cur], view, *attn, extras));
 
     if (check == RecomputePlan::Check::kImportance) {
       std::vector<float> pooled(rows.size() * static_cast<size_t>(groups));
-      be.copy_to_host(pooled.data(), pooled_.data(), pooled.size());
+      KEEP_RETURN_IF_ERROR(engine_.read_pooled(pooled.data(), pooled_, pooled.size()));
       const std::vector<int32_t> row_segment = plan.row_segments();
       std::vector<int32_t> query_rows;
       for (size_t r = 0; r < rows.size(); ++r) {

@@ -101,6 +101,10 @@ struct LayerOutputs {
   // MLP (the last layer of a prefill needs every row's K and V but one row's output). K/V, k_pre,
   // v, lse and pooled are still produced for every row.
   int32_t out_rows = -1;
+  // With pooled: start copying it to the host as soon as it is computed, while the rest of the
+  // layer runs; Backend::read_pooled then waits for that copy only (importance at a check layer is
+  // decided on the host while the GPU finishes the layer).
+  bool pooled_to_host = false;
 };
 
 // A validated layout in the form the backend consumes (for CUDA: uploaded index arrays).
@@ -127,6 +131,11 @@ class Backend {
   virtual void copy_to_device(float* dst, const float* src_host, size_t floats) = 0;
   virtual void copy_to_host(float* dst_host, const float* src, size_t floats) = 0;
   virtual void copy_on_device(float* dst, const float* src, size_t floats) = 0;
+  // dst_host (floats) = the pooled output of the last layer_forward (device `pooled`); with
+  // LayerOutputs::pooled_to_host it waits only for the early copy. The default: copy_to_host.
+  virtual void read_pooled(float* dst_host, const float* pooled, size_t floats) {
+    copy_to_host(dst_host, pooled, floats);
+  }
   // dst (n, cols) = src[rows[i], :] (device memory; rows on the host, dst not overlapping src).
   // The default copies row by row; the CUDA backend gathers in one kernel.
   virtual void gather_rows(float* dst, const float* src, const int32_t* rows, int32_t n,

@@ -247,6 +247,16 @@ Status Engine::load_kv_bf16(const KvView& kv, int32_t first_slot,
   return Status::ok();
 }
 
+Status Engine::read_pooled(float* dst, const DeviceBuffer& pooled, size_t floats) {
+  if (dst == nullptr && floats > 0) return invalid("read_pooled: null destination");
+  if (floats > pooled.size()) {
+    return invalid("read_pooled: " + std::to_string(floats) + " floats from a buffer of " +
+                   std::to_string(pooled.size()));
+  }
+  if (floats > 0) backend_->read_pooled(dst, pooled.data(), floats);
+  return Status::ok();
+}
+
 Status Engine::prefill_layer(int32_t layer, DeviceBuffer& hidden, const KvView& kv,
                              const AttentionPlan& plan, const LayerExtras& extras) {
   const ModelConfig& c = config();
@@ -287,6 +297,7 @@ Status Engine::prefill_layer(int32_t layer, DeviceBuffer& hidden, const KvView& 
   out.lse = extras.lse ? extras.lse->data() : nullptr;
   out.pooled = extras.pooled ? extras.pooled->data() : nullptr;
   out.out_rows = extras.out_rows;
+  out.pooled_to_host = extras.pooled_to_host && extras.pooled != nullptr;
   return backend_->layer_forward(out, hidden.data(), layer, kv, plan);
 }
 

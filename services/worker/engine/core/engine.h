@@ -64,6 +64,8 @@ struct LayerExtras {
   // Only the last out_rows rows' hidden output is wanted (-1: all, 0: none -- K/V only); the other
   // rows of `hidden` are left unspecified and the backend may skip their MLP (LayerOutputs).
   int32_t out_rows = -1;
+  // Copy `pooled` to the host early (LayerOutputs::pooled_to_host); read it with read_pooled().
+  bool pooled_to_host = false;
 };
 
 struct GenerateOptions {
@@ -117,6 +119,8 @@ class Engine {
   // rows' slots; `extras` receive pre-RoPE K, V, lse, pooled attention.
   Status prefill_layer(int32_t layer, DeviceBuffer& hidden, const KvView& kv,
                        const AttentionPlan& plan, const LayerExtras& extras = {});
+  // The pooled output of the last prefill_layer into dst (floats), host memory.
+  Status read_pooled(float* dst, const DeviceBuffer& pooled, size_t floats);
   // Final norm + lm_head for chosen rows of `hidden`: host (rows.size(), vocab).
   Result<std::vector<float>> logits(const DeviceBuffer& hidden, std::span<const int32_t> rows);
 

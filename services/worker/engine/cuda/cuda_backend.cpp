@@ -168,6 +168,9 @@ CudaBackend::~CudaBackend() {
     if (e != nullptr) cudaEventDestroy(e);
   }
   if (copies_done_ != nullptr) cudaEventDestroy(copies_done_);
+  if (pooled_ready_ != nullptr) cudaEventDestroy(pooled_ready_);
+  if (pooled_copied_ != nullptr) cudaEventDestroy(pooled_copied_);
+  cudaFreeHost(pooled_host_);
   if (copy_stream_ != nullptr) cudaStreamDestroy(copy_stream_);
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
   if (l2_set_aside_ > 0) {
@@ -291,7 +294,7 @@ Status CudaBackend::init_device() {
     KEEP_RETURN_IF_ERROR(
         cuda_status(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "event"));
   }
-  for (cudaEvent_t* e : {&fence_compute_, &fence_load_}) {
+  for (cudaEvent_t* e : {&fence_compute_, &fence_load_, &pooled_ready_, &pooled_copied_}) {
     KEEP_RETURN_IF_ERROR(cuda_status(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "event"));
   }
   KEEP_RETURN_IF_ERROR(
@@ -541,6 +544,15 @@ void CudaBackend::copy_to_host(float* dst_host, const float* src, size_t floats)
   KEEP_CUDA_CHECK(cudaMemcpyAsync(dst_host, src, floats * 4, cudaMemcpyDefault, stream_));
   mark(kCopyOut);
   KEEP_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+void CudaBackend::read_pooled(float* dst_host, const float* pooled, size_t floats) {
+  if (pooled_src_ != pooled || floats > pooled_floats_) {  // no early copy of it: the layer's end
+    copy_to_host(dst_host, pooled, floats);
+    return;
+  }
+  KEEP_CUDA_CHECK(cudaEventSynchronize(pooled_copied_));
+  std::memcpy(dst_host, pooled_host_, floats * 4);
+  pooled_src_ = nullptr;
 }
 void CudaBackend::copy_on_device(float* dst, const float* src, size_t floats) {
   KEEP_CUDA_CHECK(cudaMemcpyAsync(dst, src, floats * 4, cudaMemcpyDeviceToDevice, stream_));
@@ -882,6 +894,27 @@ Status CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_i
                                               kv_heads, hd, scale, stream_));
     }
     mark(kPool);
+    if (out.pooled_to_host && !capturing_) {
+      const size_t floats =
+          static_cast<size_t>(rows) * static_cast<size_t>(plan.layout().num_groups);
+      if (pooled_host_floats_ < floats) {  // grows to the largest check; not per request
+        KEEP_CUDA_CHECK(cudaStreamSynchronize(copy_stream_));
+        cudaFreeHost(pooled_host_);
+        pooled_host_ = nullptr;
+        pooled_host_floats_ = 0;
+        KEEP_RETURN_IF_ERROR(cuda_status(cudaHostAlloc(reinterpret_cast<void**>(&pooled_host_),
+                                                       floats * 4, cudaHostAllocDefault),
+                                         "pooled staging"));
+        pooled_host_floats_ = floats;
+      }
+      KEEP_CUDA_CHECK(cudaEventRecord(pooled_ready_, stream_));
+      KEEP_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, pooled_ready_, 0));
+      KEEP_CUDA_CHECK(cudaMemcpyAsync(pooled_host_, out.pooled, floats * 4, cudaMemcpyDeviceToHost,
+                                      copy_stream_));
+      KEEP_CUDA_CHECK(cudaEventRecord(pooled_copied_, copy_stream_));
+      pooled_src_ = out.pooled;
+      pooled_floats_ = floats;
+    }
   }
   if (keep == 0) return Status::ok();
   float* res_kept = res + skip * C;

@@ -108,9 +108,10 @@ struct CudaBackendOptions {
   // (14B), most of a KEEP request (benchmarks/RESULTS.md, KEEP's TTFT).
   bool pool_tensor_cores = true;
   // Blocks of the loader's kernel (queue_kv_bf16_runs, on its own stream beside the layers): few
-  // enough to leave the layers most SMs, enough to keep the link busy (ARCHITECTURE §7: 8 SMs
-  // read a registered mapping at ~51 GB/s).
-  int32_t loader_blocks = 32;
+  // enough to leave the layers most SMs, enough to keep the link busy: on the H200 12-64 blocks
+  // read 14B entries at 46 GB/s alone (0.85 of one cudaMemcpyAsync), and 16 beside the layers
+  // gave full_reuse 19.2 ms where 32 gave 21.3 and 132 27.1 (benchmarks/RESULTS.md).
+  int32_t loader_blocks = 16;
 };
 
 // Where the GPU time goes (CudaBackend::profile): one entry per stage of layer_forward, then
@@ -163,6 +164,7 @@ class CudaBackend final : public Backend {
   // On the loader stream (high priority, options.loader_blocks blocks a launch); an event per
   // layer. Runs from memory the GPU cannot read in place go the staged way on the compute stream.
   void queue_kv_bf16_runs(std::span<const KvRun> runs) override;
+  void read_pooled(float* dst_host, const float* pooled, size_t floats) override;
   void wait_queued(int32_t layer) override;
   void fence_queue() override;
   // CudaBackendOptions::loader_blocks from the next queued load on (benchmarks).
@@ -229,6 +231,14 @@ class CudaBackend final : public Backend {
   cudaStream_t copy_stream_ = nullptr;
   cudaEvent_t slice_done_[kLogitSlices] = {};
   cudaEvent_t copies_done_ = nullptr;
+  // The early copy of pooled (LayerOutputs::pooled_to_host): pinned staging, grown as needed, and
+  // the events around the copy on copy_stream_.
+  float* pooled_host_ = nullptr;
+  size_t pooled_host_floats_ = 0;
+  const float* pooled_src_ = nullptr;  // what the pending early copy reads; null: none pending
+  size_t pooled_floats_ = 0;
+  cudaEvent_t pooled_ready_ = nullptr;
+  cudaEvent_t pooled_copied_ = nullptr;
   kernels::BlasHandle blas_;
   kernels::GemmTuner tuner_;   // on blas_'s workspace; tuned by reserve()
   bool fused_swiglu_ = false;  // gemm_swiglu runs here for this model (fused_swiglu_rows > 0)
