@@ -3,10 +3,12 @@
 //
 //   build/bin/bench_keep --shape qwen2.5-14b --segments 10,20,40,80 [--memory-tokens 4096]
 //                        [--reps 10] [--warmup 3] [--decays 0.96,0.80] [--json FILE]
+//                        [--keep-ratios 0.15]  (keep at the d whose schedule averages R)
 //                        [--methods full,keep,...]   (default: all; with CUPTI, one at a time)
 //                        [--pool tensor|fp32]  (importance pooling: CudaBackendOptions)
 //                        [--loads queue|sync] [--prefetch-mib M] [--loader-blocks B]
 //                        (layer-balanced loading: LoadOptions, CudaBackendOptions)
+//                        [--autotune-rows N]  (CudaBackendOptions::gemm_autotune_rows)
 //                        [--loader-bench B[,B...]]  (then the loader alone, below)
 //
 // --loader-bench: the loader on its own over every entry's every layer (all --segments' largest
@@ -21,11 +23,13 @@
 // KV is produced as keep-worker produces it ([prefix][segment], prefix dropped, bf16 pre-RoPE K)
 // into one host buffer registered for the GPU, as the shared region is: loads read it in place.
 // Each method then runs the same prompt `reps` times (after `warmup`), TTFT = the assembled
-// prefill to the last token's logits on the host. Printed per (segments, method): TTFT median,
-// min and max, the ratio to `full` in the same run, the mean recompute ratio, bytes loaded and the
-// load rate over the TTFT.
+// prefill to the last token's logits on the host. `prefix` (vLLM-style prefix caching) runs each
+// time after a previous step whose second half of segments came in another order. Printed per
+// (segments, method): TTFT median, min and max, the ratio to `full` in the same run, the mean
+// recompute ratio, bytes loaded and the load rate over the TTFT; --json appends the same lines.
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -49,9 +53,10 @@ using Clock = std::chrono::steady_clock;
 
 constexpr const char* kUsage =
     "usage: bench_keep --shape NAME [--segments N[,N...]] [--memory-tokens T] [--reps R]\n"
-    "                  [--warmup W] [--decays D[,D...]] [--json FILE] [--methods M[,M...]]\n"
+    "                  [--warmup W] [--decays D[,D...]] [--keep-ratios R[,R...]] [--json FILE]\n"
+    "                  [--methods M[,M...]]\n"
     "                  [--pool tensor|fp32] [--loads queue|sync] [--prefetch-mib M]\n"
-    "                  [--loader-blocks B] [--loader-bench B[,B...]]\n";
+    "                  [--loader-blocks B] [--loader-bench B[,B...]] [--autotune-rows N]\n";
 
 int fail(const Status& st) {
   std::fprintf(stderr, "bench_keep: %s\n", st.to_string().c_str());
@@ -87,7 +92,25 @@ struct Case {
   std::string label;
   Method method;
   MethodKnobs knobs;
+  double target_ratio = 0;  // keep: d chosen per segment count for this average ratio
 };
+
+// The decay whose schedule's average recompute ratio (RecomputeSchedule::average_ratio) comes
+// nearest `ratio` for `segments` over `layers` (the ratio is monotone in d, stepwise).
+double decay_for_ratio(int32_t layers, int32_t segments, double ratio) {
+  double lo = 0.0, hi = 1.0, best = 1.0, best_err = 2.0;
+  for (int i = 0; i < 60; ++i) {
+    const double d = 0.5 * (lo + hi);
+    const auto sch = make_recompute_schedule(layers, segments, d);
+    const double r = sch.is_ok() ? sch->average_ratio() : 1.0;
+    if (std::abs(r - ratio) < best_err) {
+      best_err = std::abs(r - ratio);
+      best = d;
+    }
+    (r < ratio ? lo : hi) = d;
+  }
+  return best;
+}
 
 int64_t offset_tokens(const std::vector<int32_t>& lengths, size_t s) {
   int64_t sum = 0;
@@ -223,9 +246,10 @@ Status bench_loader(engine::Engine& eng, engine::CudaBackend& cuda,
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string shape, json, methods = "full,full_reuse,cacheblend,epic,keep";
+  std::string shape, json, methods = "full,prefix,full_reuse,cacheblend,epic,keep";
   std::vector<int32_t> segment_counts = {10, 20, 40, 80};
   std::vector<double> decays = {0.96};
+  std::vector<double> keep_ratios;
   int64_t memory_tokens = 4096;
   int reps = 10, warmup = 3;
   engine::CudaBackendOptions options;
@@ -245,6 +269,8 @@ int main(int argc, char** argv) {
       if (!parse_list(v, &segment_counts)) return refuse("--segments: N[,N...] > 0");
     } else if (a == "--decays") {
       if (!parse_list(v, &decays)) return refuse("--decays: D[,D...] in (0, 1]");
+    } else if (a == "--keep-ratios") {
+      if (!parse_list(v, &keep_ratios)) return refuse("--keep-ratios: R[,R...] in (0, 1]");
     } else if (a == "--memory-tokens") {
       memory_tokens = std::atoll(v.c_str());
     } else if (a == "--reps") {
@@ -267,6 +293,8 @@ int main(int argc, char** argv) {
       loads.prefetch_bytes = static_cast<uint64_t>(mib * (1 << 20));
     } else if (a == "--loader-bench") {
       if (!parse_list(v, &loader_bench)) return refuse("--loader-bench: B[,B...] >= 1");
+    } else if (a == "--autotune-rows") {
+      options.gemm_autotune_rows = std::atoi(v.c_str());
     } else if (a == "--loader-blocks") {
       options.loader_blocks = std::atoi(v.c_str());
       if (options.loader_blocks < 1) return refuse("--loader-blocks: B >= 1");
@@ -363,6 +391,7 @@ int main(int argc, char** argv) {
 
   std::vector<Case> cases;
   cases.push_back({"full", Method::kFull, {}});
+  cases.push_back({"prefix", Method::kPrefix, {}});
   cases.push_back({"full_reuse", Method::kFullReuse, {}});
   cases.push_back({"cacheblend", Method::kCacheBlend, {}});
   cases.push_back({"epic", Method::kEpic, {}});
@@ -373,6 +402,11 @@ int main(int argc, char** argv) {
     std::snprintf(label, sizeof label, "keep d=%.2f", d);
     cases.push_back({label, Method::kKeep, k});
   }
+  for (double r : keep_ratios) {
+    char label[32];
+    std::snprintf(label, sizeof label, "keep ~%.2f", r);
+    cases.push_back({label, Method::kKeep, {}, r});
+  }
 
   // --methods: a case runs when its method's name is in the list (full is the ratios' base).
   const std::string wanted = "," + methods + ",";
@@ -382,7 +416,9 @@ int main(int argc, char** argv) {
                                       std::string::npos;
                              }),
               cases.end());
-  if (cases.empty()) return refuse("--methods: none of full, full_reuse, cacheblend, epic, keep");
+  if (cases.empty()) {
+    return refuse("--methods: none of full, prefix, full_reuse, cacheblend, epic, keep");
+  }
   std::ofstream out;
   if (!json.empty()) out.open(json, std::ios::app);
   std::printf("%-8s %-12s %8s %10s %9s %9s %8s %9s %11s %8s\n", "segments", "method", "mem_tok",
@@ -399,13 +435,27 @@ int main(int argc, char** argv) {
       mem += lengths[s];
     }
     req.query = query;
+    // `prefix`'s previous step: the same segments with the second half's order reversed (a new
+    // instruction reorders what retrieval returns), computed in full before each timed run, so
+    // that the longest common prefix is the system prefix and the first half.
+    AssembleRequest previous = req;
+    std::reverse(previous.segments.begin() + n / 2, previous.segments.end());
+    previous.method = Method::kFull;
     double full_ms = 0;
     for (const Case& c : cases) {
       req.method = c.method;
       req.knobs = c.knobs;
+      if (c.target_ratio > 0) {
+        req.knobs.keep_decay =
+            decay_for_ratio(static_cast<int32_t>(cfg->num_layers), n, c.target_ratio);
+      }
       std::vector<double> ms;
       AssembleStats st;
       for (int r = 0; r < warmup + reps; ++r) {
+        if (c.method == Method::kPrefix) {
+          auto prev = (*assembler)->prefill(previous);
+          if (!prev.is_ok()) return fail(prev.status());
+        }
         const auto t0 = Clock::now();
         auto pre = (*assembler)->prefill(req);
         const double t = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
@@ -423,7 +473,9 @@ int main(int argc, char** argv) {
                   static_cast<double>(st.bytes_loaded) / (med * 1e6));
       if (out) {
         out << "{\"shape\":\"" << shape << "\",\"segments\":" << n << ",\"method\":\"" << c.label
-            << "\",\"memory_tokens\":" << mem << ",\"ttft_ms\":" << med
+            << "\",\"memory_tokens\":" << mem << ",\"prompt_tokens\":" << st.prompt_tokens
+            << ",\"ttft_ms\":" << med << ",\"min_ms\":" << *std::min_element(ms.begin(), ms.end())
+            << ",\"max_ms\":" << *std::max_element(ms.begin(), ms.end()) << ",\"reps\":" << reps
             << ",\"recompute_ratio\":" << st.recompute_ratio
             << ",\"bytes_loaded\":" << st.bytes_loaded << "}\n";
       }
