@@ -191,6 +191,10 @@ class MappedFile {
 
   const uint8_t* data() const { return base_; }
   size_t size() const { return size_; }
+  // Drops the resident pages (read again from the file on the next access).
+  void release() const {
+    if (base_) ::madvise(const_cast<uint8_t*>(base_), size_, MADV_DONTNEED);
+  }
 
  private:
   MappedFile() = default;
@@ -435,6 +439,15 @@ Result<std::unique_ptr<SafetensorsModel>> SafetensorsModel::open_dir(const std::
     model->index_.emplace(it.key(), found->second);
   }
   return model;
+}
+
+void SafetensorsFile::release_pages() const {
+  if (map_) map_->release();
+}
+
+size_t SafetensorsModel::shard_of(std::string_view name) const {
+  auto it = index_.find(name);
+  return it == index_.end() ? shards_.size() : it->second;
 }
 
 bool SafetensorsModel::contains(std::string_view name) const {

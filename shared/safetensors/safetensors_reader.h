@@ -107,6 +107,9 @@ class SafetensorsFile {
   std::vector<std::string> names() const;
   // The "__metadata__" object (string values only; others are refused at open).
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  // Drops the mapping's resident pages (madvise DONTNEED; views stay valid and read the file
+  // again when touched): a streaming reader keeps one shard resident at a time.
+  void release_pages() const;
 
  private:
   struct Entry {
@@ -142,6 +145,9 @@ class SafetensorsModel {
                             const std::vector<int64_t>& expected_shape) const;
   std::vector<std::string> names() const;  // sorted
   size_t shard_count() const { return shards_.size(); }
+  const SafetensorsFile& shard(size_t i) const { return *shards_.at(i); }
+  // The shard holding `name`, shard_count() when none does.
+  size_t shard_of(std::string_view name) const;
 
  private:
   std::string where_;  // directory or file, for messages

@@ -23,7 +23,9 @@
 #include "services/worker/engine/cuda/cuda_backend.h"
 #include "services/worker/kernels/kernels.h"
 #include "shared/model/model_weights.h"
+#include "shared/model/hf_loader.h"
 #include "tests/engine_fixture.h"
+#include "tests/hf_dir_writer.h"
 #include "tests/unit/engine_test_model.h"
 #include "tests/unit/replay_scenario.h"
 
@@ -384,17 +386,55 @@ TEST_CASE("CUDA layer API: independent blocks equal each block alone; pooled mas
     for (int32_t l = 0; l < c.num_layers; ++l) {
       CHECK(rel_diff(fb.k_pre[l], fa.k_pre[l], 0, size_t(prefix + l1) * kvd) < 2e-2);
       CHECK(rel_diff(fb.v[l], fa.v[l], 0, size_t(prefix + l1) * kvd) < 2e-2);
-      // Pooled attention: every row's mass over the groups sums to the head count; a block-2 row
-      // puts nothing on block 1, a prefix row nothing outside the prefix.
+      // Pooled attention: every row's mass over the groups sums to the head count (within the
+      // tensor-core pooling's bf16 rounding per head and group); a block-2 row puts nothing on
+      // block 1, a prefix row nothing outside the prefix.
       for (int32_t r = 0; r < both.num_rows(); ++r) {
         const float* pr = pooled[l].data() + r * 3;
-        CHECK(std::fabs(pr[0] + pr[1] + pr[2] - float(c.num_heads)) < 1e-3f * c.num_heads);
+        CHECK(std::fabs(pr[0] + pr[1] + pr[2] - float(c.num_heads)) < 1e-2f * c.num_heads);
         if (r >= prefix + l1) CHECK(pr[1] == 0.0f);
         if (r < prefix) CHECK(pr[1] + pr[2] == 0.0f);
       }
       for (float x : fb.lse[l]) CHECK(std::isfinite(x));
     }
   }
+}
+
+TEST_CASE("CUDA create_from_hf: a sharded checkpoint as stored gives create()'s weights") {
+  // Norms F32, layer 1 F16, the rest BF16, over three shards: the streamed upload must put the
+  // same bf16 / fp32 values where create(load_hf_weights) puts them -- identical logits.
+  keep::testing::TempDir dir("cuda_stream");
+  keep::testing::write_random_hf_dir(
+      dir.path(), keep::testing::qwen2_config(256, 512, 2, 4, 2, 512), 3,
+      [](const std::string& name) -> std::string {
+        if (name.find("norm") != std::string::npos) return "F32";
+        if (name.find("layers.1.") != std::string::npos) return "F16";
+        return "";
+      },
+      11);
+  auto fp32 = load_hf_weights(dir.path());
+  REQUIRE_MESSAGE(fp32.is_ok(), fp32.status().to_string());
+  auto a = CudaBackend::create(*fp32);
+  auto b = CudaBackend::create_from_hf(dir.path());
+  REQUIRE_MESSAGE(a.is_ok(), a.status().to_string());
+  REQUIRE_MESSAGE(b.is_ok(), b.status().to_string());
+  auto ea = Engine::create(std::move(a).value(), 64);
+  auto eb = Engine::create(std::move(b).value(), 64);
+  REQUIRE(ea.is_ok());
+  REQUIRE(eb.is_ok());
+  const auto tokens = random_tokens(40, 512, 3);
+  auto ca = KvCache::create((*ea)->backend(), 64);
+  auto cb = KvCache::create((*eb)->backend(), 64);
+  auto la = (*ea)->prefill(*ca, tokens);
+  auto lb = (*eb)->prefill(*cb, tokens);
+  REQUIRE(la.is_ok());
+  REQUIRE(lb.is_ok());
+  CHECK(*la == *lb);
+  // A missing shard is refused naming it, before the device holds anything.
+  std::filesystem::remove(dir.path() + "/model-00002-of-00003.safetensors");
+  auto broken = CudaBackend::create_from_hf(dir.path());
+  REQUIRE_FALSE(broken.is_ok());
+  CHECK(broken.status().message().find("model-00002-of-00003") != std::string::npos);
 }
 
 TEST_CASE("CUDA out_rows: kept rows' output and all K/V equal the full layer call") {

@@ -16,87 +16,20 @@
 #include "shared/model/hf_loader.h"
 #include "shared/model/model_weights.h"
 #include "shared/safetensors/safetensors_reader.h"
+#include "tests/hf_dir_writer.h"
 
 using keep::Code;
 using namespace keep::engine;
 using nlohmann::json;
 namespace fs = std::filesystem;
+using keep::testing::as_dtype;
+using keep::testing::RawTensor;
+using keep::testing::TempDir;
+using keep::testing::write_safetensors;
 
 namespace {
 
 constexpr const char* kTiny = "tests/fixtures/engine/tiny-qwen2";
-
-struct RawTensor {
-  std::string dtype;  // "F32", "F16", "BF16"
-  std::vector<int64_t> shape;
-  std::vector<uint8_t> bytes;
-};
-
-void write_safetensors(const std::string& path, const std::map<std::string, RawTensor>& ts) {
-  json header = json::object();
-  uint64_t off = 0;
-  for (const auto& [name, t] : ts) {
-    header[name] = {
-        {"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {off, off + t.bytes.size()}}};
-    off += t.bytes.size();
-  }
-  const std::string h = header.dump();
-  const uint64_t n = h.size();
-  std::ofstream out(path, std::ios::binary);
-  out.write(reinterpret_cast<const char*>(&n), 8);
-  out.write(h.data(), static_cast<std::streamsize>(h.size()));
-  for (const auto& [name, t] : ts) {
-    out.write(reinterpret_cast<const char*>(t.bytes.data()),
-              static_cast<std::streamsize>(t.bytes.size()));
-  }
-}
-
-// fp32 -> fp16 bits for values that are exactly representable as normal halves (checked).
-uint16_t exact_half(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  const uint32_t sign = (u >> 16) & 0x8000u;
-  const int exp = static_cast<int>((u >> 23) & 0xFF) - 127 + 15;
-  const uint16_t h =
-      static_cast<uint16_t>(sign | (static_cast<uint32_t>(exp) << 10) | ((u >> 13) & 0x3FFu));
-  REQUIRE(exp > 0);
-  REQUIRE(exp < 31);
-  REQUIRE(keep::safetensors::fp16_to_fp32(h) == f);
-  return h;
-}
-
-RawTensor as_dtype(const keep::safetensors::TensorView& v, const std::string& dtype) {
-  RawTensor r{dtype, v.shape, {}};
-  auto f = keep::safetensors::to_fp32(v);
-  REQUIRE(f.is_ok());
-  if (dtype == "BF16") {
-    r.bytes.assign(v.data, v.data + v.bytes);
-  } else if (dtype == "F32") {
-    r.bytes.resize(f->size() * 4);
-    std::memcpy(r.bytes.data(), f->data(), r.bytes.size());
-  } else {
-    for (float x : *f) {
-      const uint16_t h = exact_half(x);
-      r.bytes.push_back(static_cast<uint8_t>(h & 0xFF));
-      r.bytes.push_back(static_cast<uint8_t>(h >> 8));
-    }
-  }
-  return r;
-}
-
-class TempDir {
- public:
-  explicit TempDir(const std::string& stem)
-      : path_("/tmp/keep_test_hf_" + std::to_string(::getpid()) + "_" + stem) {
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
 
 const ModelWeights& tiny() {
   static ModelWeights* w = [] {
@@ -298,4 +231,151 @@ TEST_CASE("broken directories are refused, naming the file and the tensor") {
     CHECK_ERROR(load_model(f).status(), {f, "neither"});
     CHECK_ERROR(load_model(dir.path() + "/absent").status(), {"absent"});
   }
+}
+
+namespace {
+
+// The process's peak resident set (VmHWM, KiB), after `reset` lowers it to the current one
+// (/proc/self/clear_refs 5); -1 where the kernel offers neither.
+long peak_rss_kib(bool reset) {
+  if (reset) {
+    std::ofstream c("/proc/self/clear_refs");
+    c << "5";
+    if (!c) return -1;
+  }
+  std::ifstream st("/proc/self/status");
+  std::string line;
+  while (std::getline(st, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::stol(line.substr(6));
+  }
+  return -1;
+}
+
+}  // namespace
+
+TEST_CASE("stream_hf_weights hands every weight over once, as stored, shard by shard") {
+  TempDir dir("stream");
+  // Mixed dtypes: norms F32, layer 1 F16, the rest BF16.
+  keep::testing::write_random_hf_dir(
+      dir.path(), keep::testing::qwen2_config(64, 128, 3, 4, 2, 256), 3,
+      [](const std::string& name) -> std::string {
+        if (name.find("norm") != std::string::npos) return "F32";
+        if (name.find("layers.1.") != std::string::npos) return "F16";
+        return "";
+      },
+      7);
+  auto cfg = load_hf_config(dir.path() + "/config.json");
+  REQUIRE(cfg.is_ok());
+  auto fp32 = load_hf_weights(dir.path());
+  REQUIRE_MESSAGE(fp32.is_ok(), fp32.status().to_string());
+  const auto table = hf_weight_table(*cfg);
+  std::map<std::string, int> seen;
+  size_t last_shard = 0;
+  const uint8_t* last_data = nullptr;
+  ModelWeights& w = *fp32;
+  auto field = [&](const HfWeight& hw) -> const Tensor& {
+    if (hw.layer < 0) {
+      return hw.role == WeightRole::kEmbed       ? w.embed
+             : hw.role == WeightRole::kFinalNorm ? w.final_norm
+                                                 : w.lm_head;
+    }
+    const LayerWeights& l = w.layers[static_cast<size_t>(hw.layer)];
+    switch (hw.role) {
+      case WeightRole::kWq:
+        return l.wq;
+      case WeightRole::kBk:
+        return l.bk;
+      case WeightRole::kAttnNorm:
+        return l.attn_norm;
+      case WeightRole::kUp:
+        return l.w_up;
+      case WeightRole::kDown:
+        return l.w_down;
+      default:
+        return l.wv;  // checked only for the roles above
+    }
+  };
+  keep::Status st = stream_hf_weights(dir.path(), *cfg, [&](const WeightPiece& p) {
+    ++seen[p.weight->name];
+    CHECK(p.shard >= last_shard);  // shard by shard
+    if (p.shard == last_shard && last_data != nullptr) CHECK(p.view->data > last_data);
+    last_shard = p.shard;
+    last_data = p.view->data;
+    const bool norm = p.weight->name.find("norm") != std::string::npos;
+    const bool layer1 = p.weight->name.find("layers.1.") != std::string::npos;
+    CHECK(p.view->dtype == (norm     ? keep::safetensors::DType::kF32
+                            : layer1 ? keep::safetensors::DType::kF16
+                                     : keep::safetensors::DType::kBF16));
+    CHECK(p.view->shape == p.weight->shape);
+    const WeightRole r = p.weight->role;
+    if (p.weight->layer < 0 || r == WeightRole::kWq || r == WeightRole::kBk ||
+        r == WeightRole::kAttnNorm || r == WeightRole::kUp || r == WeightRole::kDown ||
+        r == WeightRole::kWv) {
+      auto f = keep::safetensors::to_fp32(*p.view);
+      REQUIRE(f.is_ok());
+      CHECK_MESSAGE(*f == field(*p.weight).data, p.weight->name);
+    }
+    return keep::Status::ok();
+  });
+  REQUIRE_MESSAGE(st.is_ok(), st.to_string());
+  CHECK(last_shard == 2);
+  REQUIRE(seen.size() == table.size());
+  for (const auto& hw : table) CHECK_MESSAGE(seen[hw.name] == 1, hw.name);
+
+  // A sink's error stops the stream, naming the weight; a missing weight is refused before any.
+  int calls = 0;
+  st = stream_hf_weights(dir.path(), *cfg, [&](const WeightPiece&) {
+    return ++calls == 5 ? keep::Status(Code::kInternal, "device full") : keep::Status::ok();
+  });
+  CHECK_ERROR(st, {"device full", dir.path()});
+  CHECK(calls == 5);
+  ModelConfig more = *cfg;
+  more.num_layers = 4;
+  calls = 0;
+  st = stream_hf_weights(dir.path(), more, [&](const WeightPiece&) {
+    ++calls;
+    return keep::Status::ok();
+  });
+  CHECK_ERROR(st, {"model.layers.3.", "missing"});
+  CHECK(calls == 0);
+}
+
+TEST_CASE("streaming a sharded checkpoint keeps about one shard resident; fp32 loading does not") {
+  TempDir dir("stream_rss");
+  // ~80 MiB of bf16 in 8 shards of ~10 MiB.
+  keep::testing::write_random_hf_dir(
+      dir.path(), keep::testing::qwen2_config(512, 2048, 8, 8, 4, 8192), 8, nullptr, 3);
+  auto cfg = load_hf_config(dir.path() + "/config.json");
+  REQUIRE(cfg.is_ok());
+  uint64_t largest = 0, total = 0;
+  for (const auto& e : fs::directory_iterator(dir.path())) {
+    if (e.path().extension() != ".safetensors") continue;
+    largest = std::max<uint64_t>(largest, e.file_size());
+    total += e.file_size();
+  }
+  const long base = peak_rss_kib(true);
+  if (base < 0) {
+    MESSAGE("no VmHWM reset on this kernel: the resident-memory bound is not checked");
+    return;
+  }
+  double sum = 0;  // every byte read, as an upload would
+  keep::Status st = stream_hf_weights(dir.path(), *cfg, [&](const WeightPiece& p) {
+    for (size_t i = 0; i < p.view->bytes; i += 64) sum += p.view->data[i];
+    return keep::Status::ok();
+  });
+  REQUIRE(st.is_ok());
+  CHECK(sum > 0);
+  const long streamed_kib = peak_rss_kib(false) - base;
+  // The fp32 loader holds the whole model twice over: the measurement can see it.
+  const long base2 = peak_rss_kib(true);
+  {
+    auto w = load_hf_weights(dir.path(), 2);
+    REQUIRE(w.is_ok());
+  }
+  const long loaded_kib = peak_rss_kib(false) - base2;
+  MESSAGE("peak RSS growth: streamed " << streamed_kib << " KiB, fp32 load " << loaded_kib
+                                       << " KiB; largest shard " << largest / 1024 << " KiB of "
+                                       << total / 1024);
+  CHECK(static_cast<uint64_t>(loaded_kib) * 1024 > 2 * total);
+  CHECK(static_cast<uint64_t>(streamed_kib) * 1024 < 2 * largest + (8u << 20));
 }

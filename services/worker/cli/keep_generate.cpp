@@ -25,12 +25,9 @@
 
 #include <nlohmann/json.hpp>
 
-#include "services/worker/engine/cpu/cpu_backend.h"
-#ifdef KEEP_HAVE_CUDA
-#include "services/worker/engine/cuda/cuda_backend.h"
-#endif
 #include "services/worker/engine/core/engine.h"
 #include "services/worker/engine/core/sampling.h"
+#include "services/worker/engine/open_model.h"
 #include "shared/common/log.h"
 #include "shared/common/options.h"
 #include "shared/model/hf_loader.h"
@@ -300,50 +297,28 @@ struct Runtime {
 
 std::optional<Failure> load(const Request& r, Runtime* rt) {
   const auto t0 = Clock::now();
-  std::error_code ec;
-  if (std::filesystem::is_directory(r.model, ec) &&
-      !std::filesystem::exists(std::filesystem::path(r.model) / "config.json", ec)) {
-    return runtime("cannot load model: " + r.model +
-                   " is a directory without config.json (not a Hugging Face model directory)");
+  eng::OpenOptions oo;
+  oo.device = r.device;
+  oo.threads = r.threads;
+  auto opened = eng::open_model(r.model, oo);
+  if (!opened.is_ok()) {
+    const bool gpu = opened.status().message().find("--device cuda") != std::string::npos;
+    return runtime((gpu ? "cannot use the GPU: " : "cannot load model: ") +
+                   opened.status().message());
   }
-  eng::LoadOptions lo;
-  lo.threads = r.threads;
-  auto loaded = eng::load_model(r.model, lo);
-  if (!loaded.is_ok()) return runtime("cannot load model: " + loaded.status().message());
-  rt->model = std::move(loaded).value();
-  auto weights = std::make_shared<const eng::ModelWeights>(std::move(rt->model.weights));
-  rt->model.weights = eng::ModelWeights{};
-  rt->model.weights.config = weights->config;
-  std::unique_ptr<eng::Backend> backend;
-#ifdef KEEP_HAVE_CUDA
-  if (r.device != "cpu") {
-    auto cuda = eng::CudaBackend::create(*weights);
-    if (cuda.is_ok()) {
-      backend = std::move(cuda).value();
-    } else if (r.device == "cuda") {
-      return runtime("cannot use the GPU: " + cuda.status().message());
-    } else if (cuda.status().code() != keep::Code::kUnavailable) {
-      KEEP_LOG_INFO(kProgram, "running on the CPU: %s", cuda.status().message().c_str());
-    }
-  }
-#else
-  if (r.device == "cuda") return runtime("cannot use the GPU: this build has no CUDA backend");
-#endif
-  if (!backend) {
-    eng::CpuBackendOptions bo;
-    bo.attention_threads = r.threads;
-    bo.blas_threads = r.threads;
-    auto cpu = eng::CpuBackend::create(weights, bo);
-    if (!cpu.is_ok()) return runtime("cannot load model: " + cpu.status().message());
-    backend = std::move(cpu).value();
-  }
+  rt->model.tokenizer = std::move(opened->tokenizer);
+  rt->model.chat_template = std::move(opened->chat_template);
+  rt->model.format = opened->format;
+  rt->model.source = r.model;
+  std::unique_ptr<eng::Backend> backend = std::move(opened->backend);
+  rt->model.weights.config = backend->config();
   const std::string backend_name = backend->name();
   auto engine = eng::Engine::create(std::move(backend));
   if (!engine.is_ok()) return runtime(engine.status().message());
   rt->engine = std::move(engine).value();
   if (r.stats) {
     std::fprintf(stderr, "%s: load: %.2f s (%s, %s) on %s\n", kProgram, seconds_since(t0),
-                 rt->model.format.c_str(), weights->config.to_string().c_str(),
+                 rt->model.format.c_str(), rt->model.weights.config.to_string().c_str(),
                  backend_name.c_str());
   }
   return std::nullopt;

@@ -5,7 +5,7 @@
 #include <filesystem>
 #include <functional>
 
-#include "services/worker/engine/cpu/cpu_backend.h"
+#include "services/worker/engine/open_model.h"
 #include "services/worker/server/worker_service.h"
 #include "shared/common/log.h"
 #include "shared/metrics/http_server.h"
@@ -75,40 +75,17 @@ Result<std::unique_ptr<WorkerDaemon>> WorkerDaemon::start(const WorkerConfig& co
                   "--model: " + config.model_path + " is a directory without config.json");
   }
   KEEP_ASSIGN_OR_RETURN(auto identity, eng::read_model_identity(config.model_path));
-  eng::LoadOptions lo;
-  lo.threads = config.threads;
-  KEEP_ASSIGN_OR_RETURN(auto model, eng::load_model(config.model_path, lo));
+  eng::OpenOptions oo;
+  oo.device = config.device;
+  oo.threads = config.threads;
+  KEEP_ASSIGN_OR_RETURN(eng::OpenedModel model, eng::open_model(config.model_path, oo));
   if (!model.tokenizer) {
     return Status(Code::kInvalidArgument, "--model: " + config.model_path + " has no tokenizer");
   }
   d.tokenizer.emplace(std::move(*model.tokenizer));
-  auto weights = std::make_shared<const eng::ModelWeights>(std::move(model.weights));
+  std::unique_ptr<eng::Backend> backend = std::move(model.backend);
   const kv::ModelFingerprint fingerprint = eng::kv_fingerprint(
-      weights->config, d.tokenizer->fingerprint(), config.kv_dtype, identity.name);
-
-  std::unique_ptr<eng::Backend> backend;
-#ifdef KEEP_HAVE_CUDA
-  if (config.device != "cpu") {
-    auto cuda = eng::CudaBackend::create(*weights);
-    if (cuda.is_ok()) {
-      backend = std::move(cuda).value();
-    } else if (config.device == "cuda") {
-      return cuda.status().with_context("--device cuda");
-    } else {
-      KEEP_LOG_INFO(kLog, "running on the CPU: %s", cuda.status().message().c_str());
-    }
-  }
-#else
-  if (config.device == "cuda") {
-    return Status(Code::kInvalidArgument, "--device cuda: this build has no CUDA backend");
-  }
-#endif
-  if (!backend) {
-    eng::CpuBackendOptions bo;
-    bo.attention_threads = config.threads;
-    bo.blas_threads = config.threads;
-    KEEP_ASSIGN_OR_RETURN(backend, eng::CpuBackend::create(weights, bo));
-  }
+      backend->config(), d.tokenizer->fingerprint(), config.kv_dtype, identity.name);
   const std::string backend_name = backend->name();
   KEEP_ASSIGN_OR_RETURN(d.engine, eng::Engine::create(std::move(backend)));
   KEEP_ASSIGN_OR_RETURN(auto chat, tok::ChatTemplate::from_jinja(model.chat_template));

@@ -11,6 +11,8 @@
 #include "services/worker/kernels/bf16.h"
 #include "services/worker/kernels/kernels.h"
 #include "shared/common/log.h"
+#include "shared/model/hf_loader.h"
+#include "shared/safetensors/safetensors_reader.h"
 
 namespace keep::engine {
 
@@ -444,6 +446,110 @@ Result<std::unique_ptr<CudaBackend>> CudaBackend::create(const ModelWeights& wei
   KEEP_RETURN_IF_ERROR(put_f32(b->final_norm_, {&weights.final_norm}));
   if (b->lm_head_f32_ != nullptr) {
     KEEP_RETURN_IF_ERROR(put_f32(b->lm_head_f32_, {&weights.output_weight()}));
+  }
+  return b;
+}
+
+Result<std::unique_ptr<CudaBackend>> CudaBackend::create_from_hf(
+    const std::string& dir, const CudaBackendOptions& options) {
+  KEEP_ASSIGN_OR_RETURN(ModelConfig config, load_hf_config(dir + "/config.json"));
+  KEEP_ASSIGN_OR_RETURN(std::unique_ptr<CudaBackend> b, prepare(config, options));
+  const ModelConfig& c = b->config_;
+  const size_t C = c.hidden_size, q = c.q_dim(), kv = c.kv_dim(), I = c.intermediate_size;
+  using safetensors::DType;
+  // F16/F32 elements widen to fp32 in chunks of this many, then round to bf16 as create()'s
+  // float_to_bf16 does: identical device weights from a bounded buffer.
+  constexpr size_t kChunk = size_t{8} << 20;
+  std::vector<kernels::Bf16> staging;
+  std::vector<float> wide;
+  auto element = [](const safetensors::TensorView& v, size_t i) {
+    if (v.dtype == DType::kF32) {
+      float f;
+      std::memcpy(&f, v.data + 4 * i, 4);
+      return f;
+    }
+    uint16_t h;
+    std::memcpy(&h, v.data + 2 * i, 2);
+    return v.dtype == DType::kF16 ? safetensors::fp16_to_fp32(h) : safetensors::bf16_to_fp32(h);
+  };
+  auto to_bf16 = [&](const bf16* dst, const safetensors::TensorView& v) -> Status {
+    const auto n = static_cast<size_t>(v.numel());
+    if (v.dtype == DType::kBF16) {  // as stored: straight from the mapping
+      return cuda_status(
+          cudaMemcpy(const_cast<bf16*>(dst), v.data, v.bytes, cudaMemcpyHostToDevice),
+          "weight upload");
+    }
+    staging.resize(std::min(n, kChunk));
+    for (size_t at = 0; at < n; at += kChunk) {
+      const size_t m = std::min(kChunk, n - at);
+      for (size_t i = 0; i < m; ++i) staging[i] = kernels::float_to_bf16(element(v, at + i));
+      KEEP_RETURN_IF_ERROR(cuda_status(
+          cudaMemcpy(const_cast<bf16*>(dst) + at, staging.data(), m * 2, cudaMemcpyHostToDevice),
+          "weight upload"));
+    }
+    return Status::ok();
+  };
+  auto to_f32 = [&](const float* dst, const safetensors::TensorView& v) -> Status {
+    const auto n = static_cast<size_t>(v.numel());  // norms and biases: small
+    wide.resize(n);
+    for (size_t i = 0; i < n; ++i) wide[i] = element(v, i);
+    return cuda_status(
+        cudaMemcpy(const_cast<float*>(dst), wide.data(), n * 4, cudaMemcpyHostToDevice),
+        "weight upload");
+  };
+  Status st = stream_hf_weights(dir, c, [&](const WeightPiece& p) -> Status {
+    const HfWeight& w = *p.weight;
+    const safetensors::TensorView& v = *p.view;
+    if (w.layer < 0) {
+      switch (w.role) {
+        case WeightRole::kEmbed:
+          return to_bf16(static_cast<const bf16*>(b->embed_), v);
+        case WeightRole::kFinalNorm:
+          return to_f32(b->final_norm_, v);
+        default:
+          return to_bf16(static_cast<const bf16*>(b->lm_head_), v);
+      }
+    }
+    const Layer& d = b->layers_[static_cast<size_t>(w.layer)];
+    switch (w.role) {
+      case WeightRole::kAttnNorm:
+        return to_f32(d.attn_norm, v);
+      case WeightRole::kFfnNorm:
+        return to_f32(d.ffn_norm, v);
+      case WeightRole::kWq:
+        return to_bf16(d.w_qkv, v);
+      case WeightRole::kWk:
+        return to_bf16(d.w_qkv + q * C, v);
+      case WeightRole::kWv:
+        return to_bf16(d.w_qkv + (q + kv) * C, v);
+      case WeightRole::kBq:
+        return to_f32(d.b_q, v);
+      case WeightRole::kBk:
+        return to_f32(d.b_q + q, v);
+      case WeightRole::kBv:
+        return to_f32(d.b_q + q + kv, v);
+      case WeightRole::kWo:
+        return to_bf16(d.w_o, v);
+      case WeightRole::kBo:
+        return to_f32(d.b_o, v);
+      case WeightRole::kGate:
+        return to_bf16(d.w_gate_up, v);
+      case WeightRole::kUp:
+        return to_bf16(d.w_gate_up + I * C, v);
+      case WeightRole::kDown:
+        return to_bf16(d.w_down, v);
+      default:
+        return Status(Code::kInternal, "cuda backend: a weight role without a place");
+    }
+  });
+  KEEP_RETURN_IF_ERROR(st.with_context("cuda backend"));
+  if (b->lm_head_f32_ != nullptr) {
+    // Logits::kF32: the fp32 copy widened from the bf16 one on the device (exact for bf16
+    // checkpoints; F32 ones keep their bf16 rounding here).
+    KEEP_CUDA_CHECK(kernels::convert(const_cast<float*>(b->lm_head_f32_),
+                                     static_cast<const bf16*>(b->lm_head_),
+                                     static_cast<int64_t>(c.vocab_size * C), b->stream_));
+    KEEP_CUDA_CHECK(cudaStreamSynchronize(b->stream_));
   }
   return b;
 }

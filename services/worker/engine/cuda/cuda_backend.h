@@ -131,6 +131,13 @@ class CudaBackend final : public Backend {
   // Uploads `weights` (converted to bf16) to the device. kUnavailable without a usable GPU.
   static Result<std::unique_ptr<CudaBackend>> create(const ModelWeights& weights,
                                                      const CudaBackendOptions& options = {});
+  // A Hugging Face directory's weights as stored (config.json + safetensors, sharded or not):
+  // each tensor goes from its shard's mapping to the device, BF16 directly, F16/F32 through a
+  // bounded bf16 staging buffer (norms and biases to fp32), one shard resident at a time
+  // (stream_hf_weights): no fp32 copy of the model on the host. The same device weights as
+  // create(load_hf_weights(dir)).
+  static Result<std::unique_ptr<CudaBackend>> create_from_hf(
+      const std::string& dir, const CudaBackendOptions& options = {});
   // Random weights of `config`'s shapes made on the device (uniform, never zero): for timing
   // models whose weights are not at hand. Values are scaled so activations stay finite.
   static Result<std::unique_ptr<CudaBackend>> create_random(const ModelConfig& config,
