@@ -3,7 +3,7 @@
 //
 //   build/bin/bench_keep --shape qwen2.5-14b --segments 10,20,40,80 [--memory-tokens 4096]
 //                        [--reps 10] [--warmup 3] [--decays 0.96,0.80] [--json FILE]
-//                        [--keep-ratios 0.15]  (keep at the d whose schedule averages R)
+//                        [--keep-ratios 0.15]  (keep at the d whose requests reach ratio R)
 //                        [--methods full,keep,...]   (default: all; with CUPTI, one at a time)
 //                        [--pool tensor|fp32]  (importance pooling: CudaBackendOptions)
 //                        [--loads queue|sync] [--prefetch-mib M] [--loader-blocks B]
@@ -446,8 +446,25 @@ int main(int argc, char** argv) {
       req.method = c.method;
       req.knobs = c.knobs;
       if (c.target_ratio > 0) {
-        req.knobs.keep_decay =
-            decay_for_ratio(static_cast<int32_t>(cfg->num_layers), n, c.target_ratio);
+        // The schedule's ratio counts segments; the reached one counts the tokens of the
+        // segments importance kept. Start from the schedule's d, then bisect on what requests
+        // reach (a few untimed prefills).
+        double d = decay_for_ratio(static_cast<int32_t>(cfg->num_layers), n, c.target_ratio);
+        double lo = 0.0, hi = 1.0, best = d, best_err = 2.0;
+        for (int it = 0; it < 10; ++it) {
+          req.knobs.keep_decay = d;
+          auto pre = (*assembler)->prefill(req);
+          if (!pre.is_ok()) return fail(pre.status());
+          const double got = pre->stats.recompute_ratio;
+          if (std::abs(got - c.target_ratio) < best_err) {
+            best_err = std::abs(got - c.target_ratio);
+            best = d;
+          }
+          if (best_err < 0.005) break;
+          (got < c.target_ratio ? lo : hi) = d;
+          d = 0.5 * (lo + hi);
+        }
+        req.knobs.keep_decay = best;
       }
       std::vector<double> ms;
       AssembleStats st;

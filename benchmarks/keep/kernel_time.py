@@ -18,7 +18,7 @@ def summarize(csv_path, log_path, top=25):
     """Returns (ttft_ms, busy_ms, idle_ms, [(name, ms, count), ...] by time)."""
     ttft = None
     for line in open(log_path):
-        m = re.match(r"\s*\d+\s+(keep d=\S+|\S+)\s+\d+\s+([\d.]+)", line)
+        m = re.match(r"\s*\d+\s+(keep \S+|\S+)\s+\d+\s+([\d.]+)", line)
         if m:
             ttft = float(m.group(2))
     if ttft is None:
@@ -80,7 +80,8 @@ def self_test():
             f.write("kernel,11000000,12000000,9,1,load\n")           # another stream, covered
         with open(log, "w") as f:
             f.write("segments method mem_tok ttft_ms\n")
-            f.write("40       keep d=0.85      4108      10.00     10.00  10.00\n")
+            f.write("40       keep d=0.96      4108      99.00     99.00  99.00\n")
+            f.write("40       keep ~0.15       4108      10.00     10.00  10.00\n")
         ttft, busy, idle, ranked, per_stream = summarize(csv, log)
         assert ttft == 10.0, ttft
         assert abs(busy - 8.0) < 1e-9, busy     # [10,15] + [17,20]

@@ -5,7 +5,7 @@
 # matplotlib). Usage:
 #   benchmarks/keep/run.sh BENCH_KEEP [shapes...]   (default: qwen2.5-7b qwen2.5-14b qwen2.5-32b)
 # Env: SEGMENTS (10,20,40,80), REPS (7), WARMUP (2), DECAYS (0.96: the paper's), RATIOS (0.15:
-#      keep at the d whose schedule averages that recompute ratio, per shape and segment count),
+#      keep at the d whose requests reach that recompute ratio, per shape and segment count),
 #      OUT (/tmp/keep-bench), TRACE_SHAPE (qwen2.5-14b; empty: no trace), TRACE_ARGS (--segments 40
 #      --methods keep --keep-ratios 0.15: the last request is traced), HF (1; 0 skips HF).
 set -uo pipefail
