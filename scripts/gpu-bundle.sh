@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds, on this machine, the GPU programs that need the whole repository's Debian packages
-# (test_cuda_engine, test_cuda_assembler, bench_prefill, bench_keep: the engine, its GGUF/HF loaders, nlohmann-json, utf8proc) and
+# (test_cuda_engine, test_cuda_assembler, test_device_kv_tier + device_tier_probe, bench_prefill,
+# bench_keep: the engine, its GGUF/HF loaders, nlohmann-json, utf8proc, Boost.Interprocess) and
 # packs them with the shared libraries a bare CUDA machine lacks into .gpu-bundle/, which
 # scripts/gpu-check.sh runs when it finds it. For GPU machines that cannot install our packages
 # (no network): carry .gpu-bundle with the call. Usage: scripts/gpu-bundle.sh [build-dir]; on the
@@ -26,10 +27,11 @@ generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
 cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DKEEP_CUDA=ON \
   -DCMAKE_CUDA_ARCHITECTURES=90a -DKEEP_BENCHMARKS=ON -DKEEP_TESTS=ON >/dev/null
-cmake --build "$build" --target test_cuda_engine test_cuda_assembler bench_prefill bench_keep -j "$(nproc)"
+cmake --build "$build" --target test_cuda_engine test_cuda_assembler test_device_kv_tier \
+  device_tier_probe bench_prefill bench_keep -j "$(nproc)"
 rm -rf "$out"
 mkdir -p "$out/bin" "$out/lib"
-for t in test_cuda_engine test_cuda_assembler; do
+for t in test_cuda_engine test_cuda_assembler test_device_kv_tier device_tier_probe; do
   cp "$(find "$build" -type f -name "$t" -perm -u+x | head -1)" "$out/bin/"
 done
 cp "$build/bin/bench_prefill" "$build/bin/bench_keep" "$out/bin/"

@@ -50,7 +50,8 @@ whole=0
 if cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DKEEP_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES=90a -DKEEP_BENCHMARKS=ON >"$build.configure.log" 2>&1; then
   whole=1
-  targets=("${gpu_tests[@]}" test_kernels_ref test_cuda_engine test_cuda_assembler bench_prefill)
+  targets=("${gpu_tests[@]}" test_kernels_ref test_cuda_engine test_cuda_assembler test_device_kv_tier
+    device_tier_probe bench_prefill)
   echo "configured the whole repository"
 else
   echo "whole-repository configure failed (missing packages?):"
@@ -81,7 +82,7 @@ done
 
 # The engine-level GPU tests (built here with the whole repository, or prebuilt in .gpu-bundle),
 # before the sanitizer passes: they must run within one call's ten minutes even when those do not.
-engine_tests=(test_cuda_engine test_cuda_assembler)
+engine_tests=(test_cuda_engine test_cuda_assembler test_device_kv_tier)
 bench_bin=""
 if ((whole)); then
   bench_bin="$build/bin/bench_prefill"

@@ -38,9 +38,11 @@
 #include <vector>
 
 #include <cuda_runtime.h>
+#include <unistd.h>
 
 #include "benchmarks/model_shapes.h"
 #include "services/worker/engine/cuda/cuda_backend.h"
+#include "services/worker/engine/cuda/device_kv_tier.h"
 #include "services/worker/engine/cuda/host_registration.h"
 #include "services/worker/keep/kv_assembler.h"
 #include "services/worker/kernels/kernels.h"
@@ -183,6 +185,42 @@ Status bench_loader(engine::Engine& eng, engine::CudaBackend& cuda,
                           }));
     char label[64];
     std::snprintf(label, sizeof label, "loader kernel, %d blocks", b);
+    std::printf("%-34s %9.2f %8.1f %9.2f\n", label, ms, gbps(static_cast<double>(bytes), ms),
+                gbps(static_cast<double>(bytes), ms) / link);
+  }
+  // The same runs from a device KV tier (the entries admitted into a pool of GPU memory, as a
+  // second worker on this GPU would read them through CUDA IPC): in place at device speed.
+  {
+    uint64_t largest = 0;
+    for (const auto& e : entries) largest = std::max<uint64_t>(largest, e.entry.size());
+    engine::DeviceKvTierOptions to;
+    to.name = "keep_bench_tier_" + std::to_string(::getpid());
+    to.slot_bytes = largest;
+    to.budget_bytes = largest * entries.size();
+    KEEP_ASSIGN_OR_RETURN(auto tier, engine::DeviceKvTier::create(to));
+    std::vector<const std::byte*> base(entries.size());
+    for (size_t i = 0; i < entries.size(); ++i) {
+      kv::EntryKey key;
+      key.object_id = i + 1;
+      KEEP_RETURN_IF_ERROR(tier->admit(key, entries[i].entry));
+      base[i] = tier->find(key)->device;
+    }
+    std::vector<engine::Backend::KvRun> from_tier = runs;
+    for (size_t r = 0; r < from_tier.size(); ++r) {
+      const size_t i = r % entries.size();  // runs go layer by layer over the entries
+      const auto* host = reinterpret_cast<const std::byte*>(entries[i].entry.data());
+      from_tier[r].k_pre = reinterpret_cast<const uint16_t*>(
+          base[i] + (reinterpret_cast<const std::byte*>(runs[r].k_pre) - host));
+      from_tier[r].v = reinterpret_cast<const uint16_t*>(
+          base[i] + (reinterpret_cast<const std::byte*>(runs[r].v) - host));
+    }
+    cuda.set_loader_blocks(blocks.front());
+    KEEP_ASSIGN_OR_RETURN(double ms, time_ms(reps, warmup, [&] {
+                            KEEP_RETURN_IF_ERROR(eng.queue_kv_bf16_runs(from_tier));
+                            return Status::ok();
+                          }));
+    char label[64];
+    std::snprintf(label, sizeof label, "loader kernel from a device tier, %d", blocks.front());
     std::printf("%-34s %9.2f %8.1f %9.2f\n", label, ms, gbps(static_cast<double>(bytes), ms),
                 gbps(static_cast<double>(bytes), ms) / link);
   }
