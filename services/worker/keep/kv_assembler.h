@@ -7,9 +7,11 @@
 // tokens. After prefill() every slot of the prompt holds K/V at every layer (computed or loaded),
 // ready for decode steps and candidate scoring after it.
 //
-// Entries are read from request-private copies (SegmentKv::bytes) that the caller took out of the
-// region and validated (seqlock) before the call: an entry rewritten after the copy cannot change
-// what this request reads, and one that failed validation is passed as not loadable (computed).
+// Entries (SegmentKv::bytes) are read where they lie -- keep-worker passes the shared region's
+// mapping itself, registered for the GPU -- and only during prefill(): the caller opens a seqlock
+// read section per entry before the call and validates it after (every load has completed once
+// prefill() returns); an entry that changed meanwhile is passed as not loadable in a second
+// prefill (PlanService::complete).
 #pragma once
 
 #include <cstdint>
@@ -28,7 +30,7 @@ namespace keep::worker {
 
 // The reusable KV of one segment: rows [first_row, first_row + tokens) of an entry's bytes.
 struct SegmentKv {
-  std::span<const std::byte> bytes;  // the whole entry (a copy), or empty: not loadable
+  std::span<const std::byte> bytes;  // the whole entry (in the region), or empty: not loadable
   EntryGeometry geometry;
   int32_t first_row = 0;
 };

@@ -70,13 +70,21 @@ Result<CompleteResult> PlanService::complete(const CompleteArgs& args, Clock::ti
   if (!retrieved.is_ok()) return retrieved.status();
   out.retrieve_seconds = seconds(t_retrieve, Clock::now());
 
-  // Request-private copies of the entries, validated: an entry rewritten after its copy cannot
-  // change what this request reads; one that changed during the copy is not used at all.
-  std::map<std::pair<uint32_t, uint64_t>, std::vector<std::byte>> copies;
+  // Entries are read in place from the region's mapping (registered for the GPU: the loader
+  // reads them there, no host copy), each inside a seqlock read section that closes after the
+  // prefill: an entry rewritten while the prefill read it is then known, and the prefill runs
+  // again with that segment computed from its text.
+  struct InPlace {
+    uint32_t index;
+    uint64_t seq;
+    std::vector<size_t> segments;  // which of req.segments read it
+  };
+  std::map<std::pair<uint32_t, uint64_t>, InPlace> reads;
   AssembleRequest req;
   req.method = out.method;
   req.knobs = args.knobs;
-  // full and prefix never load an entry: no copy, and nothing counted as hit, missing or stale.
+  // full and prefix never load an entry: nothing read, and nothing counted as hit, missing or
+  // stale.
   const bool loads = out.method != Method::kFull && out.method != Method::kPrefix;
   for (const auto& seg : *retrieved) {
     out.segment_ids.push_back(seg.id);
@@ -90,40 +98,49 @@ Result<CompleteResult> PlanService::complete(const CompleteArgs& args, Clock::ti
       ++out.entries_stale;  // no region, or computed from other tokens than this prompt's
     } else {
       const kv::EntryDescriptor d = descriptor(seg.kv->entry);
-      const auto key = std::make_pair(d.index, d.generation);
-      auto it = copies.find(key);
-      if (it == copies.end()) {
-        std::vector<std::byte> bytes;
-        if (const auto seq = region_->read_begin(d.index, d.generation)) {
-          auto span = region_->entry_data(d);
-          if (span.is_ok()) {
-            bytes.assign(span->begin(), span->end());
-            if (!region_->read_validate(d.index, *seq)) bytes.clear();
-          }
-        }
-        it = copies.emplace(key, std::move(bytes)).first;
-      }
       auto geometry = EntryGeometry::of(region_->fingerprint(), static_cast<int32_t>(d.tokens));
-      if (it->second.empty() || !geometry.is_ok()) {
+      const auto seq = region_->read_begin(d.index, d.generation);
+      auto span = region_->entry_data(d);
+      if (!seq || !span.is_ok() || !geometry.is_ok()) {
         ++out.entries_stale;
       } else {
-        ps.kv = SegmentKv{it->second, *geometry, static_cast<int32_t>(seg.kv->token_offset)};
+        ps.kv = SegmentKv{*span, *geometry, static_cast<int32_t>(seg.kv->token_offset)};
+        auto& r =
+            reads.try_emplace({d.index, d.generation}, InPlace{d.index, *seq, {}}).first->second;
+        r.segments.push_back(req.segments.size());
         ++out.entries_hit;
       }
     }
     req.segments.push_back(std::move(ps));
   }
   // The descriptors are the manager's; if its region was replaced meanwhile (a restart), the
-  // copies came from a dead region whose indices and generations may collide with the new one's.
+  // entries came from a dead region whose indices and generations may collide with the new one's.
   if (out.entries_hit > 0 && !region_->linked()) {
     for (auto& ps : req.segments) ps.kv = SegmentKv{};
     out.entries_stale += out.entries_hit;
     out.entries_hit = 0;
+    reads.clear();
   }
   req.query = prompts_->query(args.instruction, args.history);
 
   const auto t_prefill = Clock::now();
   KEEP_ASSIGN_OR_RETURN(Prefilled pre, assembler_->prefill(req));
+  // Every load has completed (the prefill's logits came after them): close the read sections.
+  uint32_t changed = 0;
+  for (const auto& [key, r] : reads) {
+    if (region_->read_validate(r.index, r.seq)) continue;
+    for (size_t i : r.segments) {
+      req.segments[i].kv = SegmentKv{};
+      ++changed;
+    }
+  }
+  if (changed > 0) {
+    KEEP_LOG_WARN(kLog, "%u segments' KV changed during the prefill: computing them instead",
+                  changed);
+    out.entries_hit -= changed;
+    out.entries_stale += changed;
+    KEEP_ASSIGN_OR_RETURN(pre, assembler_->prefill(req));
+  }
   out.prefill_seconds = seconds(t_prefill, Clock::now());
   out.assembly = pre.stats;
 
