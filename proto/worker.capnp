@@ -69,6 +69,7 @@ struct Stats {
   hops @13 :List(UInt32);            # keep: importance hops at each check layer
   segments @14 :List(UInt64);        # the retrieved segments' ids, in prompt order
   method @15 :Method;                # the method that ran
+  entriesDevice @16 :UInt32;         # of the hits, read from a device KV tier (GPU memory)
 }
 
 struct CandidateScore {

@@ -123,6 +123,7 @@ Result<CompleteReply> WorkerClient::complete(const CompleteArgs& a) {
         st.entries_hit = s.getEntriesHit();
         st.entries_missing = s.getEntriesMissing();
         st.entries_stale = s.getEntriesStale();
+        st.entries_device = s.getEntriesDevice();
         for (uint32_t v : s.getCheckLayers()) st.check_layers.push_back(v);
         for (uint32_t v : s.getHops()) st.hops.push_back(v);
         for (uint64_t v : s.getSegments()) st.segments.push_back(v);

@@ -70,6 +70,7 @@ struct PlanStats {
   uint32_t entries_hit = 0;
   uint32_t entries_missing = 0;
   uint32_t entries_stale = 0;
+  uint32_t entries_device = 0;  // of the hits, read from a device KV tier
   std::vector<uint32_t> check_layers;
   std::vector<uint32_t> hops;
   std::vector<uint64_t> segments;

@@ -8,6 +8,7 @@
 
 #include "services/worker/engine/cpu/cpu_backend.h"
 #include "services/worker/server/plan_service.h"
+#include "shared/kvregion/kv_tier_directory.h"
 #include "shared/model/model_identity.h"
 #include "tests/integration/manager/manager_process.h"
 
@@ -105,6 +106,58 @@ struct Worker {
   }
 };
 
+// A device KV tier whose "device" is host memory: the CPU backend loads from any host memory, so
+// the plan path's use of a tier (find, load from the copy, validate after the prefill, admit
+// between requests) runs here on a real tier directory. rewrite_on_find makes the owner rewrite a
+// slot right after a reader found it -- what another process may do while the prefill reads.
+class HostTier final : public DeviceEntries {
+ public:
+  explicit HostTier(const std::string& name) {
+    kv::TierGeometry g;
+    g.slots = 8;
+    g.slot_bytes = 1 << 20;
+    auto d = kv::KvTierDirectory::create(name, g);
+    REQUIRE_MESSAGE(d.is_ok(), d.status().to_string());
+    dir_ = std::move(d).value();
+    pool_.resize(g.slots * g.slot_bytes);
+  }
+  std::optional<Entry> find(const kv::EntryKey& key) const override {
+    const auto hit = dir_->find(key);
+    if (!hit) return std::nullopt;
+    ++finds;
+    Entry e{
+        {pool_.data() + hit->slot * dir_->geometry().slot_bytes, hit->bytes}, hit->slot, hit->seq};
+    if (rewrite_on_find) {  // the owner rewrites the slot with other bytes while it is read
+      auto self = const_cast<HostTier*>(this);
+      self->dir_->evict(key);
+      auto slot = self->dir_->begin_admit(key, hit->bytes);
+      REQUIRE(slot.is_ok());
+      std::fill_n(self->pool_.data() + *slot * dir_->geometry().slot_bytes, hit->bytes,
+                  std::byte{0x7f});
+      self->dir_->commit(*slot);
+    }
+    return e;
+  }
+  bool validate(const Entry& e) const override {
+    return dir_->validate(kv::TierHit{e.slot, e.seq, e.bytes.size()});
+  }
+  bool owner() const override { return true; }
+  keep::Status admit(const kv::EntryKey& key, std::span<const std::byte> bytes) override {
+    KEEP_ASSIGN_OR_RETURN(uint32_t slot, dir_->begin_admit(key, bytes.size()));
+    std::copy(bytes.begin(), bytes.end(), pool_.data() + slot * dir_->geometry().slot_bytes);
+    dir_->commit(slot);
+    return keep::Status::ok();
+  }
+  bool evict(const kv::EntryKey& key) override { return dir_->evict(key); }
+
+  bool rewrite_on_find = false;
+  mutable int finds = 0;
+
+ private:
+  std::unique_ptr<kv::KvTierDirectory> dir_;
+  std::vector<std::byte> pool_;
+};
+
 }  // namespace
 
 TEST_CASE("memories' KV is produced into the region and reused for a planning step") {
@@ -168,5 +221,47 @@ TEST_CASE("memories' KV is produced into the region and reused for a planning st
   CHECK(after.entries_hit < std::size(kMemories));
   CHECK(after.entries_missing + after.entries_stale >= 1);
   CHECK(after.assembly.recompute_ratio > 0.0);
+  CHECK(m.terminate() == 0);
+}
+
+TEST_CASE("a device tier's copies serve the loads; one rewritten mid-request is not used") {
+  it::TempDir tmp("planpath_tier");
+  const std::string shm = it::unique_name("planpath_tier");
+  it::ManagerProcess m(
+      {(tmp.path() / "data").string(), shm, {"--static-after-steps", "2", "--shm-bytes", "64MiB"}});
+  Worker w(m.endpoint(), shm);
+  for (const char* text : kMemories) {
+    kc::WriteArgs a;
+    a.agent = "robot";
+    a.text = text;
+    REQUIRE(w.manager->write(a).is_ok());
+  }
+  REQUIRE(w.manager->retrieve("robot", "milk", 1).is_ok());
+  REQUIRE(w.manager->advance_step("robot", 3).is_ok());
+  REQUIRE(w.drain_jobs() >= 1);
+
+  HostTier tier(it::unique_name("tier"));
+  w.plans->set_device_entries(&tier);
+  // First request: nothing in the tier yet; what it read from the region is queued, then admitted.
+  const CompleteResult first = w.complete(Method::kFullReuse);
+  CHECK(first.entries_hit == std::size(kMemories));
+  CHECK(first.entries_device == 0);
+  const size_t admitted = w.plans->admit_pending(64);
+  CHECK(admitted >= 1);
+  CHECK(w.plans->admit_pending(64) == 0);  // each entry once
+  // Second: every hit comes from the tier, and it computes the same as from the region.
+  const CompleteResult second = w.complete(Method::kFullReuse);
+  CHECK(second.entries_hit == std::size(kMemories));
+  CHECK(second.entries_device == second.entries_hit);
+  CHECK(second.tokens == first.tokens);
+  // Third: every slot is rewritten with garbage right after the request finds it; validation
+  // after the prefill catches it and the request loads from the region instead.
+  tier.rewrite_on_find = true;
+  const CompleteResult third = w.complete(Method::kFullReuse);
+  tier.rewrite_on_find = false;
+  CHECK(third.entries_device == 0);
+  CHECK(third.entries_hit == std::size(kMemories));
+  CHECK(third.tokens == first.tokens);
+  w.plans->set_device_entries(nullptr);
   CHECK(m.terminate() == 0);
 }

@@ -340,3 +340,38 @@ TEST_CASE("deploy/worker.conf is read by keep-worker; a worker starts before its
   CHECK(wc->ping().is_ok());
   CHECK(w.terminate() == 0);
 }
+
+TEST_CASE("keep-worker refuses a device tier it cannot have, in one line naming the flag") {
+  // A tier's size without its name, a tier with the CPU backend, a budget below one slot.
+  struct Case {
+    std::vector<std::string> args;  // after --device cpu
+    std::string needle;
+  };
+  const std::vector<Case> cases = {
+      {{"--device-tier-bytes", "64MiB"}, "--device-tier-bytes"},
+      {{"--device-tier", "t"}, "--device-tier"},
+      {{"--device-tier", "t", "--device-tier-bytes", "1MiB", "--device-tier-slot-bytes", "2MiB"},
+       "--device-tier-bytes"},
+  };
+  for (const auto& c : cases) {
+    std::vector<std::string> argv = {it::bin_path("keep-worker"),
+                                     "--endpoint",
+                                     "tcp://127.0.0.1:0",
+                                     "--metrics-listen",
+                                     "off",
+                                     "--model",
+                                     it::model_path(),
+                                     "--manager",
+                                     "tcp://127.0.0.1:1",
+                                     "--log-level",
+                                     "warn",
+                                     "--device",
+                                     "cpu"};
+    argv.insert(argv.end(), c.args.begin(), c.args.end());
+    const auto r = it::run_command(argv);
+    INFO(c.needle << ": " << r.err);
+    CHECK(r.exit_code != 0);
+    CHECK(it::lines_of(r.err).size() == 1);
+    CHECK(r.err.find(c.needle) != std::string::npos);
+  }
+}

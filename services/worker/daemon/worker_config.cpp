@@ -39,6 +39,14 @@ void declare_worker_options(Options* o) {
   o->add("job-poll-ms", "100", "how often an idle worker asks the manager for KV jobs");
   o->add("worker-id", "0", "this worker's id in the manager's leases; 0: from host and pid");
   o->add("max-message-bytes", "1MiB", "largest request accepted (checked before decoding)");
+  o->add("device-tier", "",
+         "a device KV tier (hot entries in GPU memory, shared with the other workers on the GPU "
+         "by CUDA IPC): its shm name; empty: none");
+  o->add("device-tier-bytes", "0",
+         "with --device-tier: GPU memory this worker allocates and owns for it; 0: attach to the "
+         "tier another worker on this GPU owns");
+  o->add("device-tier-slot-bytes", "32MiB",
+         "with --device-tier-bytes: the largest entry the tier holds (one per slot)");
   o->add("log-level", "info", "debug, info, warn, error or off");
 }
 
@@ -123,6 +131,18 @@ Result<WorkerConfig> read_worker_config(const Options& o) {
   c.job_poll = std::chrono::milliseconds(poll);
   KEEP_ASSIGN_OR_RETURN(c.worker_id, o.uint64("worker-id"));
   KEEP_ASSIGN_OR_RETURN(c.max_message_bytes, o.bytes("max-message-bytes"));
+  c.device_tier = o.str("device-tier");
+  KEEP_ASSIGN_OR_RETURN(c.device_tier_bytes, o.bytes("device-tier-bytes"));
+  KEEP_ASSIGN_OR_RETURN(c.device_tier_slot_bytes, o.bytes("device-tier-slot-bytes"));
+  if (c.device_tier.empty() && c.device_tier_bytes > 0) {
+    return bad("--device-tier-bytes: needs --device-tier (the tier's name)");
+  }
+  if (c.device_tier_bytes > 0 && c.device_tier_bytes < c.device_tier_slot_bytes) {
+    return bad("--device-tier-bytes: less than one slot of --device-tier-slot-bytes");
+  }
+  if (!c.device_tier.empty() && c.device == "cpu") {
+    return bad("--device-tier: needs the GPU (--device auto or cuda)");
+  }
   if (c.max_message_bytes < 1024) return bad("--max-message-bytes: must be >= 1KiB");
   c.log_level = o.str("log-level");
   return c;

@@ -35,6 +35,9 @@ struct WorkerConfig {
   uint64_t worker_id = 0;  // 0: derived from the host and pid
   std::chrono::milliseconds job_poll{100};
   uint64_t max_message_bytes = 0;
+  std::string device_tier;              // the device KV tier's name; empty: none
+  uint64_t device_tier_bytes = 0;       // > 0: own it with this much GPU memory; 0: attach
+  uint64_t device_tier_slot_bytes = 0;  // its slot size (owner)
   std::string log_level;
 };
 

@@ -13,6 +13,7 @@
 #include "shared/tokenizer/chat_template.h"
 #ifdef KEEP_HAVE_CUDA
 #include "services/worker/engine/cuda/cuda_backend.h"
+#include "services/worker/engine/cuda/device_kv_tier.h"
 #include "services/worker/engine/cuda/host_registration.h"
 #endif
 
@@ -29,6 +30,30 @@ uint64_t derived_worker_id() {
 }
 
 }  // namespace
+
+#ifdef KEEP_HAVE_CUDA
+// The plan path's view of the device KV tier.
+class TierEntries final : public DeviceEntries {
+ public:
+  explicit TierEntries(eng::DeviceKvTier* tier) : tier_(tier) {}
+  std::optional<Entry> find(const kv::EntryKey& key) const override {
+    const auto hit = tier_->find(key);
+    if (!hit) return std::nullopt;
+    return Entry{{hit->device, hit->bytes}, hit->tier.slot, hit->tier.seq};
+  }
+  bool validate(const Entry& e) const override {
+    return tier_->directory().validate(kv::TierHit{e.slot, e.seq, e.bytes.size()});
+  }
+  bool owner() const override { return tier_->owner(); }
+  Status admit(const kv::EntryKey& key, std::span<const std::byte> bytes) override {
+    return tier_->admit(key, bytes);
+  }
+  bool evict(const kv::EntryKey& key) override { return tier_->evict(key); }
+
+ private:
+  eng::DeviceKvTier* tier_;
+};
+#endif
 
 struct WorkerDaemon::Impl {
   WorkerConfig config;
@@ -47,6 +72,9 @@ struct WorkerDaemon::Impl {
 #ifdef KEEP_HAVE_CUDA
   // The attached region's mapping, page-locked for the GPU (engine thread only).
   std::unique_ptr<eng::HostRegistration> registered;
+  // The device KV tier (--device-tier), owned or attached, and its face for the plan path.
+  std::unique_ptr<eng::DeviceKvTier> tier;
+  std::unique_ptr<DeviceEntries> tier_entries;
 #endif
 
   ~Impl() {
@@ -135,6 +163,30 @@ Result<std::unique_ptr<WorkerDaemon>> WorkerDaemon::start(const WorkerConfig& co
     };
   }
 #endif
+  if (!config.device_tier.empty()) {
+#ifdef KEEP_HAVE_CUDA
+    if (backend_name.find("cuda") == std::string::npos) {
+      return Status(Code::kInvalidArgument, "--device-tier: the model runs on the CPU");
+    }
+    if (config.device_tier_bytes > 0) {
+      eng::DeviceKvTierOptions to;
+      to.name = config.device_tier;
+      to.budget_bytes = config.device_tier_bytes;
+      to.slot_bytes = config.device_tier_slot_bytes;
+      KEEP_ASSIGN_OR_RETURN(d.tier, eng::DeviceKvTier::create(to));
+    } else {
+      KEEP_ASSIGN_OR_RETURN(d.tier, eng::DeviceKvTier::attach(config.device_tier));
+    }
+    d.tier_entries = std::make_unique<TierEntries>(d.tier.get());
+    d.plans->set_device_entries(d.tier_entries.get());
+    KEEP_LOG_INFO(kLog, "device KV tier '%s': %s, %u slots of %llu bytes",
+                  config.device_tier.c_str(), d.tier->owner() ? "owned" : "attached",
+                  d.tier->directory().geometry().slots,
+                  static_cast<unsigned long long>(d.tier->directory().geometry().slot_bytes));
+#else
+    return Status(Code::kInvalidArgument, "--device-tier: this build has no CUDA backend");
+#endif
+  }
   d.service = std::make_unique<WorkerService>(&*d.plans, &*d.producer, so, d.metrics.get());
 
   // ---- the endpoints ----

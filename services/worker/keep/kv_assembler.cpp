@@ -230,7 +230,8 @@ Result<Prefilled> KvAssembler::prefill(const AssembleRequest& req) {
       for (const LoadRun& run : cohorts[static_cast<size_t>(item.cohort)]) {
         const SegmentKv& kv = req.segments[run.segment].kv;
         const int32_t row = kv.first_row + (run.slot - shape.segments[run.segment].begin);
-        const auto planes = entry_rows_bf16(kv.bytes, kv.geometry, item.layer, row, run.count);
+        const auto planes = entry_rows_bf16(kv.device.empty() ? kv.bytes : kv.device, kv.geometry,
+                                            item.layer, row, run.count);
         if (!planes) return Status(Code::kInternal, "kv assembly: a bf16 entry lost its planes");
         batch.push_back({target, item.layer, run.slot, run.count, planes->first, planes->second});
         st.bytes_loaded += 2 * static_cast<uint64_t>(run.count) * kvd * kv.geometry.elem_bytes();

@@ -33,6 +33,9 @@ struct SegmentKv {
   std::span<const std::byte> bytes;  // the whole entry (in the region), or empty: not loadable
   EntryGeometry geometry;
   int32_t first_row = 0;
+  // The same bytes in device memory (a device KV tier), or empty: loads read them there instead;
+  // host-side reads (CacheBlend's deviation check, fp32 entries) still use `bytes`.
+  std::span<const std::byte> device;
 };
 
 struct PromptSegment {

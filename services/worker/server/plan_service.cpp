@@ -80,6 +80,8 @@ Result<CompleteResult> PlanService::complete(const CompleteArgs& args, Clock::ti
     std::vector<size_t> segments;  // which of req.segments read it
   };
   std::map<std::pair<uint32_t, uint64_t>, InPlace> reads;
+  // Segments whose loads read a device tier's copy, and that copy's slot.
+  std::vector<std::pair<size_t, DeviceEntries::Entry>> device_reads;
   AssembleRequest req;
   req.method = out.method;
   req.knobs = args.knobs;
@@ -109,6 +111,7 @@ Result<CompleteResult> PlanService::complete(const CompleteArgs& args, Clock::ti
             reads.try_emplace({d.index, d.generation}, InPlace{d.index, *seq, {}}).first->second;
         r.segments.push_back(req.segments.size());
         ++out.entries_hit;
+        if (device_ != nullptr) use_device(d, req.segments.size(), &ps.kv, &device_reads);
       }
     }
     req.segments.push_back(std::move(ps));
@@ -120,6 +123,7 @@ Result<CompleteResult> PlanService::complete(const CompleteArgs& args, Clock::ti
     out.entries_stale += out.entries_hit;
     out.entries_hit = 0;
     reads.clear();
+    device_reads.clear();
   }
   req.query = prompts_->query(args.instruction, args.history);
 
@@ -134,9 +138,22 @@ Result<CompleteResult> PlanService::complete(const CompleteArgs& args, Clock::ti
       ++changed;
     }
   }
-  if (changed > 0) {
-    KEEP_LOG_WARN(kLog, "%u segments' KV changed during the prefill: computing them instead",
-                  changed);
+  // A device copy rewritten meanwhile: loaded again from the region.
+  uint32_t moved = 0;
+  for (const auto& [i, e] : device_reads) {
+    if (!req.segments[i].kv.device.empty() && !device_->validate(e)) {
+      req.segments[i].kv.device = {};
+      ++moved;
+    }
+  }
+  for (const auto& [i, e] : device_reads) {
+    if (!req.segments[i].kv.device.empty()) ++out.entries_device;
+  }
+  if (changed > 0 || moved > 0) {
+    if (changed > 0) {
+      KEEP_LOG_WARN(kLog, "%u segments' KV changed during the prefill: computing them instead",
+                    changed);
+    }
     out.entries_hit -= changed;
     out.entries_stale += changed;
     KEEP_ASSIGN_OR_RETURN(pre, assembler_->prefill(req));
@@ -165,6 +182,52 @@ Result<CompleteResult> PlanService::complete(const CompleteArgs& args, Clock::ti
   KEEP_ASSIGN_OR_RETURN(out.tokens, assembler_->generate(pre, gen));
   out.text = tokenizer_->decode(out.tokens, /*skip_special=*/true);
   return out;
+}
+
+// The device tier's copy of entry `d` for segment `i`, when the tier holds it; otherwise, on the
+// owner, the entry queued for admission.
+void PlanService::use_device(const kv::EntryDescriptor& d, size_t i, SegmentKv* kv,
+                             std::vector<std::pair<size_t, DeviceEntries::Entry>>* reads) {
+  auto info = region_->entry_info(d.index);
+  if (!info.is_ok() || info->generation != d.generation) return;
+  if (const auto e = device_->find(info->key)) {
+    if (e->bytes.size() >= kv->geometry.bytes()) {
+      kv->device = e->bytes;
+      reads->emplace_back(i, *e);
+    }
+    return;
+  }
+  if (!device_->owner()) return;
+  for (const Pending& p : pending_) {
+    if (p.key == info->key) return;
+  }
+  constexpr size_t kMaxPending = 256;
+  if (pending_.size() >= kMaxPending) pending_.erase(pending_.begin());
+  pending_.push_back({info->key, d});
+}
+
+size_t PlanService::admit_pending(size_t max) {
+  size_t done = 0;
+  while (done < max && !pending_.empty() && device_ != nullptr && region_ != nullptr) {
+    const Pending p = pending_.front();
+    pending_.erase(pending_.begin());
+    const auto seq = region_->read_begin(p.descriptor.index, p.descriptor.generation);
+    auto span = region_->entry_data(p.descriptor);
+    if (!seq || !span.is_ok()) continue;  // gone since the request
+    Status st = device_->admit(p.key, *span);
+    if (!st.is_ok()) {
+      if (st.code() != Code::kAlreadyExists) {
+        KEEP_LOG_WARN(kLog, "device KV tier: %s", st.to_string().c_str());
+      }
+      continue;
+    }
+    if (!region_->read_validate(p.descriptor.index, *seq)) {
+      device_->evict(p.key);  // copied while the region rewrote it
+      continue;
+    }
+    ++done;
+  }
+  return done;
 }
 
 // ---- KvProducer

@@ -1,9 +1,9 @@
 // PlanService: one planning step for a planner (ARCHITECTURE §4): retrieve the agent's memories
-// from keep-manager, take request-private copies of their KV entries out of the shared region
-// (seqlock-validated), assemble the prompt with the request's method, then generate or score
-// candidates. KvProducer: the manager's KV jobs (fetch -> reserve -> compute -> write -> commit,
-// renewing the lease on long jobs, revoking on any failure), a few layers per step so that a
-// planner request waits for at most one step.
+// from keep-manager, read their KV entries in place in the shared region (or in a device KV tier)
+// inside seqlock read sections validated after the prefill, assemble the prompt with the request's
+// method, then generate or score candidates. KvProducer: the manager's KV jobs (fetch -> reserve ->
+// compute -> write -> commit, renewing the lease on long jobs, revoking on any failure), a few
+// layers per step so that a planner request waits for at most one step.
 //
 // Both run on the worker's one engine thread (the engine is not thread-safe), each with a
 // KvAssembler of its own: a production's working cache must survive the requests in between.
@@ -19,6 +19,7 @@
 #include "services/worker/engine/core/engine.h"
 #include "services/worker/keep/kv_assembler.h"
 #include "services/worker/keep/prompt_builder.h"
+#include "services/worker/server/device_entries.h"
 #include "shared/client/manager_client.h"
 #include "shared/common/status.h"
 #include "shared/kvregion/kv_region.h"
@@ -59,6 +60,7 @@ struct CompleteResult {
   uint32_t entries_hit = 0;      // segments whose KV was reused
   uint32_t entries_missing = 0;  // announced without KV
   uint32_t entries_stale = 0;    // announced with KV that changed, went, or does not fit
+  uint32_t entries_device = 0;   // of the hits, read from a device KV tier (not over PCIe)
   std::vector<uint64_t> segment_ids;
 };
 
@@ -70,6 +72,12 @@ class PlanService {
               const kv::KvRegionView* region, PlanDefaults defaults);
 
   const PlanDefaults& defaults() const { return defaults_; }
+  // A device KV tier to read entries from before the region (null: none). When this process
+  // owns it, entries requests read from the region are queued for admit_pending().
+  void set_device_entries(DeviceEntries* device) { device_ = device; }
+  // Owner of a device tier: copies up to `max` queued entries into it (each inside a region read
+  // section: one that changed during its copy is evicted again). Returns how many went in.
+  size_t admit_pending(size_t max);
   // The region entries are read from (null: none, every memory is recomputed).
   void set_region(const kv::KvRegionView* region) { region_ = region; }
   // `received`: when the request arrived (TTFT counts from there). The manager's retrieve is
@@ -86,6 +94,15 @@ class PlanService {
   client::ManagerClient* manager_;
   const kv::KvRegionView* region_;
   PlanDefaults defaults_;
+  void use_device(const kv::EntryDescriptor& d, size_t i, SegmentKv* kv,
+                  std::vector<std::pair<size_t, DeviceEntries::Entry>>* reads);
+
+  DeviceEntries* device_ = nullptr;
+  struct Pending {
+    kv::EntryKey key;
+    kv::EntryDescriptor descriptor;
+  };
+  std::vector<Pending> pending_;  // entries to admit into the device tier (owner), oldest first
 };
 
 struct ProducerStats {

@@ -170,6 +170,7 @@ void encode_complete(const CompleteResult& res, wp::CompleteResponse::Builder ou
   s.setEntriesHit(res.entries_hit);
   s.setEntriesMissing(res.entries_missing);
   s.setEntriesStale(res.entries_stale);
+  s.setEntriesDevice(res.entries_device);
   auto checks = s.initCheckLayers(static_cast<unsigned>(a.check_layers.size()));
   for (unsigned i = 0; i < a.check_layers.size(); ++i) {
     checks.set(i, static_cast<uint32_t>(a.check_layers[i]));
@@ -330,6 +331,7 @@ void WorkerService::run_one(Queued q) {
         metrics_->entries.labels({mn, "hit"}).inc(result->entries_hit);
         metrics_->entries.labels({mn, "missing"}).inc(result->entries_missing);
         metrics_->entries.labels({mn, "stale"}).inc(result->entries_stale);
+        metrics_->entries.labels({mn, "device"}).inc(result->entries_device);
       }
     }
   }
@@ -360,8 +362,9 @@ void WorkerService::engine_loop() {
       run_one(std::move(*next));
       continue;
     }
-    // No request waits: one step of background KV production.
-    bool worked = false;
+    // No request waits: entries the last requests read from the host go into the device tier
+    // (its owner), then one step of background KV production.
+    bool worked = plans_->admit_pending(4) > 0;
     if (options_.produce && region_ != nullptr &&
         (producer_->busy() || Clock::now() >= next_job_poll_)) {
       auto step = producer_->step(options_.job_layers);
@@ -369,8 +372,9 @@ void WorkerService::engine_loop() {
         KEEP_LOG_WARN(kLog, "KV job step: %s", step.status().to_string().c_str());
         if (metrics_ != nullptr) metrics_->manager_errors.get().inc();
       }
-      worked = step.is_ok() && *step;
-      if (!worked) next_job_poll_ = Clock::now() + options_.job_poll;
+      const bool stepped = step.is_ok() && *step;
+      if (!stepped) next_job_poll_ = Clock::now() + options_.job_poll;
+      worked = worked || stepped;
     }
     if (metrics_ != nullptr) {
       const ProducerStats& s = producer_->stats();
