@@ -21,6 +21,8 @@ import json
 import os
 import sys
 
+from kernel_time import union_ns as union  # the busy-time report's interval arithmetic
+
 METHOD_ORDER = ["hf", "full", "prefix", "full_reuse", "cacheblend", "epic"]
 
 
@@ -99,20 +101,6 @@ def read_trace(csv_path):
                 events.append((int(row[1]), int(row[2]), row[3], row[0] + ":" + ",".join(row[5:])))
     events.sort()
     return events
-
-
-def union(intervals):
-    total, cur_s, cur_e = 0, None, None
-    for s, e in sorted(intervals):
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                total += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None:
-        total += cur_e - cur_s
-    return total
 
 
 def clip(intervals, lo, hi):

@@ -81,6 +81,19 @@ struct Worker {
     producer.emplace(jobs.get(), &*prompts, manager.get(), region.get(), 0x5eed);
   }
 
+  // The agent writes kMemories; a retrieve embeds and groups them, and steps pass until every
+  // group is static (the manager then queues their KV jobs).
+  void write_memories() {
+    for (const char* text : kMemories) {
+      kc::WriteArgs a;
+      a.agent = "robot";
+      a.text = text;
+      REQUIRE(manager->write(a).is_ok());
+    }
+    REQUIRE(manager->retrieve("robot", "milk", 1).is_ok());
+    REQUIRE(manager->advance_step("robot", 3).is_ok());
+  }
+
   // Runs background jobs until the manager has none left; returns how many were done.
   uint64_t drain_jobs() {
     for (int idle = 0; idle < 3;) {
@@ -166,14 +179,7 @@ TEST_CASE("memories' KV is produced into the region and reused for a planning st
   it::ManagerProcess m(
       {(tmp.path() / "data").string(), shm, {"--static-after-steps", "2", "--shm-bytes", "64MiB"}});
   Worker w(m.endpoint(), shm);
-  for (const char* text : kMemories) {
-    kc::WriteArgs a;
-    a.agent = "robot";
-    a.text = text;
-    REQUIRE(w.manager->write(a).is_ok());
-  }
-  REQUIRE(w.manager->retrieve("robot", "milk", 1).is_ok());  // embeds and groups them all
-  REQUIRE(w.manager->advance_step("robot", 3).is_ok());      // every group turns static
+  w.write_memories();
 
   const uint64_t produced = w.drain_jobs();
   CHECK(produced >= 1);
@@ -230,14 +236,7 @@ TEST_CASE("a device tier's copies serve the loads; one rewritten mid-request is 
   it::ManagerProcess m(
       {(tmp.path() / "data").string(), shm, {"--static-after-steps", "2", "--shm-bytes", "64MiB"}});
   Worker w(m.endpoint(), shm);
-  for (const char* text : kMemories) {
-    kc::WriteArgs a;
-    a.agent = "robot";
-    a.text = text;
-    REQUIRE(w.manager->write(a).is_ok());
-  }
-  REQUIRE(w.manager->retrieve("robot", "milk", 1).is_ok());
-  REQUIRE(w.manager->advance_step("robot", 3).is_ok());
+  w.write_memories();
   REQUIRE(w.drain_jobs() >= 1);
 
   HostTier tier(it::unique_name("tier"));
