@@ -5,6 +5,7 @@ set -euo pipefail
 
 APT_PACKAGES=(
   build-essential cmake ninja-build pkg-config git ca-certificates unzip python3 python3-pip
+  python3-venv                 # the Python client's virtual environment (below)
   libboost-dev                 # Boost.Interprocess (header-only)
   libzmq3-dev cppzmq-dev       # ZeroMQ + cppzmq
   capnproto libcapnp-dev       # Cap'n Proto compiler and runtime
@@ -32,6 +33,18 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 else
   echo "install-deps: Debian packages present"
+fi
+
+# The Python client (clients/python) with its PyPI dependencies (pyzmq, pycapnp), editable, in a
+# virtual environment in the checkout: Debian's own Python is externally managed (PEP 668).
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${KEEP_VENV:-$root/.venv}"
+if ! "$venv/bin/python" -c "import keep_client, zmq, capnp" 2>/dev/null; then
+  echo "install-deps: the Python client into $venv"
+  [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+  "$venv/bin/pip" install -q --disable-pip-version-check -e "$root/clients/python"
+else
+  echo "install-deps: the Python client present in $venv"
 fi
 
 # The Prometheus package starts a system service on install where systemd runs; our tests start

@@ -1,0 +1,183 @@
+"""ManagerClient: an agent's side of keep-manager (proto/manager.capnp, docs/protocol.md)."""
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+
+from . import _schema
+from ._channel import Channel
+
+# The memory kinds, as the wire spells them.
+KINDS = {"object_state": "objectState", "task_record": "taskRecord", "example_plan": "examplePlan"}
+
+
+def _snake(name):
+    return "".join("_" + c.lower() if c.isupper() else c for c in str(name))
+
+
+@dataclass
+class Written:
+    id: int
+    version: int
+    step: int
+
+
+@dataclass
+class KvSlice:
+    index: int
+    generation: int
+    token_offset: int
+    tokens: int
+    joint: bool
+
+
+@dataclass
+class Segment:
+    id: int
+    text: str
+    kind: str
+    tokens: int
+    version: int
+    updated_step: int
+    group_id: int
+    group_state: str
+    group_version: int
+    score: float
+    kv: Optional[KvSlice] = None
+
+
+@dataclass
+class Memory:
+    id: int
+    text: str
+    kind: str
+    tokens: int
+    version: int
+    updated_step: int
+    group_id: int
+    embedded: bool
+    has_kv: bool
+
+
+@dataclass
+class Group:
+    id: int
+    state: str
+    version: int
+    segment_ids: List[int] = field(default_factory=list)
+    tokens: int = 0
+    last_change_step: int = 0
+
+
+class ManagerClient:
+    """One blocking connection to keep-manager. Calls raise keep_client.errors.KeepError (its
+    subclass for the wire code) on failure; `timeout` (seconds) bounds each call."""
+
+    def __init__(self, endpoint="tcp://127.0.0.1:7601", timeout=20.0):
+        self._ch = Channel(endpoint, timeout, _schema.manager)
+
+    def close(self):
+        self._ch.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def ping(self) -> str:
+        return self._ch.call("ping", None).get("serverVersion", "")
+
+    def write(self, agent: str, text: str, kind: str = "object_state", id: Optional[int] = None,
+              step: Optional[int] = None) -> Written:
+        def fill(r):
+            r.agent = agent
+            r.text = text
+            r.kind = _kind(kind)
+            if id is not None:
+                r.hasId = True
+                r.id = id
+            if step is not None:
+                r.hasStep = True
+                r.step = step
+        return _written(self._ch.call("writeMemory", fill))
+
+    def update(self, agent: str, id: int, text: str, kind: Optional[str] = None,
+               step: Optional[int] = None) -> Written:
+        def fill(r):
+            r.agent = agent
+            r.id = id
+            r.text = text
+            if kind is not None:
+                r.hasKind = True
+                r.kind = _kind(kind)
+            if step is not None:
+                r.hasStep = True
+                r.step = step
+        return _written(self._ch.call("updateMemory", fill))
+
+    def delete(self, agent: str, id: int) -> None:
+        def fill(r):
+            r.agent = agent
+            r.id = id
+        self._ch.call("deleteMemory", fill)
+
+    def advance_step(self, agent: str, by: int = 1) -> int:
+        def fill(r):
+            r.agent = agent
+            r.by = by
+        return self._ch.call("advanceStep", fill).get("step", 0)
+
+    def retrieve(self, agent: str, query: str, k: int) -> List[Segment]:
+        def fill(r):
+            r.agent = agent
+            r.query = query
+            r.k = k
+        out = []
+        for s in self._ch.call("retrieve", fill).get("segments", []):
+            kv = None
+            if s.get("hasKv"):
+                slc = s.get("kv", {})
+                e = slc.get("entry", {})
+                kv = KvSlice(e.get("index", 0), e.get("generation", 0), slc.get("tokenOffset", 0),
+                             slc.get("tokens", 0), slc.get("joint", False))
+            out.append(Segment(s.get("id", 0), s.get("text", ""), _snake(s.get("kind", "unknown")),
+                               s.get("tokens", 0), s.get("version", 0), s.get("updatedStep", 0),
+                               s.get("groupId", 0), _snake(s.get("groupState", "unknown")),
+                               s.get("groupVersion", 0), s.get("score", 0.0), kv))
+        return out
+
+    def list_memories(self, agent: str, after_id: int = 0,
+                      limit: int = 0) -> Tuple[List[Memory], bool]:
+        def fill(r):
+            r.agent = agent
+            r.afterId = after_id
+            r.limit = limit
+        page = self._ch.call("listMemories", fill)
+        mems = [Memory(m.get("id", 0), m.get("text", ""), _snake(m.get("kind", "unknown")),
+                       m.get("tokens", 0), m.get("version", 0), m.get("updatedStep", 0),
+                       m.get("groupId", 0), m.get("embedded", False), m.get("hasKv", False))
+                for m in page.get("memories", [])]
+        return mems, page.get("more", False)
+
+    def list_groups(self, agent: str) -> List[Group]:
+        def fill(r):
+            r.agent = agent
+        return [Group(g.get("id", 0), _snake(g.get("state", "unknown")), g.get("version", 0),
+                      list(g.get("segmentIds", [])), g.get("tokens", 0), g.get("lastChangeStep", 0))
+                for g in self._ch.call("listGroups", fill).get("groups", [])]
+
+    def stats(self) -> dict:
+        s = self._ch.call("stats", None)
+        out = {k: v for k, v in s.items() if k != "counters"}
+        for c in s.get("counters", []):
+            out[c.get("name", "")] = c.get("value", 0)
+        return out
+
+
+def _kind(kind):
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {sorted(KINDS)}, got {kind!r}")
+    return KINDS[kind]
+
+
+def _written(r):
+    return Written(r.get("id", 0), r.get("version", 0), r.get("step", 0))

@@ -1,0 +1,133 @@
+"""WorkerClient: a planner's side of keep-worker (proto/worker.capnp, docs/protocol.md)."""
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+from . import _schema
+from ._channel import Channel
+
+# Method names as keep-worker's --method spells them, and their wire enumerants.
+METHODS = {"full": "full", "prefix": "prefix", "full_reuse": "fullReuse",
+           "cacheblend": "cacheblend", "epic": "epic", "keep": "keep"}
+_METHOD_NAMES = {v: k for k, v in METHODS.items()}
+# Knobs a request may override (None keeps the worker's default).
+KNOBS = {"decay": ("hasDecay", "decay"), "query_rows": ("hasQueryRows", "queryRows"),
+         "max_hops": ("hasMaxHops", "maxHops"),
+         "cacheblend_ratio": ("hasCacheblendRatio", "cacheblendRatio"),
+         "epic_tokens": ("hasEpicTokens", "epicTokens")}
+
+
+@dataclass
+class Stats:
+    """What a request cost and reused (proto/worker.capnp Stats)."""
+    ttft_seconds: float = 0.0
+    retrieve_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    prompt_tokens: int = 0
+    memory_tokens: int = 0
+    cached_prefix_tokens: int = 0
+    recomputed_per_layer: List[int] = field(default_factory=list)
+    recompute_ratio: float = 0.0
+    bytes_loaded: int = 0
+    entries_hit: int = 0
+    entries_missing: int = 0
+    entries_stale: int = 0
+    entries_device: int = 0
+    check_layers: List[int] = field(default_factory=list)
+    hops: List[int] = field(default_factory=list)
+    segments: List[int] = field(default_factory=list)
+    method: str = ""
+
+
+@dataclass
+class Completion:
+    text: str
+    tokens: List[int]
+    stats: Stats
+
+
+@dataclass
+class Scored:
+    log_probs: List[float]  # one per candidate, in request order
+    tokens: List[int]       # each candidate's token count
+    best: int               # index of the highest log-prob
+    stats: Stats
+
+
+class WorkerClient:
+    """One blocking connection to keep-worker. Calls raise keep_client.errors.KeepError (its
+    subclass for the wire code); `timeout` (seconds) bounds each call and is sent with it, so a
+    request still queued when it runs out is dropped by the worker."""
+
+    def __init__(self, endpoint="tcp://127.0.0.1:7602", timeout=60.0):
+        self._ch = Channel(endpoint, timeout, _schema.worker)
+
+    def close(self):
+        self._ch.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def ping(self) -> Dict[str, str]:
+        p = self._ch.call("ping", None)
+        return {"server_version": p.get("serverVersion", ""), "model": p.get("model", "")}
+
+    def complete(self, agent: str, instruction: str, history: Sequence[str] = (), k: int = 0,
+                 method: Optional[str] = None, max_tokens: int = 0, temperature: float = 0.0,
+                 **knobs) -> Completion:
+        r = self._ch.call("complete", self._fill(agent, instruction, history, k, method,
+                                                 max_tokens, temperature, (), knobs))
+        return Completion(r.get("text", ""), list(r.get("tokens", [])), _stats(r.get("stats", {})))
+
+    def score(self, agent: str, instruction: str, candidates: Sequence[str],
+              history: Sequence[str] = (), k: int = 0, method: Optional[str] = None,
+              **knobs) -> Scored:
+        if not candidates:
+            raise ValueError("score needs at least one candidate")
+        r = self._ch.call("complete", self._fill(agent, instruction, history, k, method, 0, 0.0,
+                                                 candidates, knobs))
+        scores = r.get("scores", [])
+        return Scored([s.get("logProb", 0.0) for s in scores], [s.get("tokens", 0) for s in scores],
+                      r.get("best", 0), _stats(r.get("stats", {})))
+
+    @staticmethod
+    def _fill(agent, instruction, history, k, method, max_tokens, temperature, candidates, knobs):
+        if method is not None and method not in METHODS:
+            raise ValueError(f"method must be one of {sorted(METHODS)}, got {method!r}")
+        for name in knobs:
+            if name not in KNOBS:
+                raise ValueError(f"unknown knob {name!r}; knobs: {sorted(KNOBS)}")
+
+        def fill(c):
+            c.agent = agent
+            c.instruction = instruction
+            h = c.init("history", len(history))
+            for i, s in enumerate(history):
+                h[i] = s
+            c.k = k
+            c.method = METHODS[method] if method is not None else "unknown"
+            c.maxTokens = max_tokens
+            c.temperature = temperature
+            cs = c.init("candidates", len(candidates))
+            for i, s in enumerate(candidates):
+                cs[i] = s
+            kb = c.init("knobs")
+            for name, value in knobs.items():
+                if value is None:
+                    continue
+                has, field_name = KNOBS[name]
+                setattr(kb, has, True)
+                setattr(kb, field_name, value)
+        return fill
+
+
+def _stats(s):
+    return Stats(s.get("ttftSeconds", 0.0), s.get("retrieveSeconds", 0.0),
+                 s.get("prefillSeconds", 0.0), s.get("promptTokens", 0), s.get("memoryTokens", 0),
+                 s.get("cachedPrefixTokens", 0), list(s.get("recomputedPerLayer", [])),
+                 s.get("recomputeRatio", 0.0), s.get("bytesLoaded", 0), s.get("entriesHit", 0),
+                 s.get("entriesMissing", 0), s.get("entriesStale", 0), s.get("entriesDevice", 0),
+                 list(s.get("checkLayers", [])), list(s.get("hops", [])),
+                 list(s.get("segments", [])), _METHOD_NAMES.get(s.get("method", ""), ""))
