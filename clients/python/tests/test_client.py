@@ -8,7 +8,7 @@ import unittest
 import keep_client
 from keep_client import ManagerClient, WorkerClient, errors
 
-from services import Services
+from keep_client.local import LocalServices as Services
 
 MEMORIES = [
     ("The milk is in the fridge.", "object_state"),

@@ -1,5 +1,10 @@
-"""Real keep-manager and keep-worker processes for the client's tests (as the C++ integration
-tests start them: free ports, logs in a temp dir, the bound addresses read from the log)."""
+"""keep-manager and keep-worker started as local processes from a build of this repository, for
+tests and benchmarks (as the C++ integration tests start them: free ports, logs in a temp dir,
+the bound addresses read from their "serving on" log lines).
+
+    with LocalServices(worker=True) as svc:
+        ManagerClient(svc.manager.endpoint) ...
+"""
 import os
 import pathlib
 import re
@@ -10,7 +15,7 @@ import subprocess
 import tempfile
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[3]
+ROOT = pathlib.Path(__file__).resolve().parents[3]  # the checkout (editable install)
 
 
 def bin_path(name):
@@ -68,12 +73,15 @@ class Daemon:
         return self.proc.returncode
 
 
-class Services:
-    """A manager (on `port`, or a free one) and optionally a worker attached to it."""
+class LocalServices:
+    """A manager (on `port`, or a free one) and optionally a worker attached to it. KEEP_BIN_DIR
+    (else build/bin) holds the binaries; the models are the checkout's models/."""
 
-    def __init__(self, worker=True, extra_manager=(), port=None):
-        self.tmp = tempfile.mkdtemp(prefix="keep_pyclient_")
-        self.shm = f"keep_pyclient_{os.getpid()}_{time.monotonic_ns() % 10**9}"
+    def __init__(self, worker=True, extra_manager=(), port=None, extra_worker=(), device="cpu",
+                 model=None):
+        self.tmp = tempfile.mkdtemp(prefix="keep_local_")
+        self.model = model or str(ROOT / "models/SmolLM2-135M-Instruct.Q4_1.gguf")
+        self.shm = f"keep_local_{os.getpid()}_{time.monotonic_ns() % 10**9}"
         self.port = port or free_port()
         self.extra_manager = list(extra_manager)
         self.manager = self.start_manager()
@@ -82,15 +90,21 @@ class Services:
             self.worker = Daemon([
                 bin_path("keep-worker"), "--endpoint", "tcp://127.0.0.1:0", "--metrics-listen",
                 "off", "--manager", self.manager.endpoint, "--shm-name", self.shm, "--model",
-                str(ROOT / "models/SmolLM2-135M-Instruct.Q4_1.gguf"), "--device", "cpu",
-                "--context", "1024", "--job-poll-ms", "20"], "worker", self.tmp).wait_ready()
+                self.model, "--device", device, "--context", "2048", "--job-poll-ms", "20"]
+                + list(extra_worker), "worker", self.tmp).wait_ready(120)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def start_manager(self):
         return Daemon([
             bin_path("keep-manager"), "--data-dir", os.path.join(self.tmp, "data"), "--endpoint",
             f"tcp://127.0.0.1:{self.port}", "--metrics-listen", "off", "--shm-name", self.shm,
             "--shm-bytes", "32MiB", "--encoder", str(ROOT / "models/all-MiniLM-L6-v2"),
-            "--model", str(ROOT / "models/SmolLM2-135M-Instruct.Q4_1.gguf")] + self.extra_manager,
+            "--model", self.model] + self.extra_manager,
             "manager", self.tmp).wait_ready()
 
     def close(self):
