@@ -1,0 +1,182 @@
+"""The planning-quality harness shared by wah.py and alfred.py (issue 30): episodes of next-step
+decisions run through the real services, every method scored on the same memory state.
+
+An Episode is an agent's task: its instruction, the memories it starts with, and its decisions in
+order. Each Decision has the steps done so far (the query's history), the candidates, the gold
+candidate, and the memory changes that taking the gold step makes (applied after the decision):
+("set", slot, text, kind) writes a memory the first time its slot is set and updates it later.
+"""
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import List, Tuple
+
+from keep_client import ManagerClient, WorkerClient
+from keep_client.local import ROOT, LocalServices
+
+DATA = ROOT.parent / "shared" / "data" / "planning"
+
+
+@dataclass
+class Decision:
+    history: List[str]
+    candidates: List[str]
+    gold: str
+    changes: List[Tuple[str, str, str]] = field(default_factory=list)  # (slot, text, kind)
+
+
+@dataclass
+class Episode:
+    name: str
+    kind: str                 # task type
+    instruction: str
+    memories: List[Tuple[str, str]]  # (text, kind) written first
+    decisions: List[Decision]
+
+
+def softmax(xs):
+    m = max(xs)
+    e = [math.exp(x - m) for x in xs]
+    s = sum(e)
+    return [x / s for x in e]
+
+
+def kl(p, q):
+    return sum(a * (math.log(a) - math.log(max(b, 1e-300))) for a, b in zip(p, q) if a > 0)
+
+
+def parse_method(spec):
+    name, _, rest = spec.partition(":")
+    knobs = {}
+    for kv in filter(None, rest.split(",")):
+        k, _, v = kv.partition("=")
+        knobs[k] = float(v) if k in ("decay", "cacheblend_ratio") else int(v)
+    return name, knobs
+
+
+def wait_kv(m, agent, deadline_s):
+    deadline = time.monotonic() + deadline_s
+    while True:
+        mems, _ = m.list_memories(agent, limit=1000)
+        if all(x.has_kv for x in mems) or time.monotonic() > deadline:
+            return sum(x.has_kv for x in mems), len(mems)
+        time.sleep(0.05)
+
+
+def run(m, w, episodes, methods, k, kv_wait, out, tag):
+    if "full" not in methods:
+        methods = ["full"] + methods
+    rows = []
+    for ei, ep in enumerate(episodes):
+        agent = f"{tag}{ei}"
+        for text, kind in ep.memories:
+            m.write(agent, text, kind=kind)
+        slots = {}
+        for t, d in enumerate(ep.decisions):
+            have, total = wait_kv(m, agent, kv_wait)
+            gold_i = d.candidates.index(d.gold)
+            full_p = full_best = None
+            for spec in methods:
+                name, knobs = parse_method(spec)
+                r = w.score(agent, ep.instruction, d.candidates, history=d.history, k=k,
+                            method=name, **knobs)
+                p = softmax(r.log_probs)
+                if spec == "full":
+                    full_p, full_best = p, r.best
+                row = dict(episode=ep.name, kind=ep.kind, step=t, method=spec, best=r.best,
+                           gold=gold_i, correct=r.best == gold_i, agree=r.best == full_best,
+                           kl=kl(full_p, p), ratio=r.stats.recompute_ratio,
+                           ttft=r.stats.ttft_seconds, hit=r.stats.entries_hit, memories=total,
+                           with_kv=have, candidates=len(d.candidates))
+                rows.append(row)
+                if out:
+                    out.write(json.dumps(row) + "\n")
+                    out.flush()
+            for slot, text, kind in d.changes:
+                if slot not in slots:
+                    slots[slot] = (m.write(agent, text, kind=kind).id, text)
+                elif slots[slot][1] != text:  # unchanged states are not rewritten
+                    m.update(agent, slots[slot][0], text)
+                    slots[slot] = (slots[slot][0], text)
+            m.advance_step(agent)
+        print(f"episode {ei + 1}/{len(episodes)} ({ep.kind}, {len(ep.decisions)} decisions)",
+              file=sys.stderr)
+    return methods, rows
+
+
+def summarize(methods, rows):
+    lines = ["| method | decisions | accuracy | agreement with full | KL(full ‖ method) | "
+             "recompute ratio | TTFT ms (median) |", "|---|---|---|---|---|---|---|"]
+    for spec in methods:
+        rs = [r for r in rows if r["method"] == spec]
+        if not rs:
+            continue
+        n = len(rs)
+        acc = sum(r["correct"] for r in rs) / n
+        se = math.sqrt(acc * (1 - acc) / n)
+        agree = sum(r["agree"] for r in rs) / n
+        lines.append(f"| {spec} | {n} | {100 * acc:.1f} ± {100 * se:.1f} % | {100 * agree:.1f} % | "
+                     f"{statistics.mean(r['kl'] for r in rs):.4f} | "
+                     f"{statistics.mean(r['ratio'] for r in rs):.3f} | "
+                     f"{1000 * statistics.median(r['ttft'] for r in rs):.1f} |")
+    return "\n".join(lines)
+
+
+def arguments(description, default_methods="full,prefix,full_reuse,cacheblend,epic,keep"):
+    ap = argparse.ArgumentParser(description=description,
+                                 formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--data-dir", default=str(DATA))
+    ap.add_argument("--episodes", type=int, default=0, help="episodes sampled (0: all)")
+    ap.add_argument("--max-steps", type=int, default=0, help="decisions per episode (0: all)")
+    ap.add_argument("--examples", type=int, default=3, help="example plans of other tasks")
+    ap.add_argument("--k", type=int, default=32, help="segments retrieved per decision")
+    ap.add_argument("--methods", default=default_methods)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--kv-wait", type=float, default=30.0)
+    ap.add_argument("--out", help="JSON lines, one per decision and method")
+    ap.add_argument("--device", default="cpu", help="for the worker this script starts")
+    ap.add_argument("--manager", help="a running keep-manager (with --worker): start none")
+    ap.add_argument("--worker")
+    ap.add_argument("--check-agree", help="exit 1 unless this method agrees with full everywhere")
+    return ap
+
+
+def main(a, episodes, tag):
+    """Runs `episodes` (services started unless --manager/--worker), prints the table, applies
+    --check-agree."""
+    out = open(a.out, "w") if a.out else None
+    svc = None
+    try:
+        if a.manager and a.worker:
+            m_ep, w_ep = a.manager, a.worker
+        else:
+            svc = LocalServices(worker=True, device=a.device,
+                                extra_manager=["--static-after-steps", "2"])
+            m_ep, w_ep = svc.manager.endpoint, svc.worker.endpoint
+        with ManagerClient(m_ep, timeout=60) as m, WorkerClient(w_ep, timeout=300) as w:
+            methods, rows = run(m, w, episodes, a.methods.split(","), a.k, a.kv_wait, out,
+                                f"{tag}{a.seed}_")
+    finally:
+        if out:
+            out.close()
+        if svc:
+            svc.close()
+    print(summarize(methods, rows))
+    if a.check_agree:
+        rs = [r for r in rows if r["method"] == a.check_agree]
+        bad = [r for r in rs if not r["agree"]]
+        if not rs or bad:
+            sys.exit(f"{tag}: {a.check_agree} disagrees with full on {len(bad)} of {len(rs)} "
+                     "decisions")
+        print(f"{a.check_agree} agrees with full on all {len(rs)} decisions")
+
+
+def require(path):
+    """Exits 77 (CTest's skip code) when the task material is not beside the checkout."""
+    if not path.exists():
+        print(f"no task material at {path} (../shared/data/planning): skipped", file=sys.stderr)
+        sys.exit(77)
