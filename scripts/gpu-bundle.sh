@@ -6,6 +6,11 @@
 # scripts/gpu-check.sh runs when it finds it. For GPU machines that cannot install our packages
 # (no network): carry .gpu-bundle with the call. Usage: scripts/gpu-bundle.sh [build-dir]; on the
 # GPU machine, scripts/gpu-bundle.sh --unpack (gpu-check.sh runs it) ungzips the programs.
+# BUNDLE_SERVICES=1 also packs keep-manager, keep-worker and keepctl, and pyzmq/pycapnp wheels
+# for CPython 3.10-3.12 in .gpu-bundle/wheels (the GPU machine has no network): there,
+# `python3 -m venv .venv && .venv/bin/pip install --no-index -f .gpu-bundle/wheels pyzmq pycapnp`
+# then `.venv/bin/pip install --no-deps --no-build-isolation -e clients/python` (or PYTHONPATH=
+# clients/python) runs the Python client, the quality benchmarks and a two-worker device tier.
 # BUNDLE_BASE=REV also builds bench_prefill at revision REV (a git worktree at build-bundle-src,
 # built in build-gpu-bundle-base) as bin/bench_prefill_base, for `scripts/gpu-ab.sh bench` (both
 # builds timed in alternation in one call).
@@ -27,14 +32,24 @@ generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
 cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DKEEP_CUDA=ON \
   -DCMAKE_CUDA_ARCHITECTURES=90a -DKEEP_BENCHMARKS=ON -DKEEP_TESTS=ON >/dev/null
+services=()
+[[ "${BUNDLE_SERVICES:-0}" == 1 ]] && services=(keep-manager keep-worker keepctl)
 cmake --build "$build" --target test_cuda_engine test_cuda_assembler test_device_kv_tier \
-  device_tier_probe bench_prefill bench_keep -j "$(nproc)"
+  device_tier_probe bench_prefill bench_keep "${services[@]}" -j "$(nproc)"
 rm -rf "$out"
 mkdir -p "$out/bin" "$out/lib"
 for t in test_cuda_engine test_cuda_assembler test_device_kv_tier device_tier_probe; do
   cp "$(find "$build" -type f -name "$t" -perm -u+x | head -1)" "$out/bin/"
 done
 cp "$build/bin/bench_prefill" "$build/bin/bench_keep" "$out/bin/"
+for t in "${services[@]}"; do cp "$build/bin/$t" "$out/bin/"; done
+if ((${#services[@]})); then
+  for py in 3.10 3.11 3.12; do
+    pip download -q --only-binary=:all: --no-deps --python-version "$py" \
+      --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
+      -d "$out/wheels" pyzmq pycapnp
+  done
+fi
 if [[ -n "${BUNDLE_BASE:-}" ]]; then
   wt="$root/build-bundle-src"
   rev="$("$root/scripts/worktree-at.sh" "$wt" "$BUNDLE_BASE")"
