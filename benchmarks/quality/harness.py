@@ -142,6 +142,10 @@ def arguments(description, default_methods="full,prefix,full_reuse,cacheblend,ep
     ap.add_argument("--manager", help="a running keep-manager (with --worker): start none")
     ap.add_argument("--worker")
     ap.add_argument("--check-agree", help="exit 1 unless this method agrees with full everywhere")
+    ap.add_argument("--manager-args", default="--static-after-steps 2",
+                    help="flags of the keep-manager this script starts (ablations: "
+                         "'--static-after-steps 1000000' keeps every group dynamic)")
+    ap.add_argument("--worker-args", default="", help="flags of the keep-worker it starts")
     return ap
 
 
@@ -155,7 +159,8 @@ def main(a, episodes, tag):
             m_ep, w_ep = a.manager, a.worker
         else:
             svc = LocalServices(worker=True, device=a.device,
-                                extra_manager=["--static-after-steps", "2"])
+                                extra_manager=a.manager_args.split(),
+                                extra_worker=a.worker_args.split())
             m_ep, w_ep = svc.manager.endpoint, svc.worker.endpoint
         with ManagerClient(m_ep, timeout=60) as m, WorkerClient(w_ep, timeout=300) as w:
             methods, rows = run(m, w, episodes, a.methods.split(","), a.k, a.kv_wait, out,
