@@ -145,7 +145,10 @@ def arguments(description, default_methods="full,prefix,full_reuse,cacheblend,ep
     ap.add_argument("--manager-args", default="--static-after-steps 2",
                     help="flags of the keep-manager this script starts (ablations: "
                          "'--static-after-steps 1000000' keeps every group dynamic)")
-    ap.add_argument("--worker-args", default="", help="flags of the keep-worker it starts")
+    ap.add_argument("--worker-args", default="",
+                    help="flags of the keep-worker it starts (ablations: "
+                         "'--ablate-position-correction true', '--ablate-produce-prefix true', "
+                         "and per method knobs: keep:max_hops=0 for hop 0 only)")
     return ap
 
 

@@ -193,6 +193,50 @@ TEST_CASE("KV loaded at another position equals KV computed there: K is rotated 
   CHECK(max_abs_diff(k_loaded.data(), k_raw.data(), k_raw.size()) > 1e-3f);
 }
 
+TEST_CASE("ablations: K not rotated to the prompt; entries computed without the prefix") {
+  Fixture f;
+  Entries e = dynamic_entries(f, kv::KvDType::kBF16);  // each computed right after the prefix
+  const eng::KvView view = f.assembler->cache().layer(0);
+  const int64_t kvd = f.engine->config().kv_dim();
+  auto layer0_k = [&](int32_t begin, int32_t n) {
+    return std::vector<float>(view.k_f32() + begin * kvd, view.k_f32() + (begin + n) * kvd);
+  };
+  auto corrected = f.assembler->prefill(request(f, &e, Method::kFullReuse));
+  REQUIRE(corrected.is_ok());
+  const int32_t s0 = 5, s3 = 5 + 3 + 4 + 5;  // segment 0 sits where it was computed, 3 does not
+  const auto k0 = layer0_k(s0, 3), k3 = layer0_k(s3, 6);
+  LoadOptions off;
+  off.position_correction = false;
+  f.assembler->set_load_options(off);
+  auto uncorrected = f.assembler->prefill(request(f, &e, Method::kFullReuse));
+  f.assembler->set_load_options({});
+  REQUIRE(uncorrected.is_ok());
+  CHECK(max_abs_diff(layer0_k(s0, 3).data(), k0.data(), k0.size()) <= 1e-6f);
+  CHECK(max_abs_diff(layer0_k(s3, 6).data(), k3.data(), k3.size()) > 1e-3f);
+  CHECK(corrected->last_logits != uncorrected->last_logits);
+
+  // Without the prefix in front: layer 0 (a token's own K and V) is the same, later layers not.
+  EntryGeometry g;
+  const auto with = f.produce(f.segments[2], kv::KvDType::kF32, &g);
+  ProduceOptions alone;
+  alone.with_prefix = false;
+  f.assembler->set_produce_options(alone);
+  const auto without = f.produce(f.segments[2], kv::KvDType::kF32, &g);
+  f.assembler->set_produce_options({});
+  const size_t n = static_cast<size_t>(g.tokens * kvd);
+  std::vector<float> ka(n), va(n), kb(n), vb(n);
+  for (int32_t layer : {0, 2}) {
+    REQUIRE(read_entry_layer(with, g, layer, 0, g.tokens, ka.data(), va.data()).is_ok());
+    REQUIRE(read_entry_layer(without, g, layer, 0, g.tokens, kb.data(), vb.data()).is_ok());
+    if (layer == 0) {
+      CHECK(max_abs_diff(ka.data(), kb.data(), n) <= 1e-6f);
+      CHECK(max_abs_diff(va.data(), vb.data(), n) <= 1e-6f);
+    } else {
+      CHECK(max_abs_diff(ka.data(), kb.data(), n) > 1e-4f);
+    }
+  }
+}
+
 TEST_CASE("a missing or stale entry is computed, never served") {
   Fixture f;
   Entries e = dynamic_entries(f, kv::KvDType::kBF16);

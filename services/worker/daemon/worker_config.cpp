@@ -33,6 +33,11 @@ void declare_worker_options(Options* o) {
   o->add("max-queue", "64",
          "completions waiting for the engine before more are refused (resource_exhausted)");
   o->add("produce", "true", "take the manager's KV jobs (compute memories' KV into the region)");
+  o->add("ablate-position-correction", "false",
+         "quality ablation only: load K rotated to where it was produced, not to the prompt's "
+         "positions (KV stored after RoPE, uncorrected)");
+  o->add("ablate-produce-prefix", "false",
+         "quality ablation only: compute entries without the system prefix in front");
   o->add("job-layers", "4",
          "layers of a KV job run between two looks at the request queue (a request waits for at "
          "most that)");
@@ -123,6 +128,8 @@ Result<WorkerConfig> read_worker_config(const Options& o) {
   if (queue == 0) return bad("--max-queue: must be >= 1");
   c.max_queue = queue;
   KEEP_ASSIGN_OR_RETURN(c.produce, o.boolean("produce"));
+  KEEP_ASSIGN_OR_RETURN(c.ablate_position_correction, o.boolean("ablate-position-correction"));
+  KEEP_ASSIGN_OR_RETURN(c.ablate_produce_prefix, o.boolean("ablate-produce-prefix"));
   KEEP_ASSIGN_OR_RETURN(uint64_t jl, o.uint64("job-layers"));
   if (jl == 0 || jl > 4096) return bad("--job-layers: must be in 1..4096");
   c.job_layers = static_cast<int32_t>(jl);

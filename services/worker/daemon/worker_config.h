@@ -32,6 +32,8 @@ struct WorkerConfig {
   size_t max_queue = 64;
   int32_t job_layers = 4;
   bool produce = true;
+  bool ablate_position_correction = false;  // issue 30's ablations (never for serving)
+  bool ablate_produce_prefix = false;
   uint64_t worker_id = 0;  // 0: derived from the host and pid
   std::chrono::milliseconds job_poll{100};
   uint64_t max_message_bytes = 0;

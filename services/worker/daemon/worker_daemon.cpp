@@ -123,6 +123,18 @@ Result<std::unique_ptr<WorkerDaemon>> WorkerDaemon::start(const WorkerConfig& co
                         KvAssembler::create(*d.engine, d.prompts->prefix(), config.context));
   KEEP_ASSIGN_OR_RETURN(d.job_assembler,
                         KvAssembler::create(*d.engine, d.prompts->prefix(), config.context));
+  if (config.ablate_position_correction) {
+    LoadOptions lo;
+    lo.position_correction = false;
+    d.request_assembler->set_load_options(lo);
+    KEEP_LOG_WARN(kLog, "ablation: loaded K is not rotated to the prompt's positions");
+  }
+  if (config.ablate_produce_prefix) {
+    ProduceOptions po;
+    po.with_prefix = false;
+    d.job_assembler->set_produce_options(po);
+    KEEP_LOG_WARN(kLog, "ablation: entries are computed without the system prefix in front");
+  }
 
   // ---- the manager ----
   client::ClientOptions co;

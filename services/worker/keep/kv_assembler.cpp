@@ -162,6 +162,7 @@ Result<Prefilled> KvAssembler::prefill(const AssembleRequest& req) {
   std::vector<LoadRun> f32_runs;
   std::vector<int32_t> loaded_before;
   std::vector<engine::Backend::KvRun> batch;
+  std::vector<LoadRun> batch_runs;  // what each run of `batch` loads
   engine_.fence_queue();
   // Loads may still be in flight when a layer fails: let them land before the cache is reused.
   struct SyncOnExit {
@@ -225,6 +226,7 @@ Result<Prefilled> KvAssembler::prefill(const AssembleRequest& req) {
       }
     }
     batch.clear();
+    batch_runs.clear();
     for (const LoadSchedule::Item& item : schedule.before_layer(l)) {
       const engine::KvView target = cache_.layer(item.layer);
       for (const LoadRun& run : cohorts[static_cast<size_t>(item.cohort)]) {
@@ -234,10 +236,25 @@ Result<Prefilled> KvAssembler::prefill(const AssembleRequest& req) {
                                             item.layer, row, run.count);
         if (!planes) return Status(Code::kInternal, "kv assembly: a bf16 entry lost its planes");
         batch.push_back({target, item.layer, run.slot, run.count, planes->first, planes->second});
+        batch_runs.push_back(run);
         st.bytes_loaded += 2 * static_cast<uint64_t>(run.count) * kvd * kv.geometry.elem_bytes();
       }
     }
-    if (load_options_.queue) {
+    if (!load_options_.position_correction) {
+      // Ablation: each row rotated to where it was produced, [prefix][entry rows], not to its
+      // slot in this prompt.
+      for (size_t b = 0; b < batch.size(); ++b) {
+        const LoadRun& run = batch_runs[b];
+        const SegmentKv& kv = req.segments[run.segment].kv;
+        const int32_t row = kv.first_row + (run.slot - shape.segments[run.segment].begin);
+        std::vector<int32_t> positions(static_cast<size_t>(run.count));
+        for (int32_t k = 0; k < run.count; ++k) {
+          positions[k] = static_cast<int32_t>(prefix_.size()) + row + k;
+        }
+        KEEP_RETURN_IF_ERROR(engine_.load_kv_bf16(batch[b].kv, batch[b].first_slot, positions,
+                                                  batch[b].k_pre, batch[b].v));
+      }
+    } else if (load_options_.queue) {
       KEEP_RETURN_IF_ERROR(engine_.queue_kv_bf16_runs(batch));
       engine_.wait_queued(l);
     } else {
@@ -383,7 +400,20 @@ Status KvAssembler::begin_produce(std::span<const int32_t> tokens) {
   KEEP_RETURN_IF_ERROR(engine_.embed(hidden_[0], tokens));
   Production prod;
   prod.tokens = n;
-  KEEP_ASSIGN_OR_RETURN(prod.plan, engine_.plan(engine::AttentionLayout::causal(n, p)));
+  if (produce_options_.with_prefix) {
+    KEEP_ASSIGN_OR_RETURN(prod.plan, engine_.plan(engine::AttentionLayout::causal(n, p)));
+  } else {  // ablation: the tokens see only each other, at the same positions
+    engine::AttentionLayout l;
+    l.num_keys = p + n;
+    for (int32_t i = 0; i < n; ++i) {
+      l.row_slot.push_back(p + i);
+      l.row_position.push_back(p + i);
+      l.span_offsets.push_back(i);
+      l.spans.push_back({p, p + i + 1});
+    }
+    l.span_offsets.push_back(n);
+    KEEP_ASSIGN_OR_RETURN(prod.plan, engine_.plan(l));
+  }
   production_ = std::move(prod);
   return Status::ok();
 }

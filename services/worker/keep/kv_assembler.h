@@ -78,6 +78,17 @@ struct LoadOptions {
   // On the H200 (14B, 40 segments) 0 and 32 MiB are within 3 % of each other, 1 GiB is slower:
   // prefetched layers take SMs from the compute (benchmarks/RESULTS.md).
   uint64_t prefetch_bytes = uint64_t{32} << 20;
+  // Ablation (issue 30): false rotates a loaded K to the positions it was produced at instead of
+  // the prompt's -- what storing K after RoPE without correcting it gives. Loads then go one run
+  // at a time on the compute stream (positions per run). Never for serving.
+  bool position_correction = true;
+};
+
+// How KV entries are produced (KvAssembler::produce).
+struct ProduceOptions {
+  // Ablation (issue 30): false computes a segment's KV without the system prefix in front (its
+  // first token then takes the attention-sink role). Never for serving.
+  bool with_prefix = true;
 };
 
 class KvAssembler {
@@ -88,6 +99,7 @@ class KvAssembler {
 
   const std::vector<int32_t>& prefix() const { return prefix_; }
   void set_load_options(const LoadOptions& options) { load_options_ = options; }
+  void set_produce_options(const ProduceOptions& options) { produce_options_ = options; }
   const LoadOptions& load_options() const { return load_options_; }
   int32_t capacity() const { return cache_.capacity(); }
   // The working cache: after prefill(), size() = the prompt's tokens; decode steps append.
@@ -125,6 +137,7 @@ class KvAssembler {
   engine::KvCache cache_;
   std::vector<int32_t> prefix_;
   LoadOptions load_options_;
+  ProduceOptions produce_options_;
   // Tokens whose KV in the cache equals a full prefill's, for `prefix` (vLLM-style) reuse.
   std::vector<int32_t> exact_;
   engine::DeviceBuffer hidden_[2];  // (capacity, C): ping-pong as the computed rows shrink
