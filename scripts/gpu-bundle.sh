@@ -7,7 +7,8 @@
 # (no network): carry .gpu-bundle with the call. Usage: scripts/gpu-bundle.sh [build-dir]; on the
 # GPU machine, scripts/gpu-bundle.sh --unpack (gpu-check.sh runs it) ungzips the programs.
 # BUNDLE_SERVICES=1 also packs keep-manager, keep-worker and keepctl, and pyzmq/pycapnp wheels
-# for CPython 3.10-3.12 in .gpu-bundle/wheels (the GPU machine has no network): there,
+# for CPython 3.10-3.12 (BUNDLE_PY="3.11" for fewer) in .gpu-bundle/wheels (the GPU machine has
+# no network): there,
 # `python3 -m venv .venv && .venv/bin/pip install --no-index -f .gpu-bundle/wheels pyzmq pycapnp`
 # then `.venv/bin/pip install --no-deps --no-build-isolation -e clients/python` (or PYTHONPATH=
 # clients/python) runs the Python client, the quality benchmarks and a two-worker device tier.
@@ -18,10 +19,10 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="$root/.gpu-bundle"
 if [[ "${1:-}" == "--unpack" ]]; then  # on the GPU machine: the programs back to runnable files
-  for gz in "$out"/bin/*.gz; do
+  for gz in "$out"/bin/*.gz "$out"/lib/*.gz; do
     [[ -e "$gz" ]] || continue
     gzip -dc "$gz" >"${gz%.gz}"
-    chmod +x "${gz%.gz}"
+    [[ "$gz" == */bin/* ]] && chmod +x "${gz%.gz}"
     rm -f "$gz"
   done
   exit 0
@@ -44,7 +45,7 @@ done
 cp "$build/bin/bench_prefill" "$build/bin/bench_keep" "$out/bin/"
 for t in "${services[@]}"; do cp "$build/bin/$t" "$out/bin/"; done
 if ((${#services[@]})); then
-  for py in 3.10 3.11 3.12; do
+  for py in ${BUNDLE_PY:-3.10 3.11 3.12}; do
     pip download -q --only-binary=:all: --no-deps --python-version "$py" \
       --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
       -d "$out/wheels" pyzmq pycapnp
@@ -75,5 +76,7 @@ done
 # The programs travel gzip-compressed (13 MB -> 5 MB: the carry to a GPU machine is size-limited);
 # scripts/gpu-check.sh, or scripts/gpu-bundle.sh --unpack on the GPU machine, restores them.
 gzip -9 "$out"/bin/*
+# The libraries too: OpenBLAS alone is 36 MB (keep-manager and keep-worker need it).
+find "$out/lib" -type f -size +1M -exec gzip -9 {} +
 du -sh "$out"
 ls "$out/bin" "$out/lib"
