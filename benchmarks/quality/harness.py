@@ -67,9 +67,24 @@ def wait_kv(m, agent, deadline_s):
         time.sleep(0.05)
 
 
-def run(m, w, episodes, methods, k, kv_wait, out, tag):
+def order(methods):
+    """`prefix` first (its cache then holds the previous decision's prompt, as a serving engine's
+    would, not this decision's from another method) and `full` last."""
     if "full" not in methods:
-        methods = ["full"] + methods
+        methods = methods + ["full"]
+    rest = [m for m in methods if m not in ("prefix", "full")]
+    return (["prefix"] if "prefix" in methods else []) + rest + ["full"]
+
+
+def choice_scores(r, score):
+    """Per-candidate scores: Σ log-prob (`sum`) or its mean per token (`mean`)."""
+    if score == "sum":
+        return list(r.log_probs)
+    return [lp / max(n, 1) for lp, n in zip(r.log_probs, r.tokens)]
+
+
+def run(m, w, episodes, methods, k, kv_wait, out, tag, score="mean"):
+    methods = order(methods)
     rows = []
     for ei, ep in enumerate(episodes):
         agent = f"{tag}{ei}"
@@ -79,23 +94,27 @@ def run(m, w, episodes, methods, k, kv_wait, out, tag):
         for t, d in enumerate(ep.decisions):
             have, total = wait_kv(m, agent, kv_wait)
             gold_i = d.candidates.index(d.gold)
-            full_p = full_best = None
+            results = {}
             for spec in methods:
                 name, knobs = parse_method(spec)
-                r = w.score(agent, ep.instruction, d.candidates, history=d.history, k=k,
-                            method=name, **knobs)
-                p = softmax(r.log_probs)
-                if spec == "full":
-                    full_p, full_best = p, r.best
-                row = dict(episode=ep.name, kind=ep.kind, step=t, method=spec, best=r.best,
-                           gold=gold_i, correct=r.best == gold_i, agree=r.best == full_best,
-                           kl=kl(full_p, p), ratio=r.stats.recompute_ratio,
+                results[spec] = w.score(agent, ep.instruction, d.candidates, history=d.history,
+                                        k=k, method=name, **knobs)
+            full_s = choice_scores(results["full"], score)
+            full_p, full_best = softmax(full_s), max(range(len(full_s)), key=full_s.__getitem__)
+            for spec in methods:
+                r = results[spec]
+                sc = choice_scores(r, score)
+                best = max(range(len(sc)), key=sc.__getitem__)
+                row = dict(episode=ep.name, kind=ep.kind, step=t, method=spec, best=best,
+                           gold=gold_i, correct=best == gold_i, agree=best == full_best,
+                           kl=kl(full_p, softmax(sc)), ratio=r.stats.recompute_ratio,
                            ttft=r.stats.ttft_seconds, hit=r.stats.entries_hit, memories=total,
-                           with_kv=have, candidates=len(d.candidates))
+                           with_kv=have, candidates=len(d.candidates), score=score)
                 rows.append(row)
                 if out:
                     out.write(json.dumps(row) + "\n")
-                    out.flush()
+            if out:
+                out.flush()
             for slot, text, kind in d.changes:
                 if slot not in slots:
                     slots[slot] = (m.write(agent, text, kind=kind).id, text)
@@ -137,6 +156,9 @@ def arguments(description, default_methods="full,prefix,full_reuse,cacheblend,ep
     ap.add_argument("--methods", default=default_methods)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--kv-wait", type=float, default=30.0)
+    ap.add_argument("--score", choices=("mean", "sum"), default="mean",
+                    help="a candidate's score: mean log-prob per token (default; Σ favours the "
+                         "shortest candidates) or Σ log-prob")
     ap.add_argument("--out", help="JSON lines, one per decision and method")
     ap.add_argument("--device", default="cpu", help="for the worker this script starts")
     ap.add_argument("--manager", help="a running keep-manager (with --worker): start none")
@@ -167,7 +189,7 @@ def main(a, episodes, tag):
             m_ep, w_ep = svc.manager.endpoint, svc.worker.endpoint
         with ManagerClient(m_ep, timeout=60) as m, WorkerClient(w_ep, timeout=300) as w:
             methods, rows = run(m, w, episodes, a.methods.split(","), a.k, a.kv_wait, out,
-                                f"{tag}{a.seed}_")
+                                f"{tag}{a.seed}_", a.score)
     finally:
         if out:
             out.close()

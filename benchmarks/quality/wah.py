@@ -15,7 +15,8 @@ unfolds, so groups turn dynamic and back static); query = instruction + the step
 candidates = LoTA-Bench-style skills over the task's objects (a verb is admissible for an object
 when some WAH plan applies it to that object) and "done"; gold = the plan's step t ("done" after
 the last). harness.py runs the decisions and reports (accuracy ± standard error, agreement with
-full, KL, recompute ratio, TTFT); the choice is the candidate with the highest Σ log-prob.
+full, KL, recompute ratio, TTFT); the choice is the candidate with the highest mean log-prob
+per token (--score sum: Σ log-prob).
 The WAH material is CC BY-NC-SA: it is read from ../shared/data/planning at run time, never
 copied into the repository.
 """
