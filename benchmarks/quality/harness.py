@@ -9,7 +9,6 @@ candidate, and the memory changes that taking the gold step makes (applied after
 import argparse
 import json
 import math
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -17,6 +16,8 @@ from typing import List, Tuple
 
 from keep_client import ManagerClient, WorkerClient
 from keep_client.local import ROOT, LocalServices
+
+import report
 
 DATA = ROOT.parent / "shared" / "data" / "planning"
 
@@ -128,21 +129,9 @@ def run(m, w, episodes, methods, k, kv_wait, out, tag, score="mean"):
 
 
 def summarize(methods, rows):
-    lines = ["| method | decisions | accuracy | agreement with full | KL(full ‖ method) | "
-             "recompute ratio | TTFT ms (median) |", "|---|---|---|---|---|---|---|"]
-    for spec in methods:
-        rs = [r for r in rows if r["method"] == spec]
-        if not rs:
-            continue
-        n = len(rs)
-        acc = sum(r["correct"] for r in rs) / n
-        se = math.sqrt(acc * (1 - acc) / n)
-        agree = sum(r["agree"] for r in rs) / n
-        lines.append(f"| {spec} | {n} | {100 * acc:.1f} ± {100 * se:.1f} % | {100 * agree:.1f} % | "
-                     f"{statistics.mean(r['kl'] for r in rs):.4f} | "
-                     f"{statistics.mean(r['ratio'] for r in rs):.3f} | "
-                     f"{1000 * statistics.median(r['ttft'] for r in rs):.1f} |")
-    return "\n".join(lines)
+    """The report's table (report.py) in the methods' order."""
+    agg = report.aggregate(rows)
+    return report.table({m: agg[m] for m in methods if m in agg})
 
 
 def arguments(description, default_methods="full,prefix,full_reuse,cacheblend,epic,keep"):

@@ -101,3 +101,19 @@ class Channel:
 def _is_void(msg, kind):
     field = msg.schema.fields[kind].proto
     return field.which() == "slot" and str(field.slot.type.which()) == "void"
+
+
+class Client:
+    """What both clients share: one channel, closed by close() or a with-block."""
+
+    def __init__(self, endpoint, timeout, schema):
+        self._ch = Channel(endpoint, timeout, schema)
+
+    def close(self):
+        self._ch.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

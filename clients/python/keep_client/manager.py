@@ -3,7 +3,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
 from . import _schema
-from ._channel import Channel
+from ._channel import Client
 
 # The memory kinds, as the wire spells them.
 KINDS = {"object_state": "objectState", "task_record": "taskRecord", "example_plan": "examplePlan"}
@@ -67,21 +67,12 @@ class Group:
     last_change_step: int = 0
 
 
-class ManagerClient:
+class ManagerClient(Client):
     """One blocking connection to keep-manager. Calls raise keep_client.errors.KeepError (its
     subclass for the wire code) on failure; `timeout` (seconds) bounds each call."""
 
     def __init__(self, endpoint="tcp://127.0.0.1:7601", timeout=20.0):
-        self._ch = Channel(endpoint, timeout, _schema.manager)
-
-    def close(self):
-        self._ch.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+        super().__init__(endpoint, timeout, _schema.manager)
 
     def ping(self) -> str:
         return self._ch.call("ping", None).get("serverVersion", "")

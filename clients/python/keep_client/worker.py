@@ -3,7 +3,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 from . import _schema
-from ._channel import Channel
+from ._channel import Client
 
 # Method names as keep-worker's --method spells them, and their wire enumerants.
 METHODS = {"full": "full", "prefix": "prefix", "full_reuse": "fullReuse",
@@ -53,22 +53,13 @@ class Scored:
     stats: Stats
 
 
-class WorkerClient:
+class WorkerClient(Client):
     """One blocking connection to keep-worker. Calls raise keep_client.errors.KeepError (its
     subclass for the wire code); `timeout` (seconds) bounds each call and is sent with it, so a
     request still queued when it runs out is dropped by the worker."""
 
     def __init__(self, endpoint="tcp://127.0.0.1:7602", timeout=60.0):
-        self._ch = Channel(endpoint, timeout, _schema.worker)
-
-    def close(self):
-        self._ch.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+        super().__init__(endpoint, timeout, _schema.worker)
 
     def ping(self) -> Dict[str, str]:
         p = self._ch.call("ping", None)
