@@ -8,10 +8,9 @@
 # GPU machine, scripts/gpu-bundle.sh --unpack (gpu-check.sh runs it) ungzips the programs.
 # BUNDLE_SERVICES=1 also packs keep-manager, keep-worker and keepctl, and pyzmq/pycapnp wheels
 # for CPython 3.10-3.12 (BUNDLE_PY="3.11" for fewer) in .gpu-bundle/wheels (the GPU machine has
-# no network): there,
-# `python3 -m venv .venv && .venv/bin/pip install --no-index -f .gpu-bundle/wheels pyzmq pycapnp`
-# then `.venv/bin/pip install --no-deps --no-build-isolation -e clients/python` (or PYTHONPATH=
-# clients/python) runs the Python client, the quality benchmarks and a two-worker device tier.
+# no network): there, --unpack makes .venv from them with the Python client on its path, for the
+# quality benchmarks (benchmarks/quality/run.py) and the two-worker device tier test
+# (tests/gpu/tier_e2e.py).
 # BUNDLE_BASE=REV also builds bench_prefill at revision REV (a git worktree at build-bundle-src,
 # built in build-gpu-bundle-base) as bin/bench_prefill_base, for `scripts/gpu-ab.sh bench` (both
 # builds timed in alternation in one call).
@@ -25,6 +24,16 @@ if [[ "${1:-}" == "--unpack" ]]; then  # on the GPU machine: the programs back t
     [[ "$gz" == */bin/* ]] && chmod +x "${gz%.gz}"
     rm -f "$gz"
   done
+  # With the services' wheels: the Python client in .venv (offline; a .pth file stands in for the
+  # editable install, whose setuptools a bare venv may lack; --no-deps: pycapnp wants jinja2 only
+  # to compile schemas).
+  if [[ -d "$out/wheels" && ! -x "$root/.venv/bin/python" ]]; then
+    python3 -m venv --system-site-packages "$root/.venv" &&  # a system matplotlib, for the plots
+      "$root/.venv/bin/pip" install -q --no-index --no-deps -f "$out/wheels" pyzmq pycapnp &&
+      "$root/.venv/bin/python" -c 'import site, sys; open(site.getsitepackages()[0] + "/keep_client.pth", "w").write(sys.argv[1] + "\n")' \
+        "$root/clients/python" ||
+      echo "gpu-bundle: no Python client (.venv): $(python3 --version 2>&1)"
+  fi
   exit 0
 fi
 build="${1:-$root/build-gpu-bundle}"

@@ -102,6 +102,20 @@ for t in "${engine_tests[@]}"; do
   fi
 done
 
+# Two keep-workers sharing a device KV tier through the real services (needs the services: a whole
+# build, or a bundle made with BUNDLE_SERVICES=1, its .venv, and models/).
+svc_bin="$root/.gpu-bundle/bin"
+((whole)) && { cmake --build "$build" --target keep-manager keep-worker -j "$jobs" >/dev/null &&
+  svc_bin="$build/bin"; }
+step "tests/gpu/tier_e2e.py (two keep-workers, one device tier)"
+if [[ -x "$svc_bin/keep-worker" && -x "$root/.venv/bin/python" ]]; then
+  (cd "$root" && KEEP_BIN_DIR="$svc_bin" .venv/bin/python tests/gpu/tier_e2e.py)
+  rc=$?
+  ((rc == 0 || rc == 77)) || mark tier_e2e
+else
+  echo "skipped: no keep-worker in $svc_bin or no .venv (BUNDLE_SERVICES=1 scripts/gpu-bundle.sh)"
+fi
+
 if ((sanitize)); then
   for t in "${gpu_tests[@]}"; do
     bin="$(find_bin "$t")"
