@@ -51,9 +51,11 @@ def kl(p, q):
 
 
 def parse_method(spec):
+    """Parses "keep:decay=0.8+max_hops=0" into ("keep", {"decay": 0.8, "max_hops": 0}): knobs joined by
+    "+", since --methods is a comma-separated list."""
     name, _, rest = spec.partition(":")
     knobs = {}
-    for kv in filter(None, rest.split(",")):
+    for kv in filter(None, rest.split("+")):
         k, _, v = kv.partition("=")
         knobs[k] = float(v) if k in ("decay", "cacheblend_ratio") else int(v)
     return name, knobs
@@ -66,6 +68,17 @@ def wait_kv(m, agent, deadline_s):
         if all(x.has_kv for x in mems) or time.monotonic() > deadline:
             return sum(x.has_kv for x in mems), len(mems)
         time.sleep(0.05)
+
+
+def forget(m, agent):
+    """The task is over: its agent's memories are deleted, which frees their KV entries (a region
+    that only grows fills up, and then no new memory gets its KV)."""
+    while True:
+        mems, _ = m.list_memories(agent, limit=1000)
+        if not mems:
+            return
+        for x in mems:
+            m.delete(agent, x.id)
 
 
 def order(methods):
@@ -84,38 +97,47 @@ def choice_scores(r, score):
     return [lp / max(n, 1) for lp, n in zip(r.log_probs, r.tokens)]
 
 
-def run(m, w, episodes, methods, k, kv_wait, out, tag, score="mean"):
+def run(m, w, episodes, methods, k, kv_wait, out, tag, score="mean", label=""):
+    """Scores every decision of `episodes` with `methods`; a row's method is the spec, with
+    " [label]" after it when a label is given (an ablation's rows beside the main run's)."""
     methods = order(methods)
     rows = []
     for ei, ep in enumerate(episodes):
         agent = f"{tag}{ei}"
         for text, kind in ep.memories:
             m.write(agent, text, kind=kind)
-        slots = {}
+        slots, writes_s = {}, 0.0
         for t, d in enumerate(ep.decisions):
+            t0 = time.monotonic()
             have, total = wait_kv(m, agent, kv_wait)
+            waited = time.monotonic() - t0
             gold_i = d.candidates.index(d.gold)
-            results = {}
+            results, call_s = {}, {}
             for spec in methods:
                 name, knobs = parse_method(spec)
+                t0 = time.monotonic()
                 results[spec] = w.score(agent, ep.instruction, d.candidates, history=d.history,
                                         k=k, method=name, **knobs)
+                call_s[spec] = time.monotonic() - t0
             full_s = choice_scores(results["full"], score)
             full_p, full_best = softmax(full_s), max(range(len(full_s)), key=full_s.__getitem__)
             for spec in methods:
                 r = results[spec]
                 sc = choice_scores(r, score)
                 best = max(range(len(sc)), key=sc.__getitem__)
-                row = dict(episode=ep.name, kind=ep.kind, step=t, method=spec, best=best,
+                row = dict(episode=ep.name, kind=ep.kind, step=t,
+                           method=f"{spec} [{label}]" if label else spec, best=best,
                            gold=gold_i, correct=best == gold_i, agree=best == full_best,
                            kl=kl(full_p, softmax(sc)), ratio=r.stats.recompute_ratio,
                            ttft=r.stats.ttft_seconds, hit=r.stats.entries_hit, memories=total,
-                           with_kv=have, candidates=len(d.candidates), score=score)
+                           with_kv=have, candidates=len(d.candidates), score=score,
+                           kv_wait_s=waited, call_s=call_s[spec], writes_s=writes_s)
                 rows.append(row)
                 if out:
                     out.write(json.dumps(row) + "\n")
             if out:
                 out.flush()
+            t0 = time.monotonic()  # the writes the next decision waits on (its writes_s)
             for slot, text, kind in d.changes:
                 if slot not in slots:
                     slots[slot] = (m.write(agent, text, kind=kind).id, text)
@@ -123,15 +145,16 @@ def run(m, w, episodes, methods, k, kv_wait, out, tag, score="mean"):
                     m.update(agent, slots[slot][0], text)
                     slots[slot] = (slots[slot][0], text)
             m.advance_step(agent)
+            writes_s = time.monotonic() - t0
+        forget(m, agent)
         print(f"episode {ei + 1}/{len(episodes)} ({ep.kind}, {len(ep.decisions)} decisions)",
               file=sys.stderr)
     return methods, rows
 
 
-def summarize(methods, rows):
-    """The report's table (report.py) in the methods' order."""
-    agg = report.aggregate(rows)
-    return report.table({m: agg[m] for m in methods if m in agg})
+def summarize(rows):
+    """The report's table (report.py), methods in the order they ran."""
+    return report.table(report.aggregate(rows))
 
 
 def arguments(description, default_methods="full,prefix,full_reuse,cacheblend,epic,keep"):
@@ -149,6 +172,10 @@ def arguments(description, default_methods="full,prefix,full_reuse,cacheblend,ep
                     help="a candidate's score: mean log-prob per token (default; Σ favours the "
                          "shortest candidates) or Σ log-prob")
     ap.add_argument("--out", help="JSON lines, one per decision and method")
+    ap.add_argument("--shard", default="0/1", metavar="I/N",
+                    help="run episodes I, I+N, I+2N, ... of the sampled ones (parallel runs, each "
+                         "with its own services: run.py)")
+    ap.add_argument("--label", default="", help="rows' methods as 'METHOD [LABEL]' (ablations)")
     ap.add_argument("--device", default="cpu", help="for the worker this script starts")
     ap.add_argument("--manager", help="a running keep-manager (with --worker): start none")
     ap.add_argument("--worker")
@@ -156,6 +183,9 @@ def arguments(description, default_methods="full,prefix,full_reuse,cacheblend,ep
     ap.add_argument("--manager-args", default="--static-after-steps 2",
                     help="flags of the keep-manager this script starts (ablations: "
                          "'--static-after-steps 1000000' keeps every group dynamic)")
+    ap.add_argument("--shm-bytes", default="512MiB",
+                    help="the KV region of the manager this script starts (an episode's memories "
+                         "and their static groups' entries must fit)")
     ap.add_argument("--worker-args", default="",
                     help="flags of the keep-worker it starts (ablations: "
                          "'--ablate-position-correction true', '--ablate-produce-prefix true', "
@@ -163,30 +193,44 @@ def arguments(description, default_methods="full,prefix,full_reuse,cacheblend,ep
     return ap
 
 
+def shard(episodes, spec):
+    """Episodes I, I+N, ... for spec "I/N" (0 <= I < N)."""
+    try:
+        i, n = (int(x) for x in spec.split("/"))
+    except ValueError:
+        sys.exit(f"--shard {spec!r}: expected I/N")
+    if not 0 <= i < n:
+        sys.exit(f"--shard {spec!r}: I must be in [0, N)")
+    return episodes[i::n]
+
+
 def main(a, episodes, tag):
     """Runs `episodes` (services started unless --manager/--worker), prints the table, applies
     --check-agree."""
+    episodes = shard(episodes, a.shard)
     out = open(a.out, "w") if a.out else None
     svc = None
     try:
         if a.manager and a.worker:
             m_ep, w_ep = a.manager, a.worker
         else:
-            svc = LocalServices(worker=True, device=a.device,
+            svc = LocalServices(worker=True, device=a.device, shm_bytes=a.shm_bytes,
                                 extra_manager=a.manager_args.split(),
-                                extra_worker=a.worker_args.split())
+                                # ALFRED's widest decisions have 65+ admissible actions
+                                extra_worker=["--max-candidates", "256"] + a.worker_args.split())
             m_ep, w_ep = svc.manager.endpoint, svc.worker.endpoint
         with ManagerClient(m_ep, timeout=60) as m, WorkerClient(w_ep, timeout=300) as w:
-            methods, rows = run(m, w, episodes, a.methods.split(","), a.k, a.kv_wait, out,
-                                f"{tag}{a.seed}_", a.score)
+            _, rows = run(m, w, episodes, a.methods.split(","), a.k, a.kv_wait, out,
+                                f"{tag}{a.seed}_", a.score, a.label)
     finally:
         if out:
             out.close()
         if svc:
             svc.close()
-    print(summarize(methods, rows))
+    print(summarize(rows))
     if a.check_agree:
-        rs = [r for r in rows if r["method"] == a.check_agree]
+        want = f"{a.check_agree} [{a.label}]" if a.label else a.check_agree
+        rs = [r for r in rows if r["method"] == want]
         bad = [r for r in rs if not r["agree"]]
         if not rs or bad:
             sys.exit(f"{tag}: {a.check_agree} disagrees with full on {len(bad)} of {len(rs)} "

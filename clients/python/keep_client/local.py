@@ -78,11 +78,12 @@ class LocalServices:
     (else build/bin) holds the binaries; the models are the checkout's models/."""
 
     def __init__(self, worker=True, extra_manager=(), port=None, extra_worker=(), device="cpu",
-                 model=None):
+                 model=None, shm_bytes="32MiB"):
         self.tmp = tempfile.mkdtemp(prefix="keep_local_")
         self.model = model or str(ROOT / "models/SmolLM2-135M-Instruct.Q4_1.gguf")
         self.shm = f"keep_local_{os.getpid()}_{time.monotonic_ns() % 10**9}"
         self.port = port or free_port()
+        self.shm_bytes = shm_bytes  # the manager's KV region: it holds every memory's entry
         self.extra_manager = list(extra_manager)
         self.manager = self.start_manager()
         self.worker = None
@@ -103,7 +104,7 @@ class LocalServices:
         return Daemon([
             bin_path("keep-manager"), "--data-dir", os.path.join(self.tmp, "data"), "--endpoint",
             f"tcp://127.0.0.1:{self.port}", "--metrics-listen", "off", "--shm-name", self.shm,
-            "--shm-bytes", "32MiB", "--encoder", str(ROOT / "models/all-MiniLM-L6-v2"),
+            "--shm-bytes", self.shm_bytes, "--encoder", str(ROOT / "models/all-MiniLM-L6-v2"),
             "--model", self.model] + self.extra_manager,
             "manager", self.tmp).wait_ready()
 
