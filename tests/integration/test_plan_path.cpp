@@ -264,3 +264,41 @@ TEST_CASE("a device tier's copies serve the loads; one rewritten mid-request is 
   w.plans->set_device_entries(nullptr);
   CHECK(m.terminate() == 0);
 }
+
+TEST_CASE("a region too small for every memory evicts the least recently used entries") {
+  // 1 MiB of arena holds three or four of the six memories' entries (SmolLM2: 22.5 KiB a token).
+  // Before eviction, the jobs that found the arena full failed three times and were dropped:
+  // those memories never got KV again.
+  it::TempDir tmp("planpath_evict");
+  const std::string shm = it::unique_name("planpath_evict");
+  it::ManagerProcess m({(tmp.path() / "data").string(), shm,
+                        {"--static-after-steps", "1000000", "--shm-bytes", "1MiB"}});
+  Worker w(m.endpoint(), shm);
+  w.write_memories();
+  const auto evictions = [&] {
+    auto st = w.manager->stats();
+    REQUIRE(st.is_ok());
+    for (const auto& [name, value] : st->counters) {
+      if (name == "kv_evictions") return value;
+    }
+    FAIL("no kv_evictions counter");
+    return uint64_t{0};
+  };
+
+  const uint64_t first = w.drain_jobs();
+  CHECK(first == std::size(kMemories));  // every memory's entry was produced, none dropped
+  CHECK(w.producer->stats().jobs_failed == 0);
+  const uint64_t evicted = evictions();
+  CHECK(evicted >= 2);
+
+  // The step finds the entries still there and computes the evicted ones; retrieving them
+  // queued their KV again, and it is produced (evicting the now least recently used).
+  const CompleteResult reuse = w.complete(Method::kFullReuse);
+  CHECK(reuse.entries_hit >= 1);
+  CHECK(reuse.entries_missing >= 1);
+  CHECK(reuse.entries_hit + reuse.entries_missing == std::size(kMemories));
+  CHECK(w.drain_jobs() - first == reuse.entries_missing);
+  CHECK(w.producer->stats().jobs_failed == 0);
+  CHECK(evictions() > evicted);
+  CHECK(m.terminate() == 0);
+}

@@ -1140,3 +1140,77 @@ TEST_CASE("retrieve over 10k memories of 384 dimensions is fast") {
   REQUIRE(restored.deserialize(snap).is_ok());
   CHECK(restored.serialize() == snap);
 }
+
+TEST_CASE("a full region evicts the least recently used entries; they come back when retrieved") {
+  Env e;                                        // t = 3: everything stays dynamic here (no advance)
+  const uint64_t a = e.write("1,0,0,0|a a");    // 2 tokens
+  const uint64_t b = e.write("0,1,0,0|b b b");  // 3
+  const uint64_t c = e.write("0,0,1,0|c c c c");  // 4
+  e.embed_all();
+  std::map<uint64_t, uint32_t> entry_of;  // segment -> entry index
+  uint32_t entry = 100;
+  for (const KvJob& j : e.jobs()) {
+    entry_of[j.segments[0].id] = entry;
+    REQUIRE(e.store.complete_job(j.job_id, {entry++, 1, j.total_tokens}).is_ok());
+  }
+  // Use order: a attached first, then c and b retrieved (b last): a is the coldest, then c.
+  e.retrieve("0,0,1,0|q", 1);
+  e.retrieve("0,1,0,0|q", 1);
+  CHECK(e.store.evict_lru(0) == 0);
+  CHECK(e.store.evict_lru(1) == 2);  // a alone frees 2 >= 1
+  auto released = e.store.take_released_entries();
+  REQUIRE(released.size() == 1);
+  CHECK(released[0].index == entry_of[a]);
+  CHECK(e.store.evict_lru(3) == 4);  // then c (4 tokens): b, the most recent, stays
+  released = e.store.take_released_entries();
+  REQUIRE(released.size() == 1);
+  CHECK(released[0].index == entry_of[c]);
+  CHECK(e.store.stats().kv_evictions == 2);
+  CHECK(e.jobs().empty());  // nothing is produced again until asked for
+
+  // Retrieving an evicted segment queues its KV again (once); b still has its entry.
+  auto r = e.retrieve("1,0,0,0|q", 3);
+  CHECK_FALSE(find_seg(r, a)->kv.has_value());
+  CHECK_FALSE(find_seg(r, c)->kv.has_value());
+  REQUIRE(find_seg(r, b)->kv.has_value());
+  auto again = e.jobs();
+  REQUIRE(again.size() == 2);
+  for (const KvJob& j : again) CHECK((j.segments[0].id == a || j.segments[0].id == c));
+  e.retrieve("1,0,0,0|q", 3);
+  CHECK(e.jobs().empty());
+  for (const KvJob& j : again)
+    REQUIRE(e.store.complete_job(j.job_id, {entry++, 1, j.total_tokens}).is_ok());
+  r = e.retrieve("1,0,0,0|q", 3);
+  for (const auto& s : r) CHECK(s.kv.has_value());
+  // Everything evicted: the store reports all it freed, and nothing more when empty.
+  CHECK(e.store.evict_lru(1000) == 9);
+  CHECK(e.store.take_released_entries().size() == 3);
+  CHECK(e.store.evict_lru(1000) == 0);
+}
+
+TEST_CASE("an evicted static group's joint KV is queued again when a member is retrieved") {
+  Env e;  // t = 3
+  const uint64_t a = e.write("1,0,0,0|w w");
+  e.write("1,0.1,0,0|w w w");
+  e.embed_all();
+  for (const KvJob& j : e.jobs())
+    REQUIRE(e.store.complete_job(j.job_id, {1, 1, j.total_tokens}).is_ok());
+  e.advance(3);
+  auto jobs = e.jobs();
+  REQUIRE(jobs.size() == 1);
+  REQUIRE(jobs[0].kind == KvJobKind::kGroup);
+  REQUIRE(e.store.complete_job(jobs[0].job_id, {50, 7, 5}).is_ok());
+  e.store.take_released_entries();
+  CHECK(e.store.evict_lru(1) == 5);  // the joint entry: both members lose their KV
+  auto released = e.store.take_released_entries();
+  REQUIRE(released.size() == 1);
+  CHECK(released[0].index == 50);
+  CHECK_FALSE(e.group_of(a).has_joint_kv);
+  CHECK(e.jobs().empty());
+  auto r = e.retrieve("1,0,0,0|q", 5);
+  for (const auto& s : r) CHECK_FALSE(s.kv.has_value());
+  jobs = e.jobs();
+  REQUIRE(jobs.size() == 1);
+  CHECK(jobs[0].kind == KvJobKind::kGroup);
+  CHECK(jobs[0].group_id == e.group_of(a).id);
+}

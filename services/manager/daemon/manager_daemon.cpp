@@ -491,6 +491,9 @@ void ManagerDaemon::Impl::register_metrics() {
                                        "Group state transitions, by the state entered", {"to"});
   auto& jobs_done = registry.counter("keep_manager_kv_jobs_finished_total",
                                      "KV jobs finished, by outcome", {"outcome"});
+  auto& evictions = registry.counter(
+      "keep_manager_kv_evictions_total",
+      "KV entries released least recently used first to make room in a full region");
   auto& arena = registry.gauge("keep_manager_arena_bytes", "KV arena bytes by use", {"state"});
   auto& entries =
       registry.gauge("keep_manager_kv_entries", "KV region entries by state", {"state"});
@@ -526,8 +529,9 @@ void ManagerDaemon::Impl::register_metrics() {
 
   // Counters mirror monotonic totals kept by the components: add the delta at each scrape.
   struct Last {
-    double to_static = 0, to_dynamic = 0, completed = 0, stale = 0, failed = 0, records = 0,
-           bytes = 0, hits = 0, misses = 0, deferred = 0, expired = 0, dropped = 0, unread = 0;
+    double to_static = 0, to_dynamic = 0, completed = 0, stale = 0, failed = 0, evicted = 0,
+           records = 0, bytes = 0, hits = 0, misses = 0, deferred = 0, expired = 0, dropped = 0,
+           unread = 0;
   };
   auto last = std::make_shared<Last>();
   auto bump = [](metrics::Counter& c, double now, double* prev) {
@@ -535,9 +539,9 @@ void ManagerDaemon::Impl::register_metrics() {
     *prev = now;
   };
   registry.add_collect_hook([this, &agents, &memories, &groups, &pending, &jobs, &transitions,
-                             &jobs_done, &arena, &entries, &wal_records, &wal_bytes, &cache,
-                             &deferred, &waiting, &degraded, &linked, &waiting_max, &expired,
-                             &dropped, &refused_unread, &queued_bytes, last, bump] {
+                             &jobs_done, &evictions, &arena, &entries, &wal_records, &wal_bytes,
+                             &cache, &deferred, &waiting, &degraded, &linked, &waiting_max,
+                             &expired, &dropped, &refused_unread, &queued_bytes, last, bump] {
     if (!service || !region) return;  // still starting: the endpoints are bound before the region
     StoreStats s;
     {
@@ -560,6 +564,7 @@ void ManagerDaemon::Impl::register_metrics() {
     bump(jobs_done.labels({"completed"}), static_cast<double>(s.jobs_completed), &last->completed);
     bump(jobs_done.labels({"stale"}), static_cast<double>(s.jobs_stale), &last->stale);
     bump(jobs_done.labels({"failed"}), static_cast<double>(s.jobs_failed), &last->failed);
+    bump(evictions.get(), static_cast<double>(s.kv_evictions), &last->evicted);
     bump(cache.labels({"hit"}), static_cast<double>(s.query_cache_hits), &last->hits);
     bump(cache.labels({"miss"}), static_cast<double>(s.query_cache_misses), &last->misses);
     const ManagerService::DeferredRetrieves dr = service->deferred_retrieves();

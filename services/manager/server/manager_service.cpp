@@ -334,6 +334,7 @@ bool ManagerService::handle_one(ManagerCall& call) {
           {"jobs_completed", s.jobs_completed},
           {"jobs_stale", s.jobs_stale},
           {"jobs_failed", s.jobs_failed},
+          {"kv_evictions", s.kv_evictions},
           {"query_cache_hits", s.query_cache_hits},
           {"query_cache_misses", s.query_cache_misses},
           {"degraded", degraded_ ? 1u : 0u},
@@ -449,6 +450,17 @@ void ManagerService::do_reserve(ManagerCall& call) {
   }
   if (q.getTokens() == 0) return call.fail(Status(Code::kInvalidArgument, "tokens must be > 0"));
   auto loc = region_->reserve(js.job, q.getTokens(), js.worker_id, options_.lease);
+  // A full region is a cache, not a wall: the least recently used entries make room (their
+  // memories get KV again when next retrieved). Doubling what is freed copes with fragmentation
+  // (the entry needs one run of blocks).
+  for (uint64_t want = q.getTokens();
+       !loc.is_ok() && loc.status().code() == Code::kResourceExhausted &&
+       want <= (uint64_t{1} << 40);
+       want *= 2) {
+    if (store_->evict_lru(want) == 0) break;
+    release_entries_locked();
+    loc = region_->reserve(js.job, q.getTokens(), js.worker_id, options_.lease);
+  }
   if (!loc.is_ok()) {
     // The job cannot proceed (arena full, ...): hand it back to the store's queue.
     (void)store_->fail_job(js.job.job_id);

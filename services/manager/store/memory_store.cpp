@@ -46,6 +46,7 @@ struct OwnKv {
   uint64_t generation = 0;
   uint32_t tokens = 0;
   uint64_t segment_version = 0;
+  uint64_t last_used = 0;  // Impl::use_clock at attach or last retrieve (LRU eviction)
 };
 
 struct JointKv {
@@ -54,6 +55,7 @@ struct JointKv {
   uint64_t group_version = 0;
   std::vector<uint32_t> offsets;  // aligned with the group's members at group_version
   std::vector<uint32_t> tokens;
+  uint64_t last_used = 0;
 };
 
 struct Segment {
@@ -68,7 +70,8 @@ struct Segment {
   bool awaiting = false;  // waiting for placement (in Agent::awaiting)
   int64_t row = -1;       // row in Agent::index when embedded
   std::optional<OwnKv> own_kv;
-  uint64_t seg_job = 0;  // latest segment job (queued or running), 0: none
+  uint64_t seg_job = 0;     // latest segment job (queued or running), 0: none
+  bool kv_evicted = false;  // its KV was evicted: produced again when next retrieved
 };
 
 struct Agent {
@@ -85,6 +88,7 @@ struct Agent {
   std::unique_ptr<GroupTracker> groups;
   std::unordered_map<uint64_t, JointKv> joint;       // group id -> its joint KV (valid only)
   std::unordered_map<uint64_t, uint64_t> group_job;  // group id -> latest group job
+  std::set<uint64_t> evicted_groups;  // joint KV evicted: produced again when next retrieved
 
   Segment* find(uint64_t id) {
     auto it = segments.find(id);
@@ -113,6 +117,7 @@ struct MemoryStore::Impl {
   KvJobQueue jobs;
   std::vector<KvEntry> released;
   StoreStats counters;
+  uint64_t use_clock = 0;  // ticks at each retrieve and attach: the entries' LRU order
 
   // Query embedding LRU: most recent at the front.
   std::list<std::pair<std::string, std::vector<float>>> lru;
@@ -569,6 +574,60 @@ struct MemoryStore::Impl {
     return n;
   }
 
+  // A retrieved segment's entry is used now; a segment whose KV was evicted gets its job again
+  // (lazily: an evicted entry comes back only when something asks for it).
+  void touch_kv(Agent& a, Segment& s, uint64_t now) {
+    const Group* g = s.group == 0 ? nullptr : a.groups->find(s.group);
+    if (g != nullptr && a.evicted_groups.erase(g->id) > 0 && g->state == GroupState::kStatic &&
+        !a.joint.count(g->id) && !a.group_job.count(g->id)) {
+      queue_group_job(a, g->id);
+    }
+    if (s.kv_evicted) {
+      s.kv_evicted = false;
+      if (!kv_ref(a, s)) queue_segment_job(a, s);
+    }
+    if (auto jt = g == nullptr ? a.joint.end() : a.joint.find(g->id); jt != a.joint.end()) {
+      jt->second.last_used = now;
+    }
+    if (s.own_kv) s.own_kv->last_used = now;
+  }
+
+  // Releases the least recently used entries, oldest first, until `tokens` tokens are freed or
+  // none is left; returns the tokens freed.
+  uint64_t evict_lru(uint64_t tokens) {
+    struct Victim {
+      uint64_t last_used;
+      Agent* agent;
+      uint64_t id;  // segment id (own) or group id (joint)
+      bool joint;
+    };
+    std::vector<Victim> v;
+    for (auto& [name, a] : agents) {
+      for (auto& [id, s] : a->segments) {
+        if (s.own_kv) v.push_back({s.own_kv->last_used, a.get(), id, false});
+      }
+      for (auto& [gid, jk] : a->joint) v.push_back({jk.last_used, a.get(), gid, true});
+    }
+    std::sort(v.begin(), v.end(),
+              [](const Victim& x, const Victim& y) { return x.last_used < y.last_used; });
+    uint64_t freed = 0;
+    for (const Victim& x : v) {
+      if (freed >= tokens) break;
+      const size_t before = released.size();
+      if (x.joint) {
+        release_joint(*x.agent, x.id);
+        x.agent->evicted_groups.insert(x.id);
+      } else {
+        Segment& s = x.agent->segments.at(x.id);
+        release_own(s);
+        s.kv_evicted = true;
+      }
+      for (size_t i = before; i < released.size(); ++i) freed += released[i].tokens;
+      counters.kv_evictions += 1;
+    }
+    return freed;
+  }
+
   // ---- KV refs
   // -----------------------------------------------------------------------------------
 
@@ -1015,7 +1074,9 @@ std::vector<RetrievedSegment> MemoryStore::Impl::retrieve_rows(Agent* a, uint32_
 
   std::vector<RetrievedSegment> out;
   out.reserve(a->example_plans.size() + m.top.size());
+  const uint64_t now = ++m.use_clock;
   const auto emit = [&](const Segment& s, float score) {
+    m.touch_kv(*a, a->segments.at(s.id), now);
     RetrievedSegment r;
     static_cast<SegmentInfo&>(r) = m.segment_info(*a, s);
     if (const Group* g = s.group == 0 ? nullptr : a->groups->find(s.group)) {
@@ -1179,7 +1240,7 @@ Status MemoryStore::complete_job(uint64_t job_id, const KvEntry& entry,
       return stale("superseded by the joint KV of group " + std::to_string(s->group));
     }
     m.release_own(*s);
-    s->own_kv = OwnKv{entry.index, entry.generation, entry.tokens, s->version};
+    s->own_kv = OwnKv{entry.index, entry.generation, entry.tokens, s->version, ++m.use_clock};
     m.counters.jobs_completed += 1;
     return Status::ok();
   }
@@ -1219,6 +1280,7 @@ Status MemoryStore::complete_job(uint64_t job_id, const KvEntry& entry,
                    " tokens, the entry holds " + std::to_string(entry.tokens));
   }
   m.release_joint(*a, g->id);
+  jk.last_used = ++m.use_clock;
   a->joint[g->id] = std::move(jk);
   for (uint64_t sid : g->members) {
     Segment& s = a->segments.at(sid);
@@ -1263,6 +1325,8 @@ Status MemoryStore::fail_job(uint64_t job_id) {
   m.jobs.erase(job_id);
   return Status::ok();
 }
+
+uint64_t MemoryStore::evict_lru(uint64_t tokens) { return impl_->evict_lru(tokens); }
 
 std::vector<KvEntry> MemoryStore::take_released_entries() {
   std::vector<KvEntry> out;

@@ -160,6 +160,7 @@ struct StoreStats {
   uint64_t jobs_completed = 0;
   uint64_t jobs_stale = 0;
   uint64_t jobs_failed = 0;
+  uint64_t kv_evictions = 0;  // entries released by evict_lru
   uint64_t query_cache_hits = 0;
   uint64_t query_cache_misses = 0;
 };
@@ -352,6 +353,12 @@ class MemoryStore {
   // The job failed (no entry committed). Requeued while still relevant and attempts remain,
   // else dropped (the KV is queued again on the next change). kNotFound: unknown/not running.
   Status fail_job(uint64_t job_id);
+
+  // The region is full: releases the least recently used entries (attach or retrieve order),
+  // oldest first, until `tokens` tokens are freed or none is left, and returns the tokens freed
+  // (through take_released_entries). An evicted entry's segment or static group is queued for
+  // KV again when it is next retrieved.
+  uint64_t evict_lru(uint64_t tokens);
 
   // Entries the store no longer uses; the server frees them in the region. Each entry is
   // reported once.

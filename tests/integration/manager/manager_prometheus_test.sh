@@ -119,6 +119,7 @@ echo "PASS: promtool check metrics accepted $(grep -vc '^#' <<<"$text") samples 
   --expect 'keep_manager_wal_records_total >= 16' \
   --expect 'keep_manager_arena_bytes{state="free"} > 0' \
   --expect 'keep_manager_arena_bytes{state="used"} >= 0' \
+  --expect 'keep_manager_kv_evictions_total == 0' \
   --expect 'keep_manager_request_duration_seconds_count{type="write"} == 12' &
 harness_pid=$!
 wait "$harness_pid"  # in the background + wait, so that a TERM/INT reaches the trap at once
