@@ -170,6 +170,42 @@ TEST_CASE("full_reuse over KV computed in the same context at the same positions
   CHECK(reuse->stats.bytes_loaded == memory * f.fingerprint(kv::KvDType::kF32).bytes_per_token());
 }
 
+TEST_CASE(
+    "every method over exact entries gives the full prefill's logits, whatever it recomputes") {
+  // Entries computed in the prompt's own context at its positions (one group, [prefix][s0..s3])
+  // are what a full prefill computes: mixing loaded and recomputed rows at any share -- keep's
+  // shrinking selection, cacheblend's chosen tokens, epic's first tokens -- must then reproduce
+  // full. A slot at a wrong position, a row gathered out of order or a layer loaded from the
+  // wrong place shows here.
+  Fixture f(8);
+  std::vector<int32_t> all;
+  std::vector<int32_t> offset;
+  for (const auto& s : f.segments) {
+    offset.push_back(static_cast<int32_t>(all.size()));
+    all.insert(all.end(), s.begin(), s.end());
+  }
+  EntryGeometry g;
+  const auto group = f.produce(all, kv::KvDType::kF32, &g);
+  const auto want = f.full_logits(f.prompt({0, 1, 2, 3}));
+  for (const Method m : {Method::kKeep, Method::kCacheBlend, Method::kEpic}) {
+    for (const double share : {0.3, 0.7, 0.9}) {
+      AssembleRequest r = request(f, nullptr, m);
+      for (size_t i = 0; i < r.segments.size(); ++i) {
+        r.segments[i].kv = SegmentKv{group, g, offset[i]};
+      }
+      r.knobs.keep_decay = share;
+      r.knobs.cacheblend_ratio = share;
+      r.knobs.epic_tokens = share < 0.5 ? 1 : 2;
+      auto p = f.assembler->prefill(r);
+      REQUIRE_MESSAGE(p.is_ok(), p.status().to_string());
+      CHECK(p->stats.recompute_ratio > 0.0);
+      CHECK(p->stats.recompute_ratio < 1.0);
+      CHECK_MESSAGE(max_abs_diff(p->last_logits.data(), want.data(), want.size()) <= kLogitTol,
+                    method_name(m) << " at " << share);
+    }
+  }
+}
+
 TEST_CASE("KV loaded at another position equals KV computed there: K is rotated on load") {
   Fixture f;
   Entries e = dynamic_entries(f, kv::KvDType::kF32);  // each computed right after the prefix
