@@ -101,6 +101,26 @@ Entries dynamic_entries(Fixture& f, kv::KvDType dtype) {
   return e;
 }
 
+// One static group holding every segment in prompt order, [prefix][s0 s1 s2 s3], in f32: the
+// prompt's own KV at its own positions.
+struct ExactGroup {
+  std::vector<std::byte> bytes;
+  EntryGeometry geometry;
+  std::vector<int32_t> offset;  // each segment's first row
+  int32_t tokens = 0;
+};
+ExactGroup exact_group(Fixture& f) {
+  ExactGroup e;
+  std::vector<int32_t> all;
+  for (const auto& s : f.segments) {
+    e.offset.push_back(static_cast<int32_t>(all.size()));
+    all.insert(all.end(), s.begin(), s.end());
+  }
+  e.bytes = f.produce(all, kv::KvDType::kF32, &e.geometry);
+  e.tokens = static_cast<int32_t>(all.size());
+  return e;
+}
+
 AssembleRequest request(const Fixture& f, const Entries* entries, Method m,
                         const std::vector<int32_t>& order = {0, 1, 2, 3}) {
   AssembleRequest r;
@@ -149,24 +169,18 @@ TEST_CASE("full, keep at d = 1 and cacheblend at 100 % give the full prefill's l
 
 TEST_CASE("full_reuse over KV computed in the same context at the same positions is exact") {
   Fixture f;
-  // One static group holding every segment in prompt order: [prefix][s0 s1 s2 s3].
-  std::vector<int32_t> all;
-  std::vector<int32_t> offset;
-  for (const auto& s : f.segments) {
-    offset.push_back(static_cast<int32_t>(all.size()));
-    all.insert(all.end(), s.begin(), s.end());
-  }
-  EntryGeometry g;
-  const auto group = f.produce(all, kv::KvDType::kF32, &g);
+  const ExactGroup group = exact_group(f);
   AssembleRequest r = request(f, nullptr, Method::kFullReuse);
-  for (size_t i = 0; i < r.segments.size(); ++i) r.segments[i].kv = SegmentKv{group, g, offset[i]};
+  for (size_t i = 0; i < r.segments.size(); ++i) {
+    r.segments[i].kv = SegmentKv{group.bytes, group.geometry, group.offset[i]};
+  }
   auto reuse = f.assembler->prefill(r);
   REQUIRE_MESSAGE(reuse.is_ok(), reuse.status().to_string());
   const auto want = f.full_logits(f.prompt({0, 1, 2, 3}));
   CHECK(max_abs_diff(reuse->last_logits.data(), want.data(), want.size()) <= kLogitTol);
   CHECK(reuse->stats.recompute_ratio == 0.0);
   CHECK(reuse->stats.segments_loadable == 4);
-  const uint64_t memory = static_cast<uint64_t>(all.size());
+  const uint64_t memory = static_cast<uint64_t>(group.tokens);
   CHECK(reuse->stats.bytes_loaded == memory * f.fingerprint(kv::KvDType::kF32).bytes_per_token());
 }
 
@@ -178,20 +192,13 @@ TEST_CASE(
   // full. A slot at a wrong position, a row gathered out of order or a layer loaded from the
   // wrong place shows here.
   Fixture f(8);
-  std::vector<int32_t> all;
-  std::vector<int32_t> offset;
-  for (const auto& s : f.segments) {
-    offset.push_back(static_cast<int32_t>(all.size()));
-    all.insert(all.end(), s.begin(), s.end());
-  }
-  EntryGeometry g;
-  const auto group = f.produce(all, kv::KvDType::kF32, &g);
+  const ExactGroup group = exact_group(f);
   const auto want = f.full_logits(f.prompt({0, 1, 2, 3}));
   for (const Method m : {Method::kKeep, Method::kCacheBlend, Method::kEpic}) {
     for (const double share : {0.3, 0.7, 0.9}) {
       AssembleRequest r = request(f, nullptr, m);
       for (size_t i = 0; i < r.segments.size(); ++i) {
-        r.segments[i].kv = SegmentKv{group, g, offset[i]};
+        r.segments[i].kv = SegmentKv{group.bytes, group.geometry, group.offset[i]};
       }
       r.knobs.keep_decay = share;
       r.knobs.cacheblend_ratio = share;
