@@ -15,6 +15,8 @@ APT_PACKAGES=(
   nlohmann-json3-dev           # JSON (configs, safetensors headers, --json output)
   libmicrohttpd-dev            # HTTP for /metrics
   prometheus                   # the real Prometheus server + promtool, for the metrics tests
+  etcd-server                  # cluster mode: placement (shard owners, leases, epochs); tests
+  libcurl4-openssl-dev         # HTTP client: etcd's v3 JSON gateway
   clang-format
   curl                         # scripts talk to /metrics
   docker-compose               # validates docker-compose.yml in the tests (no engine needed)
