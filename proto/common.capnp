@@ -24,6 +24,7 @@ enum ErrorCode {
   internal @13;
   leaseExpired @14;
   timeout @15;
+  moved @16;  # cluster mode: another node serves this agent (the message names it)
 }
 
 struct Error {

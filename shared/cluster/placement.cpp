@@ -119,6 +119,26 @@ Result<std::optional<ShardOwner>> Placement::owner(uint32_t shard) {
   return o;
 }
 
+Result<std::map<uint32_t, ShardOwner>> Placement::owners() {
+  const std::string dir = prefix_ + "/shards/";
+  KEEP_ASSIGN_OR_RETURN(std::vector<KeyValue> kvs, etcd_->get_prefix(dir));
+  std::map<uint32_t, ShardOwner> out;
+  for (const KeyValue& kv : kvs) {
+    // <dir><n>/owner
+    const std::string rest = kv.key.substr(dir.size());
+    const size_t slash = rest.find('/');
+    if (slash == std::string::npos || rest.substr(slash + 1) != "owner") continue;
+    uint32_t shard = 0;
+    auto [p, ec] = std::from_chars(rest.data(), rest.data() + slash, shard);
+    std::optional<ShardOwner> o = parse_owner(kv.value);
+    if (ec != std::errc() || p != rest.data() + slash || !o) {
+      return Status(Code::kInternal, "placement: " + kv.key + " holds '" + kv.value + "'");
+    }
+    out[shard] = *o;
+  }
+  return out;
+}
+
 Result<std::vector<std::pair<std::string, std::string>>> Placement::nodes() {
   const std::string dir = prefix_ + "/nodes/";
   KEEP_ASSIGN_OR_RETURN(std::vector<KeyValue> kvs, etcd_->get_prefix(dir));

@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -55,6 +56,8 @@ class Placement {
   Result<bool> holds(uint32_t shard, uint64_t epoch);
 
   Result<std::optional<ShardOwner>> owner(uint32_t shard);
+  // Every owned shard's owner, in one read.
+  Result<std::map<uint32_t, ShardOwner>> owners();
   // Live nodes: name -> endpoint.
   Result<std::vector<std::pair<std::string, std::string>>> nodes();
 

@@ -36,6 +36,8 @@ const char* code_name(Code code) {
       return "lease_expired";
     case Code::kTimeout:
       return "timeout";
+    case Code::kMoved:
+      return "moved";
   }
   return "unknown";
 }

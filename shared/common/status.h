@@ -34,8 +34,9 @@ enum class Code : uint16_t {
   kInternal = 13,          // a bug: an invariant failed on a recoverable path
   kLeaseExpired = 14,      // a reservation's lease ran out before commit
   kTimeout = 15,           // the peer did not answer in time
+  kMoved = 16,             // cluster mode: another node serves the agent; the message names it
 };
-inline constexpr int kCodeCount = 16;
+inline constexpr int kCodeCount = 17;
 
 // "ok", "invalid_argument", ... (stable, used in logs, metrics labels and the CLI).
 const char* code_name(Code code);

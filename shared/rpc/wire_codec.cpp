@@ -28,8 +28,9 @@ KEEP_PIN_CODE(kCorrupt, CORRUPT);
 KEEP_PIN_CODE(kInternal, INTERNAL);
 KEEP_PIN_CODE(kLeaseExpired, LEASE_EXPIRED);
 KEEP_PIN_CODE(kTimeout, TIMEOUT);
+KEEP_PIN_CODE(kMoved, MOVED);
 #undef KEEP_PIN_CODE
-static_assert(kCodeCount == static_cast<int>(proto::ErrorCode::TIMEOUT) + 1,
+static_assert(kCodeCount == static_cast<int>(proto::ErrorCode::MOVED) + 1,
               "keep::Code and proto ErrorCode have different sizes");
 
 proto::ErrorCode to_wire(Code code) {

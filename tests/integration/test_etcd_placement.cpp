@@ -12,97 +12,16 @@
 
 #include "shared/cluster/etcd_client.h"
 #include "shared/cluster/placement.h"
-#include "tests/integration/manager/manager_process.h"
+#include "tests/integration/etcd_cluster.h"
 
 using namespace keep;
 using namespace keep::cluster;
 using namespace std::chrono_literals;
 namespace it = keep::itest;
 
-namespace {
-
-const char* const kEtcd = "/usr/bin/etcd";
-
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
-  socklen_t len = sizeof a;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
-
-// Three etcd members, each its own process and data dir, client and peer URLs on free ports.
-struct EtcdCluster {
-  it::TempDir dir{"etcd"};
-  std::vector<pid_t> pids;
-  std::vector<std::string> clients;
-
-  EtcdCluster() {
-    std::vector<std::string> peers;
-    std::string initial;
-    for (int i = 0; i < 3; ++i) {
-      clients.push_back("http://127.0.0.1:" + std::to_string(free_port()));
-      peers.push_back("http://127.0.0.1:" + std::to_string(free_port()));
-      initial += (i ? "," : "") + ("m" + std::to_string(i)) + "=" + peers.back();
-    }
-    for (int i = 0; i < 3; ++i) {
-      const std::string name = "m" + std::to_string(i);
-      const std::string d = (dir.path() / name).string();
-      pids.push_back(it::spawn({kEtcd,      "--name",
-                                name,       "--data-dir",
-                                d,          "--listen-client-urls",
-                                clients[i], "--advertise-client-urls",
-                                clients[i], "--listen-peer-urls",
-                                peers[i],   "--initial-advertise-peer-urls",
-                                peers[i],   "--initial-cluster",
-                                initial,    "--initial-cluster-state",
-                                "new",      "--heartbeat-interval",
-                                "50",       "--election-timeout",
-                                "500"},
-                               d + ".out", d + ".err"));
-    }
-  }
-  ~EtcdCluster() {
-    for (pid_t p : pids) {
-      if (p > 0) {
-        ::kill(p, SIGKILL);
-        it::wait_for(p, 5s);
-      }
-    }
-  }
-  void kill(int i) {
-    ::kill(pids[static_cast<size_t>(i)], SIGKILL);
-    it::wait_for(pids[static_cast<size_t>(i)], 5s);
-    pids[static_cast<size_t>(i)] = -1;
-  }
-  std::unique_ptr<EtcdClient> client(std::vector<std::string> endpoints = {}) {
-    EtcdOptions o;
-    o.endpoints = endpoints.empty() ? clients : std::move(endpoints);
-    o.timeout = 1000ms;
-    auto c = EtcdClient::create(o);
-    REQUIRE(c.is_ok());
-    return std::move(c).value();
-  }
-  // Until the cluster has a leader and takes writes.
-  void wait_ready() {
-    auto c = client();
-    for (int i = 0; i < 200; ++i) {
-      if (c->put("/ready", "1").is_ok()) return;
-      std::this_thread::sleep_for(50ms);
-    }
-    FAIL("etcd cluster did not start: " << it::read_text(dir.path() / "m0.err"));
-  }
-};
-
-}  // namespace
-
 TEST_CASE("etcd client: put, get, prefix, transactions and leases against a real cluster" *
-          doctest::skip(::access(kEtcd, X_OK) != 0)) {
-  EtcdCluster etcd;
+          doctest::skip(!it::have_etcd())) {
+  it::EtcdCluster etcd;
   etcd.wait_ready();
   auto c = etcd.client();
   REQUIRE(c->put("/t/a", std::string("x\0y", 3)).is_ok());  // any bytes
@@ -150,13 +69,13 @@ TEST_CASE("etcd client: put, get, prefix, transactions and leases against a real
   CHECK(c->keep_alive(*lease).status().code() == Code::kNotFound);
 
   // Nothing listening: kUnavailable, promptly.
-  auto dead = etcd.client({"http://127.0.0.1:" + std::to_string(free_port())});
+  auto dead = etcd.client({"http://127.0.0.1:" + std::to_string(it::free_port())});
   CHECK(dead->get("/t/a").status().code() == Code::kUnavailable);
 }
 
 TEST_CASE("shards: one owner at a time, epochs grow, a lapsed owner loses its shards" *
-          doctest::skip(::access(kEtcd, X_OK) != 0)) {
-  EtcdCluster etcd;
+          doctest::skip(!it::have_etcd())) {
+  it::EtcdCluster etcd;
   etcd.wait_ready();
   auto ca = etcd.client();
   auto cb = etcd.client();
@@ -223,9 +142,8 @@ TEST_CASE("shards: one owner at a time, epochs grow, a lapsed owner loses its sh
   CHECK_FALSE(b.owner(3)->has_value());
 }
 
-TEST_CASE("with one of three members killed, placement goes on" *
-          doctest::skip(::access(kEtcd, X_OK) != 0)) {
-  EtcdCluster etcd;
+TEST_CASE("with one of three members killed, placement goes on" * doctest::skip(!it::have_etcd())) {
+  it::EtcdCluster etcd;
   etcd.wait_ready();
   auto c = etcd.client();
   Placement p(c.get(), "node-a");

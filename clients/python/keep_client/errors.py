@@ -10,7 +10,7 @@ refused before sending), malformed (an answer that does not decode), unavailable
 CODES = (
     "ok", "unknown", "invalid_argument", "malformed", "too_large", "version_mismatch",
     "not_found", "already_exists", "stale", "resource_exhausted", "unavailable", "io_error",
-    "corrupt", "internal", "lease_expired", "timeout",
+    "corrupt", "internal", "lease_expired", "timeout", "moved",
 )
 
 

@@ -1,9 +1,14 @@
 """ManagerClient: an agent's side of keep-manager (proto/manager.capnp, docs/protocol.md)."""
+import re
+import time
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
-from . import _schema
-from ._channel import Client
+from . import _schema, errors
+from ._channel import Channel, Client
+
+# The end of a `moved` answer's message: "... is served by NODE at ENDPOINT".
+_MOVED_AT = re.compile(r" at (\S+)$")
 
 # The memory kinds, as the wire spells them.
 KINDS = {"object_state": "objectState", "task_record": "taskRecord", "example_plan": "examplePlan"}
@@ -71,8 +76,45 @@ class ManagerClient(Client):
     """One blocking connection to keep-manager. Calls raise keep_client.errors.KeepError (its
     subclass for the wire code) on failure; `timeout` (seconds) bounds each call."""
 
-    def __init__(self, endpoint="tcp://127.0.0.1:7601", timeout=20.0):
+    def __init__(self, endpoint="tcp://127.0.0.1:7601", timeout=20.0, follow_moved=True):
         super().__init__(endpoint, timeout, _schema.manager)
+        # Cluster mode (docs/cluster.md): a node answers `moved` for an agent another node
+        # serves, naming it; the call is sent there, and the agent's node remembered.
+        self._follow_moved = follow_moved
+        self._owners = {}    # agent -> endpoint
+        self._others = {}    # endpoint -> Channel (other nodes)
+
+    def _channel(self, endpoint):
+        if endpoint == self._ch.endpoint:
+            return self._ch
+        ch = self._others.get(endpoint)
+        if ch is None:
+            ch = self._others[endpoint] = Channel(endpoint, self._ch.timeout, _schema.manager)
+        return ch
+
+    def _routed(self, agent, kind, fill):
+        endpoint = self._owners.get(agent, self._ch.endpoint)
+        # A shard moving while we follow it: a few hops; one between owners (released, not yet
+        # taken: "no owner yet"): a few short waits.
+        for _ in range(16):
+            try:
+                return self._channel(endpoint).call(kind, fill)
+            except errors.MovedError as e:
+                at = _MOVED_AT.search(e.message)
+                if not self._follow_moved or at is None or at.group(1) == endpoint:
+                    raise
+                endpoint = self._owners[agent] = at.group(1)
+            except errors.UnavailableError as e:
+                if not self._follow_moved or "no owner yet" not in e.message:
+                    raise
+                time.sleep(0.25)
+        return self._channel(endpoint).call(kind, fill)
+
+    def close(self):
+        for ch in self._others.values():
+            ch.close()
+        self._others.clear()
+        super().close()
 
     def ping(self) -> str:
         return self._ch.call("ping", None).get("serverVersion", "")
@@ -89,7 +131,7 @@ class ManagerClient(Client):
             if step is not None:
                 r.hasStep = True
                 r.step = step
-        return _written(self._ch.call("writeMemory", fill))
+        return _written(self._routed(agent, "writeMemory", fill))
 
     def update(self, agent: str, id: int, text: str, kind: Optional[str] = None,
                step: Optional[int] = None) -> Written:
@@ -103,19 +145,19 @@ class ManagerClient(Client):
             if step is not None:
                 r.hasStep = True
                 r.step = step
-        return _written(self._ch.call("updateMemory", fill))
+        return _written(self._routed(agent, "updateMemory", fill))
 
     def delete(self, agent: str, id: int) -> None:
         def fill(r):
             r.agent = agent
             r.id = id
-        self._ch.call("deleteMemory", fill)
+        self._routed(agent, "deleteMemory", fill)
 
     def advance_step(self, agent: str, by: int = 1) -> int:
         def fill(r):
             r.agent = agent
             r.by = by
-        return self._ch.call("advanceStep", fill).get("step", 0)
+        return self._routed(agent, "advanceStep", fill).get("step", 0)
 
     def retrieve(self, agent: str, query: str, k: int) -> List[Segment]:
         def fill(r):
@@ -123,7 +165,7 @@ class ManagerClient(Client):
             r.query = query
             r.k = k
         out = []
-        for s in self._ch.call("retrieve", fill).get("segments", []):
+        for s in self._routed(agent, "retrieve", fill).get("segments", []):
             kv = None
             if s.get("hasKv"):
                 slc = s.get("kv", {})
@@ -142,7 +184,7 @@ class ManagerClient(Client):
             r.agent = agent
             r.afterId = after_id
             r.limit = limit
-        page = self._ch.call("listMemories", fill)
+        page = self._routed(agent, "listMemories", fill)
         mems = [Memory(m.get("id", 0), m.get("text", ""), _snake(m.get("kind", "unknown")),
                        m.get("tokens", 0), m.get("version", 0), m.get("updatedStep", 0),
                        m.get("groupId", 0), m.get("embedded", False), m.get("hasKv", False))
@@ -154,7 +196,7 @@ class ManagerClient(Client):
             r.agent = agent
         return [Group(g.get("id", 0), _snake(g.get("state", "unknown")), g.get("version", 0),
                       list(g.get("segmentIds", [])), g.get("tokens", 0), g.get("lastChangeStep", 0))
-                for g in self._ch.call("listGroups", fill).get("groups", [])]
+                for g in self._routed(agent, "listGroups", fill).get("groups", [])]
 
     def stats(self) -> dict:
         s = self._ch.call("stats", None)

@@ -55,6 +55,18 @@ void declare_manager_options(Options* o) {
          "byte-bounded queue; at least the window of pipelining clients, or their answers "
          "trickle");
   o->add("max-batch", "1024", "requests handled per batch (one fsync covers a batch)");
+  o->add("etcd", "",
+         "cluster mode: etcd client URLs, comma-separated (http://host:2379,...); empty: one node "
+         "serving every agent");
+  o->add("node-id", "", "cluster mode: this node's name (empty: host-pid)");
+  o->add("advertise", "",
+         "cluster mode: the endpoint other nodes name in `moved` answers (empty: the first bound "
+         "--endpoint)");
+  o->add("shards", "64",
+         "cluster mode: agents are hashed into this many shards (same on every node)");
+  o->add("etcd-lease-s", "10",
+         "cluster mode: this node's lease; its shards go to others that long after it stops "
+         "renewing");
   o->add("log-level", "info", "debug, info, warn, error or off");
 }
 
@@ -106,6 +118,19 @@ Result<ManagerConfig> read_manager_config(const Options& o) {
   c.zmq_send_hwm = static_cast<int>(hwm);
   KEEP_ASSIGN_OR_RETURN(uint64_t pending, o.uint64("max-pending-embeddings"));
   c.store.max_pending_embeddings = pending;
+
+  c.etcd = o.list("etcd");
+  c.node_id = o.str("node-id");
+  c.advertise = o.str("advertise");
+  KEEP_ASSIGN_OR_RETURN(uint64_t shards, o.uint64("shards"));
+  if (shards == 0 || shards > 65536)
+    return Status(Code::kInvalidArgument, "--shards: must be 1..65536");
+  c.shards = static_cast<uint32_t>(shards);
+  KEEP_ASSIGN_OR_RETURN(uint64_t lease_s, o.uint64("etcd-lease-s"));
+  if (lease_s < 2 || lease_s > 3600) {
+    return Status(Code::kInvalidArgument, "--etcd-lease-s: must be 2..3600");
+  }
+  c.etcd_lease_s = static_cast<int64_t>(lease_s);
 
   c.shm_name = o.str("shm-name");
   KEEP_ASSIGN_OR_RETURN(c.shm_bytes, o.bytes("shm-bytes"));

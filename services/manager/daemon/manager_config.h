@@ -42,6 +42,12 @@ struct ManagerConfig {
   uint64_t max_message_bytes = 0;
   size_t max_batch = 256;
   std::string log_level;
+  // Cluster mode (issue 31): placement on etcd; empty etcd: one node, every agent.
+  std::vector<std::string> etcd;
+  std::string node_id;    // empty: host-pid
+  std::string advertise;  // empty: the first bound endpoint
+  uint32_t shards = 64;
+  int64_t etcd_lease_s = 10;
 };
 
 // Declares every option with its default.

@@ -19,6 +19,7 @@
 #include "services/manager/encoder/bert_encoder.h"
 #include "services/manager/server/manager_service.h"
 #include "services/manager/store/memory_store.h"
+#include "shared/cluster/shard_keeper.h"
 #include "shared/common/log.h"
 #include "shared/kvregion/kv_region.h"
 #include "shared/metrics/http_server.h"
@@ -275,6 +276,10 @@ struct ManagerDaemon::Impl {
   std::unique_ptr<InstrumentedHandler> handler;
   std::unique_ptr<ManagerRpcServer> server;
   std::unique_ptr<metrics::MetricsHttpServer> http;
+  // Cluster mode: this node's shards (null: one node). `keeper_ptr` is what the request path
+  // reads: set once the keeper runs, cleared before it goes.
+  std::unique_ptr<cluster::ShardKeeper> keeper;
+  std::atomic<cluster::ShardKeeper*> keeper_ptr{nullptr};
 
   std::atomic<bool> stopping{false};
   std::mutex bg_mu;
@@ -494,6 +499,9 @@ void ManagerDaemon::Impl::register_metrics() {
   auto& evictions = registry.counter(
       "keep_manager_kv_evictions_total",
       "KV entries released least recently used first to make room in a full region");
+  auto& shards_owned = registry.gauge(
+      "keep_manager_cluster_shards_owned",
+      "Cluster mode: shards (agents' hash buckets) this node serves now (0 in single-node mode)");
   auto& arena = registry.gauge("keep_manager_arena_bytes", "KV arena bytes by use", {"state"});
   auto& entries =
       registry.gauge("keep_manager_kv_entries", "KV region entries by state", {"state"});
@@ -539,9 +547,10 @@ void ManagerDaemon::Impl::register_metrics() {
     *prev = now;
   };
   registry.add_collect_hook([this, &agents, &memories, &groups, &pending, &jobs, &transitions,
-                             &jobs_done, &evictions, &arena, &entries, &wal_records, &wal_bytes,
-                             &cache, &deferred, &waiting, &degraded, &linked, &waiting_max,
-                             &expired, &dropped, &refused_unread, &queued_bytes, last, bump] {
+                             &jobs_done, &evictions, &shards_owned, &arena, &entries, &wal_records,
+                             &wal_bytes, &cache, &deferred, &waiting, &degraded, &linked,
+                             &waiting_max, &expired, &dropped, &refused_unread, &queued_bytes, last,
+                             bump] {
     if (!service || !region) return;  // still starting: the endpoints are bound before the region
     StoreStats s;
     {
@@ -565,6 +574,8 @@ void ManagerDaemon::Impl::register_metrics() {
     bump(jobs_done.labels({"stale"}), static_cast<double>(s.jobs_stale), &last->stale);
     bump(jobs_done.labels({"failed"}), static_cast<double>(s.jobs_failed), &last->failed);
     bump(evictions.get(), static_cast<double>(s.kv_evictions), &last->evicted);
+    cluster::ShardKeeper* k = keeper_ptr.load();
+    shards_owned.get().set(k == nullptr ? 0.0 : static_cast<double>(k->owned()));
     bump(cache.labels({"hit"}), static_cast<double>(s.query_cache_hits), &last->hits);
     bump(cache.labels({"miss"}), static_cast<double>(s.query_cache_misses), &last->misses);
     const ManagerService::DeferredRetrieves dr = service->deferred_retrieves();
@@ -592,6 +603,7 @@ void ManagerDaemon::Impl::register_metrics() {
 
 void ManagerDaemon::Impl::shutdown() {
   stopping.store(true);
+  keeper_ptr.store(nullptr);  // requests about agents are answered unavailable from now on
   bg_cv.notify_all();
   if (embed_thread.joinable()) embed_thread.join();
   if (housekeeping_thread.joinable()) housekeeping_thread.join();
@@ -600,6 +612,9 @@ void ManagerDaemon::Impl::shutdown() {
   if (service) service->stop_deferred_retrieves();
   if (server) server->stop();
   http.reset();    // before the server: a scrape reads its counters
+  // Leave the cluster (after the last scrape read the keeper): the shards go to the other nodes
+  // at once, not a lease later.
+  keeper.reset();
   server.reset();  // joins the I/O thread if it runs one
   if (wal && service) {
     Status st = take_snapshot();
@@ -647,6 +662,13 @@ Result<std::unique_ptr<ManagerDaemon>> ManagerDaemon::start(const ManagerConfig&
   so.retrieve_threads = config.retrieve_threads;
   so.max_waiting_retrieves = config.max_waiting_retrieves;
   so.max_waiting_retrieves_per_peer = config.max_waiting_retrieves_per_client;
+  if (!config.etcd.empty()) {
+    so.route_agent = [&d](std::string_view agent) {
+      cluster::ShardKeeper* k = d.keeper_ptr.load();
+      if (k == nullptr) return Status(Code::kUnavailable, "this node is not in the cluster yet");
+      return k->route(agent);
+    };
+  }
   so.extra_stats = [&d](std::vector<std::pair<std::string, uint64_t>>* out) {
     out->emplace_back("kv_region_linked", d.region_linked.load() ? 1 : 0);
     if (!d.server) return;
@@ -689,6 +711,28 @@ Result<std::unique_ptr<ManagerDaemon>> ManagerDaemon::start(const ManagerConfig&
 
   d.embed_thread = std::thread([&d] { d.embed_loop(); });
   d.housekeeping_thread = std::thread([&d] { d.housekeeping_loop(); });
+  if (!config.etcd.empty()) {
+    cluster::EtcdOptions eo;
+    eo.endpoints = config.etcd;
+    cluster::ShardKeeperOptions ko;
+    ko.shards = config.shards;
+    ko.lease_ttl_s = config.etcd_lease_s;
+    ko.period = std::chrono::milliseconds(std::max<int64_t>(200, config.etcd_lease_s * 1000 / 4));
+    std::string node = config.node_id;
+    if (node.empty()) {
+      char host[256] = {};
+      ::gethostname(host, sizeof host - 1);
+      node = std::string(host) + "-" + std::to_string(::getpid());
+    }
+    const std::string advertise =
+        config.advertise.empty() ? d.server->bound_endpoints().front() : config.advertise;
+    auto k = cluster::ShardKeeper::start(std::move(eo), node, advertise, ko);
+    if (!k.is_ok()) return k.status().with_context("--etcd");
+    d.keeper = std::move(k).value();
+    d.keeper_ptr.store(d.keeper.get());
+    KEEP_LOG_INFO(kLog, "cluster node %s (%s): %zu of %u shards", node.c_str(), advertise.c_str(),
+                  d.keeper->owned(), config.shards);
+  }
   std::string eps;
   for (const auto& e : d.server->bound_endpoints()) eps += (eps.empty() ? "" : ",") + e;
   KEEP_LOG_INFO(kLog, "serving on %s; metrics on %s; KV region /dev/shm/%s (%s)", eps.c_str(),

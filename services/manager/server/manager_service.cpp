@@ -181,9 +181,38 @@ void ManagerService::release_entries_locked() {
   }
 }
 
+namespace {
+// The agent a request is about; nullopt for the node-wide ones (ping, stats, the KV job calls).
+std::optional<std::string> agent_of(const proto::Request::Reader& req) {
+  switch (req.which()) {
+    case proto::Request::WRITE_MEMORY:
+      return str(req.getWriteMemory().getAgent());
+    case proto::Request::UPDATE_MEMORY:
+      return str(req.getUpdateMemory().getAgent());
+    case proto::Request::DELETE_MEMORY:
+      return str(req.getDeleteMemory().getAgent());
+    case proto::Request::ADVANCE_STEP:
+      return str(req.getAdvanceStep().getAgent());
+    case proto::Request::RETRIEVE:
+      return str(req.getRetrieve().getAgent());
+    case proto::Request::LIST_GROUPS:
+      return str(req.getListGroups().getAgent());
+    case proto::Request::LIST_MEMORIES:
+      return str(req.getListMemories().getAgent());
+    default:
+      return std::nullopt;
+  }
+}
+}  // namespace
+
 bool ManagerService::handle_one(ManagerCall& call) {
   const auto req = call.request();
   std::string record;
+  if (options_.route_agent) {
+    if (std::optional<std::string> agent = agent_of(req)) {
+      if (Status st = options_.route_agent(*agent); !st.is_ok()) return call.fail(st), false;
+    }
+  }
   switch (req.which()) {
     case proto::Request::NONE:
       call.fail(Status(Code::kInvalidArgument, "empty request (no call set)"));

@@ -96,6 +96,9 @@ struct ServiceOptions {
   // Deferred retrieves waiting for a thread, in all and of one peer (0: no bound).
   size_t max_waiting_retrieves = 1024;
   size_t max_waiting_retrieves_per_peer = 64;
+  // Cluster mode: ok when this node serves `agent`, else the answer for every request about it
+  // (kMoved naming the owner, kUnavailable while nobody owns it). Unset: every agent is ours.
+  std::function<Status(std::string_view agent)> route_agent;
 };
 
 using ManagerCall = wire::Call<client::ManagerProtocol>;

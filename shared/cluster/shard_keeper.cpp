@@ -1,0 +1,123 @@
+#include "shared/cluster/shard_keeper.h"
+
+#include "shared/common/log.h"
+
+namespace keep::cluster {
+
+namespace {
+constexpr char kLog[] = "cluster";
+}  // namespace
+
+ShardKeeper::ShardKeeper(std::unique_ptr<EtcdClient> etcd, std::string node, std::string endpoint,
+                         ShardKeeperOptions options)
+    : etcd_(std::move(etcd)),
+      placement_(etcd_.get(), std::move(node), options.prefix),
+      endpoint_(std::move(endpoint)),
+      opt_(std::move(options)) {}
+
+Result<std::unique_ptr<ShardKeeper>> ShardKeeper::start(EtcdOptions etcd, std::string node,
+                                                        std::string endpoint,
+                                                        ShardKeeperOptions options) {
+  if (options.shards == 0) return Status(Code::kInvalidArgument, "cluster: 0 shards");
+  KEEP_ASSIGN_OR_RETURN(std::unique_ptr<EtcdClient> client, EtcdClient::create(std::move(etcd)));
+  std::unique_ptr<ShardKeeper> k(
+      new ShardKeeper(std::move(client), std::move(node), std::move(endpoint), std::move(options)));
+  KEEP_RETURN_IF_ERROR(k->placement_.join(k->endpoint_, k->opt_.lease_ttl_s));
+  KEEP_RETURN_IF_ERROR(k->tick());
+  k->thread_ = std::thread([p = k.get()] { p->run(); });
+  return k;
+}
+
+ShardKeeper::~ShardKeeper() {
+  {
+    std::lock_guard<std::mutex> lock(stop_mu_);
+    stop_ = true;
+  }
+  stop_cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+  (void)placement_.leave();
+}
+
+void ShardKeeper::run() {
+  std::unique_lock<std::mutex> lock(stop_mu_);
+  while (!stop_cv_.wait_for(lock, opt_.period, [this] { return stop_; })) {
+    lock.unlock();
+    if (Status st = tick(); !st.is_ok()) {
+      KEEP_LOG_WARN(kLog, "placement round: %s", st.to_string().c_str());
+    }
+    lock.lock();
+  }
+}
+
+Status ShardKeeper::tick() {
+  if (placement_.lease() == 0) {  // the lease ran out: join again
+    KEEP_RETURN_IF_ERROR(placement_.join(endpoint_, opt_.lease_ttl_s));
+  }
+  if (Status st = placement_.renew(); !st.is_ok()) {
+    if (st.code() == Code::kNotFound) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!owned_.empty()) {
+        KEEP_LOG_WARN(kLog, "lease ran out: %zu shards dropped", owned_.size());
+      }
+      owned_.clear();
+    }
+    return st;
+  }
+  KEEP_ASSIGN_OR_RETURN(auto nodes, placement_.nodes());
+  std::map<std::string, std::string> endpoints(nodes.begin(), nodes.end());
+  KEEP_ASSIGN_OR_RETURN(auto owners, placement_.owners());
+  // What this node still holds, as etcd says.
+  std::map<uint32_t, uint64_t> owned;
+  for (const auto& [s, o] : owners) {
+    if (o.node == placement_.node()) owned[s] = o.epoch;
+  }
+  const size_t live = std::max<size_t>(endpoints.size(), 1);
+  const size_t share = (opt_.shards + live - 1) / live;
+  for (uint32_t s = 0; s < opt_.shards && owned.size() < share; ++s) {
+    if (owners.count(s)) continue;
+    KEEP_ASSIGN_OR_RETURN(std::optional<uint64_t> epoch, placement_.acquire(s));
+    if (epoch) {
+      owned[s] = *epoch;
+      owners[s] = ShardOwner{placement_.node(), *epoch};
+    }
+  }
+  if (owned.size() > share) {  // a node joined: hand one back a round
+    const auto last = std::prev(owned.end());
+    KEEP_RETURN_IF_ERROR(placement_.release(last->first, last->second));
+    owners.erase(last->first);
+    owned.erase(last);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  owned_ = std::move(owned);
+  owners_ = std::move(owners);
+  endpoints_ = std::move(endpoints);
+  return Status::ok();
+}
+
+Status ShardKeeper::route(std::string_view agent) const {
+  const uint32_t s = shard_of(agent, opt_.shards);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (owned_.count(s)) return Status::ok();
+  auto it = owners_.find(s);
+  if (it == owners_.end()) {
+    return Status(Code::kUnavailable, "agent '" + std::string(agent) + "' (shard " +
+                                          std::to_string(s) + ") has no owner yet: retry");
+  }
+  auto ep = endpoints_.find(it->second.node);
+  return Status(Code::kMoved, "agent '" + std::string(agent) + "' (shard " + std::to_string(s) +
+                                  ") is served by " + it->second.node + " at " +
+                                  (ep == endpoints_.end() ? "?" : ep->second));
+}
+
+uint64_t ShardKeeper::epoch_of(uint32_t shard) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = owned_.find(shard);
+  return it == owned_.end() ? 0 : it->second;
+}
+
+size_t ShardKeeper::owned() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return owned_.size();
+}
+
+}  // namespace keep::cluster

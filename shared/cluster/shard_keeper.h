@@ -1,0 +1,69 @@
+// ShardKeeper: one node's side of placement (issue 31, points 1 and 4), kept by a thread. It joins
+// (the node's key on a lease), renews the lease every period, takes free shards up to its fair
+// share (ceil(shards / live nodes)), hands back one shard a period while it holds more than that
+// (so a node that joins gets work), and keeps a copy of every shard's owner for routing:
+// route(agent) is ok when this node owns the agent's shard, else kMoved naming the owner and its
+// endpoint (kUnavailable while the shard has no owner). A lease that ran out (this node was cut
+// off or paused) drops every shard at once and joins again.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <thread>
+
+#include "shared/cluster/placement.h"
+
+namespace keep::cluster {
+
+struct ShardKeeperOptions {
+  uint32_t shards = 64;
+  int64_t lease_ttl_s = 10;
+  std::chrono::milliseconds period{1000};  // renew, rebalance, refresh owners
+  std::string prefix = "/keep";
+};
+
+class ShardKeeper {
+ public:
+  // Joins and takes a first share before returning (kUnavailable: etcd does not answer).
+  static Result<std::unique_ptr<ShardKeeper>> start(EtcdOptions etcd, std::string node,
+                                                    std::string endpoint,
+                                                    ShardKeeperOptions options = {});
+  ~ShardKeeper();  // stops the thread and leaves: the node's shards free at once
+
+  Status route(std::string_view agent) const;
+  // The epoch this node holds `shard` at (0: not its own).
+  uint64_t epoch_of(uint32_t shard) const;
+  size_t owned() const;
+  const ShardKeeperOptions& options() const { return opt_; }
+
+  // One round now (tests; the thread runs it every period).
+  Status tick();
+
+ private:
+  ShardKeeper(std::unique_ptr<EtcdClient> etcd, std::string node, std::string endpoint,
+              ShardKeeperOptions options);
+  void run();
+
+  std::unique_ptr<EtcdClient> etcd_;
+  Placement placement_;
+  std::string endpoint_;
+  ShardKeeperOptions opt_;
+
+  mutable std::mutex mu_;
+  std::map<uint32_t, uint64_t> owned_;            // shard -> epoch
+  std::map<uint32_t, ShardOwner> owners_;         // every owned shard, as last read
+  std::map<std::string, std::string> endpoints_;  // node -> endpoint
+
+  std::mutex stop_mu_;
+  std::condition_variable stop_cv_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+}  // namespace keep::cluster
