@@ -1,5 +1,7 @@
 #include "shared/client/manager_client.h"
 
+#include <thread>
+
 #include <capnp/message.h>
 #include <kj/exception.h>
 
@@ -139,6 +141,40 @@ static Status round_trip(wire::RpcChannel& channel, proto::Response::Which expec
                                        std::forward<Extract>(extract));
 }
 
+Status ManagerClient::routed(std::string_view agent,
+                             const std::function<Status(wire::RpcChannel&)>& call) {
+  std::string endpoint = options_.endpoint;
+  if (auto it = owners_.find(std::string(agent)); it != owners_.end()) endpoint = it->second;
+  // A shard moving again while we follow it: a few hops; one between owners ("no owner yet"):
+  // a few short waits.
+  for (int attempt = 0;; ++attempt) {
+    wire::RpcChannel* ch = channel_.get();
+    if (endpoint != options_.endpoint) {
+      auto& other = others_[endpoint];
+      if (!other) {
+        KEEP_ASSIGN_OR_RETURN(other, wire::RpcChannel::connect({endpoint, options_.timeout,
+                                                                options_.max_request_bytes,
+                                                                options_.max_response_bytes}));
+      }
+      ch = other.get();
+    }
+    Status st = call(*ch);
+    if (!options_.follow_moved || attempt >= 15) return st;
+    if (st.code() == Code::kMoved) {
+      const std::string& m = st.message();
+      const size_t at = m.rfind(" at ");
+      if (at == std::string::npos || m.substr(at + 4) == endpoint) return st;
+      endpoint = m.substr(at + 4);
+      owners_[std::string(agent)] = endpoint;
+    } else if (st.code() == Code::kUnavailable &&
+               st.message().find("no owner yet") != std::string::npos) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(250));
+    } else {
+      return st;
+    }
+  }
+}
+
 Result<std::string> ManagerClient::ping() {
   std::string version;
   KEEP_RETURN_IF_ERROR(round_trip(
@@ -152,29 +188,31 @@ Result<std::string> ManagerClient::ping() {
 
 Result<WriteResult> ManagerClient::write(const WriteArgs& args) {
   WriteResult out;
-  KEEP_RETURN_IF_ERROR(round_trip(
-      *channel_, proto::Response::WRITE_MEMORY,
-      [&](proto::Request::Builder req) {
-        auto w = req.initWriteMemory();
-        // Sized readers: Text::Reader's implicit conversion from std::string goes through
-        // c_str() and would cut the text at an embedded NUL, silently.
-        w.setAgent(capnp::Text::Reader(args.agent.data(), args.agent.size()));
-        if (args.id) {
-          w.setHasId(true);
-          w.setId(*args.id);
-        }
-        w.setText(capnp::Text::Reader(args.text.data(), args.text.size()));
-        w.setKind(kind_to_wire(args.kind));
-        if (args.step) {
-          w.setHasStep(true);
-          w.setStep(*args.step);
-        }
-      },
-      [&](proto::Response::Reader r) {
-        auto w = r.getWriteMemory();
-        out = WriteResult{w.getId(), w.getVersion(), w.getStep()};
-        return Status::ok();
-      }));
+  KEEP_RETURN_IF_ERROR(routed(args.agent, [&](wire::RpcChannel& ch) {
+    return round_trip(
+        ch, proto::Response::WRITE_MEMORY,
+        [&](proto::Request::Builder req) {
+          auto w = req.initWriteMemory();
+          // Sized readers: Text::Reader's implicit conversion from std::string goes through
+          // c_str() and would cut the text at an embedded NUL, silently.
+          w.setAgent(capnp::Text::Reader(args.agent.data(), args.agent.size()));
+          if (args.id) {
+            w.setHasId(true);
+            w.setId(*args.id);
+          }
+          w.setText(capnp::Text::Reader(args.text.data(), args.text.size()));
+          w.setKind(kind_to_wire(args.kind));
+          if (args.step) {
+            w.setHasStep(true);
+            w.setStep(*args.step);
+          }
+        },
+        [&](proto::Response::Reader r) {
+          auto w = r.getWriteMemory();
+          out = WriteResult{w.getId(), w.getVersion(), w.getStep()};
+          return Status::ok();
+        });
+  }));
   return out;
 }
 
@@ -183,133 +221,145 @@ Result<WriteResult> ManagerClient::update(std::string_view agent, uint64_t id,
                                           std::optional<SegmentKind> kind,
                                           std::optional<uint64_t> step) {
   WriteResult out;
-  KEEP_RETURN_IF_ERROR(round_trip(
-      *channel_, proto::Response::UPDATE_MEMORY,
-      [&](proto::Request::Builder req) {
-        auto u = req.initUpdateMemory();
-        u.setAgent(capnp::Text::Reader(agent.data(), agent.size()));
-        u.setId(id);
-        u.setText(capnp::Text::Reader(new_text.data(), new_text.size()));
-        if (kind) {
-          u.setHasKind(true);
-          u.setKind(kind_to_wire(*kind));
-        }
-        if (step) {
-          u.setHasStep(true);
-          u.setStep(*step);
-        }
-      },
-      [&](proto::Response::Reader r) {
-        auto w = r.getUpdateMemory();
-        out = WriteResult{w.getId(), w.getVersion(), w.getStep()};
-        return Status::ok();
-      }));
+  KEEP_RETURN_IF_ERROR(routed(agent, [&](wire::RpcChannel& ch) {
+    return round_trip(
+        ch, proto::Response::UPDATE_MEMORY,
+        [&](proto::Request::Builder req) {
+          auto u = req.initUpdateMemory();
+          u.setAgent(capnp::Text::Reader(agent.data(), agent.size()));
+          u.setId(id);
+          u.setText(capnp::Text::Reader(new_text.data(), new_text.size()));
+          if (kind) {
+            u.setHasKind(true);
+            u.setKind(kind_to_wire(*kind));
+          }
+          if (step) {
+            u.setHasStep(true);
+            u.setStep(*step);
+          }
+        },
+        [&](proto::Response::Reader r) {
+          auto w = r.getUpdateMemory();
+          out = WriteResult{w.getId(), w.getVersion(), w.getStep()};
+          return Status::ok();
+        });
+  }));
   return out;
 }
 
 Status ManagerClient::remove(std::string_view agent, uint64_t id) {
-  return round_trip(
-      *channel_, proto::Response::DELETE_MEMORY,
-      [&](proto::Request::Builder req) {
-        auto d = req.initDeleteMemory();
-        d.setAgent(capnp::Text::Reader(agent.data(), agent.size()));
-        d.setId(id);
-      },
-      [](proto::Response::Reader) { return Status::ok(); });
+  return routed(agent, [&](wire::RpcChannel& ch) {
+    return round_trip(
+        ch, proto::Response::DELETE_MEMORY,
+        [&](proto::Request::Builder req) {
+          auto d = req.initDeleteMemory();
+          d.setAgent(capnp::Text::Reader(agent.data(), agent.size()));
+          d.setId(id);
+        },
+        [](proto::Response::Reader) { return Status::ok(); });
+  });
 }
 
 Result<uint64_t> ManagerClient::advance_step(std::string_view agent, uint64_t by) {
   uint64_t step = 0;
-  KEEP_RETURN_IF_ERROR(round_trip(
-      *channel_, proto::Response::ADVANCE_STEP,
-      [&](proto::Request::Builder req) {
-        auto a = req.initAdvanceStep();
-        a.setAgent(capnp::Text::Reader(agent.data(), agent.size()));
-        a.setBy(by);
-      },
-      [&](proto::Response::Reader r) {
-        step = r.getAdvanceStep().getStep();
-        return Status::ok();
-      }));
+  KEEP_RETURN_IF_ERROR(routed(agent, [&](wire::RpcChannel& ch) {
+    return round_trip(
+        ch, proto::Response::ADVANCE_STEP,
+        [&](proto::Request::Builder req) {
+          auto a = req.initAdvanceStep();
+          a.setAgent(capnp::Text::Reader(agent.data(), agent.size()));
+          a.setBy(by);
+        },
+        [&](proto::Response::Reader r) {
+          step = r.getAdvanceStep().getStep();
+          return Status::ok();
+        });
+  }));
   return step;
 }
 
 Result<std::vector<RetrievedSegment>> ManagerClient::retrieve(std::string_view agent,
                                                               std::string_view query, uint32_t k) {
   std::vector<RetrievedSegment> out;
-  KEEP_RETURN_IF_ERROR(round_trip(
-      *channel_, proto::Response::RETRIEVE,
-      [&](proto::Request::Builder req) {
-        auto q = req.initRetrieve();
-        q.setAgent(capnp::Text::Reader(agent.data(), agent.size()));
-        q.setQuery(capnp::Text::Reader(query.data(), query.size()));
-        q.setK(k);
-      },
-      [&](proto::Response::Reader r) -> Status {
-        for (auto s : r.getRetrieve().getSegments()) {
-          RetrievedSegment seg;
-          if (Status st = read_segment_fields(s, &seg); !st.is_ok()) return st;
-          KEEP_ASSIGN_OR_RETURN(seg.group_state, state_from_wire(s.getGroupState()));
-          seg.group_version = s.getGroupVersion();
-          seg.score = s.getScore();
-          if (s.getHasKv()) {
-            auto kv = s.getKv();
-            seg.kv = KvSlice{entry_from_wire(kv.getEntry()), kv.getTokenOffset(), kv.getTokens(),
-                             kv.getJoint()};
+  KEEP_RETURN_IF_ERROR(routed(agent, [&](wire::RpcChannel& ch) {
+    return round_trip(
+        ch, proto::Response::RETRIEVE,
+        [&](proto::Request::Builder req) {
+          auto q = req.initRetrieve();
+          q.setAgent(capnp::Text::Reader(agent.data(), agent.size()));
+          q.setQuery(capnp::Text::Reader(query.data(), query.size()));
+          q.setK(k);
+        },
+        [&](proto::Response::Reader r) -> Status {
+          for (auto s : r.getRetrieve().getSegments()) {
+            RetrievedSegment seg;
+            if (Status st = read_segment_fields(s, &seg); !st.is_ok()) return st;
+            KEEP_ASSIGN_OR_RETURN(seg.group_state, state_from_wire(s.getGroupState()));
+            seg.group_version = s.getGroupVersion();
+            seg.score = s.getScore();
+            if (s.getHasKv()) {
+              auto kv = s.getKv();
+              seg.kv = KvSlice{entry_from_wire(kv.getEntry()), kv.getTokenOffset(), kv.getTokens(),
+                               kv.getJoint()};
+            }
+            out.push_back(std::move(seg));
           }
-          out.push_back(std::move(seg));
-        }
-        return Status::ok();
-      }));
+          return Status::ok();
+        });
+  }));
   return out;
 }
 
 Result<std::vector<GroupInfo>> ManagerClient::list_groups(std::string_view agent) {
   std::vector<GroupInfo> out;
-  KEEP_RETURN_IF_ERROR(round_trip(
-      *channel_, proto::Response::LIST_GROUPS,
-      [&](proto::Request::Builder req) {
-        req.initListGroups().setAgent(capnp::Text::Reader(agent.data(), agent.size()));
-      },
-      [&](proto::Response::Reader r) -> Status {
-        for (auto g : r.getListGroups().getGroups()) {
-          GroupInfo info;
-          info.id = g.getId();
-          KEEP_ASSIGN_OR_RETURN(info.state, state_from_wire(g.getState()));
-          info.version = g.getVersion();
-          for (uint64_t id : g.getSegmentIds()) info.segment_ids.push_back(id);
-          info.tokens = g.getTokens();
-          info.last_change_step = g.getLastChangeStep();
-          out.push_back(std::move(info));
-        }
-        return Status::ok();
-      }));
+  KEEP_RETURN_IF_ERROR(routed(agent, [&](wire::RpcChannel& ch) {
+    return round_trip(
+        ch, proto::Response::LIST_GROUPS,
+        [&](proto::Request::Builder req) {
+          req.initListGroups().setAgent(capnp::Text::Reader(agent.data(), agent.size()));
+        },
+        [&](proto::Response::Reader r) -> Status {
+          for (auto g : r.getListGroups().getGroups()) {
+            GroupInfo info;
+            info.id = g.getId();
+            KEEP_ASSIGN_OR_RETURN(info.state, state_from_wire(g.getState()));
+            info.version = g.getVersion();
+            for (uint64_t id : g.getSegmentIds()) info.segment_ids.push_back(id);
+            info.tokens = g.getTokens();
+            info.last_change_step = g.getLastChangeStep();
+            out.push_back(std::move(info));
+          }
+          return Status::ok();
+        });
+  }));
   return out;
 }
 
 Result<MemoryPage> ManagerClient::list_memories(std::string_view agent, uint64_t after_id,
                                                 uint32_t limit) {
   MemoryPage out;
-  KEEP_RETURN_IF_ERROR(round_trip(
-      *channel_, proto::Response::LIST_MEMORIES,
-      [&](proto::Request::Builder req) {
-        auto q = req.initListMemories();
-        q.setAgent(capnp::Text::Reader(agent.data(), agent.size()));
-        q.setAfterId(after_id);
-        q.setLimit(limit);
-      },
-      [&](proto::Response::Reader r) -> Status {
-        auto page = r.getListMemories();
-        for (auto m : page.getMemories()) {
-          MemoryInfo info;
-          if (Status st = read_segment_fields(m, &info); !st.is_ok()) return st;
-          info.embedded = m.getEmbedded();
-          info.has_kv = m.getHasKv();
-          out.memories.push_back(std::move(info));
-        }
-        out.more = page.getMore();
-        return Status::ok();
-      }));
+  KEEP_RETURN_IF_ERROR(routed(agent, [&](wire::RpcChannel& ch) {
+    return round_trip(
+        ch, proto::Response::LIST_MEMORIES,
+        [&](proto::Request::Builder req) {
+          auto q = req.initListMemories();
+          q.setAgent(capnp::Text::Reader(agent.data(), agent.size()));
+          q.setAfterId(after_id);
+          q.setLimit(limit);
+        },
+        [&](proto::Response::Reader r) -> Status {
+          auto page = r.getListMemories();
+          for (auto m : page.getMemories()) {
+            MemoryInfo info;
+            if (Status st = read_segment_fields(m, &info); !st.is_ok()) return st;
+            info.embedded = m.getEmbedded();
+            info.has_kv = m.getHasKv();
+            out.memories.push_back(std::move(info));
+          }
+          out.more = page.getMore();
+          return Status::ok();
+        });
+  }));
   return out;
 }
 

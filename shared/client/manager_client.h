@@ -8,6 +8,8 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -135,6 +137,9 @@ struct ClientOptions {
   std::chrono::milliseconds timeout{5000};       // per request; sent as the request's timeoutMs
   size_t max_request_bytes = size_t{1} << 20;    // refused locally with kTooLarge (server default)
   size_t max_response_bytes = size_t{64} << 20;  // larger answers are kTooLarge
+  // Cluster mode (docs/cluster.md): a call about an agent answered `moved` goes to the node the
+  // answer names (remembered for that agent); one answered "no owner yet" is retried shortly.
+  bool follow_moved = true;
 };
 
 class ManagerClient {
@@ -178,8 +183,13 @@ class ManagerClient {
 
  private:
   explicit ManagerClient(ClientOptions options);
+  // `call` on the channel of the node serving `agent`, following moved answers.
+  Status routed(std::string_view agent, const std::function<Status(wire::RpcChannel&)>& call);
+
   ClientOptions options_;
   std::unique_ptr<wire::RpcChannel> channel_;
+  std::map<std::string, std::string> owners_;                        // agent -> endpoint
+  std::map<std::string, std::unique_ptr<wire::RpcChannel>> others_;  // endpoint -> channel
 };
 
 }  // namespace keep::client

@@ -19,10 +19,11 @@ namespace {
 
 constexpr uint32_t kShards = 8;
 
-std::unique_ptr<kc::ManagerClient> connect(const std::string& endpoint) {
+std::unique_ptr<kc::ManagerClient> connect(const std::string& endpoint, bool follow = false) {
   kc::ClientOptions o;
   o.endpoint = endpoint;
   o.timeout = 10s;
+  o.follow_moved = follow;
   auto c = kc::ManagerClient::connect(o);
   REQUIRE(c.is_ok());
   return std::move(c).value();
@@ -101,6 +102,14 @@ TEST_CASE("two managers share the shards, answer moved for the other's agents, a
   CHECK(write(*ca, a_agent).is_ok());
   CHECK(cb->list_memories(a_agent, 0, 10).status().code() == Code::kMoved);
   CHECK(ca->stats().is_ok());  // node-wide calls are not routed
+
+  // A client that follows moved reaches every agent through a: b's agents at b.
+  auto follower = connect(a.endpoint(), true);
+  CHECK(write(*follower, b_agent).is_ok());
+  CHECK(write(*follower, a_agent).is_ok());
+  auto page = follower->list_memories(b_agent);
+  REQUIRE(page.is_ok());
+  CHECK(page->memories.size() == 2);  // b's own write and the follower's
 
   // a dies without leaving: its lease (2 s) runs out and b takes every shard.
   a.kill9();
