@@ -17,6 +17,7 @@ APT_PACKAGES=(
   prometheus                   # the real Prometheus server + promtool, for the metrics tests
   etcd-server                  # cluster mode: placement (shard owners, leases, epochs); tests
   libcurl4-openssl-dev         # HTTP client: etcd's v3 JSON gateway
+  postgresql libpq-dev         # cluster mode: the memory log (system of record); tests
   clang-format
   curl                         # scripts talk to /metrics
   docker-compose               # validates docker-compose.yml in the tests (no engine needed)
