@@ -63,6 +63,19 @@ struct PgLog::Impl {
   }
 
   void rollback() { PgResult r(PQexec(conn, "ROLLBACK")); }
+
+  // BEGIN, then the fence raised to `epoch`: the transaction stays open on success; rolled back
+  // and kStale when the shard is fenced above `epoch`.
+  Status begin_fenced(uint32_t shard, uint64_t epoch) {
+    KEEP_RETURN_IF_ERROR(exec("BEGIN"));
+    auto raised = raise_fence(shard, epoch);
+    if (raised.is_ok() && *raised) return Status::ok();
+    rollback();
+    if (!raised.is_ok()) return raised.status();
+    return Status(Code::kStale, "shard " + std::to_string(shard) +
+                                    " has a newer owner than epoch " + std::to_string(epoch) +
+                                    ": nothing written");
+  }
 };
 
 PgLog::PgLog(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -81,29 +94,13 @@ Result<std::unique_ptr<PgLog>> PgLog::connect(const std::string& conninfo) {
 }
 
 Status PgLog::fence(uint32_t shard, uint64_t epoch) {
-  Impl& m = *impl_;
-  KEEP_RETURN_IF_ERROR(m.exec("BEGIN"));
-  auto raised = m.raise_fence(shard, epoch);
-  if (!raised.is_ok() || !*raised) {
-    m.rollback();
-    if (!raised.is_ok()) return raised.status();
-    return Status(Code::kStale, "shard " + std::to_string(shard) + " is fenced above epoch " +
-                                    std::to_string(epoch));
-  }
-  return m.exec("COMMIT");
+  KEEP_RETURN_IF_ERROR(impl_->begin_fenced(shard, epoch));
+  return impl_->exec("COMMIT");
 }
 
 Status PgLog::append(uint32_t shard, uint64_t epoch, const std::vector<LogRecord>& records) {
   Impl& m = *impl_;
-  KEEP_RETURN_IF_ERROR(m.exec("BEGIN"));
-  auto raised = m.raise_fence(shard, epoch);
-  if (!raised.is_ok() || !*raised) {
-    m.rollback();
-    if (!raised.is_ok()) return raised.status();
-    return Status(Code::kStale, "shard " + std::to_string(shard) +
-                                    " has a newer owner than epoch " + std::to_string(epoch) +
-                                    ": nothing written");
-  }
+  KEEP_RETURN_IF_ERROR(m.begin_fenced(shard, epoch));
   const std::string e = std::to_string(epoch);
   for (const LogRecord& rec : records) {
     const std::string seq = std::to_string(rec.seq);
