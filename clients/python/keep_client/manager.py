@@ -76,8 +76,11 @@ class ManagerClient(Client):
     """One blocking connection to keep-manager. Calls raise keep_client.errors.KeepError (its
     subclass for the wire code) on failure; `timeout` (seconds) bounds each call."""
 
-    def __init__(self, endpoint="tcp://127.0.0.1:7601", timeout=20.0, follow_moved=True):
+    def __init__(self, endpoint="tcp://127.0.0.1:7601", timeout=20.0, follow_moved=True,
+                 directory=None):
         super().__init__(endpoint, timeout, _schema.manager)
+        # Cluster mode: a keep_client.cluster.EtcdDirectory, asked first for an agent not seen yet.
+        self._directory = directory
         # Cluster mode (docs/cluster.md): a node answers `moved` for an agent another node
         # serves, naming it; the call is sent there, and the agent's node remembered.
         self._follow_moved = follow_moved
@@ -93,6 +96,10 @@ class ManagerClient(Client):
         return ch
 
     def _routed(self, agent, kind, fill):
+        if agent not in self._owners and self._directory is not None:
+            found = self._directory.owner_endpoint(agent)
+            if found:
+                self._owners[agent] = found
         endpoint = self._owners.get(agent, self._ch.endpoint)
         # A shard moving while we follow it: a few hops; one between owners (released, not yet
         # taken: "no owner yet"): a few short waits.

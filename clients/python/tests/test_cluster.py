@@ -11,6 +11,7 @@ import time
 import unittest
 
 from keep_client import ManagerClient, errors
+from keep_client.cluster import EtcdDirectory, shard_of
 from keep_client.local import LocalServices
 
 ETCD = "/usr/bin/etcd"
@@ -86,6 +87,32 @@ class FollowsMoved(unittest.TestCase):
             with ManagerClient(self.b.manager.endpoint, timeout=10) as mb:
                 mems, _ = mb.list_memories(on_b[0])  # b holds it itself
                 self.assertEqual(len(mems), 1)
+            # The etcd directory names the node each agent was found at by following moved:
+            # the same hash and the same keys as keep-manager's placement.
+            d = EtcdDirectory([self.url], shards=8)
+            for agent in agents:
+                self.assertEqual(d.owner_endpoint(agent),
+                                 m._owners.get(agent, self.a.manager.endpoint), agent)
+            # A client that asks the directory first sends no request to the wrong node.
+            with ManagerClient(self.a.manager.endpoint, timeout=10, follow_moved=False,
+                               directory=d) as direct:
+                for agent in agents:
+                    mems, _ = direct.list_memories(agent)
+                    self.assertEqual(len(mems), 1)
+
+
+class ShardHash(unittest.TestCase):
+    def test_spread_and_stability(self):
+        counts = [0] * 64
+        moved = 0
+        for i in range(6400):
+            s = shard_of(f"robot-{i}", 64)
+            counts[s] += 1
+            if shard_of(f"robot-{i}", 65) != s:
+                moved += 1
+        self.assertTrue(all(60 < c < 140 for c in counts), counts)
+        self.assertLess(moved, 6400 // 40)
+        self.assertEqual(shard_of("anyone", 1), 0)
 
 
 if __name__ == "__main__":
