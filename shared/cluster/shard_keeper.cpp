@@ -1,5 +1,7 @@
 #include "shared/cluster/shard_keeper.h"
 
+#include <algorithm>
+
 #include "shared/common/log.h"
 
 namespace keep::cluster {
@@ -56,10 +58,9 @@ Status ShardKeeper::tick() {
   if (Status st = placement_.renew(); !st.is_ok()) {
     if (st.code() == Code::kNotFound) {
       std::lock_guard<std::mutex> lock(mu_);
-      if (!owned_.empty()) {
-        KEEP_LOG_WARN(kLog, "lease ran out: %zu shards dropped", owned_.size());
-      }
-      owned_.clear();
+      const size_t dropped =
+          std::erase_if(owners_, [&](const auto& e) { return e.second.node == placement_.node(); });
+      if (dropped > 0) KEEP_LOG_WARN(kLog, "lease ran out: %zu shards dropped", dropped);
     }
     return st;
   }
@@ -88,7 +89,6 @@ Status ShardKeeper::tick() {
     owned.erase(last);
   }
   std::lock_guard<std::mutex> lock(mu_);
-  owned_ = std::move(owned);
   owners_ = std::move(owners);
   endpoints_ = std::move(endpoints);
   return Status::ok();
@@ -97,8 +97,8 @@ Status ShardKeeper::tick() {
 Status ShardKeeper::route(std::string_view agent) const {
   const uint32_t s = shard_of(agent, opt_.shards);
   std::lock_guard<std::mutex> lock(mu_);
-  if (owned_.count(s)) return Status::ok();
   auto it = owners_.find(s);
+  if (it != owners_.end() && it->second.node == placement_.node()) return Status::ok();
   if (it == owners_.end()) {
     return Status(Code::kUnavailable, "agent '" + std::string(agent) + "' (shard " +
                                           std::to_string(s) + ") has no owner yet: retry");
@@ -111,13 +111,15 @@ Status ShardKeeper::route(std::string_view agent) const {
 
 uint64_t ShardKeeper::epoch_of(uint32_t shard) const {
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = owned_.find(shard);
-  return it == owned_.end() ? 0 : it->second;
+  auto it = owners_.find(shard);
+  return it != owners_.end() && it->second.node == placement_.node() ? it->second.epoch : 0;
 }
 
 size_t ShardKeeper::owned() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return owned_.size();
+  return static_cast<size_t>(std::count_if(owners_.begin(), owners_.end(), [&](const auto& e) {
+    return e.second.node == placement_.node();
+  }));
 }
 
 }  // namespace keep::cluster

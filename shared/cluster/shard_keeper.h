@@ -56,8 +56,7 @@ class ShardKeeper {
   ShardKeeperOptions opt_;
 
   mutable std::mutex mu_;
-  std::map<uint32_t, uint64_t> owned_;            // shard -> epoch
-  std::map<uint32_t, ShardOwner> owners_;         // every owned shard, as last read
+  std::map<uint32_t, ShardOwner> owners_;         // every owned shard as last read, ours among them
   std::map<std::string, std::string> endpoints_;  // node -> endpoint
 
   std::mutex stop_mu_;
