@@ -1,11 +1,10 @@
 #include "shared/client/manager_client.h"
 
-#include <thread>
-
 #include <capnp/message.h>
 #include <kj/exception.h>
 
 #include <algorithm>
+#include <thread>
 
 #include "shared/client/protocols.h"
 #include "shared/rpc/rpc_channel.h"
@@ -122,11 +121,13 @@ ManagerClient::~ManagerClient() = default;
 
 Result<std::unique_ptr<ManagerClient>> ManagerClient::connect(ClientOptions options) {
   std::unique_ptr<ManagerClient> client(new ManagerClient(options));
-  KEEP_ASSIGN_OR_RETURN(
-      client->channel_,
-      wire::RpcChannel::connect({options.endpoint, options.timeout, options.max_request_bytes,
-                                 options.max_response_bytes}));
+  KEEP_ASSIGN_OR_RETURN(client->channel_, client->open(options.endpoint));
   return client;
+}
+
+Result<std::unique_ptr<wire::RpcChannel>> ManagerClient::open(const std::string& endpoint) const {
+  return wire::RpcChannel::connect(
+      {endpoint, options_.timeout, options_.max_request_bytes, options_.max_response_bytes});
 }
 
 Result<std::string> ManagerClient::call_raw(std::string_view payload) {
@@ -152,9 +153,7 @@ Status ManagerClient::routed(std::string_view agent,
     if (endpoint != options_.endpoint) {
       auto& other = others_[endpoint];
       if (!other) {
-        KEEP_ASSIGN_OR_RETURN(other, wire::RpcChannel::connect({endpoint, options_.timeout,
-                                                                options_.max_request_bytes,
-                                                                options_.max_response_bytes}));
+        KEEP_ASSIGN_OR_RETURN(other, open(endpoint));
       }
       ch = other.get();
     }

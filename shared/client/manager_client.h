@@ -183,6 +183,8 @@ class ManagerClient {
 
  private:
   explicit ManagerClient(ClientOptions options);
+  // A channel to `endpoint` with this client's timeout and size limits.
+  Result<std::unique_ptr<wire::RpcChannel>> open(const std::string& endpoint) const;
   // `call` on the channel of the node serving `agent`, following moved answers.
   Status routed(std::string_view agent, const std::function<Status(wire::RpcChannel&)>& call);
 
