@@ -271,7 +271,8 @@ TEST_CASE("a region too small for every memory evicts the least recently used en
   // those memories never got KV again.
   it::TempDir tmp("planpath_evict");
   const std::string shm = it::unique_name("planpath_evict");
-  it::ManagerProcess m({(tmp.path() / "data").string(), shm,
+  it::ManagerProcess m({(tmp.path() / "data").string(),
+                        shm,
                         {"--static-after-steps", "1000000", "--shm-bytes", "1MiB"}});
   Worker w(m.endpoint(), shm);
   w.write_memories();

@@ -611,7 +611,7 @@ void ManagerDaemon::Impl::shutdown() {
   // goes: its destructor sends the last of them.
   if (service) service->stop_deferred_retrieves();
   if (server) server->stop();
-  http.reset();    // before the server: a scrape reads its counters
+  http.reset();  // before the server: a scrape reads its counters
   // Leave the cluster (after the last scrape read the keeper): the shards go to the other nodes
   // at once, not a lease later.
   keeper.reset();
