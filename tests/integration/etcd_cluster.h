@@ -3,8 +3,6 @@
 #pragma once
 
 #include <doctest/doctest.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 
 #include <csignal>
 #include <thread>
@@ -17,18 +15,6 @@ namespace keep::itest {
 using namespace std::chrono_literals;
 
 inline const char* const kEtcd = "/usr/bin/etcd";
-
-inline int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
-  socklen_t len = sizeof a;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
 
 // Three etcd members, each its own process and data dir, client and peer URLs on free ports.
 struct EtcdCluster {

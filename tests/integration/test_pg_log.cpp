@@ -8,7 +8,7 @@
 #include <thread>
 
 #include "shared/cluster/pg_log.h"
-#include "tests/integration/etcd_cluster.h"  // free_port, spawn, TempDir
+#include "tests/integration/manager/manager_process.h"
 
 using namespace keep;
 using namespace keep::cluster;

@@ -4,7 +4,6 @@ node that serves it (docs/cluster.md). Skipped without Debian's etcd-server.
 """
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -12,15 +11,9 @@ import unittest
 
 from keep_client import ManagerClient, errors
 from keep_client.cluster import EtcdDirectory, shard_of
-from keep_client.local import LocalServices
+from keep_client.local import LocalServices, free_port
 
 ETCD = "/usr/bin/etcd"
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @unittest.skipUnless(os.access(ETCD, os.X_OK), "no etcd-server")

@@ -50,6 +50,19 @@ inline std::string model_path() {
 }
 
 // A unique name per process and call, for temp dirs and shm objects.
+// A loopback TCP port free right now (for servers that cannot bind port 0 and report it).
+inline int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  socklen_t len = sizeof a;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
 inline std::string unique_name(const std::string& tag) {
   static std::atomic<int> counter{0};
   return "keep-itest-" + tag + "-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);
