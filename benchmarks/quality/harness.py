@@ -149,7 +149,7 @@ def run(m, w, episodes, methods, k, kv_wait, out, tag, score="mean", label=""):
         forget(m, agent)
         print(f"episode {ei + 1}/{len(episodes)} ({ep.kind}, {len(ep.decisions)} decisions)",
               file=sys.stderr)
-    return methods, rows
+    return rows
 
 
 def summarize(rows):
@@ -220,7 +220,7 @@ def main(a, episodes, tag):
                                 extra_worker=["--max-candidates", "256"] + a.worker_args.split())
             m_ep, w_ep = svc.manager.endpoint, svc.worker.endpoint
         with ManagerClient(m_ep, timeout=60) as m, WorkerClient(w_ep, timeout=300) as w:
-            _, rows = run(m, w, episodes, a.methods.split(","), a.k, a.kv_wait, out,
+            rows = run(m, w, episodes, a.methods.split(","), a.k, a.kv_wait, out,
                                 f"{tag}{a.seed}_", a.score, a.label)
     finally:
         if out:
