@@ -36,6 +36,8 @@ struct Knobs {
   cacheblendRatio @7 :Float64;   # cacheblend: share in [0, 1]
   hasEpicTokens @8 :Bool;
   epicTokens @9 :UInt32;         # epic: k
+  hasAnchorTokens @10 :Bool;
+  anchorTokens @11 :UInt32;      # keep: leading tokens of every segment computed at every layer
 }
 
 struct CompleteRequest {

@@ -69,11 +69,18 @@ def paired(rows, a, b, key="correct"):
     return mean, statistics.stdev(d) / math.sqrt(len(d)), len(d)
 
 
+def decay_only(m):
+    """keep, or keep with only its d set (a point of the d sweep): not a variant such as hop 0 only
+    (max_hops), an anchor (anchor_tokens) or an ablation ("[...]" labels)."""
+    name, _, rest = m.partition(":")
+    return name == "keep" and "[" not in m and all(
+        kv.partition("=")[0] == "decay" for kv in filter(None, rest.split("+")))
+
+
 def reference_keep(agg, target=0.15):
     """The keep sweep point (or plain keep) with the largest ratio not above target."""
     pts = [(a["ratio"], m) for m, a in agg.items()
-           if m.split(":")[0] == "keep" and "[" not in m and "max_hops" not in m
-           and a["ratio"] <= target + 1e-9]
+           if decay_only(m) and a["ratio"] <= target + 1e-9]
     return max(pts)[1] if pts else None
 
 
@@ -93,9 +100,12 @@ def targets(rows, agg):
                      f"{'yes' if abs(d[0]) <= 0.01 else 'no'} |")
     lines.append(f"| keep agrees with full on >= 97 % | {100 * k['agree']:.1f} % | "
                  f"{'yes' if k['agree'] >= 0.97 else 'no'} |")
-    for other in ("cacheblend", "epic"):
-        if other not in agg:
+    for base in ("cacheblend", "epic"):
+        # The run of the baseline (its default or a knob variant) nearest keep's ratio.
+        runs = [m for m in agg if m.split(":")[0] == base and "[" not in m]
+        if not runs:
             continue
+        other = min(runs, key=lambda m: abs(agg[m]["ratio"] - k["ratio"]))
         o = agg[other]
         da, dg = paired(rows, keep, other), paired(rows, keep, other, "agree")
         if da and dg:
@@ -115,7 +125,7 @@ def targets(rows, agg):
 def sweep(agg):
     """The keep:decay=... points, by recompute ratio: [(ratio, acc, agree, label)]."""
     pts = [(a["ratio"], a["acc"], a["agree"], m) for m, a in agg.items()
-           if m.startswith("keep:") and "decay=" in m and "max_hops" not in m and "[" not in m]
+           if m.startswith("keep:") and decay_only(m)]
     return sorted(pts)
 
 
@@ -131,7 +141,7 @@ def plot(agg, path):
     for ax, key, title in ((axes[0], "acc", "next-step accuracy"),
                            (axes[1], "agree", "agreement with full")):
         for m, a in agg.items():
-            if (m.startswith("keep:") and "decay=" in m and "max_hops" not in m) or "[" in m:
+            if (m.startswith("keep:") and decay_only(m)) or "[" in m:
                 continue
             ax.plot(a["ratio"], 100 * a[key], "o")
             ax.annotate(m, (a["ratio"], 100 * a[key]), fontsize=7, xytext=(3, 3),
@@ -166,6 +176,10 @@ def self_test():
     assert abs(agg["full"]["se"] - math.sqrt(0.24 / 10)) < 1e-12
     assert abs(agg["keep:decay=0.9"]["agree"] - 0.9) < 1e-12
     assert [p[3] for p in sweep(agg)] == ["keep:decay=0.8", "keep:decay=0.9"]
+    # Variants are neither sweep points nor the reference.
+    assert decay_only("keep") and decay_only("keep:decay=0.8")
+    assert not decay_only("keep:decay=0.8+anchor_tokens=1")
+    assert not decay_only("keep:decay=0.8+max_hops=0") and not decay_only("keep [never static]")
     assert "| keep:decay=0.8 | 10 | 40.0 ± 15.5 % | 80.0 % | 0.0500 | 0.100 | 40.0 |" in table(agg)
     # keep:decay=0.8 (ratio 0.1) is the reference: 2 of 10 decisions lost against full.
     assert reference_keep(agg) == "keep:decay=0.8"
@@ -176,6 +190,14 @@ def self_test():
     assert "| keep within 1 point of full in accuracy | -20.00 ± 13.33 points (10 decisions) | no |" \
         in t, t
     assert "| keep agrees with full on >= 97 % | 80.0 % | no |" in t, t
+    # Against a baseline, the run nearest keep's ratio (0.1): epic's k = 4 run, not its default.
+    for i in range(10):
+        at = dict(episode="e", step=i, correct=i < 4, kl=0.01, ttft=0.04)
+        rows.append(dict(at, method="epic", agree=True, ratio=0.3))
+        rows.append(dict(at, method="epic:epic_tokens=4", agree=i < 7, ratio=0.12))
+    t = targets(rows, aggregate(rows))
+    assert "| keep above epic:epic_tokens=4 (ratio 0.120) | accuracy +0.00 ± 0.00, agreement " \
+        "+10.00 ± 10.00 points | yes |" in t, t
     print("report.py: self-test passed")
 
 

@@ -6,9 +6,11 @@ keep-worker, started by the harness), then report.py's tables and plots.
   KEEP_BIN_DIR=build/bin .venv/bin/python benchmarks/quality/run.py --out DIR
       [--parallel P] [--device cpu|cuda|auto] [--wah-episodes N] [--alfred-episodes N]
       [--ablation-wah-episodes N] [--ablation-alfred-episodes N] [--max-steps S]
-      [--decays 1,0.96,...] [--keep-d D] [--deadline-s S] [--dry-run]
+      [--decays 1,0.96,...] [--keep-d D] [--anchors 1,4] [--ablations all|a,b]
+      [--deadline-s S] [--dry-run]
 
-Jobs: `main` (every method, the d sweep, and hop 0 only at --keep-d) on both datasets; four
+Jobs: `main` (every method, cacheblend and epic also near keep's ratio at --keep-d, the d sweep,
+and at --keep-d hop 0 only and the first-token anchors) on both datasets; four
 ablations at --keep-d (and the paper's 0.96), each a run with other service flags: every segment
 alone (groups never static), every group static, K stored after RoPE (no position correction),
 entries computed without the system prefix. Shards run P at a time; at --deadline-s the ones
@@ -34,9 +36,17 @@ ABLATIONS = (  # (label, harness flags: "=" since the values start with "--")
 
 def jobs(a):
     sweep = [f"keep:decay={d}" for d in a.decays.split(",") if d]
-    main_methods = ["full", "prefix", "full_reuse", "cacheblend", "epic", "keep"] + sweep + [
-        f"keep:decay={a.keep_d}+max_hops=0"]
+    # The baselines at their defaults and at about keep's --keep-d ratio (the issue compares them
+    # at the same ratio); keep's variants: hop 0 only, and first-token anchors.
+    same_ratio = [f"cacheblend:cacheblend_ratio={a.same_ratio}", f"epic:epic_tokens={a.epic_k}"]
+    anchors = [f"keep:decay={a.keep_d}+anchor_tokens={n}" for n in a.anchors.split(",") if n]
+    main_methods = (["full", "prefix", "full_reuse", "cacheblend", "epic"] + same_ratio + ["keep"]
+                    + sweep + [f"keep:decay={a.keep_d}+max_hops=0"] + anchors)
     ablation_methods = ["full", "keep", f"keep:decay={a.keep_d}"]
+    # Without position correction every method that loads entries is affected: all of them run.
+    all_loading = (["full", "full_reuse", "cacheblend", "epic"] + same_ratio
+                   + ["keep", f"keep:decay={a.keep_d}"] + anchors)
+    chosen = {x.strip().replace("_", " ") for x in a.ablations.split(",") if x.strip()}
     common = ["--device", a.device, "--kv-wait", str(a.kv_wait), "--seed", str(a.seed)]
     if a.data_dir:
         common += ["--data-dir", a.data_dir]
@@ -54,12 +64,16 @@ def jobs(a):
         if n_abl < 0:
             continue
         for label, flags in ABLATIONS:
+            if "all" not in chosen and label not in chosen:
+                continue
             slug = label.replace(" ", "_")
-            per = max(1, a.ablation_shards)
+            methods = all_loading if label == "no position correction" else ablation_methods
+            per = max(1, a.ablation_shards_pc if label == "no position correction"
+                      and a.ablation_shards_pc else a.ablation_shards)
             for i in range(per):
                 out.append((data, f"{data}.{slug}.{i}", common + flags + [
                     "--episodes", str(n_abl), "--shard", f"{i}/{per}", "--label", label,
-                    "--methods", ",".join(ablation_methods)]))
+                    "--methods", ",".join(methods)]))
     return out
 
 
@@ -80,6 +94,17 @@ def main():
                     help="keep's d sweep (keep at the paper's 0.96 is always run)")
     ap.add_argument("--keep-d", default="0.8",
                     help="the d of the ablations and of hop 0 only (near 15 %% recompute)")
+    ap.add_argument("--same-ratio", default="0.07",
+                    help="cacheblend's share in its same-ratio run (about keep's at --keep-d)")
+    ap.add_argument("--epic-k", default="4", help="epic's k in its same-ratio run")
+    ap.add_argument("--anchors", default="1,4",
+                    help="keep at --keep-d with these anchor_tokens (the first tokens of every "
+                         "segment always computed); empty: none")
+    ap.add_argument("--ablations", default="all",
+                    help="comma-separated labels (never_static, every_group_static, "
+                         "no_position_correction, no_system_prefix) or all")
+    ap.add_argument("--ablation-shards-pc", type=int, default=0,
+                    help="shards of the no-position-correction ablation (0: --ablation-shards)")
     ap.add_argument("--kv-wait", type=float, default=60.0)
     ap.add_argument("--data-dir", help="the task material (default: ../shared/data/planning)")
     ap.add_argument("--seed", type=int, default=1)

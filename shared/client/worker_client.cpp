@@ -97,6 +97,10 @@ Result<CompleteReply> WorkerClient::complete(const CompleteArgs& a) {
           k.setHasEpicTokens(true);
           k.setEpicTokens(*a.knobs.epic_tokens);
         }
+        if (a.knobs.anchor_tokens) {
+          k.setHasAnchorTokens(true);
+          k.setAnchorTokens(*a.knobs.anchor_tokens);
+        }
         c.setMaxTokens(a.max_tokens);
         auto cands = c.initCandidates(static_cast<unsigned>(a.candidates.size()));
         for (unsigned i = 0; i < a.candidates.size(); ++i) cands.set(i, as_text(a.candidates[i]));

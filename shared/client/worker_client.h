@@ -42,6 +42,7 @@ struct PlanKnobs {
   std::optional<uint32_t> max_hops;        // keep: hop cap
   std::optional<double> cacheblend_ratio;  // cacheblend: share recomputed
   std::optional<uint32_t> epic_tokens;     // epic: k
+  std::optional<uint32_t> anchor_tokens;   // keep: leading tokens always computed
 };
 
 struct CompleteArgs {

@@ -306,6 +306,47 @@ TEST_CASE("keep: d = 1 never checks; otherwise importance picks the next layer's
   CHECK(same.is_ok());
 }
 
+TEST_CASE(
+    "keep with anchor tokens: every segment's first tokens at every layer, unseen by importance") {
+  // shape(): prefix [0, 3), segments [3, 7), [7, 10) (no KV: pinned), [10, 15), query [15, 20).
+  MethodKnobs knobs;
+  knobs.keep_decay = 0.7;  // 3, 2, 1 segments
+  knobs.keep_anchor_tokens = 1;
+  knobs.importance.query_rows_used = 5;
+  auto p = RecomputePlan::create(Method::kKeep, shape(), 3, knobs);
+  REQUIRE(p.is_ok());
+  CHECK(p->rows() == range(3, 20));
+  const auto pick = [&](int32_t favoured) {
+    const auto segs = p->row_segments();
+    std::vector<float> pooled(segs.size() * 3, 0.0f);
+    std::vector<int32_t> query_rows;
+    for (size_t r = 0; r < segs.size(); ++r) {
+      if (p->rows()[r] >= 15) {
+        query_rows.push_back(static_cast<int32_t>(r));
+        pooled[r * 3 + favoured] = 0.6f;
+      }
+    }
+    ImportanceInput in{3, 2, pooled, segs, query_rows};
+    return p->next(&in);
+  };
+  REQUIRE(pick(2).is_ok());  // segments 1 (pinned) and 2 go on; 0 keeps its first token
+  CHECK(p->rows() == concat({{3}, range(7, 15), range(15, 20)}));
+  CHECK(p->loaded_memory_slots() == range(4, 7));
+  // The anchor row of deselected segment 0 is no segment's row for importance.
+  const auto segs1 = p->row_segments();
+  CHECK(segs1[0] == -1);
+  CHECK(segs1[1] == 1);
+  REQUIRE(pick(2).is_ok());  // only the pinned segment 1 is left, plus 0's and 2's anchors
+  CHECK(p->rows() == concat({{3}, range(7, 11), range(15, 20)}));
+  REQUIRE(p->next().is_ok());
+  CHECK(p->memory_rows_per_layer() == std::vector<int32_t>{12, 9, 5});
+  CHECK(p->recompute_ratio() == doctest::Approx(26.0 / 36.0));
+  MethodKnobs bad;
+  bad.keep_anchor_tokens = -1;
+  CHECK(RecomputePlan::create(Method::kKeep, shape(), 2, bad).status().code() ==
+        Code::kInvalidArgument);
+}
+
 TEST_CASE("methods parse by name; bad shapes and knobs are refused") {
   for (Method m : kAllMethods) CHECK(parse_method(method_name(m)) == m);
   CHECK_FALSE(parse_method("blend").has_value());

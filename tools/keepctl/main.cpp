@@ -45,7 +45,7 @@ options:
 worker commands:
   complete <agent> <instruction> [--history "a|b"] [--method M] [--k N] [--max-tokens N]
            [--decay D] [--query-rows Q] [--max-hops H] [--cacheblend-ratio R]
-           [--epic-tokens K] [--temperature T] [--seed S]
+           [--epic-tokens K] [--anchor-tokens A] [--temperature T] [--seed S]
                                               the planner's next step: the worker retrieves
                                               the agent's memories and generates (M: full,
                                               prefix, full_reuse, cacheblend, epic, keep;
@@ -121,6 +121,7 @@ const std::set<std::string> kValueOptions = {"--endpoint",
                                              "--max-hops",
                                              "--cacheblend-ratio",
                                              "--epic-tokens",
+                                             "--anchor-tokens",
                                              "--temperature",
                                              "--seed",
                                              "--candidates"};
@@ -306,6 +307,7 @@ int run_worker(const Args& a, const std::string& cmd) {
     c.knobs.cacheblend_ratio = parse_double("--cacheblend-ratio", *r);
   }
   if (auto* e = opt(a, "--epic-tokens")) c.knobs.epic_tokens = parse_u32("--epic-tokens", *e);
+  if (auto* e = opt(a, "--anchor-tokens")) c.knobs.anchor_tokens = parse_u32("--anchor-tokens", *e);
   if (auto* t = opt(a, "--temperature")) {
     c.temperature = static_cast<float>(parse_double("--temperature", *t));
   }

@@ -13,7 +13,8 @@ _METHOD_NAMES = {v: k for k, v in METHODS.items()}
 KNOBS = {"decay": ("hasDecay", "decay"), "query_rows": ("hasQueryRows", "queryRows"),
          "max_hops": ("hasMaxHops", "maxHops"),
          "cacheblend_ratio": ("hasCacheblendRatio", "cacheblendRatio"),
-         "epic_tokens": ("hasEpicTokens", "epicTokens")}
+         "epic_tokens": ("hasEpicTokens", "epicTokens"),
+         "anchor_tokens": ("hasAnchorTokens", "anchorTokens")}
 
 
 @dataclass

@@ -47,6 +47,7 @@ Status MethodKnobs::validate() const {
   }
   if (cacheblend_check_layer < 0) return invalid("cacheblend check layer must be >= 0");
   if (epic_tokens < 0) return invalid("epic tokens must be >= 0");
+  if (keep_anchor_tokens < 0) return invalid("keep anchor tokens must be >= 0");
   return Status::ok();
 }
 
@@ -135,7 +136,10 @@ std::vector<int32_t> RecomputePlan::row_segments() const {
   for (size_t r = 0; r < rows_.size(); ++r) {
     while (seg < shape_.segments.size() && shape_.segments[seg].end <= rows_[r]) ++seg;
     if (seg < shape_.segments.size() && shape_.segments[seg].begin <= rows_[r]) {
-      out[r] = static_cast<int32_t>(seg);
+      const auto s = static_cast<int32_t>(seg);
+      const bool anchor_only = method_ == Method::kKeep && knobs_.keep_anchor_tokens > 0 &&
+                               !std::binary_search(seg_selected_.begin(), seg_selected_.end(), s);
+      if (!anchor_only) out[r] = s;
     }
   }
   return out;
@@ -177,7 +181,9 @@ Status RecomputePlan::next(const ImportanceInput* importance, std::span<const fl
     for (size_t s = 0; s < shape_.segments.size(); ++s) {
       const bool on =
           std::binary_search(seg_selected_.begin(), seg_selected_.end(), static_cast<int32_t>(s));
-      for (int32_t k = 0; k < shape_.segments[s].tokens(); ++k) token_on_[tok++] = on ? 1 : 0;
+      for (int32_t k = 0; k < shape_.segments[s].tokens(); ++k) {
+        token_on_[tok++] = on || k < knobs_.keep_anchor_tokens ? 1 : 0;
+      }
     }
   } else if (c == Check::kDeviation) {
     if (deviation.size() != rows_.size()) {

@@ -23,7 +23,8 @@
 //   epic        the first `epic_tokens` tokens of each loadable segment at every layer (EPIC's
 //               LegoLink), the rest of it loaded.
 //   keep        every segment at layer 0, then RecomputeSchedule's count per layer, chosen at check
-//               layers by multi-hop importance (importance.h).
+//               layers by multi-hop importance (importance.h); with keep_anchor_tokens, those
+//               leading tokens of every segment at every layer too (not seen by importance).
 // The computed set only shrinks from layer to layer: a token not computed at layer i has no hidden
 // state for layer i+1.
 #pragma once
@@ -53,6 +54,10 @@ struct MethodKnobs {
   double cacheblend_ratio = 0.15;  // share of memory tokens recomputed after the check layer
   int32_t cacheblend_check_layer = 1;
   int32_t epic_tokens = 16;  // k: leading tokens of each segment recomputed
+  // keep: the first tokens of every segment stay computed at every layer, selected or not (an
+  // EPIC-style anchor: issue 30's test of whether a loaded segment's first token is what moves
+  // the planner's choice). 0: the design's rule.
+  int32_t keep_anchor_tokens = 0;
   Status validate() const;
 };
 
@@ -85,7 +90,8 @@ class RecomputePlan {
   const std::vector<int32_t>& rows() const { return rows_; }
   // Memory slots loaded at the current layer (memory slots not in rows()), ascending.
   std::vector<int32_t> loaded_memory_slots() const;
-  // Segment (index into shape.segments) of each row, -1 for non-memory rows.
+  // Segment (index into shape.segments) of each row, -1 for non-memory rows and for keep's anchor
+  // rows of segments no longer selected (importance reads them as neither query nor segment).
   std::vector<int32_t> row_segments() const;
   // What the current layer must report through next().
   Check check() const;

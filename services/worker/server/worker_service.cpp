@@ -121,6 +121,10 @@ Result<CompleteArgs> decode_complete(wp::CompleteRequest::Reader r,
     if (k.getEpicTokens() > 1u << 20) return invalid("knobs.epicTokens is too large");
     a.knobs.epic_tokens = static_cast<int32_t>(k.getEpicTokens());
   }
+  if (k.getHasAnchorTokens()) {
+    if (k.getAnchorTokens() > 1u << 20) return invalid("knobs.anchorTokens is too large");
+    a.knobs.keep_anchor_tokens = static_cast<int32_t>(k.getAnchorTokens());
+  }
   if (Status st = a.knobs.validate(); !st.is_ok()) return st.with_context("knobs");
   if (r.getMaxTokens() > static_cast<uint32_t>(limits.max_tokens)) {
     return invalid("maxTokens = " + std::to_string(r.getMaxTokens()) +
