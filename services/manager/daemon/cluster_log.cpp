@@ -323,7 +323,7 @@ Status ClusterLog::take_over(uint32_t shard, uint64_t epoch) {
   takeover_seconds_.get().observe(dt);
   KEEP_LOG_INFO(kLog,
                 "shard %u served at epoch %llu: %zu agents held locally, %zu entries replayed "
-                "from the log, %zu agents dropped and read again, in %.3f s",
+                "from the log, %zu agents whose local state was not the log's dropped, in %.3f s",
                 shard, static_cast<unsigned long long>(epoch), held.size(), applied, dropped, dt);
   return Status::ok();
 }
