@@ -250,6 +250,10 @@ Status ClusterLog::take_over(uint32_t shard, uint64_t epoch) {
       if (cluster::shard_of(agent, shards_) != shard) continue;
       const LogPosition p = store_->log_position(agent);
       if (p.seq == 0) {  // state that did not come from the log (single-node data): not trusted
+        KEEP_LOG_WARN(kLog,
+                      "agent '%s' of shard %u holds local state that is not from the log (a "
+                      "single-node data directory?): dropped, only its log is served",
+                      agent.c_str(), shard);
         drop_locked(agent);
         ++dropped;
         continue;

@@ -612,6 +612,7 @@ void ManagerDaemon::Impl::register_metrics() {
 void ManagerDaemon::Impl::shutdown() {
   stopping.store(true);
   keeper_ptr.store(nullptr);  // requests about agents are answered unavailable from now on
+  if (cluster_log) cluster_log->stop();  // the same with --pg; no takeover from now on
   bg_cv.notify_all();
   if (embed_thread.joinable()) embed_thread.join();
   if (housekeeping_thread.joinable()) housekeeping_thread.join();
@@ -621,8 +622,7 @@ void ManagerDaemon::Impl::shutdown() {
   if (server) server->stop();
   http.reset();  // before the server: a scrape reads its counters
   // Leave the cluster (after the last scrape read the keeper): the shards go to the other nodes
-  // at once, not a lease later. The takeovers stop first: they read the keeper.
-  if (cluster_log) cluster_log->stop();
+  // at once, not a lease later.
   keeper.reset();
   server.reset();  // joins the I/O thread if it runs one
   if (wal && service) {
