@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# KEEP's cluster mode on one machine, for a person to try (docs/cluster.md): a three-member etcd
-# and N nodes (keep-manager, plus a keep-worker on the CPU or GPU), all on 127.0.0.1.
+# KEEP's cluster mode on one machine, for a person to try (docs/cluster.md): a three-member etcd,
+# a PostgreSQL server holding the agents' memory logs, and N nodes (keep-manager --pg, plus a
+# keep-worker on the CPU or GPU), all on 127.0.0.1.
 #
 #   scripts/cluster.sh up [N]     start (N nodes, default 2) and print their endpoints
 #   scripts/cluster.sh status     shards each node serves, from its /metrics
@@ -8,11 +9,11 @@
 #   scripts/cluster.sh down       stop everything and remove the state
 #
 # State (pids, logs, data) lives in $KEEP_CLUSTER_DIR (default /tmp/keep-cluster);
-# KEEP_CLUSTER_WORKERS=0 starts managers only. keepctl follows
-# `moved`, so any node's endpoint reaches every agent:
+# KEEP_CLUSTER_WORKERS=0 starts managers only; KEEP_CLUSTER_PG=0 (or no Debian postgresql) starts
+# no PostgreSQL: the managers then route only, and a moved shard arrives without its memories.
+# keepctl follows `moved`, so any node's endpoint reaches every agent:
 #   build/bin/keepctl --endpoint tcp://127.0.0.1:7611 write robot-7 "The mug is on the table."
-# Not yet in cluster mode: memories in PostgreSQL (a moved shard arrives without its agents'
-# memories) and the Redis KV tier; see docs/cluster.md.
+# Not yet in cluster mode: the Redis KV tier; see docs/cluster.md.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -21,6 +22,8 @@ bin=${KEEP_BIN_DIR:-${KEEP_BUILD_DIR:-build}/bin}
 etcd_bin=${ETCD:-/usr/bin/etcd}
 model=models/SmolLM2-135M-Instruct.Q4_1.gguf
 lease_s=${KEEP_CLUSTER_LEASE_S:-5}
+pg_bin=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1 || true)
+pg_port=25432
 
 die() { echo "cluster.sh: $*" >&2; exit 1; }
 alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
@@ -52,11 +55,33 @@ up() {
     sleep 0.2
   done
   echo "etcd: $urls"
+  local pg=()
+  if [ "${KEEP_CLUSTER_PG:-1}" = 1 ] && [ -x "$pg_bin/initdb" ]; then
+    # PostgreSQL refuses to run as root: then as the postgres user (setpriv execs, so the pid
+    # recorded is the postmaster's).
+    local as=()
+    mkdir -p "$dir/pg"
+    if [ "$(id -u)" = 0 ]; then
+      chown postgres: "$dir/pg"
+      as=(setpriv --reuid=postgres --regid=postgres --init-groups --)
+    fi
+    "${as[@]}" "$pg_bin/initdb" -D "$dir/pg/data" --auth=trust -U postgres --no-sync \
+      >"$dir/pg.log" 2>&1 || die "initdb failed: $dir/pg.log"
+    "${as[@]}" "$pg_bin/postgres" -D "$dir/pg/data" -p "$pg_port" -k "$dir/pg" \
+      -c listen_addresses=127.0.0.1 >>"$dir/pg.log" 2>&1 &
+    echo $! >"$dir/pg.pid"
+    for _ in $(seq 100); do "$pg_bin/pg_isready" -q -h 127.0.0.1 -p "$pg_port" && break; sleep 0.1; done
+    "$pg_bin/pg_isready" -q -h 127.0.0.1 -p "$pg_port" || die "postgresql did not start: $dir/pg.log"
+    pg=(--pg "host=127.0.0.1 port=$pg_port user=postgres dbname=postgres connect_timeout=5")
+    echo "postgresql: 127.0.0.1:$pg_port (the agents' memory logs)"
+  else
+    echo "postgresql: not started (KEEP_CLUSTER_PG=0 or no /usr/lib/postgresql): routing only"
+  fi
   for i in $(seq 1 "$n"); do
     local ep="tcp://127.0.0.1:$((7610 + i))" wep="tcp://127.0.0.1:$((7620 + i))"
     "$bin/keep-manager" --etcd "$urls" --node-id "node$i" --etcd-lease-s "$lease_s" \
       --shards 16 --endpoint "$ep" --metrics-listen "127.0.0.1:$((9470 + i))" \
-      --data-dir "$dir/node$i" --shm-name "keep-cluster-$i" --shm-bytes 256MiB \
+      --data-dir "$dir/node$i" --shm-name "keep-cluster-$i" --shm-bytes 256MiB "${pg[@]}" \
       >"$dir/manager$i.log" 2>&1 &
     echo $! >"$dir/manager$i.pid"
     for _ in $(seq 150); do grep -q "serving on" "$dir/manager$i.log" && break; sleep 0.2; done
@@ -97,7 +122,7 @@ kill_node() {
 
 down() {
   [ -d "$dir" ] || return 0
-  for p in "$dir"/worker*.pid "$dir"/manager*.pid "$dir"/etcd*.pid; do
+  for p in "$dir"/worker*.pid "$dir"/manager*.pid "$dir"/etcd*.pid "$dir"/pg.pid; do
     [ -f "$p" ] && kill "$(cat "$p")" 2>/dev/null || true
   done
   sleep 1
@@ -114,5 +139,5 @@ case "${1:-}" in
   status) status ;;
   kill) kill_node "${2:-}" ;;
   down) down ;;
-  *) sed -n '2,15p' "$0"; exit 2 ;;
+  *) sed -n '2,17p' "$0"; exit 2 ;;
 esac

@@ -146,8 +146,9 @@ Status ManagerClient::routed(std::string_view agent,
                              const std::function<Status(wire::RpcChannel&)>& call) {
   std::string endpoint = options_.endpoint;
   if (auto it = owners_.find(std::string(agent)); it != owners_.end()) endpoint = it->second;
-  // A shard moving again while we follow it: a few hops; one between owners ("no owner yet"):
-  // a few short waits.
+  // A shard moving again while we follow it: a few hops; one between owners ("no owner yet") or
+  // whose new owner replays its log ("being taken over"): a few short waits. Both answers say
+  // nothing was applied, so the call is sent again.
   for (int attempt = 0;; ++attempt) {
     wire::RpcChannel* ch = channel_.get();
     if (endpoint != options_.endpoint) {
@@ -166,7 +167,8 @@ Status ManagerClient::routed(std::string_view agent,
       endpoint = m.substr(at + 4);
       owners_[std::string(agent)] = endpoint;
     } else if (st.code() == Code::kUnavailable &&
-               st.message().find("no owner yet") != std::string::npos) {
+               (st.message().find("no owner yet") != std::string::npos ||
+                st.message().find("being taken over") != std::string::npos)) {
       std::this_thread::sleep_for(std::chrono::milliseconds(250));
     } else {
       return st;

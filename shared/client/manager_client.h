@@ -138,7 +138,8 @@ struct ClientOptions {
   size_t max_request_bytes = size_t{1} << 20;    // refused locally with kTooLarge (server default)
   size_t max_response_bytes = size_t{64} << 20;  // larger answers are kTooLarge
   // Cluster mode (docs/cluster.md): a call about an agent answered `moved` goes to the node the
-  // answer names (remembered for that agent); one answered "no owner yet" is retried shortly.
+  // answer names (remembered for that agent); one answered "no owner yet" or "being taken over"
+  // (nothing applied) is retried shortly.
   bool follow_moved = true;
 };
 

@@ -1,15 +1,20 @@
 // PgLog: the per-agent memory log in PostgreSQL (issue 31, point 2), the system of record in
-// cluster mode: rows (agent, seq, epoch, record), one transaction per batch (group commit).
+// cluster mode: rows (shard, agent, seq, epoch, record), group commit as one transaction.
 //
 // Fencing: a shard's owner writes with the epoch etcd gave it (placement.h). Each batch first
 // raises the shard's row in keep_fence to that epoch -- never lowers it -- in the same
 // transaction; a batch whose epoch is below the fence is refused whole (kStale) and writes
 // nothing, so an owner that lost its shard (paused, cut off) cannot write behind its successor's
 // back once the successor wrote, or fenced, at a larger epoch. The row lock on keep_fence also
-// orders two owners' batches of one shard.
+// orders two owners' batches of one shard, and a new owner that fenced (fence()) before reading
+// sees every batch an older owner committed.
+//
+// One PgLog is one connection: not thread-safe (give each thread its own). A connection that
+// broke is reset at the next call (the server restarted, a network blip).
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -25,6 +30,13 @@ struct LogRecord {
   std::string record;  // the manager's WAL record bytes
 };
 
+// One shard's part of a group commit: its records, written at `epoch`.
+struct ShardAppend {
+  uint32_t shard = 0;
+  uint64_t epoch = 0;
+  std::vector<LogRecord> records;  // agents of `shard` only
+};
+
 class PgLog {
  public:
   // libpq conninfo ("host=... port=... dbname=... user=..."); creates the tables if missing.
@@ -38,10 +50,22 @@ class PgLog {
   // (nothing written); kUnavailable: the server is gone (whether it committed is unknown only
   // if the connection broke during COMMIT: re-read with last_seq).
   Status append(uint32_t shard, uint64_t epoch, const std::vector<LogRecord>& records);
+  // Group commit of several shards in ONE transaction (one fsync on the server): each shard's
+  // fence is raised first, in ascending shard order (two writers never wait on each other in a
+  // cycle); a shard fenced above its epoch is refused whole and the others are written. The
+  // answer has one status per element of `batches`, in order: ok or kStale. An error for the
+  // whole call (kAlreadyExists, kUnavailable, kInternal) means nothing was written, except that
+  // a connection lost during COMMIT leaves it unknown (kUnavailable).
+  Result<std::vector<Status>> append_shards(const std::vector<ShardAppend>& batches);
   // Raises the shard's fence to `epoch` with nothing written (a new owner, before it serves).
   Status fence(uint32_t shard, uint64_t epoch);
   // The agent's records with seq > after_seq, ascending.
   Result<std::vector<LogRecord>> read(const std::string& agent, uint64_t after_seq = 0);
+  // Every record of `shard`, by agent then seq, from seq `from[agent]` on (inclusive) for the
+  // agents in `from` and from the first for the others (a new owner's replay: what it holds of
+  // an agent is up to from[agent], and the record at that seq tells whether it is the log's).
+  Result<std::vector<LogRecord>> read_shard(uint32_t shard,
+                                            const std::map<std::string, uint64_t>& from);
   Result<uint64_t> last_seq(const std::string& agent);  // 0: none
 
  private:

@@ -42,7 +42,10 @@ ShardKeeper::~ShardKeeper() {
 
 void ShardKeeper::run() {
   std::unique_lock<std::mutex> lock(stop_mu_);
-  while (!stop_cv_.wait_for(lock, opt_.period, [this] { return stop_; })) {
+  for (;;) {
+    stop_cv_.wait_for(lock, opt_.period, [this] { return stop_ || wake_; });
+    if (stop_) break;
+    wake_ = false;
     lock.unlock();
     if (Status st = tick(); !st.is_ok()) {
       KEEP_LOG_WARN(kLog, "placement round: %s", st.to_string().c_str());
@@ -52,6 +55,20 @@ void ShardKeeper::run() {
 }
 
 Status ShardKeeper::tick() {
+  std::vector<std::pair<uint32_t, uint64_t>> give_up;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    give_up.swap(give_up_);
+  }
+  for (const auto& [shard, epoch] : give_up) {
+    if (Status st = placement_.release(shard, epoch); !st.is_ok()) {
+      KEEP_LOG_WARN(kLog, "giving up shard %u (epoch %llu): %s", shard,
+                    static_cast<unsigned long long>(epoch), st.to_string().c_str());
+    } else {
+      KEEP_LOG_INFO(kLog, "shard %u given up at epoch %llu", shard,
+                    static_cast<unsigned long long>(epoch));
+    }
+  }
   if (placement_.lease() == 0) {  // the lease ran out: join again
     KEEP_RETURN_IF_ERROR(placement_.join(endpoint_, opt_.lease_ttl_s));
   }
@@ -113,6 +130,32 @@ uint64_t ShardKeeper::epoch_of(uint32_t shard) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = owners_.find(shard);
   return it != owners_.end() && it->second.node == placement_.node() ? it->second.epoch : 0;
+}
+
+std::map<uint32_t, uint64_t> ShardKeeper::owned_shards() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::map<uint32_t, uint64_t> out;
+  for (const auto& [s, o] : owners_) {
+    if (o.node == placement_.node()) out[s] = o.epoch;
+  }
+  return out;
+}
+
+void ShardKeeper::give_up(uint32_t shard, uint64_t epoch) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = owners_.find(shard);
+    if (it == owners_.end() || it->second.node != placement_.node() || it->second.epoch != epoch) {
+      return;  // not ours at that epoch any more
+    }
+    owners_.erase(it);
+    give_up_.emplace_back(shard, epoch);
+  }
+  {
+    std::lock_guard<std::mutex> lock(stop_mu_);
+    wake_ = true;
+  }
+  stop_cv_.notify_all();
 }
 
 size_t ShardKeeper::owned() const {

@@ -4,7 +4,9 @@
 // (so a node that joins gets work), and keeps a copy of every shard's owner for routing:
 // route(agent) is ok when this node owns the agent's shard, else kMoved naming the owner and its
 // endpoint (kUnavailable while the shard has no owner). A lease that ran out (this node was cut
-// off or paused) drops every shard at once and joins again.
+// off or paused) drops every shard at once and joins again. give_up() hands one shard back at
+// once (its owner learnt from the store of record that it was fenced, or cannot tell whether its
+// last write landed): taken again, by this node or another, it comes with a larger epoch.
 #pragma once
 
 #include <atomic>
@@ -16,6 +18,8 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "shared/cluster/placement.h"
 
@@ -39,7 +43,13 @@ class ShardKeeper {
   Status route(std::string_view agent) const;
   // The epoch this node holds `shard` at (0: not its own).
   uint64_t epoch_of(uint32_t shard) const;
+  // Every shard this node holds: shard -> epoch.
+  std::map<uint32_t, uint64_t> owned_shards() const;
   size_t owned() const;
+  // Stops serving `shard` now if this node holds it at `epoch` (route() answers "no owner yet"
+  // for it) and releases it in etcd at the next round, which runs at once; that round may take
+  // it again, at a new epoch.
+  void give_up(uint32_t shard, uint64_t epoch);
   const ShardKeeperOptions& options() const { return opt_; }
 
   // One round now (tests; the thread runs it every period).
@@ -58,10 +68,12 @@ class ShardKeeper {
   mutable std::mutex mu_;
   std::map<uint32_t, ShardOwner> owners_;         // every owned shard as last read, ours among them
   std::map<std::string, std::string> endpoints_;  // node -> endpoint
+  std::vector<std::pair<uint32_t, uint64_t>> give_up_;  // shard, epoch: release at the next round
 
   std::mutex stop_mu_;
   std::condition_variable stop_cv_;
   bool stop_ = false;
+  bool wake_ = false;  // a round now (give_up)
   std::thread thread_;
 };
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # scripts/cluster.sh as a person uses it (managers only): up with two nodes, the shards split,
-# keepctl reaches an agent through either node, a node killed hands all shards to the other,
-# down removes everything. Skipped (77) without etcd.
+# keepctl reaches an agent through either node, a node killed hands all shards to the other --
+# with their memories when PostgreSQL is installed -- down removes everything. Skipped (77)
+# without etcd.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
@@ -24,6 +25,12 @@ scripts/cluster.sh kill 1
 for _ in $(seq 100); do [ "$(shards 2)" = 16 ] && break; sleep 0.2; done
 [ "$(shards 2)" = 16 ] || { echo "FAIL: node2 did not take node1's shards"; exit 1; }
 k tcp://127.0.0.1:7612 write robot-0 "The cup is in the sink." >/dev/null
+if [ -f "$KEEP_CLUSTER_DIR/pg.pid" ]; then  # the memories moved with their shards
+  for i in 0 1 2 3 4 5; do
+    k tcp://127.0.0.1:7612 list "robot-$i" | grep -q "The mug is on the table." ||
+      { echo "FAIL: robot-$i's memory lost in the failover"; exit 1; }
+  done
+fi
 scripts/cluster.sh down
 [ ! -d "$KEEP_CLUSTER_DIR" ] || { echo "FAIL: state left behind"; exit 1; }
 echo "cluster.sh: passed"

@@ -2,86 +2,18 @@
 // a free loopback port (as the postgres user when the test runs as root: PostgreSQL refuses root),
 // then the log's order, epoch fencing, duplicate refusal and durability across kill -9.
 #include <doctest/doctest.h>
-#include <pwd.h>
 
-#include <filesystem>
 #include <thread>
 
 #include "shared/cluster/pg_log.h"
-#include "tests/integration/manager/manager_process.h"
+#include "tests/integration/pg_server.h"
 
 using namespace keep;
 using namespace keep::cluster;
 using namespace std::chrono_literals;
 namespace it = keep::itest;
-namespace fs = std::filesystem;
 
 namespace {
-
-std::string pg_bin() {
-  for (const char* v : {"17", "16", "15", "14", "13"}) {
-    const std::string d = std::string("/usr/lib/postgresql/") + v + "/bin";
-    if (fs::exists(d + "/initdb")) return d;
-  }
-  return "";
-}
-
-// One PostgreSQL server in a temp dir; killed with the object.
-struct PgServer {
-  it::TempDir dir{"pg"};
-  int port = it::free_port();
-  pid_t pid = -1;
-  std::vector<std::string> as_user;  // runuser prefix when root
-
-  PgServer() {
-    const std::string bin = pg_bin();
-    if (::geteuid() == 0) {
-      const passwd* pw = ::getpwnam("postgres");
-      REQUIRE(pw != nullptr);
-      REQUIRE(::chown(dir.path().c_str(), pw->pw_uid, pw->pw_gid) == 0);
-      // setpriv execs (runuser would fork): the postmaster stays our child, reaped on kill.
-      as_user = {"/usr/bin/setpriv", "--reuid=postgres", "--regid=postgres", "--init-groups", "--"};
-    }
-    auto argv = as_user;
-    argv.insert(argv.end(), {bin + "/initdb", "-D", (dir.path() / "data").string(), "--auth=trust",
-                             "-U", "postgres", "--no-sync"});
-    auto r = it::run_command(argv, 120s);
-    REQUIRE_MESSAGE(r.exit_code == 0, r.err);
-    start();
-  }
-  void start() {
-    auto argv = as_user;
-    argv.insert(argv.end(), {pg_bin() + "/postgres", "-D", (dir.path() / "data").string(), "-p",
-                             std::to_string(port), "-k", dir.path().string(), "-c",
-                             "listen_addresses=127.0.0.1"});
-    pid = it::spawn(argv, (dir.path() / "pg.out").string(), (dir.path() / "pg.err").string());
-  }
-  void kill9() {
-    ::kill(pid, SIGKILL);
-    it::wait_for(pid, 10s);
-    pid = -1;
-    // Its backends notice the postmaster's death and exit; the next start then takes over the
-    // stale pid file and runs crash recovery.
-    std::this_thread::sleep_for(1s);
-  }
-  ~PgServer() {
-    if (pid > 0) kill9();
-  }
-  std::string conninfo() const {
-    return "host=127.0.0.1 port=" + std::to_string(port) +
-           " user=postgres dbname=postgres "
-           "connect_timeout=5";
-  }
-  std::unique_ptr<PgLog> log() {
-    for (int i = 0; i < 100; ++i) {
-      auto l = PgLog::connect(conninfo());
-      if (l.is_ok()) return std::move(l).value();
-      std::this_thread::sleep_for(100ms);
-    }
-    FAIL("postgresql did not start: " << it::read_text(dir.path() / "pg.err"));
-    return nullptr;
-  }
-};
 
 LogRecord rec(const std::string& agent, uint64_t seq, const std::string& bytes) {
   LogRecord r;
@@ -94,8 +26,8 @@ LogRecord rec(const std::string& agent, uint64_t seq, const std::string& bytes) 
 }  // namespace
 
 TEST_CASE("the memory log: order, fencing by epoch, duplicates, durability across kill -9" *
-          doctest::skip(pg_bin().empty())) {
-  PgServer pg;
+          doctest::skip(it::pg_bin().empty())) {
+  it::PgServer pg;
   auto log = pg.log();
   const std::string bin("\0\x01\xff record", 10);  // any bytes
   REQUIRE(log->append(3, 1, {rec("robot", 1, bin), rec("robot", 2, "b"), rec("other", 1, "o")})
@@ -135,4 +67,62 @@ TEST_CASE("the memory log: order, fencing by epoch, duplicates, durability acros
   CHECK((*rows)[2].record == "c");
   CHECK((*rows)[2].epoch == 2);
   CHECK(again->append(3, 1, {rec("robot", 4, "late")}).code() == Code::kStale);
+  // The first connection broke with the server: it is reset at its next call.
+  rows = log->read("robot");
+  REQUIRE(rows.is_ok());
+  CHECK(rows->size() == 3);
+}
+
+TEST_CASE("group commit of several shards: a fenced shard is refused whole, the others written" *
+          doctest::skip(it::pg_bin().empty())) {
+  it::PgServer pg;
+  auto log = pg.log();
+  REQUIRE(log->fence(2, 5).is_ok());  // shard 2 has a newer owner than epoch 4
+  auto st = log->append_shards({ShardAppend{3, 1, {rec("c1", 1, "a"), rec("c1", 2, "b")}},
+                                ShardAppend{2, 4, {rec("b1", 1, "refused")}},
+                                ShardAppend{1, 7, {rec("a1", 1, "x"), rec("a2", 1, "y")}}});
+  REQUIRE(st.is_ok());
+  REQUIRE(st->size() == 3);
+  CHECK((*st)[0].is_ok());
+  CHECK((*st)[1].code() == Code::kStale);
+  CHECK((*st)[2].is_ok());
+  CHECK(*log->last_seq("c1") == 2);
+  CHECK(*log->last_seq("b1") == 0);
+  CHECK(*log->last_seq("a2") == 1);
+  // Every shard fenced: nothing written, no error for the call.
+  st = log->append_shards({ShardAppend{2, 3, {rec("b1", 1, "refused")}}});
+  REQUIRE(st.is_ok());
+  CHECK((*st)[0].code() == Code::kStale);
+  // A taken (agent, seq) refuses the whole transaction, the other shards' records too.
+  CHECK(log->append_shards(
+               {ShardAppend{3, 1, {rec("c1", 3, "c")}}, ShardAppend{1, 7, {rec("a1", 1, "again")}}})
+            .status()
+            .code() == Code::kAlreadyExists);
+  CHECK(*log->last_seq("c1") == 2);
+
+  // A new owner's replay of shard 1: a2 held up to seq 1 (its row at 1 comes back to compare),
+  // a1 not held (all of it), and more than one insert statement's worth of rows.
+  std::vector<LogRecord> many;
+  for (uint64_t i = 2; i <= 2500; ++i) many.push_back(rec("a1", i, "r" + std::to_string(i)));
+  many.push_back(rec("a2", 2, "y2"));
+  REQUIRE(log->append(1, 7, many).is_ok());
+  REQUIRE(log->append(3, 1, {rec("c1", 3, "c")}).is_ok());  // another shard: not read
+  auto rows = log->read_shard(1, {{"a2", 1}, {"weird \"name\"", 4}});
+  REQUIRE(rows.is_ok());
+  REQUIRE(rows->size() == 2500 + 2);
+  CHECK((*rows)[0].agent == "a1");
+  CHECK((*rows)[0].seq == 1);
+  CHECK((*rows)[0].record == "x");
+  CHECK((*rows)[2499].seq == 2500);
+  CHECK((*rows)[2499].record == "r2500");
+  CHECK((*rows)[2500].agent == "a2");
+  CHECK((*rows)[2500].seq == 1);
+  CHECK((*rows)[2500].epoch == 7);
+  CHECK((*rows)[2501].record == "y2");
+  rows = log->read_shard(1, {{"a1", 2501}, {"a2", 3}});
+  REQUIRE(rows.is_ok());
+  CHECK(rows->empty());
+  rows = log->read_shard(9, {});
+  REQUIRE(rows.is_ok());
+  CHECK(rows->empty());
 }

@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "services/manager/store/memory_store.h"
+#include "services/manager/store/record_codec.h"
 
 using namespace keep;
 using namespace keep::manager;
@@ -1213,4 +1214,108 @@ TEST_CASE("an evicted static group's joint KV is queued again when a member is r
   REQUIRE(jobs.size() == 1);
   CHECK(jobs[0].kind == KvJobKind::kGroup);
   CHECK(jobs[0].group_id == e.group_of(a).id);
+}
+
+TEST_CASE("cluster mode: a log position travels with its mutation; a dropped agent is forgotten") {
+  Env e;
+  std::vector<std::string> wal;
+  const auto logged = [&](const std::string& agent, LogPosition pos, std::string rec) {
+    REQUIRE_FALSE(rec.empty());
+    REQUIRE(e.store.set_log_position(agent, pos, &rec).is_ok());
+    auto d = decode_record(rec);
+    REQUIRE(d.is_ok());
+    REQUIRE(std::holds_alternative<LoggedRecord>(*d));
+    wal.push_back(rec);
+  };
+  WriteRequest w;
+  w.agent = "a";
+  w.text = "1,0,0,0|cup on the table";
+  std::string rec;
+  REQUIRE(e.store.write(w, &rec).is_ok());
+  CHECK(e.store.log_position("a").seq == 0);
+  logged("a", {1, 7}, rec);
+  CHECK(e.store.log_position("a").seq == 1);
+  CHECK(e.store.log_position("a").epoch == 7);
+  REQUIRE(e.store.advance_step("a", 2, &rec).is_ok());
+  logged("a", {2, 7}, rec);
+  w.agent = "b";
+  REQUIRE(e.store.write(w, &rec).is_ok());
+  logged("b", {1, 3}, rec);
+  std::string none;
+  CHECK(e.store.set_log_position("nobody", {1, 1}, &rec).code() == Code::kNotFound);
+  CHECK(e.store.set_log_position("a", {3, 7}, &none).code() == Code::kInvalidArgument);
+  CHECK(e.store.log_position("a").seq == 2);
+
+  // Replay and snapshots keep the positions.
+  {
+    Env f;
+    for (const auto& r : wal) REQUIRE(f.store.apply_record(r).is_ok());
+    CHECK(f.store.serialize() == e.store.serialize());
+    Env g;
+    REQUIRE(g.store.deserialize(e.store.serialize()).is_ok());
+    CHECK(g.store.log_position("a").seq == 2);
+    CHECK(g.store.log_position("b").epoch == 3);
+  }
+
+  // The agent with a KV entry attached, a job running and a write waiting for its embedding.
+  e.embed_all();
+  auto jobs = e.jobs();
+  REQUIRE(jobs.size() == 2);
+  const KvJob& ja = jobs[0].agent == "a" ? jobs[0] : jobs[1];
+  REQUIRE(e.store.complete_job(ja.job_id, KvEntry{5, 1, ja.total_tokens}).is_ok());
+  w.agent = "a";
+  w.text = "0,1,0,0|mug in the sink";
+  REQUIRE(e.store.write(w, &rec).is_ok());
+  logged("a", {3, 7}, rec);
+  e.embed_all();
+  auto running = e.jobs();
+  REQUIRE(running.size() == 1);
+  w.text = "0,0,1,0|plate";
+  REQUIRE(e.store.write(w, &rec).is_ok());
+  logged("a", {4, 7}, rec);
+  const auto stale_pending = e.store.pending_embeddings(10);
+  REQUIRE(stale_pending.size() == 1);
+  CHECK(stale_pending[0].seq != 0);
+
+  REQUIRE(e.store.drop_agent("a", &rec).is_ok());
+  REQUIRE_FALSE(rec.empty());
+  wal.push_back(rec);
+  CHECK(e.store.list_memories("a", 0, 10).status().code() == Code::kNotFound);
+  CHECK(e.store.log_position("a").seq == 0);
+  CHECK(e.store.stats().agents == 1);
+  CHECK(e.store.stats().pending_embeddings == 0);
+  const auto released = e.store.take_released_entries();
+  REQUIRE(released.size() == 1);
+  CHECK(released[0].index == 5);
+  CHECK(e.store.complete_job(running[0].job_id, KvEntry{6, 1, running[0].total_tokens}).code() ==
+        Code::kNotFound);
+  REQUIRE(e.store.drop_agent("a", &rec).is_ok());  // unknown now: nothing to log
+  CHECK(rec.empty());
+
+  // The agent again, as a replay from the log makes it: the same ids and versions, other texts.
+  // An embedding computed for the dropped write does not land on the new one.
+  w.text = "0,0,0,1|a new first memory";
+  REQUIRE(e.store.write(w, &rec).is_ok());
+  logged("a", {1, 8}, rec);
+  std::vector<SegmentEmbedding> old{{"a", stale_pending[0].id, stale_pending[0].version,
+                                     e.emb.vec(stale_pending[0].text), stale_pending[0].seq}};
+  w.text = "0,1,1,0|second";
+  REQUIRE(e.store.write(w, &rec).is_ok());
+  logged("a", {2, 8}, rec);
+  REQUIRE(stale_pending[0].id == 3);
+  w.text = "0,1,1,1|third";
+  REQUIRE(e.store.write(w, &rec).is_ok());  // id 3, version 1: what the stale embedding names
+  logged("a", {3, 8}, rec);
+  auto n = e.store.apply_embeddings(old, nullptr);
+  REQUIRE(n.is_ok());
+  CHECK(*n == 0);
+  CHECK_FALSE(e.store.get("a", 3)->embedded);
+  CHECK(e.embed_all() == 3);
+
+  Env f;
+  for (const auto& r : wal) REQUIRE(f.store.apply_record(r).is_ok());
+  f.embed_all();
+  CHECK(f.store.serialize() == e.store.serialize());
+  CHECK(f.store.log_position("a").epoch == 8);
+  CHECK(f.store.get("a", 1)->text == "0,0,0,1|a new first memory");
 }

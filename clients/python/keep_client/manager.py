@@ -102,7 +102,8 @@ class ManagerClient(Client):
                 self._owners[agent] = found
         endpoint = self._owners.get(agent, self._ch.endpoint)
         # A shard moving while we follow it: a few hops; one between owners (released, not yet
-        # taken: "no owner yet"): a few short waits.
+        # taken: "no owner yet") or whose new owner replays its log ("being taken over"): a few
+        # short waits (nothing was applied).
         for _ in range(16):
             try:
                 return self._channel(endpoint).call(kind, fill)
@@ -112,7 +113,8 @@ class ManagerClient(Client):
                     raise
                 endpoint = self._owners[agent] = at.group(1)
             except errors.UnavailableError as e:
-                if not self._follow_moved or "no owner yet" not in e.message:
+                if not self._follow_moved or not any(
+                        m in e.message for m in ("no owner yet", "being taken over")):
                     raise
                 time.sleep(0.25)
         return self._channel(endpoint).call(kind, fill)

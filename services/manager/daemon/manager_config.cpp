@@ -67,6 +67,11 @@ void declare_manager_options(Options* o) {
   o->add("etcd-lease-s", "10",
          "cluster mode: this node's lease; its shards go to others that long after it stops "
          "renewing");
+  o->add("pg", "",
+         "cluster mode: libpq conninfo of the PostgreSQL database holding every agent's memory "
+         "log, the system of record (\"host=db port=5432 dbname=keep user=keep\"): a mutation is "
+         "answered after its commit there, a node taking a shard over replays the log, the local "
+         "WAL and snapshots become a cache; needs --etcd; empty: the local WAL is the record");
   o->add("log-level", "info", "debug, info, warn, error or off");
 }
 
@@ -131,6 +136,10 @@ Result<ManagerConfig> read_manager_config(const Options& o) {
     return Status(Code::kInvalidArgument, "--etcd-lease-s: must be 2..3600");
   }
   c.etcd_lease_s = static_cast<int64_t>(lease_s);
+  c.pg = o.str("pg");
+  if (!c.pg.empty() && c.etcd.empty()) {
+    return Status(Code::kInvalidArgument, "--pg: needs --etcd (cluster mode)");
+  }
 
   c.shm_name = o.str("shm-name");
   KEEP_ASSIGN_OR_RETURN(c.shm_bytes, o.bytes("shm-bytes"));

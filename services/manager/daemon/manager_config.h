@@ -48,6 +48,8 @@ struct ManagerConfig {
   std::string advertise;  // empty: the first bound endpoint
   uint32_t shards = 64;
   int64_t etcd_lease_s = 10;
+  // Cluster mode's log of record (libpq conninfo); empty: the local WAL is the record.
+  std::string pg;
 };
 
 // Declares every option with its default.

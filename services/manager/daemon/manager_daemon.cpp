@@ -12,6 +12,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include "services/manager/daemon/cluster_log.h"
 #include "services/manager/durability/data_dir_lock.h"
 #include "services/manager/durability/snapshot_file.h"
 #include "services/manager/durability/wal_reader.h"
@@ -280,6 +281,8 @@ struct ManagerDaemon::Impl {
   // reads: set once the keeper runs, cleared before it goes.
   std::unique_ptr<cluster::ShardKeeper> keeper;
   std::atomic<cluster::ShardKeeper*> keeper_ptr{nullptr};
+  // Cluster mode with --pg: the log of record (null: the local WAL is the record).
+  std::unique_ptr<ClusterLog> cluster_log;
 
   std::atomic<bool> stopping{false};
   std::mutex bg_mu;
@@ -414,7 +417,8 @@ void ManagerDaemon::Impl::embed_loop() {
     std::vector<SegmentEmbedding> embs;
     embs.reserve(pending.size());
     for (size_t i = 0; i < pending.size(); ++i) {
-      embs.push_back({pending[i].agent, pending[i].id, pending[i].version, std::move((*vecs)[i])});
+      embs.push_back({pending[i].agent, pending[i].id, pending[i].version, std::move((*vecs)[i]),
+                      pending[i].seq});
     }
     std::lock_guard<std::mutex> lock(service->store_mutex());
     std::string record;
@@ -502,6 +506,9 @@ void ManagerDaemon::Impl::register_metrics() {
   auto& shards_owned = registry.gauge(
       "keep_manager_cluster_shards_owned",
       "Cluster mode: shards (agents' hash buckets) this node serves now (0 in single-node mode)");
+  auto& shards_ready = registry.gauge(
+      "keep_manager_cluster_shards_ready",
+      "Cluster mode with --pg: owned shards whose log was replayed, so that they are served");
   auto& arena = registry.gauge("keep_manager_arena_bytes", "KV arena bytes by use", {"state"});
   auto& entries =
       registry.gauge("keep_manager_kv_entries", "KV region entries by state", {"state"});
@@ -547,10 +554,10 @@ void ManagerDaemon::Impl::register_metrics() {
     *prev = now;
   };
   registry.add_collect_hook([this, &agents, &memories, &groups, &pending, &jobs, &transitions,
-                             &jobs_done, &evictions, &shards_owned, &arena, &entries, &wal_records,
-                             &wal_bytes, &cache, &deferred, &waiting, &degraded, &linked,
-                             &waiting_max, &expired, &dropped, &refused_unread, &queued_bytes, last,
-                             bump] {
+                             &jobs_done, &evictions, &shards_owned, &shards_ready, &arena, &entries,
+                             &wal_records, &wal_bytes, &cache, &deferred, &waiting, &degraded,
+                             &linked, &waiting_max, &expired, &dropped, &refused_unread,
+                             &queued_bytes, last, bump] {
     if (!service || !region) return;  // still starting: the endpoints are bound before the region
     StoreStats s;
     {
@@ -576,6 +583,7 @@ void ManagerDaemon::Impl::register_metrics() {
     bump(evictions.get(), static_cast<double>(s.kv_evictions), &last->evicted);
     cluster::ShardKeeper* k = keeper_ptr.load();
     shards_owned.get().set(k == nullptr ? 0.0 : static_cast<double>(k->owned()));
+    shards_ready.get().set(cluster_log ? static_cast<double>(cluster_log->shards_ready()) : 0.0);
     bump(cache.labels({"hit"}), static_cast<double>(s.query_cache_hits), &last->hits);
     bump(cache.labels({"miss"}), static_cast<double>(s.query_cache_misses), &last->misses);
     const ManagerService::DeferredRetrieves dr = service->deferred_retrieves();
@@ -604,6 +612,7 @@ void ManagerDaemon::Impl::register_metrics() {
 void ManagerDaemon::Impl::shutdown() {
   stopping.store(true);
   keeper_ptr.store(nullptr);  // requests about agents are answered unavailable from now on
+  if (cluster_log) cluster_log->stop();  // the same with --pg; no takeover from now on
   bg_cv.notify_all();
   if (embed_thread.joinable()) embed_thread.join();
   if (housekeeping_thread.joinable()) housekeeping_thread.join();
@@ -662,7 +671,13 @@ Result<std::unique_ptr<ManagerDaemon>> ManagerDaemon::start(const ManagerConfig&
   so.retrieve_threads = config.retrieve_threads;
   so.max_waiting_retrieves = config.max_waiting_retrieves;
   so.max_waiting_retrieves_per_peer = config.max_waiting_retrieves_per_client;
-  if (!config.etcd.empty()) {
+  if (!config.pg.empty()) {
+    auto cl =
+        ClusterLog::connect(config.pg, config.shards, d.store.get(), d.wal.get(), &d.registry);
+    if (!cl.is_ok()) return cl.status().with_context("--pg");
+    d.cluster_log = std::move(cl).value();
+    so.record_log = d.cluster_log.get();
+  } else if (!config.etcd.empty()) {
     so.route_agent = [&d](std::string_view agent) {
       cluster::ShardKeeper* k = d.keeper_ptr.load();
       if (k == nullptr) return Status(Code::kUnavailable, "this node is not in the cluster yet");
@@ -730,6 +745,7 @@ Result<std::unique_ptr<ManagerDaemon>> ManagerDaemon::start(const ManagerConfig&
     if (!k.is_ok()) return k.status().with_context("--etcd");
     d.keeper = std::move(k).value();
     d.keeper_ptr.store(d.keeper.get());
+    if (d.cluster_log) d.cluster_log->start(d.keeper.get(), &d.service->store_mutex());
     KEEP_LOG_INFO(kLog, "cluster node %s (%s): %zu of %u shards", node.c_str(), advertise.c_str(),
                   d.keeper->owned(), config.shards);
   }

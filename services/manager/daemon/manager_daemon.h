@@ -5,7 +5,9 @@
 // Threads: the RPC I/O thread (handles batches: apply, append, one fsync, reply), the embedding
 // thread (turns queued texts into vectors off the write path), the housekeeping thread, and the
 // HTTP threads of /metrics. The store is guarded by ManagerService::store_mutex(); WAL appends
-// happen under it so the log order is the apply order.
+// happen under it so the log order is the apply order. Cluster mode with --pg adds ClusterLog
+// (cluster_log.h): mutations are committed to PostgreSQL before they are answered, and a thread
+// of its own replays the log of every shard this node takes over before serving it.
 #pragma once
 
 #include <memory>

@@ -134,7 +134,11 @@ void ManagerService::handle_batch(std::span<ManagerCall> calls) {
   bool any = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    log_batch_ = LogBatch{};
+    log_batch_.call_shard.resize(calls.size());
     for (size_t i = 0; i < calls.size(); ++i) {
+      log_batch_.call = i;
+      log_batch_.route.reset();
       try {
         needs_sync[i] = handle_one(calls[i]) ? 1 : 0;
       } catch (const kj::Exception& e) {
@@ -146,6 +150,9 @@ void ManagerService::handle_batch(std::span<ManagerCall> calls) {
       }
       any = any || needs_sync[i];
     }
+    // Cluster mode: the batch's mutations durable in the log of record, with the mutex held (no
+    // reader sees one before), or undone.
+    if (!log_batch_.shards.empty()) commit_log_locked(calls);
     release_entries_locked();
   }
   if (any && committer_ != nullptr) {
@@ -157,7 +164,8 @@ void ManagerService::handle_batch(std::span<ManagerCall> calls) {
       }
       KEEP_LOG_ERROR(kLog, "WAL sync failed, refusing mutations from now on: %s",
                      st.to_string().c_str());
-      for (size_t i = 0; i < calls.size(); ++i) {
+      // With a log of record the answers stand: it holds their mutations, the WAL is a cache.
+      for (size_t i = 0; options_.record_log == nullptr && i < calls.size(); ++i) {
         if (needs_sync[i]) {
           calls[i].fail(
               Status(Code::kIoError,
@@ -169,6 +177,58 @@ void ManagerService::handle_batch(std::span<ManagerCall> calls) {
 }
 
 void ManagerService::on_idle() { expire_jobs(std::chrono::steady_clock::now()); }
+
+Status ManagerService::log_mutation_locked(std::string_view agent, const std::string& record) {
+  if (record.empty()) return Status::ok();
+  if (options_.record_log == nullptr || !log_batch_.route) return append_locked(record);
+  const RecordLog::Route& route = *log_batch_.route;
+  const LogPosition pos{store_->log_position(agent).seq + 1, route.epoch};
+  std::string logged = record;
+  Status st = store_->set_log_position(agent, pos, &logged);
+  KEEP_CHECK_MSG(st.is_ok(), st.to_string().c_str());  // the mutation left its agent in place
+  auto batch = std::find_if(log_batch_.shards.begin(), log_batch_.shards.end(),
+                            [&](const RecordLog::ShardBatch& b) { return b.shard == route.shard; });
+  if (batch == log_batch_.shards.end()) {
+    log_batch_.shards.push_back(RecordLog::ShardBatch{route.shard, route.epoch, {}, {}});
+    batch = std::prev(log_batch_.shards.end());
+  }
+  batch->entries.push_back(RecordLog::Entry{std::string(agent), pos.seq, record});
+  // The local WAL is a cache of the log of record here: a failure of it degrades the node (no
+  // more mutations) but does not fail this one, whose fate the commit decides.
+  (void)append_locked(logged);
+  return Status::ok();
+}
+
+void ManagerService::commit_log_locked(std::span<ManagerCall> calls) {
+  options_.record_log->commit(&log_batch_.shards);
+  for (const RecordLog::ShardBatch& b : log_batch_.shards) {
+    if (b.result.is_ok()) continue;
+    const std::string shard = std::to_string(b.shard);
+    const Status answer =
+        b.result.code() == Code::kStale
+            ? Status(Code::kUnavailable,
+                     "shard " + shard + " is being taken over by another node (epoch " +
+                         std::to_string(b.epoch) + " here is stale): nothing written, retry")
+            : Status(Code::kUnavailable,
+                     "the memory log did not confirm the write, which may or may not be "
+                     "applied; this node stopped serving shard " +
+                         shard + ": " + b.result.to_string());
+    // What the refused entries applied is forgotten: the agents come back from the log of
+    // record when their shard is taken again.
+    std::unordered_set<std::string> dropped;
+    for (const RecordLog::Entry& e : b.entries) {
+      if (!dropped.insert(e.agent).second) continue;
+      std::string record;
+      (void)store_->drop_agent(e.agent, &record);
+      if (!degraded_ && !record.empty()) (void)append_locked(record);
+    }
+    for (size_t i = 0; i < calls.size(); ++i) {
+      if (log_batch_.call_shard[i] == b.shard && !calls[i].deferred()) calls[i].fail(answer);
+    }
+    KEEP_LOG_WARN(kLog, "shard %u: %zu log entries of %zu agents not written (%s); agents dropped",
+                  b.shard, b.entries.size(), dropped.size(), b.result.to_string().c_str());
+  }
+}
 
 void ManagerService::release_entries_locked() {
   for (const KvEntry& e : store_->take_released_entries()) {
@@ -208,7 +268,16 @@ std::optional<std::string> agent_of(const proto::Request::Reader& req) {
 bool ManagerService::handle_one(ManagerCall& call) {
   const auto req = call.request();
   std::string record;
-  if (options_.route_agent) {
+  if (options_.record_log != nullptr) {
+    if (std::optional<std::string> agent = agent_of(req)) {
+      auto route = options_.record_log->route(*agent);
+      if (!route.is_ok()) return call.fail(route.status()), false;
+      log_batch_.route = *route;
+      if (log_batch_.call < log_batch_.call_shard.size()) {
+        log_batch_.call_shard[log_batch_.call] = route->shard;
+      }
+    }
+  } else if (options_.route_agent) {
     if (std::optional<std::string> agent = agent_of(req)) {
       if (Status st = options_.route_agent(*agent); !st.is_ok()) return call.fail(st), false;
     }
@@ -237,7 +306,9 @@ bool ManagerService::handle_one(ManagerCall& call) {
       if (w.getHasStep()) wr.step = w.getStep();
       auto r = store_->write(wr, &record);
       if (!r.is_ok()) return call.fail(r.status()), false;
-      if (Status st = append_locked(record); !st.is_ok()) return call.fail(st), false;
+      if (Status st = log_mutation_locked(wr.agent, record); !st.is_ok()) {
+        return call.fail(st), false;
+      }
       set_write_result(call.reply().initWriteMemory(), *r);
       return !record.empty();
     }
@@ -257,7 +328,9 @@ bool ManagerService::handle_one(ManagerCall& call) {
       if (u.getHasStep()) ur.step = u.getStep();
       auto r = store_->update(ur, &record);
       if (!r.is_ok()) return call.fail(r.status()), false;
-      if (Status st = append_locked(record); !st.is_ok()) return call.fail(st), false;
+      if (Status st = log_mutation_locked(ur.agent, record); !st.is_ok()) {
+        return call.fail(st), false;
+      }
       set_write_result(call.reply().initUpdateMemory(), *r);
       return !record.empty();
     }
@@ -265,9 +338,10 @@ bool ManagerService::handle_one(ManagerCall& call) {
     case proto::Request::DELETE_MEMORY: {
       if (Status st = mutation_allowed(); !st.is_ok()) return call.fail(st), false;
       auto d = req.getDeleteMemory();
-      Status st = store_->remove(str(d.getAgent()), d.getId(), &record);
+      const std::string agent = str(d.getAgent());
+      Status st = store_->remove(agent, d.getId(), &record);
       if (!st.is_ok()) return call.fail(st), false;
-      if (Status a = append_locked(record); !a.is_ok()) return call.fail(a), false;
+      if (Status a = log_mutation_locked(agent, record); !a.is_ok()) return call.fail(a), false;
       call.reply().initDeleteMemory();
       return !record.empty();
     }
@@ -275,9 +349,12 @@ bool ManagerService::handle_one(ManagerCall& call) {
     case proto::Request::ADVANCE_STEP: {
       if (Status st = mutation_allowed(); !st.is_ok()) return call.fail(st), false;
       auto a = req.getAdvanceStep();
-      auto r = store_->advance_step(str(a.getAgent()), a.getBy(), &record);
+      const std::string agent = str(a.getAgent());
+      auto r = store_->advance_step(agent, a.getBy(), &record);
       if (!r.is_ok()) return call.fail(r.status()), false;
-      if (Status st = append_locked(record); !st.is_ok()) return call.fail(st), false;
+      if (Status st = log_mutation_locked(agent, record); !st.is_ok()) {
+        return call.fail(st), false;
+      }
       call.reply().initAdvanceStep().setStep(*r);
       return !record.empty();
     }
@@ -796,7 +873,7 @@ void ManagerService::run_retrieve(RetrieveJob& job) {
       std::vector<SegmentEmbedding> embs;
       embs.reserve(batch.size());
       for (auto& p : batch) {
-        embs.push_back({std::move(p.agent), p.id, p.version, std::move(vecs[at++])});
+        embs.push_back({std::move(p.agent), p.id, p.version, std::move(vecs[at++]), p.seq});
       }
       std::string record;
       auto n = store_->apply_embeddings(embs, &record);
@@ -818,6 +895,11 @@ void ManagerService::run_retrieve(RetrieveJob& job) {
       if (arrived.count(p.id) != 0) todo.push_back(std::move(p));
     }
     if (!todo.empty() && rechecks++ < 2) continue;
+    if (options_.record_log != nullptr) {  // the shard may have gone while the retrieve waited
+      if (auto route = options_.record_log->route(job.agent); !route.is_ok()) {
+        return call.fail(route.status());
+      }
+    }
     auto r = store_->retrieve_embedded(job.agent, query_embedding, job.needs.k);
     if (!r.is_ok()) return call.fail(r.status());
     return fill_retrieve(call, *r);

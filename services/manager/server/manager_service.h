@@ -25,6 +25,14 @@
 // embedding. Beyond max_waiting_retrieves_per_peer of one peer, or max_waiting_retrieves in all,
 // a retrieve is answered kResourceExhausted at once. One whose caller's deadline (the request's
 // timeoutMs) passed while it waited is answered kTimeout without being run.
+//
+// Cluster mode with a log of record (ServiceOptions::record_log, docs/cluster.md): each mutation's
+// record becomes the next entry of its agent's log (MemoryStore::set_log_position), goes to the
+// local WAL as a cache, and is written to the log of record with the batch's other mutations in
+// ONE transaction (group commit: what arrives while a commit runs forms the next batch), with the
+// store mutex held; the calls are answered after it. A shard whose part was refused (fenced by a
+// newer owner) or failed gets its calls of the batch answered kUnavailable, and every agent that
+// had an entry in it is dropped from memory: nothing that was refused stays visible.
 #pragma once
 
 #include <chrono>
@@ -33,6 +41,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -42,6 +51,7 @@
 #include <vector>
 
 #include "services/manager/server/fair_queue.h"
+#include "services/manager/server/record_log.h"
 #include "services/manager/store/memory_store.h"
 #include "shared/client/protocols.h"
 #include "shared/common/status.h"
@@ -99,6 +109,9 @@ struct ServiceOptions {
   // Cluster mode: ok when this node serves `agent`, else the answer for every request about it
   // (kMoved naming the owner, kUnavailable while nobody owns it). Unset: every agent is ours.
   std::function<Status(std::string_view agent)> route_agent;
+  // Cluster mode with a log of record (see the top): routes agents in place of route_agent and
+  // makes every mutation durable in it before it is answered. Must outlive the service.
+  RecordLog* record_log = nullptr;
 };
 
 using ManagerCall = wire::Call<client::ManagerProtocol>;
@@ -155,12 +168,26 @@ class ManagerService : public wire::RequestHandler<client::ManagerProtocol> {
     EntryLocation entry;
   };
 
+  // Cluster mode: the entries of one batch for the log of record, and which shard each call of
+  // the batch was about.
+  struct LogBatch {
+    std::vector<RecordLog::ShardBatch> shards;
+    std::vector<std::optional<uint32_t>> call_shard;  // by call index
+    size_t call = 0;                                  // the call being handled
+    std::optional<RecordLog::Route> route;            // its agent's route
+  };
+
   // Answers one call; returns true when the call produced a WAL record that must be synced
   // before the answer is sent.
   bool handle_one(ManagerCall& call);
   void release_entries_locked();
   Status mutation_allowed() const;
   Status append_locked(const std::string& record);
+  // A mutation's record of `agent` (empty: a no-op): to the WAL, and in cluster mode with a log
+  // of record first to the agent's log (the batch's commit makes it durable).
+  Status log_mutation_locked(std::string_view agent, const std::string& record);
+  // Commits log_batch_ and undoes what a failed shard's part applied (see the top).
+  void commit_log_locked(std::span<ManagerCall> calls);
 
   // A deferred retrieve: the call, its arguments, what it must embed.
   struct RetrieveJob {
@@ -194,6 +221,7 @@ class ManagerService : public wire::RequestHandler<client::ManagerProtocol> {
   mutable std::mutex mu_;
   bool degraded_ = false;
   std::unordered_map<uint64_t, JobState> jobs_;  // handed out and not finished
+  LogBatch log_batch_;                           // of the batch being handled
 
   std::function<void(std::unique_ptr<ManagerCall>)> complete_;  // set: retrieves may be deferred
   mutable std::mutex retrieve_mu_;

@@ -61,6 +61,17 @@ void KvJobQueue::requeue(uint64_t job_id) {
   order_.push_back(job_id);
 }
 
+void KvJobQueue::forget_agent(std::string_view agent) {
+  for (auto it = jobs_.begin(); it != jobs_.end();) {
+    if (it->second.job.agent != agent) {
+      ++it;
+      continue;
+    }
+    if (!it->second.running) --queued_;
+    it = jobs_.erase(it);  // its slot in order_ is skipped by take()
+  }
+}
+
 void KvJobQueue::clear() {
   jobs_.clear();
   order_.clear();

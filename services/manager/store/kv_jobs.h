@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <deque>
 #include <map>
+#include <string_view>
 #include <vector>
 
 #include "services/manager/store/memory_store.h"
@@ -32,6 +33,8 @@ class KvJobQueue {
   void erase(uint64_t job_id);
   // A running job goes back to the end of the queue with attempt + 1.
   void requeue(uint64_t job_id);
+  // Removes every job of `agent`, queued or running (the agent was dropped).
+  void forget_agent(std::string_view agent);
   void clear();
 
   size_t queued() const { return queued_; }

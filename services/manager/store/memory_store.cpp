@@ -89,6 +89,7 @@ struct Agent {
   std::unordered_map<uint64_t, JointKv> joint;       // group id -> its joint KV (valid only)
   std::unordered_map<uint64_t, uint64_t> group_job;  // group id -> latest group job
   std::set<uint64_t> evicted_groups;  // joint KV evicted: produced again when next retrieved
+  LogPosition log;                    // cluster mode: the last entry of its log applied here
 
   Segment* find(uint64_t id) {
     auto it = segments.find(id);
@@ -737,13 +738,29 @@ struct MemoryStore::Impl {
     std::vector<PendingEmbedding> out;
     for (const auto& [seq, id] : a.awaiting) {
       const Segment& s = a.segments.at(id);
-      if (s.row < 0) out.push_back(PendingEmbedding{a.name, id, s.version, s.text});
+      if (s.row < 0) out.push_back(PendingEmbedding{a.name, id, s.version, s.text, s.seq});
     }
     return out;
   }
 
   // The answer of a retrieve for query_vec (k > 0) among a's embedded segments.
   std::vector<RetrievedSegment> retrieve_rows(Agent* a, uint32_t k);
+
+  // Forgets agent `name` and everything it holds (drop_agent, replay of a drop record).
+  void drop(std::string_view name) {
+    auto it = agents.find(name);
+    if (it == agents.end()) return;
+    Agent& a = *it->second;
+    for (auto& [id, s] : a.segments) {
+      release_own(s);
+      to_embed.erase(s.seq);  // its entries point at the agent
+    }
+    std::vector<uint64_t> joint;
+    for (const auto& [gid, jk] : a.joint) joint.push_back(gid);
+    for (uint64_t gid : joint) release_joint(a, gid);
+    jobs.forget_agent(a.name);
+    agents.erase(it);
+  }
 
   void reset() {
     agents.clear();
@@ -856,7 +873,7 @@ std::vector<PendingEmbedding> MemoryStore::pending_embeddings(size_t max) const 
   for (const auto& [seq, ref] : impl_->to_embed) {
     if (out.size() >= max) break;
     const Segment& s = ref.first->segments.at(ref.second);
-    out.push_back(PendingEmbedding{ref.first->name, s.id, s.version, s.text});
+    out.push_back(PendingEmbedding{ref.first->name, s.id, s.version, s.text, s.seq});
   }
   return out;
 }
@@ -866,14 +883,64 @@ Result<size_t> MemoryStore::apply_embeddings(const std::vector<SegmentEmbedding>
   std::vector<EmbeddingEntry> in;
   in.reserve(embeddings.size());
   for (const SegmentEmbedding& e : embeddings) {
+    if (e.seq != 0) {  // computed for one write of the segment: not for a later incarnation
+      Agent* a = impl_->find_agent(e.agent);
+      const Segment* s = a == nullptr ? nullptr : a->find(e.id);
+      if (s == nullptr || s->seq != e.seq) continue;
+    }
     in.push_back(EmbeddingEntry{e.agent, e.id, e.version, e.embedding});
   }
   return impl_->apply_embedding_entries(in, wal_record);
 }
 
+LogPosition MemoryStore::log_position(std::string_view agent) const {
+  const Agent* a = impl_->find_agent(agent);
+  return a == nullptr ? LogPosition{} : a->log;
+}
+
+Status MemoryStore::set_log_position(std::string_view agent, LogPosition pos, std::string* record) {
+  Agent* a = impl_->find_agent(agent);
+  if (a == nullptr) return Impl::not_found_agent(agent);
+  if (record == nullptr || record->empty()) {
+    return invalid("set_log_position: no record to log for agent '" + std::string(agent) + "'");
+  }
+  a->log = pos;
+  *record = encode_record(LoggedRecord{a->name, pos.seq, pos.epoch, std::move(*record)});
+  return Status::ok();
+}
+
+Status MemoryStore::drop_agent(std::string_view agent, std::string* wal_record) {
+  if (wal_record != nullptr) wal_record->clear();
+  if (impl_->find_agent(agent) == nullptr) return Status::ok();
+  impl_->drop(agent);
+  if (wal_record != nullptr) *wal_record = encode_record(DropAgentRecord{std::string(agent)});
+  return Status::ok();
+}
+
 Status MemoryStore::apply_record(std::string_view bytes) {
   Impl& m = *impl_;
   KEEP_ASSIGN_OR_RETURN(Record rec, decode_record(bytes));
+  if (auto* l = std::get_if<LoggedRecord>(&rec)) {
+    KEEP_ASSIGN_OR_RETURN(Record inner, decode_record(l->inner));
+    const std::string* of = nullptr;
+    if (auto* w = std::get_if<WriteRecord>(&inner)) of = &w->agent;
+    if (auto* u = std::get_if<UpdateRecord>(&inner)) of = &u->agent;
+    if (auto* r = std::get_if<RemoveRecord>(&inner)) of = &r->agent;
+    if (auto* a = std::get_if<AdvanceStepRecord>(&inner)) of = &a->agent;
+    if (of == nullptr || *of != l->agent) {
+      return Status(Code::kCorrupt,
+                    "logged record of agent '" + l->agent + "' does not hold one of its mutations");
+    }
+    KEEP_RETURN_IF_ERROR(apply_record(l->inner));
+    Agent* a = m.find_agent(l->agent);
+    KEEP_CHECK(a != nullptr);  // a mutation leaves its agent in place
+    a->log = LogPosition{l->seq, l->epoch};
+    return Status::ok();
+  }
+  if (auto* d = std::get_if<DropAgentRecord>(&rec)) {
+    m.drop(d->agent);
+    return Status::ok();
+  }
   if (auto* w = std::get_if<WriteRecord>(&rec)) return m.apply_write(*w);
   if (auto* u = std::get_if<UpdateRecord>(&rec)) return m.apply_update(*u);
   if (auto* r = std::get_if<RemoveRecord>(&rec)) return m.apply_remove(*r);
@@ -903,6 +970,8 @@ StoreSnapshot MemoryStore::capture() const {
     as.step = a.step;
     as.next_id = a.next_id;
     as.next_group_id = a.next_group_id;
+    as.log_seq = a.log.seq;
+    as.log_epoch = a.log.epoch;
     for (const auto& [gid, g] : a.groups->groups()) {
       as.groups.push_back(
           GroupSnapshot{gid, static_cast<uint8_t>(g.state), g.version, g.last_change_step});
@@ -961,6 +1030,7 @@ Status MemoryStore::deserialize(std::string_view bytes) {
     a.step = as.step;
     a.next_id = as.next_id;
     a.next_group_id = as.next_group_id;
+    a.log = LogPosition{as.log_seq, as.log_epoch};
     uint64_t prev = 0;
     for (const GroupSnapshot& g : as.groups) {
       if (g.id <= prev || g.id >= as.next_group_id) return fail("bad group id");

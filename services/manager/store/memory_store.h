@@ -171,6 +171,7 @@ struct PendingEmbedding {
   uint64_t id = 0;
   uint64_t version = 0;
   std::string text;
+  uint64_t seq = 0;  // the store's write order of this version (unique, even across drop_agent)
 };
 
 // An embedding computed for PendingEmbedding{agent, id, version}.
@@ -179,6 +180,16 @@ struct SegmentEmbedding {
   uint64_t id = 0;
   uint64_t version = 0;
   std::vector<float> embedding;  // dim() floats
+  // PendingEmbedding::seq when known: the embedding is ignored unless the segment is still that
+  // write (an agent dropped and replayed meanwhile has the same ids and versions, other texts).
+  // 0: not checked.
+  uint64_t seq = 0;
+};
+
+// Cluster mode (docs/cluster.md): where an agent's state stands in its log of record.
+struct LogPosition {
+  uint64_t seq = 0;    // the last entry of the agent's log applied here (0: none)
+  uint64_t epoch = 0;  // the epoch that entry was written at
 };
 
 enum class KvJobKind : uint8_t { kSegment = 0, kGroup = 1 };
@@ -255,6 +266,20 @@ class MemoryStore {
   // size or with a non-finite value; nothing is applied then).
   Result<size_t> apply_embeddings(const std::vector<SegmentEmbedding>& embeddings,
                                   std::string* wal_record);
+
+  // ---- cluster mode: the agent's log of record (docs/cluster.md) -------------------------------
+
+  // The agent's position in its log (zeros for an unknown agent or one never logged).
+  LogPosition log_position(std::string_view agent) const;
+  // The mutation that just produced *record (a write, update, remove or advance_step of `agent`)
+  // is entry `pos` of the agent's log: sets the agent's position and wraps *record into a logged
+  // record carrying it, so the local WAL replays the mutation and its position as one record.
+  // kNotFound: unknown agent; kInvalidArgument: an empty record.
+  Status set_log_position(std::string_view agent, LogPosition pos, std::string* record);
+  // Forgets the agent: memories, groups, KV entries (reported through take_released_entries) and
+  // KV jobs, queued or running (a worker's completion of one is then kNotFound). *wal_record gets
+  // a drop record (empty when the agent is unknown: nothing to forget).
+  Status drop_agent(std::string_view agent, std::string* wal_record);
 
   // ---- recovery and snapshots ----------------------------------------------------------------
 

@@ -142,7 +142,17 @@ std::string encode_record(const Record& record) {
           w.u8(static_cast<uint8_t>(RecordType::kAdvanceStep));
           w.str(r.agent);
           w.u64(r.by);
+        } else if constexpr (std::is_same_v<T, LoggedRecord>) {
+          w.u8(static_cast<uint8_t>(RecordType::kLogged));
+          w.str(r.agent);
+          w.u64(r.seq);
+          w.u64(r.epoch);
+          w.str(r.inner);
+        } else if constexpr (std::is_same_v<T, DropAgentRecord>) {
+          w.u8(static_cast<uint8_t>(RecordType::kDropAgent));
+          w.str(r.agent);
         } else {
+          static_assert(std::is_same_v<T, EmbeddingsRecord>);
           w.u8(static_cast<uint8_t>(RecordType::kEmbeddings));
           w.u32(r.dim);
           w.u32(static_cast<uint32_t>(r.entries.size()));
@@ -215,6 +225,18 @@ Result<Record> decode_record(std::string_view bytes) {
       out = std::move(e);
       break;
     }
+    case RecordType::kLogged: {
+      LoggedRecord l;
+      ok = r.str(&l.agent) && r.u64(&l.seq) && r.u64(&l.epoch) && r.str(&l.inner);
+      out = std::move(l);
+      break;
+    }
+    case RecordType::kDropAgent: {
+      DropAgentRecord d;
+      ok = r.str(&d.agent);
+      out = std::move(d);
+      break;
+    }
     default:
       return corrupt("unknown record type " + std::to_string(type));
   }
@@ -236,6 +258,8 @@ std::string encode_snapshot(const StoreSnapshot& s) {
     w.u64(a.step);
     w.u64(a.next_id);
     w.u64(a.next_group_id);
+    w.u64(a.log_seq);
+    w.u64(a.log_epoch);
     w.u32(static_cast<uint32_t>(a.groups.size()));
     for (const GroupSnapshot& g : a.groups) {
       w.u64(g.id);
@@ -266,21 +290,23 @@ Result<StoreSnapshot> decode_snapshot(std::string_view bytes) {
   uint16_t version = 0;
   if (!r.u32(&magic) || magic != kSnapshotMagic) return corrupt("snapshot: bad magic");
   if (!r.u16(&version)) return corrupt("snapshot: truncated header");
-  if (version != kSnapshotFormatVersion) {
+  if (version != kSnapshotFormatVersion && version != 1) {
     return Status(Code::kVersionMismatch, "store snapshot: format version " +
                                               std::to_string(version) + ", expected " +
                                               std::to_string(kSnapshotFormatVersion));
   }
+  const bool has_log = version >= 2;  // version 1: no log positions
   StoreSnapshot s;
   uint32_t n_agents = 0;
-  if (!r.u32(&s.dim) || !r.u64(&s.next_seq) || !r.count(&n_agents, 4 + 24 + 8)) {
+  if (!r.u32(&s.dim) || !r.u64(&s.next_seq) ||
+      !r.count(&n_agents, 4 + 24 + (has_log ? 16 : 0) + 8)) {
     return corrupt("snapshot: truncated header");
   }
   s.agents.resize(n_agents);
   for (AgentSnapshot& a : s.agents) {
     uint32_t n_groups = 0, n_segs = 0;
     if (!r.str(&a.name) || !r.u64(&a.step) || !r.u64(&a.next_id) || !r.u64(&a.next_group_id) ||
-        !r.count(&n_groups, 25)) {
+        (has_log && (!r.u64(&a.log_seq) || !r.u64(&a.log_epoch))) || !r.count(&n_groups, 25)) {
       return corrupt("snapshot: truncated agent");
     }
     a.groups.resize(n_groups);

@@ -22,7 +22,8 @@ namespace keep::manager {
 
 inline constexpr uint8_t kRecordFormatVersion = 1;
 inline constexpr uint32_t kSnapshotMagic = 0x4b50534bu;  // "KSPK" read as LE bytes "KSPK"
-inline constexpr uint16_t kSnapshotFormatVersion = 1;
+// 2 adds each agent's log position (cluster mode); version 1 snapshots still decode (position 0).
+inline constexpr uint16_t kSnapshotFormatVersion = 2;
 
 enum class RecordType : uint8_t {
   kWrite = 1,
@@ -30,6 +31,8 @@ enum class RecordType : uint8_t {
   kRemove = 3,
   kAdvanceStep = 4,
   kEmbeddings = 5,
+  kLogged = 6,     // cluster mode: a mutation record and its position in the agent's log
+  kDropAgent = 7,  // cluster mode: the agent's state is forgotten (replayed from the log later)
 };
 
 // Records carry resolved values (id, step, token count) so replay never consults the tokenizer
@@ -69,8 +72,21 @@ struct EmbeddingsRecord {
   std::vector<EmbeddingEntry> entries;
 };
 
-using Record =
-    std::variant<WriteRecord, UpdateRecord, RemoveRecord, AdvanceStepRecord, EmbeddingsRecord>;
+// Cluster mode: `inner` (an encoded write, update, remove or advance_step record of `agent`) is
+// entry `seq` of the agent's log in PostgreSQL, written at `epoch`. The local WAL keeps the two
+// together so a torn tail never leaves a mutation without its position or the reverse.
+struct LoggedRecord {
+  std::string agent;
+  uint64_t seq = 0;
+  uint64_t epoch = 0;
+  std::string inner;
+};
+struct DropAgentRecord {
+  std::string agent;
+};
+
+using Record = std::variant<WriteRecord, UpdateRecord, RemoveRecord, AdvanceStepRecord,
+                            EmbeddingsRecord, LoggedRecord, DropAgentRecord>;
 
 std::string encode_record(const Record& record);
 Result<Record> decode_record(std::string_view bytes);
@@ -102,6 +118,8 @@ struct AgentSnapshot {
   uint64_t next_group_id = 1;
   std::vector<SegmentSnapshot> segments;  // ascending id
   std::vector<GroupSnapshot> groups;      // ascending id
+  uint64_t log_seq = 0;                   // cluster mode: LogPosition (0: never logged)
+  uint64_t log_epoch = 0;
 };
 struct StoreSnapshot {
   uint32_t dim = 0;
