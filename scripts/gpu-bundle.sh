@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds, on this machine, the GPU programs that need the whole repository's Debian packages
 # (test_cuda_engine, test_cuda_assembler, test_device_kv_tier + device_tier_probe, bench_prefill,
-# bench_keep: the engine, its GGUF/HF loaders, nlohmann-json, utf8proc, Boost.Interprocess) and
+# bench_keep: the engine, its GGUF/HF loaders, nlohmann-json, utf8proc, Boost.Interprocess; and the
+# kernels' GPU tests) and
 # packs them with the shared libraries a bare CUDA machine lacks into .gpu-bundle/, which
 # scripts/gpu-check.sh runs when it finds it. For GPU machines that cannot install our packages
 # (no network): carry .gpu-bundle with the call. Usage: scripts/gpu-bundle.sh [build-dir]; on the
@@ -40,15 +41,20 @@ build="${1:-$root/build-gpu-bundle}"
 export PATH=/usr/local/cuda/bin:$PATH
 generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
-cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DKEEP_CUDA=ON \
-  -DCMAKE_CUDA_ARCHITECTURES=90a -DKEEP_BENCHMARKS=ON -DKEEP_TESTS=ON >/dev/null
+# BUNDLE_BUILD_TYPE: RelWithDebInfo packs an existing development build (build/) without
+# rebuilding it for Release (the device code is compiled the same; only host code differs).
+cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE="${BUNDLE_BUILD_TYPE:-Release}" \
+  -DKEEP_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a -DKEEP_BENCHMARKS=ON -DKEEP_TESTS=ON >/dev/null
 services=()
 [[ "${BUNDLE_SERVICES:-0}" == 1 ]] && services=(keep-manager keep-worker keepctl)
+# The kernels' GPU tests too, so that a call can run them without building on the GPU machine.
+kernel_tests=(test_kernels test_attention test_attention_decode test_logits test_gemm)
 cmake --build "$build" --target test_cuda_engine test_cuda_assembler test_device_kv_tier \
-  device_tier_probe bench_prefill bench_keep "${services[@]}" -j "$(nproc)"
+  device_tier_probe bench_prefill bench_keep "${kernel_tests[@]}" "${services[@]}" -j "$(nproc)"
 rm -rf "$out"
 mkdir -p "$out/bin" "$out/lib"
-for t in test_cuda_engine test_cuda_assembler test_device_kv_tier device_tier_probe; do
+for t in test_cuda_engine test_cuda_assembler test_device_kv_tier device_tier_probe \
+  "${kernel_tests[@]}"; do
   cp "$(find "$build" -type f -name "$t" -perm -u+x | head -1)" "$out/bin/"
 done
 cp "$build/bin/bench_prefill" "$build/bin/bench_keep" "$out/bin/"

@@ -9,6 +9,7 @@
 //                        [--loads queue|sync] [--prefetch-mib M] [--loader-blocks B]
 //                        (layer-balanced loading: LoadOptions, CudaBackendOptions)
 //                        [--autotune-rows N]  (CudaBackendOptions::gemm_autotune_rows)
+//                        [--prefill-split on|off]  (CudaBackendOptions::prefill_split)
 //                        [--loader-bench B[,B...]]  (then the loader alone, below)
 //
 // --loader-bench: the loader on its own over every entry's every layer (all --segments' largest
@@ -58,7 +59,8 @@ constexpr const char* kUsage =
     "                  [--warmup W] [--decays D[,D...]] [--keep-ratios R[,R...]] [--json FILE]\n"
     "                  [--methods M[,M...]]\n"
     "                  [--pool tensor|fp32] [--loads queue|sync] [--prefetch-mib M]\n"
-    "                  [--loader-blocks B] [--loader-bench B[,B...]] [--autotune-rows N]\n";
+    "                  [--loader-blocks B] [--loader-bench B[,B...]] [--autotune-rows N]\n"
+    "                  [--prefill-split on|off]\n";
 
 int fail(const Status& st) {
   std::fprintf(stderr, "bench_keep: %s\n", st.to_string().c_str());
@@ -322,6 +324,9 @@ int main(int argc, char** argv) {
     } else if (a == "--pool") {
       if (v != "tensor" && v != "fp32") return refuse("--pool: tensor or fp32");
       options.pool_tensor_cores = v == "tensor";
+    } else if (a == "--prefill-split") {
+      if (v != "on" && v != "off") return refuse("--prefill-split: on or off");
+      options.prefill_split = v == "on";
     } else if (a == "--loads") {
       if (v != "queue" && v != "sync") return refuse("--loads: queue or sync");
       loads.queue = v == "queue";

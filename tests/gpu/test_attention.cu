@@ -62,7 +62,25 @@ struct Options {
   float k_ramp = 0.0f;       // key t's K scaled by 1 + k_ramp * t / num_keys (rising scores)
   bool with_lse = true;
   kk::PrefillKernel kernel = kk::PrefillKernel::kMma;
+  // Split-key runs (kk::PrefillSplit): 1 = no workspace; 0 = kAuto's choice (prefill_key_splits,
+  // with a workspace of prefill_split_max_bytes); n > 1 = n runs. The workspace starts as NaN
+  // (0xff bytes): every run must write its part.
+  int splits = 1;
 };
+
+int device_sms() {
+  int device = 0, sms = 0;
+  CUDA_OK(cudaGetDevice(&device));
+  CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms;
+}
+
+// A split-key workspace for `splits` (Options::splits) over rows x heads at head_dim.
+std::vector<unsigned char> split_workspace(int splits, int32_t rows, int heads, int head_dim) {
+  const size_t bytes = splits == 0 ? kk::prefill_split_max_bytes(head_dim, device_sms())
+                                   : kk::prefill_split_bytes(rows, heads, head_dim, splits);
+  return std::vector<unsigned char>(std::max<size_t>(bytes, 1), 0xff);
+}
 
 // The kernels to check: mma.sync always, wgmma where this build and device run it.
 std::vector<kk::PrefillKernel> kernels_here() {
@@ -151,14 +169,20 @@ void run_case(const std::string& name, std::mt19937& rng, const Layout& lay, con
   Buf<float> d_lse(std::vector<float>(want_lse.size(), std::numeric_limits<float>::quiet_NaN()));
   const AttentionRows d_rows{d_offsets.dev(), d_spans.dev(), rows, lay.num_keys};
   const kk::PrefillSchedule d_sched{d_tile_offsets.dev(), d_tiles.dev()};
+  const auto workspace = split_workspace(opt.splits, rows, sh.heads, sh.head_dim);
+  Buf<unsigned char> d_split(workspace);
+  const kk::PrefillSplit split{opt.splits == 1 ? nullptr : d_split.dev(), workspace.size(),
+                               opt.splits};
   CUDA_OK(kk::attention_prefill(d_out.dev(), out_stride, opt.with_lse ? d_lse.dev() : nullptr,
                                 d_q.dev(), q_stride, d_k.dev(), d_v.dev(), d_rows, d_sched,
-                                sh.heads, sh.kv_heads, sh.head_dim, scale, nullptr, opt.kernel));
+                                sh.heads, sh.kv_heads, sh.head_dim, scale, nullptr, opt.kernel,
+                                split));
   CUDA_OK(cudaDeviceSynchronize());
   const auto got = d_out.host();
   const auto got_lse = d_lse.host();
 
   const std::string what = std::string(kk::prefill_kernel_name(opt.kernel)) + " " + name +
+                           (opt.splits == 1 ? "" : " splits=" + std::to_string(opt.splits)) +
                            " rows=" + std::to_string(rows) +
                            " keys=" + std::to_string(lay.num_keys) + " " +
                            std::to_string(sh.heads) + "/" + std::to_string(sh.kv_heads) + " hd" +
@@ -234,7 +258,8 @@ void run_case(const std::string& name, std::mt19937& rng, const Layout& lay, con
 
 // Times a large call (median of 20 samples of 10 launches) and checks a sample of its rows
 // against the reference.
-void bench(std::mt19937& rng, const Layout& lay, const Shape& sh, kk::PrefillKernel kernel) {
+void bench(std::mt19937& rng, const Layout& lay, const Shape& sh, kk::PrefillKernel kernel,
+           int splits = 1) {
   const int32_t rows = lay.rows();
   const int64_t width = static_cast<int64_t>(sh.heads) * sh.head_dim;
   const int64_t q_stride = static_cast<int64_t>(sh.heads + 2 * sh.kv_heads) * sh.head_dim;
@@ -254,10 +279,13 @@ void bench(std::mt19937& rng, const Layout& lay, const Shape& sh, kk::PrefillKer
   Buf<float> d_lse(std::vector<float>(static_cast<size_t>(rows) * sh.heads));
   const AttentionRows d_rows{d_offsets.dev(), d_spans.dev(), rows, lay.num_keys};
   const kk::PrefillSchedule d_sched{d_tile_offsets.dev(), d_tiles.dev()};
+  const auto workspace = split_workspace(splits, rows, sh.heads, sh.head_dim);
+  Buf<unsigned char> d_split(workspace);
+  const kk::PrefillSplit split{splits == 1 ? nullptr : d_split.dev(), workspace.size(), splits};
   auto call = [&] {
     return kk::attention_prefill(d_out.dev(), width, d_lse.dev(), d_q.dev(), q_stride, d_k.dev(),
                                  d_v.dev(), d_rows, d_sched, sh.heads, sh.kv_heads, sh.head_dim,
-                                 scale, nullptr, kernel);
+                                 scale, nullptr, kernel, split);
   };
   // 10 launches back to back a sample, as a model's layers issue them: the host's work before a
   // launch (the wide kernel encodes three tensor maps) then overlaps the GPU's, which a single
@@ -266,10 +294,12 @@ void bench(std::mt19937& rng, const Layout& lay, const Shape& sh, kk::PrefillKer
   const double median = times.median_ms;
   const double flops = 4.0 * static_cast<double>(lay.visible()) * sh.head_dim * sh.heads;
   std::printf(
-      "  timing %-5s: %d rows causal, %d/%d hd%d kv bf16: %.3f ms median of 20 x 10 (min %.3f), "
-      "%.1f TFLOP/s\n",
-      kk::prefill_kernel_name(kernel), rows, sh.heads, sh.kv_heads, sh.head_dim, median,
-      times.min_ms, flops / (median * 1e-3) / 1e12);
+      "  timing %-5s%s: %d rows causal over %d keys, %d/%d hd%d kv bf16: %.3f ms median of 20 x "
+      "10 (min %.3f), %.1f TFLOP/s\n",
+      kk::prefill_kernel_name(kernel),
+      splits == 1 ? "" : (splits == 0 ? " split auto" : " split " + std::to_string(splits)).c_str(),
+      rows, lay.num_keys, sh.heads, sh.kv_heads, sh.head_dim, median, times.min_ms,
+      flops / (median * 1e-3) / 1e12);
 
   // A sample of rows against the reference: a sub-layout of those rows with their Q.
   const auto got = d_out.host();
@@ -379,6 +409,37 @@ void run_all(std::mt19937& rng, kk::PrefillKernel kernel) {
     n.with_lse = false;
     run_case("no lse", rng, causal(70, 0), kQwen14, n);
   }
+  // Split-key runs (any kernel but the wide one): a query over a long memory, runs with no key
+  // tile (short row tiles, 7 runs of a few tiles), rows with no key, the combine kernel's scalar
+  // stores (odd stride, misaligned), no lse, head_dim 64.
+  if (kernel != kk::PrefillKernel::kWgmmaWide) {
+    Options o = base;
+    o.splits = 3;
+    run_case("query over memory", rng, causal(128, 2000), kQwen14, o);
+    o.splits = 7;
+    run_case("recompute sparse", rng, recompute(rng, 700, 0.03, true), kQwen14, o);
+    run_case("causal", rng, causal(200, 0), kQwen7, o);
+    o.splits = 2;
+    run_case("random spans", rng, random_spans(rng, 97, 1300, 20, false), kSmol, o);
+    Layout l;  // rows with no key, and one with a key in the last run only
+    l.num_keys = 600;
+    l.add_row({});
+    l.add_row({{0, 5}});
+    l.add_row({{590, 600}});
+    for (int i = 0; i < 70; ++i) l.add_row({});
+    run_case("zero-key rows", rng, l, kQwen7, o);
+    o.splits = 4;
+    o.fused_q = false;
+    o.out_extra = 3;
+    run_case("odd out stride", rng, causal(77, 900), kSmol, o);
+    o.fused_q = true;
+    o.misalign = true;
+    run_case("misaligned", rng, blocks(30, {{40, 600}, {600, 900}}), kQwen7, o);
+    Options n = base;
+    n.splits = 5;
+    n.with_lse = false;
+    run_case("no lse", rng, causal(70, 1500), kQwen14, n);
+  }
   if (!keep::gputest::quick()) {  // KEEP_GPU_TEST_QUICK: set under compute-sanitizer
     bench(rng, causal(4096, 0), kQwen7, kernel);
     bench(rng, causal(2048, 0), kQwen7, kernel);
@@ -445,6 +506,25 @@ int main() {
   test_invalid_arguments();
   for (const auto kernel : kernels_here()) {
     run_all(rng, kernel);
+  }
+  // kAuto with a split workspace: the choice of prefill_key_splits (a KEEP request's query-only
+  // layer: 128 rows over ~4.2k keys), checked, then timed against the unsplit call.
+  {
+    std::printf("auto kernel, split-key workspace\n");
+    Options o;
+    o.kernel = kk::PrefillKernel::kAuto;
+    o.splits = 0;
+    run_case("query over memory", rng, causal(128, 4108), kQwen14, o);
+    run_case("recompute", rng, recompute(rng, 1000, 0.15, true), kQwen7, o);
+    if (!keep::gputest::quick()) {
+      for (const Shape& sh : {kQwen14, kQwen7}) {
+        for (int32_t rows : {64, 128, 320}) {
+          for (int splits : {1, 0}) {
+            bench(rng, causal(rows, 4236 - rows), sh, kk::PrefillKernel::kAuto, splits);
+          }
+        }
+      }
+    }
   }
   std::printf("test_attention: %d checks, %d failures\n", g_checks, g_failures);
   return g_failures == 0 ? 0 : 1;

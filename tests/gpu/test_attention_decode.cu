@@ -22,6 +22,7 @@
 #include <string>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "services/worker/kernels/attention_schedule.h"
@@ -435,15 +436,27 @@ void test_pool(std::mt19937& rng, int kind, int rows, int32_t n, Shape sh, int n
   const size_t scratch_bytes =
       kk::attention_pool_tiled_scratch_bytes(rows, n, sh.heads, sh.kv_heads, sh.head_dim);
   Buf<char> scratch{std::vector<char>(scratch_bytes)};
-  std::vector<kk::PrefillKernel> tiled{kk::PrefillKernel::kMma};
-  if (kk::wgmma_available()) tiled.push_back(kk::PrefillKernel::kAuto);
-  for (const auto kernel : tiled) {
+  // Each kernel unsplit and in split-key runs (3, and kAuto's own choice where it splits).
+  int device = 0, sms = 0;
+  CUDA_OK(cudaGetDevice(&device));
+  CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const size_t split_bytes = std::max(kk::prefill_split_bytes(rows, sh.heads, sh.head_dim, 3),
+                                      kk::prefill_split_max_bytes(sh.head_dim, sms));
+  Buf<char> split_ws{std::vector<char>(split_bytes, static_cast<char>(0xff))};
+  std::vector<std::pair<kk::PrefillKernel, int>> tiled{{kk::PrefillKernel::kMma, 1},
+                                                       {kk::PrefillKernel::kMma, 3}};
+  if (kk::wgmma_available()) {
+    tiled.insert(tiled.end(), {{kk::PrefillKernel::kAuto, 1}, {kk::PrefillKernel::kAuto, 0}});
+  }
+  for (const auto& [kernel, splits] : tiled) {
     Buf<float> d_tiled(std::vector<float>(want.size(), kNaN));
+    const kk::PrefillSplit split{splits == 1 ? nullptr : split_ws.dev(), split_bytes, splits};
     CUDA_OK(kk::attention_pool_tiled(d_tiled.dev(), d_q.dev(), q_stride, d_k.dev(), dr, ds,
                                      d_group.dev(), num_groups, sh.heads, sh.kv_heads, sh.head_dim,
-                                     scale, scratch.dev(), scratch_bytes, nullptr, kernel));
+                                     scale, scratch.dev(), scratch_bytes, nullptr, kernel, split));
     CUDA_OK(cudaDeviceSynchronize());
-    const std::string tname = std::string(name) + " tiled " + kk::prefill_kernel_name(kernel);
+    const std::string tname = std::string(name) + " tiled " + kk::prefill_kernel_name(kernel) +
+                              (splits == 1 ? "" : " splits " + std::to_string(splits));
     check_pooled(tname, d_tiled.host(), want, l, rows, num_groups, sh.heads, with_none, 2e-3f,
                  1.5e-2f);
   }

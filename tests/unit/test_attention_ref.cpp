@@ -273,6 +273,42 @@ TEST_CASE(
   for (K k : {K::kWgmma, K::kWgmmaOneK, K::kWgmmaWide}) CHECK(kk::prefill_kernel_needs_wgmma(k));
 }
 
+TEST_CASE("split-key prefill: splits fill the SMs' block slots, and the workspace bound holds") {
+  // A KEEP request's query-only layer at 14B: 128 rows over 4,236 keys, 40 heads: 80 blocks on
+  // 132 SMs (264 slots): 3 runs of ~23 key tiles.
+  CHECK(kk::prefill_key_splits(128, 4236, 40, 132) == 3);
+  // 7B (28 heads): 56 blocks, 4 runs; one row tile of 40 heads: 6 runs.
+  CHECK(kk::prefill_key_splits(128, 4236, 28, 132) == 4);
+  CHECK(kk::prefill_key_splits(64, 4236, 40, 132) == 6);
+  // Enough blocks already (5 row tiles x 40 = 200 of 264 slots: a split would take 2 waves).
+  CHECK(kk::prefill_key_splits(300, 4236, 40, 132) == 1);
+  CHECK(kk::prefill_key_splits(1000, 4236, 40, 132) == 1);
+  // Few keys: each run gets 4 key tiles or more (9 tiles: 2 runs; 7 tiles: none).
+  CHECK(kk::prefill_key_splits(64, 9 * 64, 8, 132) == 2);
+  CHECK(kk::prefill_key_splits(64, 7 * 64, 8, 132) == 1);
+  // The cap, and nothing to split.
+  CHECK(kk::prefill_key_splits(1, 1 << 20, 1, 132) == kk::kPrefillSplitMax);
+  CHECK(kk::prefill_key_splits(0, 4096, 40, 132) == 1);
+  CHECK(kk::prefill_key_splits(64, 0, 40, 132) == 1);
+  CHECK(kk::prefill_key_splits(64, 4096, 40, 0) == 1);
+  // Workspace: bf16 outputs (256-byte aligned) then fp32 lse of every run; none unsplit.
+  CHECK(kk::prefill_split_bytes(128, 40, 128, 3) == 3 * 128 * 40 * (128 * 2 + 4));
+  CHECK(kk::prefill_split_bytes(3, 1, 64, 2) == 768 + 6 * 4);
+  CHECK(kk::prefill_split_bytes(128, 40, 128, 1) == 0);
+  // Whatever the rows and heads, the choice fits prefill_split_max_bytes.
+  for (int sms : {1, 7, 78, 132}) {
+    for (int heads : {1, 3, 8, 28, 40, 64}) {
+      for (int32_t rows : {1, 17, 64, 65, 128, 200, 640, 4096}) {
+        for (int hd : {64, 128}) {
+          const int s = kk::prefill_key_splits(rows, 1 << 16, heads, sms);
+          CHECK(kk::prefill_split_bytes(rows, heads, hd, s) <=
+                kk::prefill_split_max_bytes(hd, sms));
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("attention reference matches a naive softmax over the mask matrix") {
   std::mt19937 rng(11);
   for (int32_t n : {1, 3, 7, 19}) {

@@ -289,7 +289,7 @@ cudaError_t attention_pool_tiled(float* pooled, const __nv_bfloat16* q, int64_t 
                                  const PrefillSchedule& schedule, const int32_t* key_group,
                                  int num_groups, int heads, int kv_heads, int head_dim, float scale,
                                  void* scratch, size_t scratch_bytes, cudaStream_t stream,
-                                 PrefillKernel kernel) {
+                                 PrefillKernel kernel, const PrefillSplit& split) {
   if (rows.rows < 0 || rows.num_keys < 0 || num_groups < 0 || heads <= 0 || kv_heads <= 0 ||
       heads % kv_heads != 0 || (head_dim != 64 && head_dim != 128)) {
     return cudaErrorInvalidValue;
@@ -319,7 +319,7 @@ cudaError_t attention_pool_tiled(float* pooled, const __nv_bfloat16* q, int64_t 
     onehot_kernel<<<v_blocks, 256, 0, stream>>>(onehot, key_group, rows.num_keys, kv_heads,
                                                 head_dim, base);
     cudaError_t err = attention_prefill(out, width, nullptr, q, q_stride, k, onehot, rows, schedule,
-                                        heads, kv_heads, head_dim, scale, stream, kernel);
+                                        heads, kv_heads, head_dim, scale, stream, kernel, split);
     if (err != cudaSuccess) return err;
     const int count = std::min(head_dim, num_groups - base);
     sum_heads_kernel<<<static_cast<unsigned>(rows.rows), 128, 0, stream>>>(

@@ -115,6 +115,11 @@ struct Params {
   int32_t rows;
   int32_t num_keys;
   int32_t row_tiles;
+  // Split-key runs (> 1: block (row tile, run, head) takes the run's share of the row tile's key
+  // tiles and writes its normalised output and lse to the parts, which combine_kernel merges).
+  int32_t splits;
+  bf16* part_out;   // (splits, rows, heads * HD)
+  float* part_lse;  // (splits, rows, heads)
   int heads;
   int group;  // heads / kv_heads
   int kv_heads;
@@ -652,15 +657,28 @@ __global__ void __launch_bounds__(kThreads, HD <= 64 || kOneK ? 3 : 2)
 
   // Heaviest row tiles first (the last rows see the most keys in the usual layouts), all heads of
   // a row tile next to each other (GQA heads share their K/V tiles in L2).
+  // Split-key runs of a row tile next to each other too (they read the same Q).
   const int64_t block = static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x;
   const int h = static_cast<int>(block % p.heads);
-  const int32_t row_tile = p.row_tiles - 1 - static_cast<int32_t>(block / p.heads);
+  const int64_t tile_run = block / p.heads;
+  const int32_t row_tile = p.row_tiles - 1 - static_cast<int32_t>(tile_run / p.splits);
   const int32_t row_base = row_tile * kRows;
   const int64_t kv_offset = static_cast<int64_t>(h / p.group) * HD;
   const bf16* const kg = p.k + kv_offset;
   const bf16* const vg = p.v + kv_offset;
-  const int32_t sched_begin = __ldg(p.tile_offsets + row_tile);
-  const int32_t n_tiles = __ldg(p.tile_offsets + row_tile + 1) - sched_begin;
+  int32_t sched_begin = __ldg(p.tile_offsets + row_tile);
+  int32_t n_tiles = __ldg(p.tile_offsets + row_tile + 1) - sched_begin;
+  if (p.splits > 1) {  // this run's key tiles (none for the last runs of a short row tile)
+    const int32_t run = static_cast<int32_t>(tile_run % p.splits);
+    const int32_t per = (n_tiles + p.splits - 1) / p.splits;
+    const int32_t first = min(run * per, n_tiles);
+    sched_begin += first;
+    n_tiles = min(per, n_tiles - first);
+    const int64_t part = static_cast<int64_t>(run) * p.rows;
+    p.out = p.part_out + part * p.heads * HD;
+    p.out_stride = static_cast<int64_t>(p.heads) * HD;
+    p.lse = p.part_lse + part * p.heads;
+  }
   // The schedule's first entries and the rows' span lists: plan data, read before waiting for the
   // previous kernels (which write Q, K and V), so that their latency overlaps those kernels' end.
   auto tile = [&](int32_t j) { return j < n_tiles ? __ldg(p.tiles + sched_begin + j) : 0; };
@@ -1175,7 +1193,8 @@ cudaError_t launch_hd_as(const Params& p, cudaStream_t stream) {
   constexpr auto kKernel = attention_prefill_kernel<HD, kWgmma, kAligned, kOneK>;
   const cudaError_t err = configure_once<kKernel>(kBytes);
   if (err != cudaSuccess) return err;
-  const dim3 grid(static_cast<unsigned int>(p.row_tiles), static_cast<unsigned int>(p.heads));
+  const dim3 grid(static_cast<unsigned int>(p.row_tiles * p.splits),
+                  static_cast<unsigned int>(p.heads));
   return detail::launch_dependent(kKernel, grid, kThreads, kBytes, stream, p);
 }
 
@@ -1212,10 +1231,91 @@ cudaError_t launch_wide(const Params& p, cudaStream_t stream) {
                                   stream, args);
 }
 
+// ---- merging split-key runs ----
+// One warp per (row, head): with m = max_s lse_s and w_s = exp(lse_s - m),
+//   out = Σ_s w_s O_s / Σ_s w_s,   lse = m + log Σ_s w_s
+// (each O_s is its run's normalised output; a run that saw no key has lse_s = -inf and weight 0;
+// no key in any run: out 0, lse -inf, as the unsplit kernel). Reads the parts with coherent loads:
+// launched dependent on the attention kernel that writes them.
+struct CombineParams {
+  bf16* out;
+  int64_t out_stride;
+  float* lse;  // or null
+  const bf16* part_out;
+  const float* part_lse;
+  int32_t rows;
+  int heads;
+  int splits;
+};
+constexpr int kCombineWarps = 4;
+
+template <int HD>
+__global__ void __launch_bounds__(kCombineWarps * 32) combine_kernel(const CombineParams c) {
+  const int lane = threadIdx.x % 32;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * kCombineWarps + threadIdx.x / 32;
+  detail::wait_previous_grid();
+  detail::allow_next_grid();
+  if (item >= static_cast<int64_t>(c.rows) * c.heads) return;
+  const int32_t r = static_cast<int32_t>(item / c.heads);
+  const int h = static_cast<int>(item % c.heads);
+  const int64_t width = static_cast<int64_t>(c.heads) * HD;
+  float m = -INFINITY;
+  for (int s = 0; s < c.splits; ++s) {
+    m = fmaxf(m, c.part_lse[(static_cast<int64_t>(s) * c.rows + r) * c.heads + h]);
+  }
+  float acc[HD / 32] = {};
+  float sum = 0.0f;
+  if (m != -INFINITY) {
+    for (int s = 0; s < c.splits; ++s) {
+      const int64_t at = static_cast<int64_t>(s) * c.rows + r;
+      const float ls = c.part_lse[at * c.heads + h];
+      if (ls == -INFINITY) continue;
+      const float w = expf(ls - m);
+      sum += w;
+      const bf16* const src = c.part_out + at * width + static_cast<int64_t>(h) * HD;
+#pragma unroll
+      for (int j = 0; j < HD / 32; ++j) acc[j] += w * __bfloat162float(src[lane + 32 * j]);
+    }
+  }
+  const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+  bf16* const dst = c.out + static_cast<int64_t>(r) * c.out_stride + static_cast<int64_t>(h) * HD;
+#pragma unroll
+  for (int j = 0; j < HD / 32; ++j) dst[lane + 32 * j] = __float2bfloat16(acc[j] * inv);
+  if (c.lse != nullptr && lane == 0) {
+    c.lse[static_cast<int64_t>(r) * c.heads + h] = sum > 0.0f ? m + logf(sum) : -INFINITY;
+  }
+}
+
+cudaError_t launch_combine(const CombineParams& c, int head_dim, cudaStream_t stream) {
+  const int64_t items = static_cast<int64_t>(c.rows) * c.heads;
+  const dim3 grid(static_cast<unsigned int>((items + kCombineWarps - 1) / kCombineWarps));
+  return head_dim == 64
+             ? detail::launch_dependent(combine_kernel<64>, grid, kCombineWarps * 32, 0, stream, c)
+             : detail::launch_dependent(combine_kernel<128>, grid, kCombineWarps * 32, 0, stream,
+                                        c);
+}
+
 cudaError_t launch(bf16* out, int64_t out_stride, float* lse, const bf16* q, int64_t q_stride,
                    const bf16* k, const bf16* v, const AttentionRows& rows,
                    const PrefillSchedule& schedule, int heads, int kv_heads, int head_dim,
-                   float scale, PrefillKernel kernel, cudaStream_t stream) {
+                   float scale, PrefillKernel kernel, const PrefillSplit& split,
+                   cudaStream_t stream) {
+  // Split-key runs: asked for, or kAuto's choice for too few blocks (then the one-warpgroup
+  // kernel: the wide one does not split).
+  int splits = 1;
+  if (split.workspace != nullptr && split.splits != 1) {
+    if (split.splits > 1) {
+      splits = split.splits;
+    } else if (kernel != PrefillKernel::kWgmmaWide) {
+      splits = prefill_key_splits(rows.rows, rows.num_keys, heads, detail::sm_count());
+      if (splits > 1 && kernel == PrefillKernel::kAuto) {
+        kernel = wgmma_available() ? PrefillKernel::kWgmma : PrefillKernel::kMma;
+      }
+    }
+  }
+  if (split.splits < 0 || splits > 65535 || (splits > 1 && kernel == PrefillKernel::kWgmmaWide)) {
+    return cudaErrorInvalidValue;
+  }
   if (kernel == PrefillKernel::kAuto) {
     kernel = resolve_prefill_kernel(kernel, rows.rows, rows.num_keys, heads, head_dim,
                                     detail::sm_count(), wgmma_available());
@@ -1237,6 +1337,10 @@ cudaError_t launch(bf16* out, int64_t out_stride, float* lse, const bf16* q, int
       (k == nullptr || v == nullptr || rows.spans == nullptr || schedule.tiles == nullptr)) {
     return cudaErrorInvalidValue;
   }
+  if (splits > 1 && (reinterpret_cast<uintptr_t>(split.workspace) % 256 != 0 ||
+                     split.bytes < prefill_split_bytes(rows.rows, heads, head_dim, splits))) {
+    return cudaErrorInvalidValue;
+  }
   Params p{};
   p.out = out;
   p.out_stride = out_stride;
@@ -1252,6 +1356,8 @@ cudaError_t launch(bf16* out, int64_t out_stride, float* lse, const bf16* q, int
   p.rows = rows.rows;
   p.num_keys = rows.num_keys;
   p.row_tiles = (rows.rows + kRows - 1) / kRows;
+  if (int64_t{p.row_tiles} * splits > INT32_MAX) return cudaErrorInvalidValue;
+  p.splits = splits;
   p.heads = heads;
   p.group = heads / kv_heads;
   p.kv_heads = kv_heads;
@@ -1260,6 +1366,15 @@ cudaError_t launch(bf16* out, int64_t out_stride, float* lse, const bf16* q, int
   p.out_vec = detail::aligned16(out) && out_stride % 8 == 0;
   p.kv_vec =
       detail::aligned16(k) && detail::aligned16(v);  // rows are head_dim (a multiple of 8) apart
+  CombineParams c{};
+  if (splits > 1) {  // the runs write the workspace (aligned); combine_kernel writes out and lse
+    const size_t items = static_cast<size_t>(splits) * static_cast<size_t>(rows.rows) * heads;
+    p.part_out = static_cast<bf16*>(split.workspace);
+    p.part_lse = reinterpret_cast<float*>(static_cast<char*>(split.workspace) +
+                                          (items * head_dim * 2 + 255) / 256 * 256);
+    p.out_vec = true;
+    c = CombineParams{out, out_stride, lse, p.part_out, p.part_lse, rows.rows, heads, splits};
+  }
   // The one place head_dim becomes a compile-time constant.
   if (kernel == PrefillKernel::kWgmmaWide && p.q_vec && p.kv_vec && p.num_keys > 0 &&
       detail::tensor_map_encoder() != nullptr) {
@@ -1267,15 +1382,20 @@ cudaError_t launch(bf16* out, int64_t out_stride, float* lse, const bf16* q, int
   }
   const bool wgmma = kernel != PrefillKernel::kMma;
   const bool one_k = kernel == PrefillKernel::kWgmmaOneK;
+  cudaError_t err = cudaErrorInvalidValue;
   switch (head_dim) {
     case 64:
-      return wgmma ? launch_hd<64, true>(p, one_k, stream) : launch_hd<64, false>(p, one_k, stream);
+      err = wgmma ? launch_hd<64, true>(p, one_k, stream) : launch_hd<64, false>(p, one_k, stream);
+      break;
     case 128:
-      return wgmma ? launch_hd<128, true>(p, one_k, stream)
-                   : launch_hd<128, false>(p, one_k, stream);
+      err =
+          wgmma ? launch_hd<128, true>(p, one_k, stream) : launch_hd<128, false>(p, one_k, stream);
+      break;
     default:
-      return cudaErrorInvalidValue;
+      break;
   }
+  if (err != cudaSuccess || splits == 1) return err;
+  return launch_combine(c, head_dim, stream);
 }
 
 }  // namespace
@@ -1302,10 +1422,10 @@ cudaError_t attention_prefill(__nv_bfloat16* out, int64_t out_stride, float* lse
                               const __nv_bfloat16* q, int64_t q_stride, const __nv_bfloat16* k,
                               const __nv_bfloat16* v, const AttentionRows& rows,
                               const PrefillSchedule& schedule, int heads, int kv_heads,
-                              int head_dim, float scale, cudaStream_t stream,
-                              PrefillKernel kernel) {
+                              int head_dim, float scale, cudaStream_t stream, PrefillKernel kernel,
+                              const PrefillSplit& split) {
   return launch(out, out_stride, lse, q, q_stride, k, v, rows, schedule, heads, kv_heads, head_dim,
-                scale, kernel, stream);
+                scale, kernel, split, stream);
 }
 
 }  // namespace keep::kernels

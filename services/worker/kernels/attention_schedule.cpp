@@ -30,6 +30,35 @@ PrefillKernel resolve_prefill_kernel(PrefillKernel asked, int32_t rows, int32_t 
              : PrefillKernel::kWgmma;
 }
 
+int prefill_key_splits(int32_t rows, int32_t num_keys, int heads, int sms) {
+  if (rows <= 0 || num_keys <= 0 || heads <= 0 || sms <= 0) return 1;
+  const int64_t blocks = (int64_t{rows} + kPrefillRowTile - 1) / kPrefillRowTile * heads;
+  const int64_t key_tiles = (int64_t{num_keys} + kPrefillKeyTile - 1) / kPrefillKeyTile;
+  const int64_t by_blocks = int64_t{kPrefillSplitBlocksPerSm} * sms / blocks;
+  const int64_t by_keys = key_tiles / kPrefillSplitMinTiles;
+  const int64_t splits = std::min({by_blocks, by_keys, int64_t{kPrefillSplitMax}});
+  return splits >= 2 ? static_cast<int>(splits) : 1;
+}
+
+namespace {
+size_t align256(size_t n) { return (n + 255) / 256 * 256; }
+}  // namespace
+
+size_t prefill_split_bytes(int32_t rows, int heads, int head_dim, int splits) {
+  if (rows <= 0 || heads <= 0 || head_dim <= 0 || splits <= 1) return 0;
+  const size_t items =
+      static_cast<size_t>(splits) * static_cast<size_t>(rows) * static_cast<size_t>(heads);
+  return align256(items * static_cast<size_t>(head_dim) * 2) + items * sizeof(float);
+}
+
+size_t prefill_split_max_bytes(int head_dim, int sms) {
+  if (head_dim <= 0 || sms <= 0) return 0;
+  // splits x row tiles x heads <= kPrefillSplitBlocksPerSm x sms, each row tile <= 64 rows.
+  const size_t items =
+      static_cast<size_t>(kPrefillSplitBlocksPerSm) * static_cast<size_t>(sms) * kPrefillRowTile;
+  return align256(items * static_cast<size_t>(head_dim) * 2) + items * sizeof(float);
+}
+
 // For each row tile, every span of its rows adds two events (the key tiles it touches) and every
 // maximal run of contiguous keys of a row (adjacent spans merged) two more (the key tiles it
 // covers whole). Sorting the tile's events and sweeping them gives, per run of key tiles, how many

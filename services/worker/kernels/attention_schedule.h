@@ -3,6 +3,7 @@
 // built once per plan and uploaded by the CUDA backend.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -63,6 +64,25 @@ constexpr int kPrefillOneKMinBlocksPerSm = 4;
 // wgmma runs or not; any other choice as asked.
 PrefillKernel resolve_prefill_kernel(PrefillKernel asked, int32_t rows, int32_t num_keys, int heads,
                                      int head_dim, int sms, bool wgmma);
+
+// Split-key prefill (kernels.h PrefillSplit): a launch of too few blocks (64-row tiles x heads)
+// to fill the GPU cuts each row tile's scheduled key tiles into `splits` equal runs, one block
+// each, and a second kernel combines the runs' normalised outputs by their lse. The query-only
+// layers of a KEEP request (~128 rows over ~4k keys, 40 heads: 80 blocks on 132 SMs) are the
+// case. Splits aim at kPrefillSplitBlocksPerSm blocks an SM (the two-K-buffer wgmma kernel's
+// residency at head_dim 128), give each run kPrefillSplitMinTiles key tiles or more, and stop at
+// kPrefillSplitMax.
+constexpr int kPrefillSplitBlocksPerSm = 2;
+constexpr int kPrefillSplitMinTiles = 4;
+constexpr int kPrefillSplitMax = 16;
+// The splits of such a launch: floor(target blocks / blocks), 1 where that is below 2 (the split
+// launch would take as many waves as the plain one) or the keys are too few.
+int prefill_key_splits(int32_t rows, int32_t num_keys, int heads, int sms);
+// Workspace bytes of `splits` runs over `rows` rows (bf16 outputs and fp32 lse of every run),
+// and the most prefill_key_splits' choice needs at head_dim on `sms` SMs, whatever the rows and
+// heads (its blocks, splits x row tiles x heads, stay within the target): what a caller reserves.
+size_t prefill_split_bytes(int32_t rows, int heads, int head_dim, int splits);
+size_t prefill_split_max_bytes(int head_dim, int sms);
 
 struct PrefillScheduleHost {
   std::vector<int32_t> tile_offsets;  // (row_tiles + 1)

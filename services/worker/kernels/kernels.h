@@ -167,14 +167,27 @@ cudaError_t convert(float* out, const __nv_bfloat16* in, int64_t n, cudaStream_t
 // (KEEP_KERNELS_SM90A, CMAKE_CUDA_ARCHITECTURES naming 90a) and the device is compute 9.0.
 bool wgmma_available();
 
+// Split-key runs of attention_prefill (attention_schedule.h, prefill_key_splits): a device
+// workspace (256-byte aligned, prefill_split_bytes for the splits used; a caller reserves
+// prefill_split_max_bytes) and the splits: 0 = chosen by prefill_key_splits (and, for kAuto, the
+// wgmma kernel, or mma.sync, instead of the wide one when it splits); 1 = never; n > 1 = n runs
+// with any kernel but kWgmmaWide (tests, benchmarks). No workspace: never split.
+struct PrefillSplit {
+  void* workspace = nullptr;
+  size_t bytes = 0;
+  int splits = 0;
+};
+
 // Tiled flash-style kernel (tensor cores), for any number of rows; schedule from
-// build_prefill_schedule over the same rows. head_dim 64 or 128 (else cudaErrorInvalidValue).
+// build_prefill_schedule over the same rows. head_dim 64 or 128 (else cudaErrorInvalidValue);
+// a split asked for without room in its workspace, or with kWgmmaWide: cudaErrorInvalidValue.
 cudaError_t attention_prefill(__nv_bfloat16* out, int64_t out_stride, float* lse,
                               const __nv_bfloat16* q, int64_t q_stride, const __nv_bfloat16* k,
                               const __nv_bfloat16* v, const AttentionRows& rows,
                               const PrefillSchedule& schedule, int heads, int kv_heads,
                               int head_dim, float scale, cudaStream_t stream,
-                              PrefillKernel kernel = PrefillKernel::kAuto);
+                              PrefillKernel kernel = PrefillKernel::kAuto,
+                              const PrefillSplit& split = {});
 
 // Split-key kernel for few rows (decode steps, short candidate batches): the keys of each row are
 // cut into chunks processed by separate blocks, then combined. Correct for any rows, fast for few.
@@ -203,7 +216,8 @@ cudaError_t attention_pool(float* pooled, const __nv_bfloat16* q, int64_t q_stri
 // exp(s_t - lse) — the pooling — then summed over heads in fp32. One such pass per head_dim groups.
 // The probabilities go through the kernel's bf16 P and its bf16 output (relative error ~2^-8 per
 // head and group, where attention_pool is fp32 throughout); head_dim 64 or 128. scratch: device
-// memory of attention_pool_tiled_scratch_bytes() bytes (16-byte aligned).
+// memory of attention_pool_tiled_scratch_bytes() bytes (16-byte aligned); split as for
+// attention_prefill (its workspace may be the attention call's: the two run one after the other).
 size_t attention_pool_tiled_scratch_bytes(int64_t rows, int64_t num_keys, int heads, int kv_heads,
                                           int head_dim);
 cudaError_t attention_pool_tiled(float* pooled, const __nv_bfloat16* q, int64_t q_stride,
@@ -211,7 +225,8 @@ cudaError_t attention_pool_tiled(float* pooled, const __nv_bfloat16* q, int64_t 
                                  const PrefillSchedule& schedule, const int32_t* key_group,
                                  int num_groups, int heads, int kv_heads, int head_dim, float scale,
                                  void* scratch, size_t scratch_bytes, cudaStream_t stream,
-                                 PrefillKernel kernel = PrefillKernel::kAuto);
+                                 PrefillKernel kernel = PrefillKernel::kAuto,
+                                 const PrefillSplit& split = {});
 
 // ---- logits (logits.cu): greedy and scoring over fp32 logits (rows, vocab) ----
 // out (rows) = index of the largest logit of each row, lowest index on ties, NaN never wins (an

@@ -716,6 +716,11 @@ Status CudaBackend::reserve(int32_t max_rows, int32_t max_keys) {
                                                         static_cast<int>(c.head_dim))
           : 0;
   const size_t o_pool = take(pool_bytes);
+  const size_t split_bytes =
+      options_.prefill_split && (c.head_dim == 64 || c.head_dim == 128)
+          ? kernels::prefill_split_max_bytes(static_cast<int>(c.head_dim), sm_count_)
+          : 0;
+  const size_t o_split = take(split_bytes);
   // Our products' stream-K scratch (partial tiles and flags), where they run.
   const size_t scratch_bytes = kernels::wgmma_available() ? kernels::gemm_wgmma_scratch_bytes() : 0;
   const size_t o_gemm = take(scratch_bytes);
@@ -742,6 +747,8 @@ Status CudaBackend::reserve(int32_t max_rows, int32_t max_keys) {
   decode_ws_floats_ = dec;
   pool_scratch_ = pool_bytes > 0 ? base + o_pool : nullptr;
   pool_scratch_bytes_ = pool_bytes;
+  prefill_split_ =
+      kernels::PrefillSplit{split_bytes > 0 ? base + o_split : nullptr, split_bytes, 0};
   blas_ws_ = base + o_blas;
   scalars_ = reinterpret_cast<int32_t*>(base + o_sc);
   scalars_f_ = reinterpret_cast<float*>(base + o_scf);
@@ -979,7 +986,7 @@ Status CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_i
     if (plan.tiled) {
       KEEP_CUDA_CHECK(kernels::attention_prefill(att, q, lse, qkv, qkv_w, view_k, view_v, plan.rows,
                                                  plan.schedule, heads, kv_heads, hd, scale, stream_,
-                                                 options_.prefill_attention));
+                                                 options_.prefill_attention, prefill_split_));
     } else {
       KEEP_CUDA_CHECK(kernels::attention_decode(att, q, lse, qkv, qkv_w, view_k, view_v, plan.rows,
                                                 heads, kv_heads, hd, scale, decode_ws_,
@@ -993,7 +1000,7 @@ Status CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_i
       KEEP_CUDA_CHECK(kernels::attention_pool_tiled(
           out.pooled, qkv, qkv_w, view_k, plan.rows, plan.schedule, plan.key_group,
           plan.layout().num_groups, heads, kv_heads, hd, scale, pool_scratch_, pool_scratch_bytes_,
-          stream_, options_.prefill_attention));
+          stream_, options_.prefill_attention, prefill_split_));
     } else {
       KEEP_CUDA_CHECK(kernels::attention_pool(out.pooled, qkv, qkv_w, view_k, lse, plan.rows,
                                               plan.key_group, plan.layout().num_groups, heads,

@@ -107,6 +107,11 @@ struct CudaBackendOptions {
   // (CUDA cores, fp32). On the H200 the fp32 form took 6.5 ms a check layer at 4k rows x 4k keys
   // (14B), most of a KEEP request (benchmarks/RESULTS.md, KEEP's TTFT).
   bool pool_tensor_cores = true;
+  // Split-key prefill attention (kernels::PrefillSplit, attention_schedule.h prefill_key_splits)
+  // for calls of too few row tiles to fill the GPU, such as a KEEP request's query-only layers:
+  // a workspace of prefill_split_max_bytes (~4 MiB at head_dim 128 on 132 SMs) at reserve().
+  // false: never split (A/B in bench_keep --prefill-split off).
+  bool prefill_split = true;
   // Blocks of the loader's kernel (queue_kv_bf16_runs, on its own stream beside the layers): few
   // enough to leave the layers most SMs, enough to keep the link busy: on the H200 12-64 blocks
   // read 14B entries at 46 GB/s alone (0.85 of one cudaMemcpyAsync), and 16 beside the layers
@@ -295,6 +300,7 @@ class CudaBackend final : public Backend {
   size_t decode_ws_floats_ = 0;
   void* pool_scratch_ = nullptr;  // kernels::attention_pool_tiled's scratch
   size_t pool_scratch_bytes_ = 0;
+  kernels::PrefillSplit prefill_split_;  // split-key runs' workspace (attention, pooling)
   void* blas_ws_ = nullptr;
   kernels::GemmScratch gemm_scratch_;  // in workspace_, zeroed when allocated
   int32_t* scalars_ = nullptr;         // (rows) device ints for argmax results
