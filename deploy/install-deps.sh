@@ -18,6 +18,8 @@ APT_PACKAGES=(
   etcd-server                  # cluster mode: placement (shard owners, leases, epochs); tests
   libcurl4-openssl-dev         # HTTP client: etcd's v3 JSON gateway
   postgresql libpq-dev         # cluster mode: the memory log (system of record); tests
+  libhiredis-dev               # cluster mode: the shared KV tier's Redis Cluster client
+  redis-server redis-tools     # cluster mode: Redis Cluster for the shared KV tier's tests
   clang-format
   curl                         # scripts talk to /metrics
   docker-compose               # validates docker-compose.yml in the tests (no engine needed)

@@ -240,6 +240,7 @@ struct JobSegment {
   version @1 :UInt64;
   text @2 :Text;
   tokens @3 :UInt32;
+  kind @4 :SegmentKind;  # unknown from a manager older than the shared KV tier
 }
 
 struct KvJob {

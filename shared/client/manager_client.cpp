@@ -400,8 +400,10 @@ Result<std::vector<KvJob>> ManagerClient::fetch_jobs(uint64_t worker_id, uint32_
           job.group_id = j.getGroupId();
           job.group_version = j.getGroupVersion();
           for (auto s : j.getSegments()) {
-            job.segments.push_back(
-                JobSegment{s.getId(), s.getVersion(), to_string(s.getText()), s.getTokens()});
+            auto kind = kind_from_wire(s.getKind());
+            job.segments.push_back(JobSegment{s.getId(), s.getVersion(), to_string(s.getText()),
+                                              s.getTokens(),
+                                              kind.is_ok() ? *kind : SegmentKind::kObjectState});
           }
           out.push_back(std::move(job));
         }

@@ -116,6 +116,8 @@ struct JobSegment {
   uint64_t version = 0;
   std::string text;
   uint32_t tokens = 0;
+  // kObjectState when the manager sent none (older than the shared KV tier): not shared.
+  SegmentKind kind = SegmentKind::kObjectState;
 };
 
 struct KvJob {

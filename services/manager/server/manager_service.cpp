@@ -534,6 +534,7 @@ void ManagerService::do_fetch_jobs(ManagerCall& call) {
       s.setVersion(j.segments[k].version);
       s.setText(as_text(j.segments[k].text));
       s.setTokens(j.segments[k].tokens);
+      s.setKind(kind_to_wire(j.segments[k].kind));
     }
     JobState state;
     state.job = j;

@@ -285,7 +285,7 @@ struct MemoryStore::Impl {
     job.kind = KvJobKind::kSegment;
     job.agent = a.name;
     job.group_id = s.group;
-    job.segments.push_back(KvJobSegment{s.id, s.version, s.text, s.tokens});
+    job.segments.push_back(KvJobSegment{s.id, s.version, s.text, s.tokens, s.kind});
     job.total_tokens = s.tokens;
     s.seg_job = jobs.enqueue(std::move(job));
   }
@@ -302,7 +302,7 @@ struct MemoryStore::Impl {
     uint64_t total = 0;
     for (uint64_t sid : g->members) {
       const Segment& s = a.segments.at(sid);
-      job.segments.push_back(KvJobSegment{s.id, s.version, s.text, s.tokens});
+      job.segments.push_back(KvJobSegment{s.id, s.version, s.text, s.tokens, s.kind});
       total += s.tokens;
     }
     job.total_tokens = static_cast<uint32_t>(std::min<uint64_t>(total, UINT32_MAX));

@@ -199,6 +199,7 @@ struct KvJobSegment {
   uint64_t version = 0;
   std::string text;
   uint32_t tokens = 0;
+  SegmentKind kind = SegmentKind::kObjectState;  // the worker shares example plans' KV
 };
 
 // "Compute the KV of these segments". A segment job has one segment (its own KV, computed alone

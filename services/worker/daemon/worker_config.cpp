@@ -1,5 +1,7 @@
 #include "services/worker/daemon/worker_config.h"
 
+#include "shared/kvremote/redis_cluster.h"
+
 namespace keep::worker {
 
 void declare_worker_options(Options* o) {
@@ -52,6 +54,14 @@ void declare_worker_options(Options* o) {
          "tier another worker on this GPU owns");
   o->add("device-tier-slot-bytes", "32MiB",
          "with --device-tier-bytes: the largest entry the tier holds (one per slot)");
+  o->add("kv-remote", "",
+         "the shared KV tier: Redis Cluster masters, redis://host:port,host:port,...; static "
+         "groups' and example plans' KV is looked up there before computing and published "
+         "after; empty: off");
+  o->add("kv-remote-timeout-ms", "50",
+         "the shared KV tier: the longest a connect or a command may take (then the entry is "
+         "computed, and that Redis node is left alone for 2 s)");
+  o->add("kv-remote-ttl-s", "86400", "the shared KV tier: expiry of a published entry");
   o->add("log-level", "info", "debug, info, warn, error or off");
 }
 
@@ -138,6 +148,17 @@ Result<WorkerConfig> read_worker_config(const Options& o) {
   c.job_poll = std::chrono::milliseconds(poll);
   KEEP_ASSIGN_OR_RETURN(c.worker_id, o.uint64("worker-id"));
   KEEP_ASSIGN_OR_RETURN(c.max_message_bytes, o.bytes("max-message-bytes"));
+  if (!o.str("kv-remote").empty()) {
+    auto seeds = kvremote::parse_redis_url(o.str("kv-remote"));
+    if (!seeds.is_ok()) return bad("--kv-remote: " + seeds.status().message());
+    c.kv_remote = std::move(seeds).value();
+  }
+  KEEP_ASSIGN_OR_RETURN(uint64_t rt, o.uint64("kv-remote-timeout-ms"));
+  if (rt == 0 || rt > 60000) return bad("--kv-remote-timeout-ms: must be in 1..60000");
+  c.kv_remote_timeout = std::chrono::milliseconds(rt);
+  KEEP_ASSIGN_OR_RETURN(uint64_t ttl, o.uint64("kv-remote-ttl-s"));
+  if (ttl == 0 || ttl > 365ull * 86400) return bad("--kv-remote-ttl-s: must be in 1..31536000");
+  c.kv_remote_ttl = std::chrono::seconds(ttl);
   c.device_tier = o.str("device-tier");
   KEEP_ASSIGN_OR_RETURN(c.device_tier_bytes, o.bytes("device-tier-bytes"));
   KEEP_ASSIGN_OR_RETURN(c.device_tier_slot_bytes, o.bytes("device-tier-slot-bytes"));

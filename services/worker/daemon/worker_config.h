@@ -40,6 +40,10 @@ struct WorkerConfig {
   std::string device_tier;              // the device KV tier's name; empty: none
   uint64_t device_tier_bytes = 0;       // > 0: own it with this much GPU memory; 0: attach
   uint64_t device_tier_slot_bytes = 0;  // its slot size (owner)
+  // The shared KV tier (docs/cluster.md): Redis Cluster masters; empty: off.
+  std::vector<std::string> kv_remote;
+  std::chrono::milliseconds kv_remote_timeout{50};  // per connect and per command
+  std::chrono::seconds kv_remote_ttl{86400};        // expiry of a published entry
   std::string log_level;
 };
 

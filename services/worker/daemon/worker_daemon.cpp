@@ -65,6 +65,7 @@ struct WorkerDaemon::Impl {
   std::unique_ptr<client::ManagerClient> manager;
   std::unique_ptr<KvAssembler> request_assembler, job_assembler;
   std::optional<PlanService> plans;
+  std::unique_ptr<kvremote::SharedKvTier> shared_kv;  // before the producer that uses it
   std::optional<KvProducer> producer;
   std::unique_ptr<WorkerService> service;
   std::unique_ptr<WorkerRpcServer> server;
@@ -146,6 +147,18 @@ Result<std::unique_ptr<WorkerDaemon>> WorkerDaemon::start(const WorkerConfig& co
   d.plans.emplace(d.request_assembler.get(), &*d.prompts, &*d.tokenizer, d.manager.get(), nullptr,
                   config.defaults);
   d.producer.emplace(d.job_assembler.get(), &*d.prompts, d.manager.get(), nullptr, worker_id);
+  if (!config.kv_remote.empty()) {
+    kvremote::SharedKvOptions ko;
+    ko.redis.seeds = config.kv_remote;
+    ko.redis.connect_timeout = config.kv_remote_timeout;
+    ko.redis.op_timeout = config.kv_remote_timeout;
+    ko.ttl = config.kv_remote_ttl;
+    KEEP_ASSIGN_OR_RETURN(d.shared_kv, kvremote::SharedKvTier::create(ko));
+    d.producer->set_shared_tier(d.shared_kv.get(), backend_name);
+    KEEP_LOG_INFO(kLog, "shared KV tier on Redis Cluster: %zu seed(s), timeout %lld ms",
+                  config.kv_remote.size(),
+                  static_cast<long long>(config.kv_remote_timeout.count()));
+  }
   d.metrics = std::make_unique<WorkerMetrics>(d.registry);
 
   WorkerServiceOptions so;

@@ -101,6 +101,7 @@ class KvAssembler {
   void set_load_options(const LoadOptions& options) { load_options_ = options; }
   void set_produce_options(const ProduceOptions& options) { produce_options_ = options; }
   const LoadOptions& load_options() const { return load_options_; }
+  const ProduceOptions& produce_options() const { return produce_options_; }
   int32_t capacity() const { return cache_.capacity(); }
   // The working cache: after prefill(), size() = the prompt's tokens; decode steps append.
   engine::KvCache& cache() { return cache_; }

@@ -285,8 +285,24 @@ Status KvProducer::start(client::KvJob job) {
   if (!geometry.is_ok()) return fail(geometry.status());
   job_->entry = *entry;
   job_->geometry = *geometry;
+  if (shared_ != nullptr && worth_sharing(job_->job)) {
+    kvremote::EntryContent c;
+    c.fingerprint = region_->fingerprint();
+    c.producer = producer_name_;
+    if (assembler_->produce_options().with_prefix) c.context = assembler_->prefix();
+    c.tokens = tokens;
+    // A hit is the entry's bytes exactly (the content fixes them): no compute, commit next step.
+    job_->fetched = shared_->fetch(c, job_->entry.first(job_->geometry.bytes()));
+    if (!job_->fetched) job_->shared = std::move(c);
+    if (job_->fetched) return Status::ok();
+  }
   if (Status st = assembler_->begin_produce(tokens); !st.is_ok()) return fail(st);
   return Status::ok();
+}
+
+bool KvProducer::worth_sharing(const client::KvJob& job) {
+  if (job.kind == client::JobKind::kGroup) return true;
+  return job.segments.size() == 1 && job.segments[0].kind == client::SegmentKind::kExamplePlan;
 }
 
 Result<bool> KvProducer::step(int32_t layers) {
@@ -304,9 +320,14 @@ Result<bool> KvProducer::step(int32_t layers) {
     if (!lease.is_ok()) return fail(lease.status());
     j.renew_at = Clock::now() + std::chrono::milliseconds(*lease / 2);
   }
-  auto done = assembler_->produce_layers(layers, KvAssembler::entry_writer(j.entry, j.geometry));
-  if (!done.is_ok()) return fail(done.status());
-  if (!*done) return true;
+  if (!j.fetched) {
+    auto done = assembler_->produce_layers(layers, KvAssembler::entry_writer(j.entry, j.geometry));
+    if (!done.is_ok()) return fail(done.status());
+    if (!*done) return true;
+    // Published before the commit, while the entry is still ours (bounded by the tier's timeout).
+    if (j.shared) shared_->publish(*j.shared, j.entry.first(j.geometry.bytes()));
+  }
+  const bool fetched = j.fetched;
   // The bytes are in the mapping (CPU stores); the commit request orders them before the commit.
   const bool group = j.job.kind == client::JobKind::kGroup;
   Status st = manager_->commit_entry(worker_id_, j.job.job_id, e.index, e.generation,
@@ -322,6 +343,7 @@ Result<bool> KvProducer::step(int32_t layers) {
     return st;
   }
   ++stats_.jobs_done;
+  if (fetched) ++stats_.jobs_shared;
   stats_.bytes_written += bytes;
   return true;
 }

@@ -23,6 +23,7 @@
 #include "shared/client/manager_client.h"
 #include "shared/common/status.h"
 #include "shared/kvregion/kv_region.h"
+#include "shared/kvremote/shared_kv_tier.h"
 #include "shared/tokenizer/bpe_tokenizer.h"
 
 namespace keep::worker {
@@ -107,6 +108,7 @@ class PlanService {
 
 struct ProducerStats {
   uint64_t jobs_done = 0;
+  uint64_t jobs_shared = 0;  // done with the entry read from the shared KV tier (part of done)
   uint64_t jobs_failed = 0;  // revoked (or refused) after an error
   uint64_t jobs_stale = 0;   // committed too late: the manager found the memory changed
   uint64_t bytes_written = 0;
@@ -133,6 +135,20 @@ class KvProducer {
   }
   const ProducerStats& stats() const { return stats_; }
 
+  // The shared KV tier (docs/cluster.md): entries worth sharing -- a static group's joint KV, an
+  // example plan's own KV -- are looked up there before computing (a hit is written into the
+  // region and committed at once) and published after. `producer` names the backend computing
+  // them (part of the content key). Null: off.
+  void set_shared_tier(kvremote::SharedKvTier* tier, std::string producer) {
+    shared_ = tier;
+    producer_name_ = std::move(producer);
+  }
+  const kvremote::SharedKvStats* shared_stats() const {
+    return shared_ != nullptr ? &shared_->stats() : nullptr;
+  }
+  // Whether a job's entry is worth sharing: a group job, or one example plan's own KV.
+  static bool worth_sharing(const client::KvJob& job);
+
  private:
   struct Job {
     client::KvJob job;
@@ -141,6 +157,8 @@ class KvProducer {
     std::span<std::byte> entry;
     EntryGeometry geometry;
     std::chrono::steady_clock::time_point renew_at;
+    std::optional<kvremote::EntryContent> shared;  // the content when worth sharing
+    bool fetched = false;  // the entry came from the shared tier: commit at the next step
   };
   Status start(client::KvJob job);
   Status fail(const Status& why);
@@ -152,6 +170,8 @@ class KvProducer {
   uint64_t worker_id_;
   std::optional<Job> job_;
   ProducerStats stats_;
+  kvremote::SharedKvTier* shared_ = nullptr;
+  std::string producer_name_;
 };
 
 }  // namespace keep::worker

@@ -75,6 +75,12 @@ WorkerMetrics::WorkerMetrics(metrics::Registry& r)
                           "KV bytes written into the shared region by committed jobs.")),
       manager_errors(r.counter("keep_worker_manager_errors_total",
                                "Failed calls to keep-manager (retrieve, jobs).")),
+      shared_kv(r.counter("keep_worker_kv_shared_total",
+                          "The shared KV tier on Redis Cluster (--kv-remote), by result: hit "
+                          "(an entry read instead of computed), miss (absent, or refused by its "
+                          "checks: also counted as rejected), error (Redis unreachable or slow), "
+                          "published.",
+                          {"result"})),
       region_attached(r.gauge("keep_worker_region_attached",
                               "1 while the KV region is attached (0: every memory is "
                               "recomputed and no job is taken).")) {}
@@ -350,6 +356,7 @@ void WorkerService::run_one(Queued q) {
 
 void WorkerService::engine_loop() {
   ProducerStats seen;
+  kvremote::SharedKvStats seen_shared;
   for (;;) {
     std::optional<Queued> next;
     {
@@ -387,6 +394,15 @@ void WorkerService::engine_loop() {
       metrics_->jobs.labels({"stale"}).inc(static_cast<double>(s.jobs_stale - seen.jobs_stale));
       metrics_->job_bytes.get().inc(static_cast<double>(s.bytes_written - seen.bytes_written));
       seen = s;
+      if (const kvremote::SharedKvStats* t = producer_->shared_stats(); t != nullptr) {
+        auto& f = metrics_->shared_kv;
+        f.labels({"hit"}).inc(static_cast<double>(t->hits - seen_shared.hits));
+        f.labels({"miss"}).inc(static_cast<double>(t->misses - seen_shared.misses));
+        f.labels({"error"}).inc(static_cast<double>(t->errors - seen_shared.errors));
+        f.labels({"published"}).inc(static_cast<double>(t->published - seen_shared.published));
+        f.labels({"rejected"}).inc(static_cast<double>(t->rejected - seen_shared.rejected));
+        seen_shared = *t;
+      }
     }
     if (!worked) {
       std::unique_lock<std::mutex> lock(mu_);

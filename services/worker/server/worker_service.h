@@ -74,6 +74,7 @@ struct WorkerMetrics {
   metrics::CounterFamily& jobs;               // {result}
   metrics::CounterFamily& job_bytes;
   metrics::CounterFamily& manager_errors;
+  metrics::CounterFamily& shared_kv;  // {result}: the shared KV tier (hit, miss, error, published)
   metrics::GaugeFamily& region_attached;
 };
 
