@@ -26,13 +26,17 @@
 namespace keep::itest {
 
 // keep-manager's flags for node `node` of a cluster of `shards` shards on `etcd_urls` (comma-
-// separated), its log in `pg`, with a 2 s lease.
+// separated), its log in the database of `conninfo`, with a 2 s lease.
+inline std::vector<std::string> pg_cluster_flags(const std::string& etcd_urls,
+                                                 const std::string& node, uint32_t shards,
+                                                 const std::string& conninfo) {
+  return {"--etcd",         etcd_urls, "--node-id", node,    "--shards", std::to_string(shards),
+          "--etcd-lease-s", "2",       "--pg",      conninfo};
+}
 inline std::vector<std::string> pg_cluster_flags(const std::string& etcd_urls,
                                                  const std::string& node, uint32_t shards,
                                                  const PgServer& pg) {
-  return {
-      "--etcd",         etcd_urls, "--node-id", node,         "--shards", std::to_string(shards),
-      "--etcd-lease-s", "2",       "--pg",      pg.conninfo()};
+  return pg_cluster_flags(etcd_urls, node, shards, pg.conninfo());
 }
 
 inline std::string join_urls(const std::vector<std::string>& urls) {
