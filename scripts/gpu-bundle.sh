@@ -12,9 +12,9 @@
 # no network): there, --unpack makes .venv from them with the Python client on its path, for the
 # quality benchmarks (benchmarks/quality/run.py) and the two-worker device tier test
 # (tests/gpu/tier_e2e.py).
-# BUNDLE_BASE=REV also builds bench_prefill at revision REV (a git worktree at build-bundle-src,
-# built in build-gpu-bundle-base) as bin/bench_prefill_base, for `scripts/gpu-ab.sh bench` (both
-# builds timed in alternation in one call).
+# BUNDLE_BASE=REV also builds bench_prefill and bench_keep at revision REV (a git worktree at
+# build-bundle-src, built in build-gpu-bundle-base) as bin/bench_prefill_base and
+# bin/bench_keep_base, for `scripts/gpu-ab.sh bench` and same-call A/B runs of bench_keep.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="$root/.gpu-bundle"
@@ -72,8 +72,9 @@ if [[ -n "${BUNDLE_BASE:-}" ]]; then
   # The worktree has no models/ (ignored): the base build needs none.
   cmake -S "$wt" -B "$root/build-gpu-bundle-base" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
     -DKEEP_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a -DKEEP_BENCHMARKS=ON -DKEEP_TESTS=OFF >/dev/null
-  cmake --build "$root/build-gpu-bundle-base" --target bench_prefill -j "$(nproc)"
+  cmake --build "$root/build-gpu-bundle-base" --target bench_prefill bench_keep -j "$(nproc)"
   cp "$root/build-gpu-bundle-base/bin/bench_prefill" "$out/bin/bench_prefill_base"
+  cp "$root/build-gpu-bundle-base/bin/bench_keep" "$out/bin/bench_keep_base"
   echo "$rev" >"$out/BASE_REVISION"
 fi
 strip "$out"/bin/*  # the carry to a GPU machine is size-limited
