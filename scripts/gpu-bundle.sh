@@ -14,7 +14,8 @@
 # (tests/gpu/tier_e2e.py).
 # BUNDLE_BASE=REV also builds bench_prefill and bench_keep at revision REV (a git worktree at
 # build-bundle-src, built in build-gpu-bundle-base) as bin/bench_prefill_base and
-# bin/bench_keep_base, for `scripts/gpu-ab.sh bench` and same-call A/B runs of bench_keep.
+# bin/bench_keep_base (same build type), for `scripts/gpu-ab.sh bench` and same-call A/B runs of
+# bench_keep.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="$root/.gpu-bundle"
@@ -70,7 +71,8 @@ if [[ -n "${BUNDLE_BASE:-}" ]]; then
   wt="$root/build-bundle-src"
   rev="$("$root/scripts/worktree-at.sh" "$wt" "$BUNDLE_BASE")"
   # The worktree has no models/ (ignored): the base build needs none.
-  cmake -S "$wt" -B "$root/build-gpu-bundle-base" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
+  cmake -S "$wt" -B "$root/build-gpu-bundle-base" "${generator[@]}" \
+    -DCMAKE_BUILD_TYPE="${BUNDLE_BUILD_TYPE:-Release}" \
     -DKEEP_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a -DKEEP_BENCHMARKS=ON -DKEEP_TESTS=OFF >/dev/null
   cmake --build "$root/build-gpu-bundle-base" --target bench_prefill bench_keep -j "$(nproc)"
   cp "$root/build-gpu-bundle-base/bin/bench_prefill" "$out/bin/bench_prefill_base"

@@ -258,8 +258,28 @@ void run_case(const std::string& name, std::mt19937& rng, const Layout& lay, con
 
 // Times a large call (median of 20 samples of 10 launches) and checks a sample of its rows
 // against the reference.
+// A KEEP layer's rows: runs of 15 to 80 memory slots, each recomputed with probability `share`,
+// then `query` rows; each row sees every slot up to its own.
+Layout keep_layer(std::mt19937& rng, int32_t memory, int32_t query, double share) {
+  std::uniform_int_distribution<int32_t> run(15, 80);
+  std::bernoulli_distribution pick(share);
+  Layout l;
+  l.num_keys = memory + query;
+  for (int32_t s = 0; s < memory;) {
+    const int32_t e = std::min(memory, s + run(rng));
+    if (pick(rng)) {
+      for (int32_t t = s; t < e; ++t) l.add_row({{0, t + 1}});
+    }
+    s = e;
+  }
+  for (int32_t t = memory; t < l.num_keys; ++t) l.add_row({{0, t + 1}});
+  return l;
+}
+
+// force_sanitize: clean V in every tile not marked full, as if some key were unseen (the cost
+// PrefillSchedule::sanitize_v saves, measured on the same layout).
 void bench(std::mt19937& rng, const Layout& lay, const Shape& sh, kk::PrefillKernel kernel,
-           int splits = 1) {
+           int splits = 1, const char* label = "causal", bool force_sanitize = false) {
   const int32_t rows = lay.rows();
   const int64_t width = static_cast<int64_t>(sh.heads) * sh.head_dim;
   const int64_t q_stride = static_cast<int64_t>(sh.heads + 2 * sh.kv_heads) * sh.head_dim;
@@ -278,7 +298,8 @@ void bench(std::mt19937& rng, const Layout& lay, const Shape& sh, kk::PrefillKer
   Buf<Bf16> d_k(k), d_v(v);
   Buf<float> d_lse(std::vector<float>(static_cast<size_t>(rows) * sh.heads));
   const AttentionRows d_rows{d_offsets.dev(), d_spans.dev(), rows, lay.num_keys};
-  const kk::PrefillSchedule d_sched{d_tile_offsets.dev(), d_tiles.dev()};
+  const kk::PrefillSchedule d_sched{d_tile_offsets.dev(), d_tiles.dev(),
+                                    sched.sanitize_v || force_sanitize};
   const auto workspace = split_workspace(splits, rows, sh.heads, sh.head_dim);
   Buf<unsigned char> d_split(workspace);
   const kk::PrefillSplit split{splits == 1 ? nullptr : d_split.dev(), workspace.size(), splits};
@@ -294,12 +315,12 @@ void bench(std::mt19937& rng, const Layout& lay, const Shape& sh, kk::PrefillKer
   const double median = times.median_ms;
   const double flops = 4.0 * static_cast<double>(lay.visible()) * sh.head_dim * sh.heads;
   std::printf(
-      "  timing %-5s%s: %d rows causal over %d keys, %d/%d hd%d kv bf16: %.3f ms median of 20 x "
+      "  timing %-5s%s: %d rows %s%s over %d keys, %d/%d hd%d kv bf16: %.3f ms median of 20 x "
       "10 (min %.3f), %.1f TFLOP/s\n",
       kk::prefill_kernel_name(kernel),
       splits == 1 ? "" : (splits == 0 ? " split auto" : " split " + std::to_string(splits)).c_str(),
-      rows, lay.num_keys, sh.heads, sh.kv_heads, sh.head_dim, median, times.min_ms,
-      flops / (median * 1e-3) / 1e12);
+      rows, label, d_sched.sanitize_v ? " (V cleaned)" : "", lay.num_keys, sh.heads, sh.kv_heads,
+      sh.head_dim, median, times.min_ms, flops / (median * 1e-3) / 1e12);
 
   // A sample of rows against the reference: a sub-layout of those rows with their Q.
   const auto got = d_out.host();
@@ -370,6 +391,7 @@ void run_all(std::mt19937& rng, kk::PrefillKernel kernel) {
   run_case("recompute", rng, recompute(rng, 300, 0.4, true), kSmol, base);
   run_case("recompute", rng, recompute(rng, 1000, 0.15, true), kQwen7, base);
   run_case("recompute sparse", rng, recompute(rng, 700, 0.03, true), kQwen14, base);
+  run_case("keep layer", rng, keep_layer(rng, 2000, 128, 0.1), kQwen14, base);
   // Blocks after a prefix (adjacent spans when a block starts at the prefix; gaps unseen = NaN).
   run_case("blocks", rng, blocks(50, {{50, 120}, {120, 300}, {300, 301}, {301, 420}}), kSmol, base);
   run_case("blocks gaps", rng, blocks(64, {{100, 228}, {300, 301}, {320, 512}}), kQwen7, base);
@@ -446,6 +468,15 @@ void run_all(std::mt19937& rng, kk::PrefillKernel kernel) {
     bench(rng, causal(1024, 0), kQwen7, kernel);
     bench(rng, causal(1024, 0), kQwen14, kernel);
     bench(rng, causal(512, 3584), kQwen7, kernel);  // a recompute's few rows, long view
+    // A KEEP layer at 14B over 40 segments: the query and ~8 % of the memory's runs recomputed,
+    // V cleaned or not; dense rows of the same count; an odd row-tile count (the wide kernel's
+    // block of one tile).
+    const Layout keep_rows = keep_layer(rng, 4108, 128, 0.08);
+    bench(rng, keep_rows, kQwen14, kernel, 1, "keep layer");
+    bench(rng, keep_rows, kQwen14, kernel, 1, "keep layer", true);
+    bench(rng, causal(keep_rows.rows(), 4236 - keep_rows.rows()), kQwen14, kernel);
+    bench(rng, causal(320, 3916), kQwen14, kernel);
+    bench(rng, causal(384, 3852), kQwen14, kernel);
     bench(rng, causal(4096, 0), kSmol, kernel);
     // Few rows over a long view (decode steps, short recomputes): against the split-key kernel's
     // timings in test_attention_decode, these set CudaBackendOptions::decode_rows.

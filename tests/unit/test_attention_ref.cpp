@@ -50,6 +50,11 @@ kk::PrefillScheduleHost brute_schedule(const Layout& l, int32_t row_tile, int32_
     s.tile_offsets.push_back(static_cast<int32_t>(s.tiles.size()));
   }
   s.visited_pairs = static_cast<int64_t>(s.tiles.size());
+  for (int32_t t = 0; t < l.num_keys && !s.sanitize_v; ++t) {
+    bool seen = false;
+    for (int32_t r = 0; r < l.rows() && !seen; ++r) seen = m[r][t];
+    s.sanitize_v = !seen;
+  }
   return s;
 }
 
@@ -60,6 +65,7 @@ void check_schedule(const Layout& l, int32_t row_tile, int32_t key_tile) {
   CHECK(got.tile_offsets == want.tile_offsets);
   CHECK(got.tiles == want.tiles);
   CHECK(got.visited_pairs == want.visited_pairs);
+  CHECK(got.sanitize_v == want.sanitize_v);
 }
 
 // ---- naive attention over the mask matrix ----
@@ -172,6 +178,18 @@ TEST_CASE("prefill schedule matches a brute force over every (row tile, key tile
       check_schedule(random_spans(rng, 12, 60000, 2, i % 2 == 0), ts[0], ts[1]);
     }
   }
+  // V is cleaned only where a key is seen by no row (a slot maybe never written): not for causal
+  // rows or a recompute that ends with the last slot (KEEP's layers), nor for a partial last key
+  // tile (zero-filled past num_keys); between blocks, or after the last recomputed slot, it is.
+  CHECK_FALSE(kk::build_prefill_schedule(causal(200, 37).view()).sanitize_v);
+  CHECK_FALSE(kk::build_prefill_schedule(recompute(rng, 4236, 0.1, true).view()).sanitize_v);
+  CHECK(kk::build_prefill_schedule(blocks(64, {{100, 228}, {300, 301}}).view()).sanitize_v);
+  Layout tail;
+  tail.num_keys = 100;
+  tail.add_row({{0, 99}});
+  CHECK(kk::build_prefill_schedule(tail.view()).sanitize_v);
+  tail.add_row({{99, 100}});
+  CHECK_FALSE(kk::build_prefill_schedule(tail.view()).sanitize_v);
   // A tile that every row covers with two adjacent spans is full.
   Layout split;
   split.num_keys = 128;

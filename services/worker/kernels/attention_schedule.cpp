@@ -42,6 +42,26 @@ int prefill_key_splits(int32_t rows, int32_t num_keys, int heads, int sms) {
 
 namespace {
 size_t align256(size_t n) { return (n + 255) / 256 * 256; }
+
+// Whether a key below num_keys is seen by no row: a slot the call may never have written (the
+// slots between a blocks layout's blocks), whose V the kernel then cleans (PrefillSchedule).
+// O(spans + num_keys).
+bool has_unseen_key(const AttentionRows& rows) {
+  if (rows.num_keys <= 0) return false;
+  std::vector<int32_t> delta(static_cast<size_t>(rows.num_keys) + 1, 0);
+  for (int32_t s = 0; s < rows.row_offsets[rows.rows]; ++s) {
+    const KeyRange span = rows.spans[s];
+    if (span.end <= span.begin) continue;
+    ++delta[static_cast<size_t>(std::max(span.begin, 0))];
+    --delta[static_cast<size_t>(std::min(span.end, rows.num_keys))];
+  }
+  int32_t seen = 0;
+  for (int32_t t = 0; t < rows.num_keys; ++t) {
+    seen += delta[static_cast<size_t>(t)];
+    if (seen <= 0) return true;
+  }
+  return false;
+}
 }  // namespace
 
 size_t prefill_split_bytes(int32_t rows, int heads, int head_dim, int splits) {
@@ -74,6 +94,7 @@ PrefillScheduleHost build_prefill_schedule(const AttentionRows& rows, int32_t ro
     std::abort();
   }
   PrefillScheduleHost out;
+  out.sanitize_v = rows.rows > 0 && has_unseen_key(rows);
   const int32_t row_tiles = (rows.rows + row_tile - 1) / row_tile;
   out.tile_offsets.reserve(static_cast<size_t>(row_tiles) + 1);
   out.tile_offsets.push_back(0);

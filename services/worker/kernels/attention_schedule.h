@@ -88,6 +88,7 @@ struct PrefillScheduleHost {
   std::vector<int32_t> tile_offsets;  // (row_tiles + 1)
   std::vector<int32_t> tiles;         // key_tile * 2 + full
   int64_t visited_pairs = 0;          // Σ over row tiles of visited key tiles (work estimate)
+  bool sanitize_v = false;            // a key below num_keys no row sees (PrefillSchedule)
 };
 
 // rows: host arrays (row_offsets, spans) of an AttentionRows. row_tile / key_tile default to the

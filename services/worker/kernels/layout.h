@@ -32,9 +32,15 @@ struct AttentionRows {
 // tile_offsets[i + 1]), each entry `key_tile * 2 + full`, ascending by key tile; full == 1 when
 // every row of the row tile sees every key of the key tile (no masking needed), 0 otherwise. Key
 // tiles no row of the tile touches are absent.
+// sanitize_v: some key below num_keys is seen by no row -- a slot that may never have been
+// written (between a blocks layout's blocks), so the kernel zeroes the non-finite values of V in
+// tiles not marked full (a masked P = 0 times a NaN V is NaN). false: every key is seen by some
+// row, hence written, and V is read as it is (causal rows, a KEEP layer's recomputed rows and
+// query; cleaning V cost the wide kernel much of a masked step there).
 struct PrefillSchedule {
   const int32_t* tile_offsets = nullptr;  // (row_tiles + 1)
   const int32_t* tiles = nullptr;         // (tile_offsets[row_tiles])
+  bool sanitize_v = true;
 };
 
 constexpr int kPrefillRowTile = 64;  // rows of Q per block of the prefill kernel

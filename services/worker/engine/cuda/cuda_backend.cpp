@@ -129,6 +129,7 @@ Status CudaPlan::upload() const {
   rows.spans = reinterpret_cast<const kernels::KeyRange*>(d + a_spans);
   schedule.tile_offsets = d + a_toffs;
   schedule.tiles = d + a_tiles;
+  schedule.sanitize_v = sched.sanitize_v;
   return Status::ok();
 }
 
