@@ -142,10 +142,24 @@ static Status round_trip(wire::RpcChannel& channel, proto::Response::Which expec
                                        std::forward<Extract>(extract));
 }
 
-Status ManagerClient::routed(std::string_view agent,
+std::string ManagerClient::lookup(const std::string& agent) {
+  if (options_.directory) {
+    // A directory that cannot be read, or names no owner, leaves the call to the configured
+    // endpoint: it answers moved or "retry".
+    auto found = options_.directory->endpoint_of(agent);
+    if (found.is_ok() && found->has_value()) {
+      owners_[agent] = **found;
+      return **found;
+    }
+  }
+  return options_.endpoint;
+}
+
+Status ManagerClient::routed(std::string_view agent_name,
                              const std::function<Status(wire::RpcChannel&)>& call) {
-  std::string endpoint = options_.endpoint;
-  if (auto it = owners_.find(std::string(agent)); it != owners_.end()) endpoint = it->second;
+  const std::string agent(agent_name);
+  auto known = owners_.find(agent);
+  std::string endpoint = known != owners_.end() ? known->second : lookup(agent);
   // A shard moving again while we follow it: a few hops; one between owners ("no owner yet") or
   // whose new owner replays its log ("being taken over"): a few short waits. Both answers say
   // nothing was applied, so the call is sent again.
@@ -159,13 +173,14 @@ Status ManagerClient::routed(std::string_view agent,
       ch = other.get();
     }
     Status st = call(*ch);
+    if (st.code() == Code::kMoved) ++moved_answers_;
     if (!options_.follow_moved || attempt >= 15) return st;
     if (st.code() == Code::kMoved) {
       const std::string& m = st.message();
       const size_t at = m.rfind(" at ");
       if (at == std::string::npos || m.substr(at + 4) == endpoint) return st;
       endpoint = m.substr(at + 4);
-      owners_[std::string(agent)] = endpoint;
+      owners_[agent] = endpoint;
     } else if (st.code() == Code::kUnavailable &&
                (st.message().find("no owner yet") != std::string::npos ||
                 st.message().find("being taken over") != std::string::npos)) {

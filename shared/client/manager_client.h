@@ -16,6 +16,7 @@
 #include <string_view>
 #include <vector>
 
+#include "shared/client/owner_directory.h"
 #include "shared/common/status.h"
 
 namespace keep::wire {
@@ -143,6 +144,10 @@ struct ClientOptions {
   // answer names (remembered for that agent); one answered "no owner yet" or "being taken over"
   // (nothing applied) is retried shortly.
   bool follow_moved = true;
+  // Cluster mode, optional: where agents live (cluster::EtcdDirectory reads etcd, the managers'
+  // placement). Asked before an agent's first call; `moved` is still followed when it was stale.
+  // Empty: `endpoint` and `moved` answers only.
+  std::shared_ptr<OwnerDirectory> directory;
 };
 
 class ManagerClient {
@@ -183,6 +188,8 @@ class ManagerClient {
   Result<std::string> call_raw(std::string_view payload);
 
   const ClientOptions& options() const { return options_; }
+  // `moved` answers this client received (each costs a round trip the directory would spare).
+  uint64_t moved_answers() const { return moved_answers_; }
 
  private:
   explicit ManagerClient(ClientOptions options);
@@ -190,11 +197,15 @@ class ManagerClient {
   Result<std::unique_ptr<wire::RpcChannel>> open(const std::string& endpoint) const;
   // `call` on the channel of the node serving `agent`, following moved answers.
   Status routed(std::string_view agent, const std::function<Status(wire::RpcChannel&)>& call);
+  // Where to send `agent`'s call when no node is remembered for it: the directory's answer when
+  // there is one, else the configured endpoint.
+  std::string lookup(const std::string& agent);
 
   ClientOptions options_;
   std::unique_ptr<wire::RpcChannel> channel_;
   std::map<std::string, std::string> owners_;                        // agent -> endpoint
   std::map<std::string, std::unique_ptr<wire::RpcChannel>> others_;  // endpoint -> channel
+  uint64_t moved_answers_ = 0;
 };
 
 }  // namespace keep::client
