@@ -132,7 +132,7 @@ class ManagerClient(Client):
         if self._directory is not None:
             try:
                 found = self._directory.owner_endpoint(agent)
-            except (ConnectionError, OSError, ValueError):
+            except (OSError, ValueError, KeyError):
                 found = None  # etcd unreadable: the configured endpoint routes
             if found and not self._is_silent(found):
                 self._owners[agent] = found
