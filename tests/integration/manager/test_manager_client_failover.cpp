@@ -143,10 +143,27 @@ TEST_CASE("a client that is not recreated reaches its agents again after kill -9
     });
   }
 
+  // A reader that knows where one of a's agents lives: after the kill its read is sent again
+  // within the call, through b, once b took the shard over.
+  auto reader = routed_client(b_ep, nullptr);
+  const std::string probe = *on_a.begin();
+  REQUIRE(reader->list_memories(probe, 0, 1).is_ok());
+
   std::this_thread::sleep_for(1500ms);  // writes flow to both nodes
   a.kill9();
   const Clock::time_point killed_at = Clock::now();
   a_dead.store(true);
+  int read_calls = 0;
+  double read_s = -1;
+  while (read_s < 0 && Clock::now() - killed_at < kReachBound) {
+    ++read_calls;
+    if (reader->list_memories(probe, 0, 1).is_ok()) {
+      read_s = std::chrono::duration<double>(Clock::now() - killed_at).count();
+    }
+  }
+  MESSAGE("a read of " << probe << " right after the kill was answered after " << read_s
+                       << " s, in " << read_calls << " call(s) of the same client");
+  CHECK(read_s >= 0);
   it::eventually([&] { return reached[0] == on_a.size() && reached[1] == on_a.size(); },
                  kReachBound + 2s);
   std::this_thread::sleep_for(500ms);  // a few more writes on the survivor
