@@ -142,10 +142,62 @@ static Status round_trip(wire::RpcChannel& channel, proto::Response::Which expec
                                        std::forward<Extract>(extract));
 }
 
-Status ManagerClient::routed(std::string_view agent,
+namespace {
+
+// Between two tries of a call whose shard is between owners.
+constexpr auto kRetryWait = std::chrono::milliseconds(250);
+// An endpoint that gave no answer is not sent an agent's call again for this long, even when a
+// `moved` answer names it: the node answering still sees the silent node's lease until it runs out
+// (10 s by default), and each call to a dead node costs a whole timeout.
+constexpr auto kSilentFor = std::chrono::seconds(5);
+
+// No answer at all (RpcChannel's kTimeout, or ZeroMQ failing): the request may have been applied.
+bool transport_failure(const Status& st) {
+  return st.code() == Code::kTimeout ||
+         (st.code() == Code::kUnavailable && st.message().rfind("zmq: ", 0) == 0);
+}
+
+// Answers that say nothing was applied and the same node serves the agent shortly: a shard
+// between owners ("no owner yet") or replayed by its new owner ("being taken over"; also a fenced
+// node's refusal, after which it gives the shard up and answers `moved`).
+bool retry_here(const Status& st) {
+  return st.code() == Code::kUnavailable &&
+         (st.message().find("no owner yet") != std::string::npos ||
+          st.message().find("being taken over") != std::string::npos);
+}
+
+}  // namespace
+
+bool ManagerClient::silent(const std::string& endpoint) const {
+  auto it = silent_.find(endpoint);
+  return it != silent_.end() && std::chrono::steady_clock::now() - it->second < kSilentFor;
+}
+
+std::string ManagerClient::lookup(const std::string& agent) {
+  if (options_.directory) {
+    // A directory that cannot be read, or names no owner (or a silent one, whose lease has not
+    // run out yet), leaves the call to the configured endpoint: it answers moved or "retry".
+    auto found = options_.directory->endpoint_of(agent);
+    if (found.is_ok() && found->has_value() && !silent(**found)) {
+      owners_[agent] = **found;
+      return **found;
+    }
+  }
+  return options_.endpoint;
+}
+
+Status ManagerClient::routed(std::string_view agent_name, bool idempotent,
                              const std::function<Status(wire::RpcChannel&)>& call) {
-  std::string endpoint = options_.endpoint;
-  if (auto it = owners_.find(std::string(agent)); it != owners_.end()) endpoint = it->second;
+  const std::string agent(agent_name);
+  // An agent remembered on a node that just stopped answering (for another agent's call) is
+  // routed anew too, rather than costing a timeout of its own.
+  std::string endpoint;
+  if (auto known = owners_.find(agent); known != owners_.end() && !silent(known->second)) {
+    endpoint = known->second;
+  } else {
+    owners_.erase(agent);
+    endpoint = lookup(agent);
+  }
   // A shard moving again while we follow it: a few hops; one between owners ("no owner yet") or
   // whose new owner replays its log ("being taken over"): a few short waits. Both answers say
   // nothing was applied, so the call is sent again.
@@ -159,17 +211,37 @@ Status ManagerClient::routed(std::string_view agent,
       ch = other.get();
     }
     Status st = call(*ch);
-    if (!options_.follow_moved || attempt >= 15) return st;
+    const bool again = options_.follow_moved && attempt < 15;
     if (st.code() == Code::kMoved) {
+      ++moved_answers_;
+      if (!again) return st;
       const std::string& m = st.message();
       const size_t at = m.rfind(" at ");
       if (at == std::string::npos || m.substr(at + 4) == endpoint) return st;
-      endpoint = m.substr(at + 4);
-      owners_[std::string(agent)] = endpoint;
-    } else if (st.code() == Code::kUnavailable &&
-               (st.message().find("no owner yet") != std::string::npos ||
-                st.message().find("being taken over") != std::string::npos)) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(250));
+      std::string next = m.substr(at + 4);
+      if (silent(next)) {
+        // The answering node still sees the silent owner's lease: ask again once it ran out.
+        owners_.erase(agent);
+        std::this_thread::sleep_for(kRetryWait);
+        endpoint = lookup(agent);
+        continue;
+      }
+      endpoint = std::move(next);
+      owners_[agent] = endpoint;
+    } else if (retry_here(st)) {
+      if (!again) return st;
+      std::this_thread::sleep_for(kRetryWait);
+    } else if (transport_failure(st) || st.code() == Code::kUnavailable) {
+      // The agent's node stopped answering or cannot serve it now: forget it, so that this call
+      // (a read) or the next one is routed anew, to the node that takes its shard over.
+      owners_.erase(agent);
+      if (transport_failure(st)) silent_[endpoint] = std::chrono::steady_clock::now();
+      // A mutation without an answer may have been applied: it is not sent twice (only answers
+      // that say nothing was applied are retried), so its caller learns the outcome is unknown.
+      if (!again || !idempotent) return st;
+      std::string next = lookup(agent);
+      if (next == endpoint) return st;  // nowhere else to ask
+      endpoint = std::move(next);
     } else {
       return st;
     }
@@ -189,7 +261,7 @@ Result<std::string> ManagerClient::ping() {
 
 Result<WriteResult> ManagerClient::write(const WriteArgs& args) {
   WriteResult out;
-  KEEP_RETURN_IF_ERROR(routed(args.agent, [&](wire::RpcChannel& ch) {
+  KEEP_RETURN_IF_ERROR(routed(args.agent, /*idempotent=*/false, [&](wire::RpcChannel& ch) {
     return round_trip(
         ch, proto::Response::WRITE_MEMORY,
         [&](proto::Request::Builder req) {
@@ -222,7 +294,7 @@ Result<WriteResult> ManagerClient::update(std::string_view agent, uint64_t id,
                                           std::optional<SegmentKind> kind,
                                           std::optional<uint64_t> step) {
   WriteResult out;
-  KEEP_RETURN_IF_ERROR(routed(agent, [&](wire::RpcChannel& ch) {
+  KEEP_RETURN_IF_ERROR(routed(agent, /*idempotent=*/false, [&](wire::RpcChannel& ch) {
     return round_trip(
         ch, proto::Response::UPDATE_MEMORY,
         [&](proto::Request::Builder req) {
@@ -249,7 +321,7 @@ Result<WriteResult> ManagerClient::update(std::string_view agent, uint64_t id,
 }
 
 Status ManagerClient::remove(std::string_view agent, uint64_t id) {
-  return routed(agent, [&](wire::RpcChannel& ch) {
+  return routed(agent, /*idempotent=*/false, [&](wire::RpcChannel& ch) {
     return round_trip(
         ch, proto::Response::DELETE_MEMORY,
         [&](proto::Request::Builder req) {
@@ -263,7 +335,7 @@ Status ManagerClient::remove(std::string_view agent, uint64_t id) {
 
 Result<uint64_t> ManagerClient::advance_step(std::string_view agent, uint64_t by) {
   uint64_t step = 0;
-  KEEP_RETURN_IF_ERROR(routed(agent, [&](wire::RpcChannel& ch) {
+  KEEP_RETURN_IF_ERROR(routed(agent, /*idempotent=*/false, [&](wire::RpcChannel& ch) {
     return round_trip(
         ch, proto::Response::ADVANCE_STEP,
         [&](proto::Request::Builder req) {
@@ -282,7 +354,7 @@ Result<uint64_t> ManagerClient::advance_step(std::string_view agent, uint64_t by
 Result<std::vector<RetrievedSegment>> ManagerClient::retrieve(std::string_view agent,
                                                               std::string_view query, uint32_t k) {
   std::vector<RetrievedSegment> out;
-  KEEP_RETURN_IF_ERROR(routed(agent, [&](wire::RpcChannel& ch) {
+  KEEP_RETURN_IF_ERROR(routed(agent, /*idempotent=*/true, [&](wire::RpcChannel& ch) {
     return round_trip(
         ch, proto::Response::RETRIEVE,
         [&](proto::Request::Builder req) {
@@ -313,7 +385,7 @@ Result<std::vector<RetrievedSegment>> ManagerClient::retrieve(std::string_view a
 
 Result<std::vector<GroupInfo>> ManagerClient::list_groups(std::string_view agent) {
   std::vector<GroupInfo> out;
-  KEEP_RETURN_IF_ERROR(routed(agent, [&](wire::RpcChannel& ch) {
+  KEEP_RETURN_IF_ERROR(routed(agent, /*idempotent=*/true, [&](wire::RpcChannel& ch) {
     return round_trip(
         ch, proto::Response::LIST_GROUPS,
         [&](proto::Request::Builder req) {
@@ -339,7 +411,7 @@ Result<std::vector<GroupInfo>> ManagerClient::list_groups(std::string_view agent
 Result<MemoryPage> ManagerClient::list_memories(std::string_view agent, uint64_t after_id,
                                                 uint32_t limit) {
   MemoryPage out;
-  KEEP_RETURN_IF_ERROR(routed(agent, [&](wire::RpcChannel& ch) {
+  KEEP_RETURN_IF_ERROR(routed(agent, /*idempotent=*/true, [&](wire::RpcChannel& ch) {
     return round_trip(
         ch, proto::Response::LIST_MEMORIES,
         [&](proto::Request::Builder req) {

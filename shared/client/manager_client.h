@@ -16,6 +16,7 @@
 #include <string_view>
 #include <vector>
 
+#include "shared/client/owner_directory.h"
 #include "shared/common/status.h"
 
 namespace keep::wire {
@@ -141,8 +142,15 @@ struct ClientOptions {
   size_t max_response_bytes = size_t{64} << 20;  // larger answers are kTooLarge
   // Cluster mode (docs/cluster.md): a call about an agent answered `moved` goes to the node the
   // answer names (remembered for that agent); one answered "no owner yet" or "being taken over"
-  // (nothing applied) is retried shortly.
+  // (nothing applied) is retried shortly. An agent whose node stops answering (no answer in time,
+  // or `unavailable`) is forgotten: its calls go back through `endpoint` (or `directory`), which
+  // name the node that took its shard over; reads are sent again at once, a mutation whose answer
+  // was lost is not (it may have been applied: the caller decides), the next call is routed anew.
   bool follow_moved = true;
+  // Cluster mode, optional: where agents live (cluster::EtcdDirectory reads etcd, the managers'
+  // placement). Asked before an agent's first call, and again after its node stopped answering;
+  // `moved` is still followed when it was stale. Empty: `endpoint` and `moved` answers only.
+  std::shared_ptr<OwnerDirectory> directory;
 };
 
 class ManagerClient {
@@ -183,18 +191,29 @@ class ManagerClient {
   Result<std::string> call_raw(std::string_view payload);
 
   const ClientOptions& options() const { return options_; }
+  // `moved` answers this client received (each costs a round trip the directory would spare).
+  uint64_t moved_answers() const { return moved_answers_; }
 
  private:
   explicit ManagerClient(ClientOptions options);
   // A channel to `endpoint` with this client's timeout and size limits.
   Result<std::unique_ptr<wire::RpcChannel>> open(const std::string& endpoint) const;
-  // `call` on the channel of the node serving `agent`, following moved answers.
-  Status routed(std::string_view agent, const std::function<Status(wire::RpcChannel&)>& call);
+  // `call` on the channel of the node serving `agent`, following moved answers. `idempotent`:
+  // the call may be sent again after its answer was lost (a read).
+  Status routed(std::string_view agent, bool idempotent,
+                const std::function<Status(wire::RpcChannel&)>& call);
+  // Where to send `agent`'s call when no node is remembered for it: the directory's answer when
+  // there is one and its node answers, else the configured endpoint.
+  std::string lookup(const std::string& agent);
+  // True while `endpoint` failed at the transport level recently (see kSilentFor).
+  bool silent(const std::string& endpoint) const;
 
   ClientOptions options_;
   std::unique_ptr<wire::RpcChannel> channel_;
-  std::map<std::string, std::string> owners_;                        // agent -> endpoint
-  std::map<std::string, std::unique_ptr<wire::RpcChannel>> others_;  // endpoint -> channel
+  std::map<std::string, std::string> owners_;                            // agent -> endpoint
+  std::map<std::string, std::unique_ptr<wire::RpcChannel>> others_;      // endpoint -> channel
+  std::map<std::string, std::chrono::steady_clock::time_point> silent_;  // endpoint -> failed at
+  uint64_t moved_answers_ = 0;
 };
 
 }  // namespace keep::client

@@ -10,6 +10,27 @@ from ._channel import Channel, Client
 # The end of a `moved` answer's message: "... is served by NODE at ENDPOINT".
 _MOVED_AT = re.compile(r" at (\S+)$")
 
+# Between two tries of a call whose shard is between owners (seconds).
+_RETRY_WAIT = 0.25
+# An endpoint that gave no answer is not sent an agent's call again for this long (seconds), even
+# when a `moved` answer names it: the answering node still sees the silent node's lease until it
+# runs out (10 s by default), and each call to a dead node costs a whole timeout.
+_SILENT_FOR = 5.0
+
+
+def _transport_failure(e):
+    """No answer at all (timeout, or ZeroMQ failing): the request may have been applied."""
+    return isinstance(e, errors.RequestTimeoutError) or (
+        isinstance(e, errors.UnavailableError) and e.message.startswith("zmq: "))
+
+
+def _retry_here(e):
+    """Nothing applied, and the same node serves the agent shortly: its shard between owners
+    ("no owner yet") or replayed by its new owner ("being taken over")."""
+    return isinstance(e, errors.UnavailableError) and any(
+        m in e.message for m in ("no owner yet", "being taken over"))
+
+
 # The memory kinds, as the wire spells them.
 KINDS = {"object_state": "objectState", "task_record": "taskRecord", "example_plan": "examplePlan"}
 
@@ -79,13 +100,19 @@ class ManagerClient(Client):
     def __init__(self, endpoint="tcp://127.0.0.1:7601", timeout=20.0, follow_moved=True,
                  directory=None):
         super().__init__(endpoint, timeout, _schema.manager)
-        # Cluster mode: a keep_client.cluster.EtcdDirectory, asked first for an agent not seen yet.
+        # Cluster mode: a keep_client.cluster.EtcdDirectory, asked first for an agent not seen yet
+        # (and again after its node stopped answering).
         self._directory = directory
         # Cluster mode (docs/cluster.md): a node answers `moved` for an agent another node
-        # serves, naming it; the call is sent there, and the agent's node remembered.
+        # serves, naming it; the call is sent there, and the agent's node remembered. A node that
+        # stops answering (or answers `unavailable`) is forgotten: reads are sent again through
+        # the directory or `endpoint`, a mutation without an answer is not (it may have been
+        # applied: at most once), the next call is routed anew.
         self._follow_moved = follow_moved
         self._owners = {}    # agent -> endpoint
         self._others = {}    # endpoint -> Channel (other nodes)
+        self._silent = {}    # endpoint -> time.monotonic() it last gave no answer
+        self.moved_answers = 0  # `moved` answers received (the directory spares them)
 
     def _channel(self, endpoint):
         if endpoint == self._ch.endpoint:
@@ -95,29 +122,66 @@ class ManagerClient(Client):
             ch = self._others[endpoint] = Channel(endpoint, self._ch.timeout, _schema.manager)
         return ch
 
-    def _routed(self, agent, kind, fill):
-        if agent not in self._owners and self._directory is not None:
-            found = self._directory.owner_endpoint(agent)
-            if found:
+    def _is_silent(self, endpoint):
+        at = self._silent.get(endpoint)
+        return at is not None and time.monotonic() - at < _SILENT_FOR
+
+    def _lookup(self, agent):
+        """Where to send a call of `agent` no node is remembered for: the directory's answer
+        when it names a node that answers, else the configured endpoint (which answers moved)."""
+        if self._directory is not None:
+            try:
+                found = self._directory.owner_endpoint(agent)
+            except (OSError, ValueError, KeyError):
+                found = None  # etcd unreadable: the configured endpoint routes
+            if found and not self._is_silent(found):
                 self._owners[agent] = found
-        endpoint = self._owners.get(agent, self._ch.endpoint)
+                return found
+        return self._ch.endpoint
+
+    def _routed(self, agent, kind, fill, idempotent=False):
+        endpoint = self._owners.get(agent)
+        if endpoint is None or self._is_silent(endpoint):
+            # Also an agent remembered on a node that stopped answering for another agent's call.
+            self._owners.pop(agent, None)
+            endpoint = self._lookup(agent)
         # A shard moving while we follow it: a few hops; one between owners (released, not yet
         # taken: "no owner yet") or whose new owner replays its log ("being taken over"): a few
         # short waits (nothing was applied).
-        for _ in range(16):
+        for attempt in range(16):
+            again = self._follow_moved and attempt < 15
             try:
                 return self._channel(endpoint).call(kind, fill)
             except errors.MovedError as e:
+                self.moved_answers += 1
                 at = _MOVED_AT.search(e.message)
-                if not self._follow_moved or at is None or at.group(1) == endpoint:
+                if not again or at is None or at.group(1) == endpoint:
                     raise
+                if self._is_silent(at.group(1)):
+                    # The answering node still sees the silent owner's lease: ask once it ran out.
+                    self._owners.pop(agent, None)
+                    time.sleep(_RETRY_WAIT)
+                    endpoint = self._lookup(agent)
+                    continue
                 endpoint = self._owners[agent] = at.group(1)
-            except errors.UnavailableError as e:
-                if not self._follow_moved or not any(
-                        m in e.message for m in ("no owner yet", "being taken over")):
+            except (errors.UnavailableError, errors.RequestTimeoutError) as e:
+                if _retry_here(e):
+                    if not again:
+                        raise
+                    time.sleep(_RETRY_WAIT)
+                    continue
+                # The agent's node stopped answering or cannot serve it now: forget it.
+                self._owners.pop(agent, None)
+                if _transport_failure(e):
+                    self._silent[endpoint] = time.monotonic()
+                # A mutation without an answer may have been applied: never sent twice.
+                if not again or not idempotent:
                     raise
-                time.sleep(0.25)
-        return self._channel(endpoint).call(kind, fill)
+                nxt = self._lookup(agent)
+                if nxt == endpoint:
+                    raise  # nowhere else to ask
+                endpoint = nxt
+        raise AssertionError("unreachable: the last try raises or returns")
 
     def close(self):
         for ch in self._others.values():
@@ -174,7 +238,7 @@ class ManagerClient(Client):
             r.query = query
             r.k = k
         out = []
-        for s in self._routed(agent, "retrieve", fill).get("segments", []):
+        for s in self._routed(agent, "retrieve", fill, idempotent=True).get("segments", []):
             kv = None
             if s.get("hasKv"):
                 slc = s.get("kv", {})
@@ -193,7 +257,7 @@ class ManagerClient(Client):
             r.agent = agent
             r.afterId = after_id
             r.limit = limit
-        page = self._routed(agent, "listMemories", fill)
+        page = self._routed(agent, "listMemories", fill, idempotent=True)
         mems = [Memory(m.get("id", 0), m.get("text", ""), _snake(m.get("kind", "unknown")),
                        m.get("tokens", 0), m.get("version", 0), m.get("updatedStep", 0),
                        m.get("groupId", 0), m.get("embedded", False), m.get("hasKv", False))
@@ -205,7 +269,7 @@ class ManagerClient(Client):
             r.agent = agent
         return [Group(g.get("id", 0), _snake(g.get("state", "unknown")), g.get("version", 0),
                       list(g.get("segmentIds", [])), g.get("tokens", 0), g.get("lastChangeStep", 0))
-                for g in self._routed(agent, "listGroups", fill).get("groups", [])]
+                for g in self._routed(agent, "listGroups", fill, idempotent=True).get("groups", [])]
 
     def stats(self) -> dict:
         s = self._ch.call("stats", None)

@@ -1,8 +1,11 @@
 """ManagerClient in cluster mode: two real keep-manager processes on a real etcd split the agents'
 shards; a client connected to one of them reaches every agent, following `moved` answers to the
-node that serves it (docs/cluster.md). Skipped without Debian's etcd-server.
+node that serves it (docs/cluster.md). With the memories in a real PostgreSQL, a client that is
+not recreated reaches its agents again after kill -9 of their node, every acknowledged write
+there exactly once. Skipped without Debian's etcd-server (and postgresql).
 """
 import os
+import pwd
 import shutil
 import subprocess
 import tempfile
@@ -14,6 +17,72 @@ from keep_client.cluster import EtcdDirectory, shard_of
 from keep_client.local import LocalServices, free_port
 
 ETCD = "/usr/bin/etcd"
+# initdb and postgres, newest major version first (as tests/integration/pg_server.h looks).
+PG_BIN = next((f"/usr/lib/postgresql/{v}/bin" for v in ("17", "16", "15", "14", "13")
+               if os.path.exists(f"/usr/lib/postgresql/{v}/bin/initdb")), None)
+
+
+def start_etcd(tmp):
+    """One etcd member on free loopback ports: (process, client URL)."""
+    client, peer = free_port(), free_port()
+    url = f"http://127.0.0.1:{client}"
+    proc = subprocess.Popen(
+        [ETCD, "--name", "m0", "--data-dir", os.path.join(tmp, "m0"),
+         "--listen-client-urls", url, "--advertise-client-urls", url,
+         "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+         "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+         "--initial-cluster", f"m0=http://127.0.0.1:{peer}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return proc, url
+
+
+def start_manager(flags, deadline_s=30):
+    """A keep-manager with `flags`, once etcd has elected itself (it refuses to start before)."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            return LocalServices(worker=False, extra_manager=flags)
+        except RuntimeError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+class Postgres:
+    """A PostgreSQL server in a temp dir on a free loopback port (initdb; as the postgres user
+    when we are root, which PostgreSQL refuses); killed by close()."""
+
+    def __init__(self):
+        self.dir = tempfile.mkdtemp(prefix="keep_pg_")
+        as_user = []
+        if os.geteuid() == 0:
+            pw = pwd.getpwnam("postgres")
+            os.chown(self.dir, pw.pw_uid, pw.pw_gid)
+            as_user = ["/usr/bin/setpriv", "--reuid=postgres", "--regid=postgres",
+                       "--init-groups", "--"]
+        data = os.path.join(self.dir, "data")
+        subprocess.run(as_user + [f"{PG_BIN}/initdb", "-D", data, "--auth=trust", "-U", "postgres",
+                                  "--no-sync"], check=True, capture_output=True)
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            as_user + [f"{PG_BIN}/postgres", "-D", data, "-p", str(self.port), "-k", self.dir,
+                       "-c", "listen_addresses=127.0.0.1"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.conninfo = (f"host=127.0.0.1 port={self.port} user=postgres dbname=postgres "
+                         "connect_timeout=5")
+        for _ in range(300):
+            ready = subprocess.run([f"{PG_BIN}/pg_isready", "-q", "-h", "127.0.0.1", "-p",
+                                    str(self.port)])
+            if ready.returncode == 0:
+                return
+            time.sleep(0.1)
+        self.close()
+        raise RuntimeError("postgresql did not start")
+
+    def close(self):
+        self.proc.kill()
+        self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 @unittest.skipUnless(os.access(ETCD, os.X_OK), "no etcd-server")
@@ -21,26 +90,10 @@ class FollowsMoved(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.tmp = tempfile.mkdtemp(prefix="keep_cluster_")
-        client, peer = free_port(), free_port()
-        cls.url = f"http://127.0.0.1:{client}"
-        cls.etcd = subprocess.Popen(
-            [ETCD, "--name", "m0", "--data-dir", os.path.join(cls.tmp, "m0"),
-             "--listen-client-urls", cls.url, "--advertise-client-urls", cls.url,
-             "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-             "--initial-cluster", f"m0=http://127.0.0.1:{peer}"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        cls.etcd, cls.url = start_etcd(cls.tmp)
         flags = lambda node: ["--etcd", cls.url, "--node-id", node, "--shards", "8",
                               "--etcd-lease-s", "2"]
-        deadline = time.monotonic() + 30
-        while True:  # etcd takes a moment to elect itself
-            try:
-                cls.a = LocalServices(worker=False, extra_manager=flags("a"))
-                break
-            except RuntimeError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.5)
+        cls.a = start_manager(flags("a"))
         cls.b = LocalServices(worker=False, extra_manager=flags("b"))
 
     @classmethod
@@ -92,6 +145,119 @@ class FollowsMoved(unittest.TestCase):
                 for agent in agents:
                     mems, _ = direct.list_memories(agent)
                     self.assertEqual(len(mems), 1)
+                self.assertEqual(direct.moved_answers, 0)
+            self.assertGreater(m.moved_answers, 0)  # the control: m found b's agents by moved
+
+
+@unittest.skipUnless(os.access(ETCD, os.X_OK) and PG_BIN, "no etcd-server or postgresql")
+class FailsOver(unittest.TestCase):
+    """Two managers with their memories in PostgreSQL (lease 2 s); the node serving some agents
+    is killed -9 while two clients, made once, write to every agent: one finds nodes by `moved`,
+    the other in etcd. Both reach the killed node's agents again once the survivor took their
+    shards over, and every acknowledged write is there exactly once."""
+
+    LEASE_S = 2
+    BOUND_S = LEASE_S + 8  # the survivor's takeover on a loaded machine
+
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp(prefix="keep_failover_")
+        self.pg = Postgres()
+        self.etcd, url = start_etcd(self.tmp)
+        flags = lambda node: ["--etcd", url, "--node-id", node, "--shards", "8",
+                              "--etcd-lease-s", str(self.LEASE_S), "--pg", self.pg.conninfo]
+        self.b = start_manager(flags("b"))
+        self.a = LocalServices(worker=False, extra_manager=flags("a"))
+        self.directory = EtcdDirectory([url], shards=8)
+
+    def tearDown(self):
+        self.a.close()
+        self.b.close()
+        self.etcd.kill()
+        self.etcd.wait()
+        self.pg.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def owners(self):
+        """shard -> node name, as etcd says now."""
+        out = {}
+        for shard in range(8):
+            owner = self.directory._get(f"/keep/shards/{shard}/owner")
+            if owner:
+                out[shard] = owner.rsplit(" ", 1)[0]
+        return out
+
+    def test_a_client_not_recreated_reaches_its_agents_after_kill_9(self):
+        deadline = time.monotonic() + 20
+        while sorted(self.owners().values()) != ["a"] * 4 + ["b"] * 4:  # b hands a its half
+            self.assertLess(time.monotonic(), deadline, "the shards were never split")
+            time.sleep(0.2)
+        a_ep, b_ep = self.a.manager.endpoint, self.b.manager.endpoint
+        agents = [f"robot-{i}" for i in range(16)]
+        on_a = {ag for ag in agents if self.directory.owner_endpoint(ag) == a_ep}
+        self.assertTrue(on_a)
+        # Both configured with b's endpoint, made once for the whole test.
+        clients = [ManagerClient(b_ep, timeout=1.0),
+                   ManagerClient(b_ep, timeout=1.0, directory=self.directory)]
+        acked, unknown, refused = set(), set(), set()
+        back = [{}, {}]  # per client: agent of a -> seconds from the kill to its first ok write
+        killed_at = None
+        n = 0
+        while True:
+            if killed_at is None and n == 3:  # a few rounds through both nodes, then a dies
+                self.a.manager.kill9()
+                killed_at = time.monotonic()
+            if killed_at is not None and (
+                    all(len(b) == len(on_a) for b in back)
+                    or time.monotonic() - killed_at > self.BOUND_S + 2):
+                break
+            for agent in agents:
+                for w, m in enumerate(clients):
+                    text = f"{agent} memory {n} of client {w}"
+                    try:
+                        m.write(agent, text)
+                    except (errors.RequestTimeoutError, errors.UnavailableError):
+                        unknown.add(text)  # lost with the node: the client did not resend it
+                        continue
+                    except errors.MovedError:
+                        refused.add(text)  # routed away: nothing applied
+                        continue
+                    acked.add(text)
+                    if killed_at is not None and agent in on_a:
+                        back[w].setdefault(agent, time.monotonic() - killed_at)
+            n += 1
+        for w, name in enumerate(("moved only", "etcd directory")):
+            self.assertEqual(set(back[w]), on_a, f"client {w} ({name}) did not reach them all")
+            last = max(back[w].values())
+            print(f"\nclient {w} ({name}): the {len(on_a)} agents of the killed node were written "
+                  f"again within {last:.2f} s of the kill (lease {self.LEASE_S} s); "
+                  f"{clients[w].moved_answers} moved answers", flush=True)
+            self.assertLess(last, self.BOUND_S)
+        self.assertGreater(clients[0].moved_answers, 0)
+
+        # Read back through the first client, still the one made before the kill.
+        seen = {}
+        for agent in agents:
+            after = 0
+            while True:
+                mems, more = clients[0].list_memories(agent, after, 1000)
+                for x in mems:
+                    seen[x.text] = seen.get(x.text, 0) + 1
+                    after = x.id
+                if not more:
+                    break
+        for t in acked:
+            self.assertEqual(seen.get(t, 0), 1, t)
+        for t in refused:
+            self.assertEqual(seen.get(t, 0), 0, t)
+        for t in unknown:
+            self.assertLessEqual(seen.get(t, 0), 1, t)
+        self.assertTrue(set(seen) <= acked | unknown)
+        self.assertGreater(len(acked), 50)
+        print(f"{len(acked)} writes acknowledged, {len(unknown)} without an answer "
+              f"({sum(seen.get(t, 0) for t in unknown)} of them applied), all there once",
+              flush=True)
+        for m in clients:
+            m.close()
 
 
 class ShardHash(unittest.TestCase):

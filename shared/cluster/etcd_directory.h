@@ -1,0 +1,40 @@
+// EtcdDirectory: ManagerClient's OwnerDirectory read from etcd, as keep-manager's placement writes
+// it (placement.h): the agent's shard by the same jump hash, `<prefix>/shards/<n>/owner` names
+// the node, `<prefix>/nodes/<node>` its endpoint. The twin of keep_client.cluster.EtcdDirectory.
+//
+//   client::ClientOptions o;
+//   o.directory = cluster::EtcdDirectory::create({"http://e1:2379"}, /*shards=*/64).value();
+//
+// Every lookup reads etcd (two gets); the client caches the answer per agent. Thread-compatible,
+// like the client that owns it.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "shared/client/owner_directory.h"
+#include "shared/cluster/etcd_client.h"
+
+namespace keep::cluster {
+
+class EtcdDirectory : public client::OwnerDirectory {
+ public:
+  // `shards` and `prefix` must be the managers' --shards and etcd prefix.
+  static Result<std::shared_ptr<EtcdDirectory>> create(
+      std::vector<std::string> endpoints, uint32_t shards, std::string prefix = "/keep",
+      std::chrono::milliseconds timeout = std::chrono::milliseconds(2000));
+
+  Result<std::optional<std::string>> endpoint_of(std::string_view agent) override;
+
+  uint32_t shards() const { return shards_; }
+
+ private:
+  EtcdDirectory(std::unique_ptr<EtcdClient> etcd, uint32_t shards, std::string prefix);
+
+  std::unique_ptr<EtcdClient> etcd_;
+  uint32_t shards_;
+  std::string prefix_;
+};
+
+}  // namespace keep::cluster

@@ -1,0 +1,280 @@
+// ManagerClient in cluster mode (docs/cluster.md, "Clients"): real keep-manager processes on a
+// real three-member etcd (and PostgreSQL for the memories). A client that is not recreated goes on
+// reaching an agent after kill -9 of the node it learnt from `moved`: it forgets the silent owner,
+// asks its configured endpoint (or etcd) again and reaches the node that took the shard over,
+// within the lease plus a margin this test asserts (and prints); every acknowledged write is there
+// exactly once. With an etcd directory the client sends every agent's calls to its owner at once:
+// no `moved` answer at all (and, as a control, a client without one does receive some; one whose
+// directory is stale still reaches every agent by following them). Skipped without etcd (and
+// PostgreSQL for the first case).
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <map>
+#include <set>
+#include <thread>
+
+#include "shared/cluster/etcd_directory.h"
+#include "shared/cluster/placement.h"
+#include "tests/integration/manager/cluster_pg_helpers.h"
+
+using namespace keep;
+using namespace std::chrono_literals;
+namespace it = keep::itest;
+namespace kc = keep::client;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+constexpr uint32_t kShards = 8;
+constexpr int kAgents = 16;
+// The lease is 2 s (pg_cluster_flags); the survivor takes the shards a round (half a second)
+// after it ran out and replays their logs. The margin is for a loaded 2-core machine.
+constexpr auto kReachBound = 2s + 8s;
+
+std::unique_ptr<kc::ManagerClient> routed_client(const std::string& endpoint,
+                                                 std::shared_ptr<kc::OwnerDirectory> directory) {
+  kc::ClientOptions o;
+  o.endpoint = endpoint;
+  o.timeout = 1000ms;
+  o.directory = std::move(directory);
+  auto c = kc::ManagerClient::connect(o);
+  REQUIRE(c.is_ok());
+  return std::move(c).value();
+}
+
+std::shared_ptr<cluster::EtcdDirectory> etcd_directory(const std::vector<std::string>& urls,
+                                                       uint32_t shards) {
+  auto d = cluster::EtcdDirectory::create(urls, shards);
+  REQUIRE(d.is_ok());
+  return std::move(d).value();
+}
+
+std::vector<std::string> agent_names() {
+  std::vector<std::string> agents;
+  for (int i = 0; i < kAgents; ++i) agents.push_back("robot-" + std::to_string(i));
+  return agents;
+}
+
+// What one writer saw: per text, what its write was answered.
+struct Outcomes {
+  std::set<std::string> acked, unknown, refused;
+  std::map<std::string, Clock::time_point> first_ok_after_kill;  // agent of a -> first ok write
+  std::vector<std::string> errors;                               // any other answer
+};
+
+}  // namespace
+
+TEST_CASE("a client that is not recreated reaches its agents again after kill -9 of their node" *
+          doctest::skip(!it::have_etcd() || it::pg_bin().empty())) {
+  it::PgServer pg;
+  (void)pg.log();  // accepting connections, tables created
+  it::EtcdCluster etcd;
+  etcd.wait_ready();
+  const std::string urls = it::join_urls(etcd.clients);
+  it::TempDir tmp("clfail");
+  it::ManagerProcess b({(tmp.path() / "b").string(), it::unique_name("cfb"),
+                        it::pg_cluster_flags(urls, "b", kShards, pg)});
+  it::ManagerProcess a({(tmp.path() / "a").string(), it::unique_name("cfa"),
+                        it::pg_cluster_flags(urls, "a", kShards, pg)});
+  REQUIRE_MESSAGE(it::eventually(
+                      [&] {
+                        return it::metric(a, "keep_manager_cluster_shards_ready") == kShards / 2 &&
+                               it::metric(b, "keep_manager_cluster_shards_ready") == kShards / 2;
+                      },
+                      20s),
+                  a.err() << b.err());
+
+  const std::vector<std::string> agents = agent_names();
+  std::set<std::string> on_a;  // the agents whose node is killed
+  {
+    auto ec = etcd.client();
+    cluster::Placement view(ec.get(), "test");
+    for (const auto& agent : agents) {
+      auto o = view.owner(cluster::shard_of(agent, kShards));
+      REQUIRE(o.is_ok());
+      REQUIRE(o->has_value());
+      if ((*o)->node == "a") on_a.insert(agent);
+    }
+  }
+  REQUIRE_FALSE(on_a.empty());
+
+  // Two writers, each with one client for the whole test, both configured with b's endpoint:
+  // writer 0 learns a's agents from `moved`, writer 1 from etcd.
+  const std::string b_ep = b.endpoint();
+  std::atomic<bool> a_dead{false}, stop{false};
+  std::vector<Outcomes> outcomes(2);
+  std::atomic<size_t> reached[2] = {0, 0};  // agents of a written again since the kill
+  std::vector<std::unique_ptr<kc::ManagerClient>> clients;
+  clients.push_back(routed_client(b_ep, nullptr));
+  clients.push_back(routed_client(b_ep, etcd_directory(etcd.clients, kShards)));
+  std::vector<std::thread> writers;
+  for (int w = 0; w < 2; ++w) {
+    writers.emplace_back([&, w] {
+      kc::ManagerClient& c = *clients[static_cast<size_t>(w)];
+      Outcomes& out = outcomes[static_cast<size_t>(w)];
+      for (int n = 0; !stop.load(); ++n) {
+        for (const auto& agent : agents) {
+          if (stop.load()) break;
+          kc::WriteArgs args;
+          args.agent = agent;
+          args.text = agent + " memory " + std::to_string(n) + " of writer " + std::to_string(w);
+          const bool after_kill = a_dead.load();
+          const Status st = c.write(args).status();
+          if (st.is_ok()) {
+            out.acked.insert(args.text);
+            if (after_kill && on_a.count(agent) &&
+                out.first_ok_after_kill.emplace(agent, Clock::now()).second) {
+              reached[w] += 1;
+            }
+          } else if (st.code() == Code::kTimeout || st.code() == Code::kUnavailable) {
+            // Lost with the node, or unconfirmed, or the shard still between owners when the
+            // retries ran out: the client does not send such a write again (it may have been
+            // applied), so it is there at most once.
+            out.unknown.insert(args.text);
+          } else if (st.code() == Code::kMoved) {
+            out.refused.insert(args.text);  // routed away: nothing applied
+          } else {
+            out.errors.push_back(agent + ": " + st.to_string());
+          }
+        }
+      }
+    });
+  }
+
+  // A reader that knows where one of a's agents lives: after the kill its read is sent again
+  // within the call, through b, once b took the shard over.
+  auto reader = routed_client(b_ep, nullptr);
+  const std::string probe = *on_a.begin();
+  REQUIRE(reader->list_memories(probe, 0, 1).is_ok());
+
+  std::this_thread::sleep_for(1500ms);  // writes flow to both nodes
+  a.kill9();
+  const Clock::time_point killed_at = Clock::now();
+  a_dead.store(true);
+  int read_calls = 0;
+  double read_s = -1;
+  while (read_s < 0 && Clock::now() - killed_at < kReachBound) {
+    ++read_calls;
+    if (reader->list_memories(probe, 0, 1).is_ok()) {
+      read_s = std::chrono::duration<double>(Clock::now() - killed_at).count();
+    }
+  }
+  MESSAGE("a read of " << probe << " right after the kill was answered after " << read_s
+                       << " s, in " << read_calls << " call(s) of the same client");
+  CHECK(read_s >= 0);
+  it::eventually([&] { return reached[0] == on_a.size() && reached[1] == on_a.size(); },
+                 kReachBound + 2s);
+  std::this_thread::sleep_for(500ms);  // a few more writes on the survivor
+  stop.store(true);
+  for (auto& t : writers) t.join();
+  for (const Outcomes& o : outcomes) {
+    CHECK_MESSAGE(o.errors.empty(), (o.errors.empty() ? "" : o.errors.front()));
+  }
+
+  // Every agent of the dead node was written again through the same clients, within the bound.
+  for (int w = 0; w < 2; ++w) {
+    const Outcomes& o = outcomes[static_cast<size_t>(w)];
+    double last = 0;
+    for (const auto& agent : on_a) {
+      auto f = o.first_ok_after_kill.find(agent);
+      REQUIRE_MESSAGE(f != o.first_ok_after_kill.end(), "writer " << w << " never reached " << agent
+                                                                  << " again; b's log:\n"
+                                                                  << b.err());
+      last = std::max(last, std::chrono::duration<double>(f->second - killed_at).count());
+    }
+    const std::string how = w == 1 ? "writer 1 (etcd directory)" : "writer 0 (moved only)";
+    MESSAGE(how << ": the " << on_a.size()
+                << " agents of the killed node were written again within " << last
+                << " s of the kill (lease 2 s); " << o.acked.size() << " writes acknowledged, "
+                << o.unknown.size() << " without an answer, "
+                << clients[static_cast<size_t>(w)]->moved_answers() << " moved answers");
+    CHECK(last < std::chrono::duration<double>(kReachBound).count());
+  }
+  CHECK(clients[0]->moved_answers() > 0);  // writer 0 found a's agents by `moved`
+
+  // Every acknowledged memory is on the survivor exactly once; those without an answer at most
+  // once; nothing else. Read through writer 0's client, still the one made before the kill.
+  CHECK(it::metric(b, "keep_manager_cluster_shards_ready") == kShards);
+  std::map<std::string, int> seen;
+  for (const auto& agent : agents) {
+    auto texts = it::all_texts(*clients[0], agent);
+    REQUIRE_MESSAGE(texts.is_ok(), agent << ": " << texts.status().to_string());
+    for (const auto& t : *texts) seen[t] += 1;
+  }
+  size_t acked = 0, unknown_there = 0;
+  for (const Outcomes& o : outcomes) {
+    for (const auto& t : o.acked) {
+      CHECK_MESSAGE(seen[t] == 1, "acknowledged '" << t << "' is there " << seen[t] << " times");
+    }
+    for (const auto& t : o.refused) {
+      CHECK_MESSAGE(seen[t] == 0, "refused '" << t << "' is there " << seen[t] << " times");
+    }
+    for (const auto& t : o.unknown) {
+      CHECK_MESSAGE(seen[t] <= 1, "'" << t << "' is there " << seen[t] << " times");
+      unknown_there += seen[t] == 1 ? 1 : 0;
+    }
+    acked += o.acked.size();
+  }
+  size_t listed = 0;
+  for (const auto& [t, n] : seen) listed += static_cast<size_t>(n);
+  MESSAGE(listed << " memories on the survivor: " << acked << " acknowledged + " << unknown_there
+                 << " whose answer was lost");
+  CHECK(acked > 50);
+  CHECK(listed == acked + unknown_there);
+}
+
+TEST_CASE("with the etcd directory a client reaches every agent without a moved answer" *
+          doctest::skip(!it::have_etcd())) {
+  it::EtcdCluster etcd;
+  etcd.wait_ready();
+  const std::string urls = it::join_urls(etcd.clients);
+  it::TempDir tmp("cldir");
+  const auto flags = [&](const std::string& node) {
+    return std::vector<std::string>{
+        "--etcd",         urls, "--node-id", node, "--shards", std::to_string(kShards),
+        "--etcd-lease-s", "2"};
+  };
+  it::ManagerProcess a({(tmp.path() / "a").string(), it::unique_name("cda"), flags("a")});
+  it::ManagerProcess b({(tmp.path() / "b").string(), it::unique_name("cdb"), flags("b")});
+  REQUIRE(it::eventually(
+      [&] {
+        return it::metric(a, "keep_manager_cluster_shards_owned") == kShards / 2 &&
+               it::metric(b, "keep_manager_cluster_shards_owned") == kShards / 2;
+      },
+      20s));
+  const std::vector<std::string> agents = agent_names();
+
+  // Through a's endpoint, the owners read from etcd: every call goes to the right node.
+  auto direct = routed_client(a.endpoint(), etcd_directory(etcd.clients, kShards));
+  for (const auto& agent : agents) {
+    kc::WriteArgs args;
+    args.agent = agent;
+    args.text = "The mug of " + agent + " is on the table.";
+    REQUIRE_MESSAGE(direct->write(args).is_ok(), agent);
+    auto texts = it::all_texts(*direct, agent);
+    REQUIRE(texts.is_ok());
+    CHECK(*texts == std::vector<std::string>{args.text});
+  }
+  CHECK(direct->moved_answers() == 0);
+
+  // The control: without the directory, half the agents cost a moved answer each.
+  auto plain = routed_client(a.endpoint(), nullptr);
+  for (const auto& agent : agents) REQUIRE(it::all_texts(*plain, agent).is_ok());
+  CHECK(plain->moved_answers() > 0);
+  CHECK(plain->moved_answers() < agents.size());
+
+  // A stale directory (the wrong shard count: wrong owners for some agents) still reaches every
+  // agent: `moved` is followed.
+  auto stale = routed_client(a.endpoint(), etcd_directory(etcd.clients, kShards - 3));
+  for (const auto& agent : agents) {
+    auto texts = it::all_texts(*stale, agent);
+    REQUIRE_MESSAGE(texts.is_ok(), agent << ": " << texts.status().to_string());
+    CHECK(texts->size() == 1);
+  }
+  CHECK(stale->moved_answers() > 0);
+  MESSAGE("moved answers for " << agents.size() << " agents: " << direct->moved_answers()
+                               << " with the etcd directory, " << plain->moved_answers()
+                               << " without, " << stale->moved_answers() << " with a stale one");
+}
