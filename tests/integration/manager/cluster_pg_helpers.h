@@ -1,6 +1,7 @@
 // Helpers of the tests of keep-manager in cluster mode with its log in PostgreSQL
-// (test_manager_pg_failover, test_manager_pg_fence): the cluster flags, metrics by label, a
-// client per endpoint, polling, and a loopback TCP proxy that can cut a process off from etcd.
+// (test_manager_pg_failover, _pg_fence, _pg_standby, test_manager_client_failover): the cluster
+// flags, metrics by label, a client per endpoint, polling, the shards' split between two nodes,
+// and a loopback TCP proxy that can cut a process off from etcd.
 #pragma once
 
 #include <doctest/doctest.h>
@@ -78,6 +79,18 @@ bool eventually(F pred, std::chrono::milliseconds limit) {
     std::this_thread::sleep_for(50ms);
   }
   return pred();
+}
+
+// Requires that nodes a and b each serve half of the `shards` shards within 20 s (their stderr
+// otherwise).
+inline void require_split(const DaemonProcess& a, const DaemonProcess& b, uint32_t shards) {
+  REQUIRE_MESSAGE(eventually(
+                      [&] {
+                        return metric(a, "keep_manager_cluster_shards_ready") == shards / 2 &&
+                               metric(b, "keep_manager_cluster_shards_ready") == shards / 2;
+                      },
+                      20s),
+                  a.err() << b.err());
 }
 
 // Every memory text of `agent`, all pages (what list_memories answers).

@@ -78,13 +78,7 @@ TEST_CASE("a client that is not recreated reaches its agents again after kill -9
                         it::pg_cluster_flags(urls, "b", kShards, pg)});
   it::ManagerProcess a({(tmp.path() / "a").string(), it::unique_name("cfa"),
                         it::pg_cluster_flags(urls, "a", kShards, pg)});
-  REQUIRE_MESSAGE(it::eventually(
-                      [&] {
-                        return it::metric(a, "keep_manager_cluster_shards_ready") == kShards / 2 &&
-                               it::metric(b, "keep_manager_cluster_shards_ready") == kShards / 2;
-                      },
-                      20s),
-                  a.err() << b.err());
+  it::require_split(a, b, kShards);
 
   const std::vector<std::string> agents = agent_names();
   std::set<std::string> on_a;  // the agents whose node is killed

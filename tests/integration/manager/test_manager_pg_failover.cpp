@@ -65,13 +65,7 @@ TEST_CASE("kill -9 of a node during writes: every acknowledged memory survives, 
                         it::pg_cluster_flags(urls, "b", kShards, pg)});
   it::ManagerProcess a({(tmp.path() / "a").string(), it::unique_name("pga"),
                         it::pg_cluster_flags(urls, "a", kShards, pg)});
-  REQUIRE_MESSAGE(it::eventually(
-                      [&] {
-                        return it::metric(a, "keep_manager_cluster_shards_ready") == kShards / 2 &&
-                               it::metric(b, "keep_manager_cluster_shards_ready") == kShards / 2;
-                      },
-                      20s),
-                  a.err() << b.err());
+  it::require_split(a, b, kShards);
 
   std::vector<std::string> agents;
   for (int i = 0; i < kAgents; ++i) agents.push_back("robot-" + std::to_string(i));

@@ -57,13 +57,7 @@ TEST_CASE("a node with a stale epoch has its write refused by the log, and it is
                         it::pg_cluster_flags(proxy.url(), "a", kShards, pg)});
   it::ManagerProcess b({(tmp.path() / "b").string(), it::unique_name("pfb"),
                         it::pg_cluster_flags(it::join_urls(etcd.clients), "b", kShards, pg)});
-  REQUIRE_MESSAGE(it::eventually(
-                      [&] {
-                        return it::metric(a, "keep_manager_cluster_shards_ready") == kShards / 2 &&
-                               it::metric(b, "keep_manager_cluster_shards_ready") == kShards / 2;
-                      },
-                      20s),
-                  a.err() << b.err());
+  it::require_split(a, b, kShards);
 
   // An agent of one of a's shards, written through a.
   std::string agent;

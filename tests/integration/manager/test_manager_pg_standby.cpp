@@ -86,13 +86,7 @@ TEST_CASE(
                         it::pg_cluster_flags(urls, "b", kShards, conninfo)});
   it::ManagerProcess a({(tmp.path() / "a").string(), it::unique_name("sba"),
                         it::pg_cluster_flags(urls, "a", kShards, conninfo)});
-  REQUIRE_MESSAGE(it::eventually(
-                      [&] {
-                        return it::metric(a, "keep_manager_cluster_shards_ready") == kShards / 2 &&
-                               it::metric(b, "keep_manager_cluster_shards_ready") == kShards / 2;
-                      },
-                      20s),
-                  a.err() << b.err());
+  it::require_split(a, b, kShards);
 
   std::vector<std::string> agents;
   for (int i = 0; i < kAgents; ++i) agents.push_back("robot-" + std::to_string(i));
