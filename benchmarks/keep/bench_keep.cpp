@@ -10,6 +10,8 @@
 //                        (layer-balanced loading: LoadOptions, CudaBackendOptions)
 //                        [--autotune-rows N]  (CudaBackendOptions::gemm_autotune_rows)
 //                        [--prefill-split on|off]  (CudaBackendOptions::prefill_split)
+//                        [--prefill-kernel auto|mma|wgmma|wgmma1k|wide]
+//                        (CudaBackendOptions::prefill_attention, every layer)
 //                        [--loader-bench B[,B...]]  (then the loader alone, below)
 //
 // --loader-bench: the loader on its own over every entry's every layer (all --segments' largest
@@ -46,6 +48,7 @@
 #include "services/worker/engine/cuda/device_kv_tier.h"
 #include "services/worker/engine/cuda/host_registration.h"
 #include "services/worker/keep/kv_assembler.h"
+#include "services/worker/kernels/attention_schedule.h"
 #include "services/worker/kernels/kernels.h"
 
 namespace {
@@ -327,6 +330,10 @@ int main(int argc, char** argv) {
     } else if (a == "--prefill-split") {
       if (v != "on" && v != "off") return refuse("--prefill-split: on or off");
       options.prefill_split = v == "on";
+    } else if (a == "--prefill-kernel") {
+      if (!keep::kernels::parse_prefill_kernel(v.c_str(), &options.prefill_attention)) {
+        return refuse("--prefill-kernel: auto, mma, wgmma, wgmma1k or wide");
+      }
     } else if (a == "--loads") {
       if (v != "queue" && v != "sync") return refuse("--loads: queue or sync");
       loads.queue = v == "queue";
