@@ -81,6 +81,15 @@ bool eventually(F pred, std::chrono::milliseconds limit) {
   return pred();
 }
 
+// Whether a write's answer says it was not applied: moved, "no owner yet", "being taken over"
+// (also a fenced node's refusal): routed away or refused before anything was applied.
+inline bool not_applied(const Status& st) {
+  return st.code() == Code::kMoved ||
+         (st.code() == Code::kUnavailable &&
+          (st.message().find("no owner yet") != std::string::npos ||
+           st.message().find("being taken over") != std::string::npos));
+}
+
 // Requires that nodes a and b each serve half of the `shards` shards within 20 s (their stderr
 // otherwise).
 inline void require_split(const DaemonProcess& a, const DaemonProcess& b, uint32_t shards) {

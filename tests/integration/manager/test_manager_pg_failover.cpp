@@ -40,15 +40,6 @@ struct Outcomes {
   std::set<std::string> acked, refused, unknown;
 };
 
-bool not_applied(const Status& st) {
-  // moved, "no owner yet", "being taken over" (also a fenced node's refusal): routed away or
-  // refused before anything was applied.
-  return st.code() == Code::kMoved ||
-         (st.code() == Code::kUnavailable &&
-          (st.message().find("no owner yet") != std::string::npos ||
-           st.message().find("being taken over") != std::string::npos));
-}
-
 }  // namespace
 
 TEST_CASE("kill -9 of a node during writes: every acknowledged memory survives, exactly once" *
@@ -102,7 +93,7 @@ TEST_CASE("kill -9 of a node during writes: every acknowledged memory survives, 
             }
             continue;
           }
-          if (!not_applied(st)) {
+          if (!it::not_applied(st)) {
             out.unknown.insert(args.text);  // the answer was lost (timeout) or unconfirmed
             continue;
           }

@@ -39,13 +39,6 @@ struct Outcomes {
   std::set<std::string> acked, refused, unknown;
 };
 
-bool not_applied(const Status& st) {
-  return st.code() == Code::kMoved ||
-         (st.code() == Code::kUnavailable &&
-          (st.message().find("no owner yet") != std::string::npos ||
-           st.message().find("being taken over") != std::string::npos));
-}
-
 double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
 // shard -> "node epoch" of its owner, as etcd says.
@@ -117,7 +110,7 @@ TEST_CASE(
             acks.emplace_back(Clock::now(), agent);
             continue;
           }
-          if (!not_applied(st)) {
+          if (!it::not_applied(st)) {
             out.unknown.insert(args.text);  // unconfirmed (the log unreachable) or no answer
             std::this_thread::sleep_for(20ms);
             continue;
