@@ -6,16 +6,18 @@ busy time (the layers' and the loader's), and the kernels and copies by total ti
 
   CUDA_INJECTION64_PATH=libkernel_trace.so KEEP_TRACE_OUT=t.csv \\
       bench_keep --shape qwen2.5-14b --segments 40 --reps 1 --warmup 1 --methods keep > b.log
-  benchmarks/keep/kernel_time.py t.csv b.log
-(one --segments value and one method per run: the window is the last request's).
+  benchmarks/keep/kernel_time.py t.csv b.log [--layers LO-HI]
+(one --segments value and one method per run: the window is the last request's; --layers narrows
+it to those layers' windows, as summary.py's timeline bounds them).
   benchmarks/keep/kernel_time.py --self-test     (its arithmetic on a synthetic trace)"""
 import collections
 import re
 import sys
 
 
-def summarize(csv_path, log_path, top=25):
-    """Returns (ttft_ms, busy_ms, idle_ms, [(name, ms, count), ...] by time)."""
+def summarize(csv_path, log_path, top=25, layers=None):
+    """Returns (ttft_ms, busy_ms, idle_ms, [(name, ms, count), ...] by time, per-stream busy);
+    with layers=(lo, hi) the window is layers lo..hi's (busy and idle within it)."""
     ttft = None
     for line in open(log_path):
         m = re.match(r"\s*\d+\s+(keep \S+|\S+)\s+\d+\s+([\d.]+)", line)
@@ -33,7 +35,16 @@ def summarize(csv_path, log_path, top=25):
     events.sort()
     end = max(e[1] for e in events)
     start = end - int(ttft * 1e6)
-    window = [e for e in events if e[0] >= start]
+    if layers is not None:
+        import summary  # the timeline's layer bounds (same directory)
+        tl = summary.timeline(summary.read_trace(csv_path), ttft)
+        lo, hi = layers
+        if not 0 <= lo <= hi < len(tl):
+            raise ValueError(f"layers {lo}-{hi} outside the request's {len(tl)}")
+        start, end = (start + int(tl[lo]["start_ms"] * 1e6),
+                      start + int((tl[hi]["start_ms"] + tl[hi]["window_ms"]) * 1e6))
+    window = [(max(e[0], start), min(e[1], end)) + e[2:] for e in events
+              if e[1] > start and e[0] < end]
     busy = union_ns(window)
     streams = collections.defaultdict(list)
     for ev in window:
@@ -89,15 +100,41 @@ def self_test():
         assert ranked[0][0] == "kernel:pool" and abs(ranked[0][1] - 6.0) < 1e-9 and ranked[0][2] == 2
         assert all(name != "kernel:earlier_request" for name, _, _ in ranked)
         assert per_stream == [("7", 8.0), ("9", 1.0)], per_stream
+        # --layers: two layers (norm, qkv, qkv_finish, mlp); layer 1 starts at its norm.
+        with open(csv, "w") as f:
+            f.write("what,start_ns,end_ns,stream,blocks_or_bytes,name\n")
+            t = 10000000
+            for layer in range(2):
+                for name, ms in (("norm", 1), ("gemm", 2), ("qkv_finish", 1), ("mlp%d" % layer, 3)):
+                    f.write(f"kernel,{t},{t + ms * 1000000},7,1,{name}\n")
+                    t += ms * 1000000
+                t += 1000000  # 1 ms idle after each layer
+        with open(log, "w") as f:
+            f.write("40       keep ~0.15       4108      16.00     16.00  16.00\n")
+        ttft, busy, idle, ranked, _ = summarize(csv, log, layers=(1, 1))
+        names = {name for name, _, _ in ranked}
+        assert "kernel:mlp1" in names and "kernel:mlp0" not in names, names
+        assert abs(busy - 7.0) < 1e-9 and abs(idle) < 1e-9, (busy, idle)
+        # Layer 0: from the request's start (1 ms before its first kernel) to layer 1's norm.
+        _, busy, idle, ranked, _ = summarize(csv, log, layers=(0, 0))
+        assert {name for name, _, _ in ranked} == {"kernel:norm", "kernel:gemm",
+                                                    "kernel:qkv_finish", "kernel:mlp0"}
+        assert abs(busy - 7.0) < 1e-9 and abs(idle - 2.0) < 1e-9, (busy, idle)
+        try:
+            summarize(csv, log, layers=(1, 2))
+            raise AssertionError("layers past the request's accepted")
+        except ValueError:
+            pass
     print("kernel_time.py: self-test passed")
 
 
-def main(csv_path, log_path):
+def main(csv_path, log_path, layers=None):
     try:
-        ttft, busy, idle, ranked, per_stream = summarize(csv_path, log_path)
+        ttft, busy, idle, ranked, per_stream = summarize(csv_path, log_path, layers=layers)
     except ValueError as e:
         sys.exit("kernel_time: " + str(e))
-    print(f"request {ttft:.1f} ms: GPU busy {busy:.1f} ms, idle {idle:.1f} ms")
+    where = f", layers {layers[0]}-{layers[1]}" if layers else ""
+    print(f"request {ttft:.1f} ms{where}: GPU busy {busy:.1f} ms, idle {idle:.1f} ms")
     for sid, ms in per_stream:
         print(f"  stream {sid}: busy {ms:.1f} ms")
     for name, ms, count in ranked:
@@ -109,5 +146,7 @@ if __name__ == "__main__":
         self_test()
     elif len(sys.argv) == 3:
         main(sys.argv[1], sys.argv[2])
+    elif len(sys.argv) == 5 and sys.argv[3] == "--layers" and "-" in sys.argv[4]:
+        main(sys.argv[1], sys.argv[2], tuple(int(x) for x in sys.argv[4].split("-", 1)))
     else:
         sys.exit(__doc__)
