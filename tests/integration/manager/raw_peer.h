@@ -46,8 +46,8 @@ struct RawPeer {
                   i + 1 < frames.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
     }
   }
-  // The next answer's status and request id; nullopt when none arrives within `wait`.
-  std::optional<std::pair<Status, uint64_t>> answer(
+  // The next answer's bytes (one encoded Response); nullopt when none arrives within `wait`.
+  std::optional<std::string> payload(
       std::chrono::milliseconds wait = std::chrono::milliseconds(5000)) {
     zmq::pollitem_t item{static_cast<void*>(socket), 0, ZMQ_POLLIN, 0};
     zmq::poll(&item, 1, wait);
@@ -62,8 +62,14 @@ struct RawPeer {
     }
     REQUIRE(frames.size() == 2);
     CHECK(frames[0].size() == 0);
-    const std::string bytes(static_cast<const char*>(frames[1].data()), frames[1].size());
-    auto decoded = wire::decode_message(wire::as_bytes(bytes), {});
+    return std::string(static_cast<const char*>(frames[1].data()), frames[1].size());
+  }
+  // The next answer's status and request id; nullopt when none arrives within `wait`.
+  std::optional<std::pair<Status, uint64_t>> answer(
+      std::chrono::milliseconds wait = std::chrono::milliseconds(5000)) {
+    const std::optional<std::string> bytes = payload(wait);
+    if (!bytes) return std::nullopt;
+    auto decoded = wire::decode_message(wire::as_bytes(*bytes), {});
     REQUIRE(decoded.is_ok());
     auto response = (*decoded)->root<proto::Response>();
     CHECK(response.getProtocolVersion() == keep::client::ManagerProtocol::kVersion);
