@@ -200,7 +200,9 @@ struct Manager {
   std::unique_ptr<km::ManagerRpcServer> server;
 };
 
+using keep::itest::Answered;
 using keep::itest::RawPeer;
+using keep::itest::read_answer;
 using keep::itest::request_bytes;
 
 }  // namespace
@@ -501,42 +503,6 @@ TEST_CASE("timeouts reconnect and late answers are dropped") {
 }
 
 namespace {
-
-// A mutation's answer as the raw peer got it: ok and the answer's fields, or the error.
-struct Answered {
-  Status status;
-  uint64_t id = 0, version = 0, step = 0;
-};
-
-Answered read_answer(RawPeer& peer) {
-  const std::optional<std::string> bytes = peer.payload();
-  REQUIRE(bytes.has_value());
-  auto decoded = wire::decode_message(wire::as_bytes(*bytes), {});
-  REQUIRE(decoded.is_ok());
-  auto r = (*decoded)->root<proto::Response>();
-  Answered out;
-  switch (r.which()) {
-    case proto::Response::ERROR:
-      out.status = wire::status_from_error(r.getError());
-      break;
-    case proto::Response::WRITE_MEMORY:
-      out = {Status::ok(), r.getWriteMemory().getId(), r.getWriteMemory().getVersion(),
-             r.getWriteMemory().getStep()};
-      break;
-    case proto::Response::UPDATE_MEMORY:
-      out = {Status::ok(), r.getUpdateMemory().getId(), r.getUpdateMemory().getVersion(),
-             r.getUpdateMemory().getStep()};
-      break;
-    case proto::Response::ADVANCE_STEP:
-      out.step = r.getAdvanceStep().getStep();
-      break;
-    case proto::Response::DELETE_MEMORY:
-      break;
-    default:
-      FAIL("unexpected answer " << static_cast<int>(r.which()));
-  }
-  return out;
-}
 
 // The manager's mutations of agent "robot", each with request id {client, seq} (client 0: none).
 struct Mutator {

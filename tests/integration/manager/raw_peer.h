@@ -88,4 +88,41 @@ struct RawPeer {
   zmq::socket_t socket;
 };
 
+// A mutation's answer (write, update, delete, advance_step): ok and its fields, or the error.
+struct Answered {
+  Status status;
+  uint64_t id = 0, version = 0, step = 0;
+};
+
+// The next answer of `peer`, which must come within 5 s and be a mutation's or an error.
+inline Answered read_answer(RawPeer& peer) {
+  const std::optional<std::string> bytes = peer.payload();
+  REQUIRE(bytes.has_value());
+  auto decoded = wire::decode_message(wire::as_bytes(*bytes), {});
+  REQUIRE(decoded.is_ok());
+  auto r = (*decoded)->root<proto::Response>();
+  Answered out;
+  switch (r.which()) {
+    case proto::Response::ERROR:
+      out.status = wire::status_from_error(r.getError());
+      break;
+    case proto::Response::WRITE_MEMORY:
+      out = {Status::ok(), r.getWriteMemory().getId(), r.getWriteMemory().getVersion(),
+             r.getWriteMemory().getStep()};
+      break;
+    case proto::Response::UPDATE_MEMORY:
+      out = {Status::ok(), r.getUpdateMemory().getId(), r.getUpdateMemory().getVersion(),
+             r.getUpdateMemory().getStep()};
+      break;
+    case proto::Response::ADVANCE_STEP:
+      out.step = r.getAdvanceStep().getStep();
+      break;
+    case proto::Response::DELETE_MEMORY:
+      break;
+    default:
+      FAIL("not a mutation's answer: " << static_cast<int>(r.which()));
+  }
+  return out;
+}
+
 }  // namespace keep::itest
