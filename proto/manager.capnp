@@ -143,6 +143,15 @@ struct Request {
   # retrieve still waiting for a retrieve thread when it has passed is answered timeout without
   # being run. Relative, since the clocks of two hosts differ; older servers ignore it.
   timeoutMs @17 :UInt32;
+  # A mutation's (writeMemory, updateMemory, deleteMemory, advanceStep) idempotency key, chosen by
+  # the client: clientId a random non-zero 64-bit number the client draws once, clientSeq its
+  # count of mutations. clientId 0: no key (older clients; ignored on the other calls). The
+  # manager keeps the keys of each agent's last mutations with their answers, durably with the
+  # mutations (docs/protocol.md, "Resending a mutation"): a mutation whose key it already applied
+  # is answered as the first time and not applied again -- also by a node that took the agent's
+  # shard over. Unlike requestId, the key stays the same when a client sends the call again.
+  clientId @18 :UInt64;
+  clientSeq @19 :UInt64;
 }
 
 # ---- responses -------------------------------------------------------------------------------

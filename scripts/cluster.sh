@@ -13,6 +13,8 @@
 # no PostgreSQL: the managers then route only, and a moved shard arrives without its memories.
 # keepctl follows `moved`, so any node's endpoint reaches every agent:
 #   build/bin/keepctl --endpoint tcp://127.0.0.1:7611 write robot-7 "The mug is on the table."
+# or, with no node address, through etcd as the clients route:
+#   build/bin/keepctl --etcd http://127.0.0.1:23790 --shards 16 list robot-7
 # Not yet in cluster mode: the Redis KV tier; see docs/cluster.md.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)

@@ -4,6 +4,7 @@
 #include <kj/exception.h>
 
 #include <algorithm>
+#include <random>
 #include <thread>
 
 #include "shared/client/protocols.h"
@@ -115,7 +116,19 @@ std::optional<SegmentKind> parse_kind(std::string_view name) {
   return std::nullopt;
 }
 
-ManagerClient::ManagerClient(ClientOptions options) : options_(std::move(options)) {}
+namespace {
+// A client id for the request ids: 64 random bits, never 0 (0 says "no id").
+uint64_t random_client_id() {
+  std::random_device rd;
+  for (;;) {
+    const uint64_t id = (uint64_t{rd()} << 32) ^ uint64_t { rd() };
+    if (id != 0) return id;
+  }
+}
+}  // namespace
+
+ManagerClient::ManagerClient(ClientOptions options)
+    : options_(std::move(options)), client_id_(random_client_id()) {}
 
 ManagerClient::~ManagerClient() = default;
 
@@ -166,6 +179,13 @@ bool retry_here(const Status& st) {
           st.message().find("being taken over") != std::string::npos);
 }
 
+// A node's answer that its log of record did not confirm a mutation (it may or may not have
+// landed); the node gave the shard up, to be taken again and its log replayed.
+bool unconfirmed(const Status& st) {
+  return st.code() == Code::kUnavailable &&
+         st.message().find("did not confirm") != std::string::npos;
+}
+
 }  // namespace
 
 bool ManagerClient::silent(const std::string& endpoint) const {
@@ -186,7 +206,7 @@ std::string ManagerClient::lookup(const std::string& agent) {
   return options_.endpoint;
 }
 
-Status ManagerClient::routed(std::string_view agent_name, bool idempotent,
+Status ManagerClient::routed(std::string_view agent_name, bool mutation,
                              const std::function<Status(wire::RpcChannel&)>& call) {
   const std::string agent(agent_name);
   // An agent remembered on a node that just stopped answering (for another agent's call) is
@@ -198,6 +218,18 @@ Status ManagerClient::routed(std::string_view agent_name, bool idempotent,
     owners_.erase(agent);
     endpoint = lookup(agent);
   }
+  // A mutation's try that got no answer, or an unconfirmed one: it may have been applied. Sent
+  // again with the same request id, it is answered by whichever node serves the agent then.
+  Status lost;
+  bool resent = false;
+  // Set once the agent's node stopped answering: the call is routed anew until then.
+  std::optional<std::chrono::steady_clock::time_point> failover_until;
+  const auto give_up = [&](const Status& last) {
+    if (lost.is_ok() || last.message() == lost.message()) return lost.is_ok() ? last : lost;
+    return Status(lost.code(), lost.message() + "; sent again with the same request id until " +
+                                   "the last answer (" + last.to_string() +
+                                   "): it may or may not be applied");
+  };
   // A shard moving again while we follow it: a few hops; one between owners ("no owner yet") or
   // whose new owner replays its log ("being taken over"): a few short waits. Both answers say
   // nothing was applied, so the call is sent again.
@@ -210,14 +242,25 @@ Status ManagerClient::routed(std::string_view agent_name, bool idempotent,
       }
       ch = other.get();
     }
+    if (!lost.is_ok() && !resent) {
+      resent = true;
+      ++mutations_resent_;
+    }
     Status st = call(*ch);
-    const bool again = options_.follow_moved && attempt < 15;
+    const bool node_failed =
+        transport_failure(st) || (st.code() == Code::kUnavailable && !retry_here(st));
+    if (node_failed && !failover_until) {
+      failover_until = std::chrono::steady_clock::now() + options_.failover_wait;
+    }
+    const bool again =
+        options_.follow_moved &&
+        (attempt < 15 || (failover_until && std::chrono::steady_clock::now() < *failover_until));
     if (st.code() == Code::kMoved) {
       ++moved_answers_;
-      if (!again) return st;
+      if (!again) return give_up(st);
       const std::string& m = st.message();
       const size_t at = m.rfind(" at ");
-      if (at == std::string::npos || m.substr(at + 4) == endpoint) return st;
+      if (at == std::string::npos || m.substr(at + 4) == endpoint) return give_up(st);
       std::string next = m.substr(at + 4);
       if (silent(next)) {
         // The answering node still sees the silent owner's lease: ask again once it ran out.
@@ -229,21 +272,29 @@ Status ManagerClient::routed(std::string_view agent_name, bool idempotent,
       endpoint = std::move(next);
       owners_[agent] = endpoint;
     } else if (retry_here(st)) {
-      if (!again) return st;
+      if (!again) return give_up(st);
       std::this_thread::sleep_for(kRetryWait);
-    } else if (transport_failure(st) || st.code() == Code::kUnavailable) {
+    } else if (node_failed) {
       // The agent's node stopped answering or cannot serve it now: forget it, so that this call
-      // (a read) or the next one is routed anew, to the node that takes its shard over.
+      // -- a read, or a mutation with its request id -- goes to the node that takes its shard
+      // over.
       owners_.erase(agent);
       if (transport_failure(st)) silent_[endpoint] = std::chrono::steady_clock::now();
-      // A mutation without an answer may have been applied: it is not sent twice (only answers
-      // that say nothing was applied are retried), so its caller learns the outcome is unknown.
-      if (!again || !idempotent) return st;
+      if (mutation && lost.is_ok() && (transport_failure(st) || unconfirmed(st))) lost = st;
+      if (!again) return give_up(st);
       std::string next = lookup(agent);
-      if (next == endpoint) return st;  // nowhere else to ask
+      if (next == endpoint) {
+        // The node answered that its log did not confirm the mutation and gave the shard up:
+        // it (or another) serves the agent again once the shard is taken and its log replayed.
+        if (unconfirmed(st)) {
+          std::this_thread::sleep_for(kRetryWait);
+          continue;
+        }
+        return give_up(st);  // nowhere else to ask
+      }
       endpoint = std::move(next);
     } else {
-      return st;
+      return st;  // the answer (a resent mutation's: the first one's, or its own)
     }
   }
 }
@@ -261,10 +312,13 @@ Result<std::string> ManagerClient::ping() {
 
 Result<WriteResult> ManagerClient::write(const WriteArgs& args) {
   WriteResult out;
-  KEEP_RETURN_IF_ERROR(routed(args.agent, /*idempotent=*/false, [&](wire::RpcChannel& ch) {
+  const uint64_t seq = next_seq();
+  KEEP_RETURN_IF_ERROR(routed(args.agent, /*mutation=*/true, [&](wire::RpcChannel& ch) {
     return round_trip(
         ch, proto::Response::WRITE_MEMORY,
         [&](proto::Request::Builder req) {
+          req.setClientId(client_id_);
+          req.setClientSeq(seq);
           auto w = req.initWriteMemory();
           // Sized readers: Text::Reader's implicit conversion from std::string goes through
           // c_str() and would cut the text at an embedded NUL, silently.
@@ -294,10 +348,13 @@ Result<WriteResult> ManagerClient::update(std::string_view agent, uint64_t id,
                                           std::optional<SegmentKind> kind,
                                           std::optional<uint64_t> step) {
   WriteResult out;
-  KEEP_RETURN_IF_ERROR(routed(agent, /*idempotent=*/false, [&](wire::RpcChannel& ch) {
+  const uint64_t seq = next_seq();
+  KEEP_RETURN_IF_ERROR(routed(agent, /*mutation=*/true, [&](wire::RpcChannel& ch) {
     return round_trip(
         ch, proto::Response::UPDATE_MEMORY,
         [&](proto::Request::Builder req) {
+          req.setClientId(client_id_);
+          req.setClientSeq(seq);
           auto u = req.initUpdateMemory();
           u.setAgent(capnp::Text::Reader(agent.data(), agent.size()));
           u.setId(id);
@@ -321,10 +378,13 @@ Result<WriteResult> ManagerClient::update(std::string_view agent, uint64_t id,
 }
 
 Status ManagerClient::remove(std::string_view agent, uint64_t id) {
-  return routed(agent, /*idempotent=*/false, [&](wire::RpcChannel& ch) {
+  const uint64_t seq = next_seq();
+  return routed(agent, /*mutation=*/true, [&](wire::RpcChannel& ch) {
     return round_trip(
         ch, proto::Response::DELETE_MEMORY,
         [&](proto::Request::Builder req) {
+          req.setClientId(client_id_);
+          req.setClientSeq(seq);
           auto d = req.initDeleteMemory();
           d.setAgent(capnp::Text::Reader(agent.data(), agent.size()));
           d.setId(id);
@@ -335,10 +395,13 @@ Status ManagerClient::remove(std::string_view agent, uint64_t id) {
 
 Result<uint64_t> ManagerClient::advance_step(std::string_view agent, uint64_t by) {
   uint64_t step = 0;
-  KEEP_RETURN_IF_ERROR(routed(agent, /*idempotent=*/false, [&](wire::RpcChannel& ch) {
+  const uint64_t seq = next_seq();
+  KEEP_RETURN_IF_ERROR(routed(agent, /*mutation=*/true, [&](wire::RpcChannel& ch) {
     return round_trip(
         ch, proto::Response::ADVANCE_STEP,
         [&](proto::Request::Builder req) {
+          req.setClientId(client_id_);
+          req.setClientSeq(seq);
           auto a = req.initAdvanceStep();
           a.setAgent(capnp::Text::Reader(agent.data(), agent.size()));
           a.setBy(by);
@@ -354,7 +417,7 @@ Result<uint64_t> ManagerClient::advance_step(std::string_view agent, uint64_t by
 Result<std::vector<RetrievedSegment>> ManagerClient::retrieve(std::string_view agent,
                                                               std::string_view query, uint32_t k) {
   std::vector<RetrievedSegment> out;
-  KEEP_RETURN_IF_ERROR(routed(agent, /*idempotent=*/true, [&](wire::RpcChannel& ch) {
+  KEEP_RETURN_IF_ERROR(routed(agent, /*mutation=*/false, [&](wire::RpcChannel& ch) {
     return round_trip(
         ch, proto::Response::RETRIEVE,
         [&](proto::Request::Builder req) {
@@ -385,7 +448,7 @@ Result<std::vector<RetrievedSegment>> ManagerClient::retrieve(std::string_view a
 
 Result<std::vector<GroupInfo>> ManagerClient::list_groups(std::string_view agent) {
   std::vector<GroupInfo> out;
-  KEEP_RETURN_IF_ERROR(routed(agent, /*idempotent=*/true, [&](wire::RpcChannel& ch) {
+  KEEP_RETURN_IF_ERROR(routed(agent, /*mutation=*/false, [&](wire::RpcChannel& ch) {
     return round_trip(
         ch, proto::Response::LIST_GROUPS,
         [&](proto::Request::Builder req) {
@@ -411,7 +474,7 @@ Result<std::vector<GroupInfo>> ManagerClient::list_groups(std::string_view agent
 Result<MemoryPage> ManagerClient::list_memories(std::string_view agent, uint64_t after_id,
                                                 uint32_t limit) {
   MemoryPage out;
-  KEEP_RETURN_IF_ERROR(routed(agent, /*idempotent=*/true, [&](wire::RpcChannel& ch) {
+  KEEP_RETURN_IF_ERROR(routed(agent, /*mutation=*/false, [&](wire::RpcChannel& ch) {
     return round_trip(
         ch, proto::Response::LIST_MEMORIES,
         [&](proto::Request::Builder req) {

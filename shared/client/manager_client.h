@@ -144,13 +144,20 @@ struct ClientOptions {
   // answer names (remembered for that agent); one answered "no owner yet" or "being taken over"
   // (nothing applied) is retried shortly. An agent whose node stops answering (no answer in time,
   // or `unavailable`) is forgotten: its calls go back through `endpoint` (or `directory`), which
-  // name the node that took its shard over; reads are sent again at once, a mutation whose answer
-  // was lost is not (it may have been applied: the caller decides), the next call is routed anew.
+  // name the node that took its shard over, and the call is sent again there at once -- a
+  // mutation too, with the same request id (every mutation carries one: this client's id and
+  // its count of mutations), so that the node that took the agent over answers it as the dead
+  // node did if that one applied it, and applies it otherwise: exactly once either way.
   bool follow_moved = true;
   // Cluster mode, optional: where agents live (cluster::EtcdDirectory reads etcd, the managers'
   // placement). Asked before an agent's first call, and again after its node stopped answering;
   // `moved` is still followed when it was stale. Empty: `endpoint` and `moved` answers only.
   std::shared_ptr<OwnerDirectory> directory;
+  // Cluster mode: once an agent's node stopped answering, how long its call keeps being routed
+  // anew (the shard is taken over a lease plus a round after the node died: 10 s and a quarter
+  // by default) before it gives up. A mutation that gives up after its answer was lost returns
+  // that loss (kTimeout or kUnavailable, saying it may or may not be applied).
+  std::chrono::milliseconds failover_wait{15000};
 };
 
 class ManagerClient {
@@ -193,15 +200,22 @@ class ManagerClient {
   const ClientOptions& options() const { return options_; }
   // `moved` answers this client received (each costs a round trip the directory would spare).
   uint64_t moved_answers() const { return moved_answers_; }
+  // Mutations sent again with their request id after their answer was lost (or unconfirmed).
+  uint64_t mutations_resent() const { return mutations_resent_; }
+  // The client part of this client's request ids (random, never 0).
+  uint64_t client_id() const { return client_id_; }
 
  private:
   explicit ManagerClient(ClientOptions options);
   // A channel to `endpoint` with this client's timeout and size limits.
   Result<std::unique_ptr<wire::RpcChannel>> open(const std::string& endpoint) const;
-  // `call` on the channel of the node serving `agent`, following moved answers. `idempotent`:
-  // the call may be sent again after its answer was lost (a read).
-  Status routed(std::string_view agent, bool idempotent,
+  // `call` on the channel of the node serving `agent`, following moved answers, and sent again
+  // when the node stopped answering (see ClientOptions::follow_moved). `mutation`: the call
+  // carries a request id, and a lost answer is reported as such if it gives up.
+  Status routed(std::string_view agent, bool mutation,
                 const std::function<Status(wire::RpcChannel&)>& call);
+  // The request id of the next mutation: {client_id_, its sequence number}.
+  uint64_t next_seq() { return next_seq_++; }
   // Where to send `agent`'s call when no node is remembered for it: the directory's answer when
   // there is one and its node answers, else the configured endpoint.
   std::string lookup(const std::string& agent);
@@ -214,6 +228,9 @@ class ManagerClient {
   std::map<std::string, std::unique_ptr<wire::RpcChannel>> others_;      // endpoint -> channel
   std::map<std::string, std::chrono::steady_clock::time_point> silent_;  // endpoint -> failed at
   uint64_t moved_answers_ = 0;
+  uint64_t mutations_resent_ = 0;
+  uint64_t client_id_ = 0;  // random, never 0
+  uint64_t next_seq_ = 1;
 };
 
 }  // namespace keep::client

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # scripts/cluster.sh as a person uses it (managers only): up with two nodes, the shards split,
-# keepctl reaches an agent through either node, a node killed hands all shards to the other --
+# keepctl reaches an agent through either node and through etcd (--etcd, no node address), a node killed hands all shards to the other --
 # with their memories when PostgreSQL is installed -- down removes everything. Skipped (77)
 # without etcd.
 set -euo pipefail
@@ -20,6 +20,8 @@ for i in 0 1 2 3 4 5; do k tcp://127.0.0.1:7611 write "robot-$i" "The mug is on 
 for i in 0 1 2 3 4 5; do
   k tcp://127.0.0.1:7612 list "robot-$i" | grep -q "The mug is on the table." ||
     { echo "FAIL: robot-$i not reached through node2"; exit 1; }
+  "$KEEP_BIN_DIR/keepctl" --etcd http://127.0.0.1:23790 --shards 16 list "robot-$i" |
+    grep -q "The mug is on the table." || { echo "FAIL: robot-$i not reached through etcd"; exit 1; }
 done
 scripts/cluster.sh kill 1
 for _ in $(seq 100); do [ "$(shards 2)" = 16 ] && break; sleep 0.2; done

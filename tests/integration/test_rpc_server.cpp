@@ -200,7 +200,9 @@ struct Manager {
   std::unique_ptr<km::ManagerRpcServer> server;
 };
 
+using keep::itest::Answered;
 using keep::itest::RawPeer;
+using keep::itest::read_answer;
 using keep::itest::request_bytes;
 
 }  // namespace
@@ -498,6 +500,140 @@ TEST_CASE("timeouts reconnect and late answers are dropped") {
   auto s = c->advance_step("a", 3);
   REQUIRE(s.is_ok());
   CHECK(*s == 3);
+}
+
+namespace {
+
+// The manager's mutations of agent "robot", each with request id {client, seq} (client 0: none).
+struct Mutator {
+  RawPeer& peer;
+  uint64_t rid = 1000;
+  void send(uint64_t client, uint64_t seq,
+            const std::function<void(proto::Request::Builder)>& fill) {
+    peer.send({"", request_bytes(++rid, [&](proto::Request::Builder r) {
+                 r.setClientId(client);
+                 r.setClientSeq(seq);
+                 fill(r);
+               })});
+  }
+  void write(uint64_t client, uint64_t seq, const std::string& text) {
+    send(client, seq, [&](proto::Request::Builder r) {
+      auto w = r.initWriteMemory();
+      w.setAgent("robot");
+      w.setText(text);
+      w.setKind(proto::SegmentKind::OBJECT_STATE);
+    });
+  }
+  void update(uint64_t client, uint64_t seq, uint64_t id, const std::string& text) {
+    send(client, seq, [&](proto::Request::Builder r) {
+      auto u = r.initUpdateMemory();
+      u.setAgent("robot");
+      u.setId(id);
+      u.setText(text);
+    });
+  }
+  void remove(uint64_t client, uint64_t seq, uint64_t id) {
+    send(client, seq, [&](proto::Request::Builder r) {
+      auto d = r.initDeleteMemory();
+      d.setAgent("robot");
+      d.setId(id);
+    });
+  }
+  void advance(uint64_t client, uint64_t seq, uint64_t by) {
+    send(client, seq, [&](proto::Request::Builder r) {
+      auto a = r.initAdvanceStep();
+      a.setAgent("robot");
+      a.setBy(by);
+    });
+  }
+};
+
+std::vector<std::string> robot_texts(Manager& m) {
+  std::lock_guard<std::mutex> lock(m.service.store_mutex());
+  auto page = m.store.list_memories("robot", 0, 100);
+  REQUIRE(page.is_ok());
+  std::vector<std::string> out;
+  for (const auto& s : page->memories) out.push_back(s.text);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "a mutation resent with its request id is answered as the first time and not applied "
+    "again, also after a restart that replays the WAL") {
+  constexpr uint64_t kClient = 0xC0FFEE;
+  Manager m;
+  RawPeer peer(m.endpoint());
+  Mutator send{peer};
+  // A write, and the same write again right behind it (most likely in the same batch).
+  send.write(kClient, 1, "kitchen apple on the table");
+  send.write(kClient, 1, "kitchen apple on the table");
+  const Answered w1 = read_answer(peer), w1_again = read_answer(peer);
+  REQUIRE(w1.status.is_ok());
+  REQUIRE(w1_again.status.is_ok());
+  CHECK(w1_again.id == w1.id);
+  CHECK(w1_again.version == 1);
+  CHECK(robot_texts(m) == std::vector<std::string>{"kitchen apple on the table"});
+  // Each kind of mutation, then its resend in a later batch.
+  send.advance(kClient, 2, 3);
+  const Answered step = read_answer(peer);
+  send.update(kClient, 3, w1.id, "kitchen apple in the fridge");
+  const Answered updated = read_answer(peer);
+  send.write(kClient, 4, "kitchen knife in the drawer");
+  const Answered w2 = read_answer(peer);
+  send.remove(kClient, 5, w2.id);
+  const Answered removed = read_answer(peer);
+  REQUIRE(step.status.is_ok());
+  REQUIRE(updated.status.is_ok());
+  REQUIRE(removed.status.is_ok());
+  CHECK(step.step == 3);
+  CHECK(updated.version == 2);
+  const size_t records = m.committer.appended();
+  const auto resend_all = [&](Manager& to, RawPeer& p) {
+    Mutator again{p};
+    again.write(kClient, 1, "kitchen apple on the table");
+    CHECK(read_answer(p).id == w1.id);
+    again.advance(kClient, 2, 3);
+    CHECK(read_answer(p).step == 3);  // not 6
+    again.update(kClient, 3, w1.id, "kitchen apple in the fridge");
+    const Answered u = read_answer(p);
+    CHECK(u.version == 2);  // not a no-op's answer (2 as well) by chance: nothing was applied
+    again.write(kClient, 4, "kitchen knife in the drawer");
+    CHECK(read_answer(p).id == w2.id);  // not a third memory
+    again.remove(kClient, 5, w2.id);
+    CHECK(read_answer(p).status.is_ok());  // not not_found
+    std::lock_guard<std::mutex> lock(to.service.store_mutex());
+    CHECK(*to.store.current_step("robot") == 3);
+  };
+  resend_all(m, peer);
+  CHECK(robot_texts(m) == std::vector<std::string>{"kitchen apple in the fridge"});
+  CHECK(m.committer.appended() == records);  // nothing logged again
+  CHECK(m.service.mutations_deduplicated() == 6);
+  // The same id for another mutation is refused; a mutation without an id (an older client) is
+  // applied every time.
+  send.remove(kClient, 1, w1.id);
+  CHECK(read_answer(peer).status.code() == Code::kInvalidArgument);
+  send.write(0, 1, "kitchen cup");
+  send.write(0, 1, "kitchen cup");
+  CHECK(read_answer(peer).status.is_ok());
+  CHECK(read_answer(peer).status.is_ok());
+  CHECK(robot_texts(m).size() == 3);
+
+  // A restart: a new manager whose store replays the first one's WAL records answers the same
+  // resends as the first did, from the ids the records carry.
+  Manager restarted;
+  {
+    std::lock_guard<std::mutex> lock(restarted.service.store_mutex());
+    for (const std::string& r : m.committer.records) {
+      REQUIRE(restarted.store.apply_record(r).is_ok());
+    }
+  }
+  RawPeer peer2(restarted.endpoint());
+  resend_all(restarted, peer2);
+  CHECK(restarted.committer.appended() == 0);
+  CHECK(restarted.service.mutations_deduplicated() == 5);
+  CHECK(robot_texts(restarted) == robot_texts(m));
 }
 
 TEST_CASE("a failed sync answers io_error and then refuses mutations") {

@@ -82,6 +82,7 @@ StoreOptions small_options() {
   o.static_after_steps = 3;
   o.max_text_bytes = 200;
   o.max_agent_bytes = 16;
+  o.request_window = 8;  // small: the random replays below also evict request ids
   return o;
 }
 
@@ -895,6 +896,7 @@ void random_op(Env& env, std::mt19937& rng, std::vector<std::string>* log) {
     return t;
   };
   std::string rec;
+  std::optional<WriteResult> answer;  // a mutation's, for its request id
   const int op = static_cast<int>(rng() % 100);
   auto ids = [&]() -> std::vector<uint64_t> {
     std::vector<uint64_t> out;
@@ -907,18 +909,24 @@ void random_op(Env& env, std::mt19937& rng, std::vector<std::string>* log) {
   };
   if (op < 35) {
     const SegmentKind kind = static_cast<SegmentKind>(rng() % 3);
-    (void)env.store.write({agent, std::nullopt, rand_text(), kind, std::nullopt}, &rec);
+    auto r = env.store.write({agent, std::nullopt, rand_text(), kind, std::nullopt}, &rec);
+    if (r.is_ok()) answer = *r;
   } else if (op < 50) {
     auto v = ids();
     if (!v.empty()) {
       UpdateRequest u{agent, v[rng() % v.size()], rand_text(), std::nullopt, std::nullopt};
-      (void)env.store.update(u, &rec);
+      auto r = env.store.update(u, &rec);
+      if (r.is_ok()) answer = *r;
     }
   } else if (op < 58) {
     auto v = ids();
-    if (!v.empty()) (void)env.store.remove(agent, v[rng() % v.size()], &rec);
+    if (!v.empty()) {
+      const uint64_t id = v[rng() % v.size()];
+      if (env.store.remove(agent, id, &rec).is_ok()) answer = WriteResult{id, 0, 0};
+    }
   } else if (op < 75) {
-    (void)env.store.advance_step(agent, 1 + rng() % 4, &rec);
+    auto r = env.store.advance_step(agent, 1 + rng() % 4, &rec);
+    if (r.is_ok()) answer = WriteResult{0, 0, *r};
   } else if (op < 90) {
     auto pending = env.store.pending_embeddings(1 + rng() % 5);
     std::vector<SegmentEmbedding> out;
@@ -928,6 +936,13 @@ void random_op(Env& env, std::mt19937& rng, std::vector<std::string>* log) {
     (void)env.store.apply_embeddings(out, &rec);
   } else {
     (void)env.store.retrieve(agent, rand_text(), 1 + rng() % 5, &rec);
+  }
+  if (answer && !rec.empty() && rng() % 2 == 0) {  // half the mutations carry a request id
+    const RequestId id{1 + rng() % 3, rng()};
+    REQUIRE(env.store.set_request(agent, id, *answer, &rec).is_ok());
+    const auto kept = env.store.find_request(agent, id);
+    REQUIRE(kept.has_value());
+    CHECK(kept->result.step == answer->step);
   }
   if (!rec.empty()) log->push_back(rec);
   // Drive the KV side too (not persisted, must not affect the durable state).
@@ -974,6 +989,113 @@ TEST_CASE("replaying the records gives the identical state; snapshots round-trip
     for (const std::string& r : log_a) REQUIRE(replay.store.apply_record(r).is_ok());
     CHECK(replay.store.serialize() == live.store.serialize());
   }
+}
+
+TEST_CASE("a request id keeps its mutation's answer, through replay and snapshots, in a window") {
+  StoreOptions o = small_options();
+  o.request_window = 3;
+  Env e(o);
+  std::vector<std::string> wal;
+  const RequestId r1{0xfeedu, 1}, r2{0xfeedu, 2}, r3{0xfeedu, 3}, r4{0xfeedu, 4};
+  const auto requested = [&](const std::string& agent, RequestId id, WriteResult answer,
+                             std::string rec) {
+    REQUIRE(e.store.set_request(agent, id, answer, &rec).is_ok());
+    auto d = decode_record(rec);
+    REQUIRE(d.is_ok());
+    REQUIRE(std::holds_alternative<RequestedRecord>(*d));
+    CHECK(std::get<RequestedRecord>(*d).client == id.client);
+    wal.push_back(rec);
+  };
+  std::string rec;
+  WriteRequest w;
+  w.agent = "a";
+  w.text = "1,0,0,0|cup on the table";
+  auto written = e.store.write(w, &rec);
+  REQUIRE(written.is_ok());
+  CHECK_FALSE(e.store.find_request("a", r1).has_value());
+  requested("a", r1, *written, rec);
+  auto kept = e.store.find_request("a", r1);
+  REQUIRE(kept.has_value());
+  CHECK(kept->op == MutationOp::kWrite);
+  CHECK(kept->result.id == written->id);
+  CHECK(kept->result.version == 1);
+  CHECK_FALSE(e.store.find_request("a", r2).has_value());
+  CHECK_FALSE(e.store.find_request("a", RequestId{0xbeefu, 1}).has_value());  // another client
+  CHECK_FALSE(e.store.find_request("b", r1).has_value());                     // another agent
+  // The store does not apply anything for a found id: that is the service's check before it
+  // applies. One record per mutation, and the window holds each id once.
+  UpdateRequest u{"a", written->id, "1,0,0,0|cup on the shelf", std::nullopt, std::nullopt};
+  auto updated = e.store.update(u, &rec);
+  REQUIRE(updated.is_ok());
+  requested("a", r2, *updated, rec);
+  auto step = e.store.advance_step("a", 2, &rec);
+  REQUIRE(step.is_ok());
+  requested("a", r3, WriteResult{0, 0, *step}, rec);
+  CHECK(e.store.find_request("a", r2)->op == MutationOp::kUpdate);
+  CHECK(e.store.find_request("a", r2)->result.version == 2);
+  CHECK(e.store.find_request("a", r3)->op == MutationOp::kAdvanceStep);
+  CHECK(e.store.find_request("a", r3)->result.step == 2);
+  REQUIRE(e.store.remove("a", written->id, &rec).is_ok());
+  // Cluster mode: the requested record goes into the log of record inside a logged one.
+  REQUIRE(e.store.set_request("a", r4, WriteResult{written->id, 0, 0}, &rec).is_ok());
+  REQUIRE(e.store.set_log_position("a", {1, 5}, &rec).is_ok());
+  wal.push_back(rec);
+  CHECK(e.store.find_request("a", r4)->op == MutationOp::kRemove);
+  CHECK_FALSE(e.store.find_request("a", r1).has_value());  // the oldest of 4, window 3
+  CHECK(e.store.find_request("a", r2).has_value());
+
+  // Refused: an unknown agent, client 0 ("no id"), no record, another agent's record.
+  REQUIRE(e.store.write(w, &rec).is_ok());
+  std::string none;
+  CHECK(e.store.set_request("nobody", r1, {}, &rec).code() == Code::kNotFound);
+  CHECK(e.store.set_request("a", RequestId{0, 1}, {}, &rec).code() == Code::kInvalidArgument);
+  CHECK(e.store.set_request("a", r1, {}, &none).code() == Code::kInvalidArgument);
+  w.agent = "b";
+  REQUIRE(e.store.write(w, &none).is_ok());
+  CHECK(e.store.set_request("a", r1, {}, &none).code() == Code::kInvalidArgument);
+  wal.push_back(rec);  // a's write, without an id
+  wal.push_back(none);
+
+  // A restart: replaying the WAL, or loading a snapshot, keeps the window and its answers.
+  Env f(o);
+  for (const auto& r : wal) REQUIRE(f.store.apply_record(r).is_ok());
+  CHECK(f.store.serialize() == e.store.serialize());
+  for (const RequestId id : {r2, r3, r4}) {
+    CAPTURE(id.seq);
+    auto there = f.store.find_request("a", id);
+    REQUIRE(there.has_value());
+    CHECK(there->op == e.store.find_request("a", id)->op);
+    CHECK(there->result.id == e.store.find_request("a", id)->result.id);
+    CHECK(there->result.version == e.store.find_request("a", id)->result.version);
+    CHECK(there->result.step == e.store.find_request("a", id)->result.step);
+  }
+  CHECK_FALSE(f.store.find_request("a", r1).has_value());
+  Env g(o);
+  REQUIRE(g.store.deserialize(e.store.serialize()).is_ok());
+  CHECK(g.store.serialize() == e.store.serialize());
+  CHECK(g.store.find_request("a", r3)->result.step == 2);
+  // A smaller window: the newest ids only; 0: none, and records go unwrapped.
+  o.request_window = 1;
+  Env h(o);
+  REQUIRE(h.store.deserialize(e.store.serialize()).is_ok());
+  CHECK(h.store.find_request("a", r4).has_value());
+  CHECK_FALSE(h.store.find_request("a", r3).has_value());
+  o.request_window = 0;
+  Env off(o);
+  REQUIRE(off.store.write(w, &rec).is_ok());
+  const std::string plain = rec;
+  REQUIRE(off.store.set_request("b", r1, {}, &rec).is_ok());
+  CHECK(rec == plain);
+  CHECK_FALSE(off.store.find_request("b", r1).has_value());
+  // A requested record that does not hold one of its agent's mutations is corrupt.
+  CHECK(e.store
+            .apply_record(encode_record(
+                RequestedRecord{"a", 1, 1, 0, 0, 0, encode_record(AdvanceStepRecord{"b", 1})}))
+            .code() == Code::kCorrupt);
+  CHECK(e.store
+            .apply_record(encode_record(
+                RequestedRecord{"a", 1, 1, 0, 0, 0, encode_record(DropAgentRecord{"a"})}))
+            .code() == Code::kCorrupt);
 }
 
 TEST_CASE("after a snapshot restore, KV jobs are queued for static groups and dynamic segments") {

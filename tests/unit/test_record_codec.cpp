@@ -24,6 +24,12 @@ std::vector<Record> sample_records() {
   out.push_back(e);
   out.push_back(LoggedRecord{"agent-1", 3, 9, encode_record(RemoveRecord{"agent-1", 7})});
   out.push_back(DropAgentRecord{"agent-1"});
+  out.push_back(RequestedRecord{"agent-1", 0x9e3779b97f4a7c15ull, 12, 7, 1, 42,
+                                encode_record(WriteRecord{"agent-1", 7, 2, 42, 5, "a cup"})});
+  out.push_back(
+      LoggedRecord{"agent-1", 4, 9,
+                   encode_record(RequestedRecord{"agent-1", 3, 1, 0, 0, 11,
+                                                 encode_record(AdvanceStepRecord{"agent-1", 1})})});
   return out;
 }
 
@@ -96,6 +102,11 @@ TEST_CASE("bad version, bad type, huge counts") {
   b[0] = static_cast<char>(kRecordFormatVersion);
   b[1] = 77;
   CHECK(decode_record(b).status().code() == Code::kCorrupt);
+  // A request id of client 0 says "no id": never in a record.
+  CHECK(decode_record(encode_record(RequestedRecord{"a", 0, 1, 0, 0, 2,
+                                                    encode_record(AdvanceStepRecord{"a", 1})}))
+            .status()
+            .code() == Code::kCorrupt);
 
   // An embeddings record that claims 2^32-1 entries of dim 1 in a few bytes.
   std::string e;
@@ -159,13 +170,20 @@ TEST_CASE("snapshots carry each agent's log position; version 1 snapshots still 
   s.agents.resize(1);
   s.agents[0].log_seq = 12;
   s.agents[0].log_epoch = 4;
-  const std::string v2 = encode_snapshot(s);
-  auto d = decode_snapshot(v2);
+  const std::string v3 = encode_snapshot(s);
+  auto d = decode_snapshot(v3);
   REQUIRE(d.is_ok());
   CHECK(d->agents[0].log_seq == 12);
   CHECK(d->agents[0].log_epoch == 4);
-  // Version 1: the same bytes without the 16 of the position (after the agent's name "robot" and
-  // its three u64 counters: 22 header bytes + 9 + 24).
+  // Version 2: the same bytes without the 4 of the (empty) window of request ids, after the
+  // agent's name "robot", its three u64 counters and its position: 22 header bytes + 9 + 24 + 16.
+  std::string v2 = v3;
+  v2.erase(22 + 9 + 24 + 16, 4);
+  v2[4] = 2;
+  d = decode_snapshot(v2);
+  REQUIRE(d.is_ok());
+  CHECK(encode_snapshot(*d) == v3);
+  // Version 1: nor the 16 of the position.
   std::string v1 = v2;
   v1.erase(22 + 9 + 24, 16);
   v1[4] = 1;
@@ -175,6 +193,30 @@ TEST_CASE("snapshots carry each agent's log position; version 1 snapshots still 
   s.agents[0].log_seq = 0;
   s.agents[0].log_epoch = 0;
   CHECK(encode_snapshot(*d) == encode_snapshot(s));
+}
+
+TEST_CASE("snapshots carry each agent's window of request ids, oldest first") {
+  StoreSnapshot s = sample_snapshot();
+  s.agents[0].requests.push_back(RequestSnapshot{77, 1, 1, 3, 1, 12});
+  s.agents[0].requests.push_back(RequestSnapshot{77, 2, 4, 0, 0, 13});
+  s.agents[1].requests.push_back(RequestSnapshot{5, 9, 3, 1, 0, 0});
+  const std::string bytes = encode_snapshot(s);
+  auto d = decode_snapshot(bytes);
+  REQUIRE(d.is_ok());
+  CHECK(encode_snapshot(*d) == bytes);
+  REQUIRE(d->agents[0].requests.size() == 2);
+  CHECK(d->agents[0].requests[1].seq == 2);
+  CHECK(d->agents[0].requests[1].op == 4);
+  CHECK(d->agents[0].requests[1].step == 13);
+  for (size_t n = 0; n < bytes.size(); ++n) {
+    CHECK(decode_snapshot(std::string_view(bytes.data(), n)).status().code() == Code::kCorrupt);
+  }
+  StoreSnapshot bad = s;
+  bad.agents[0].requests[0].op = 5;  // not a mutation
+  CHECK(decode_snapshot(encode_snapshot(bad)).status().code() == Code::kCorrupt);
+  bad = s;
+  bad.agents[0].requests[0].client = 0;  // "no id"
+  CHECK(decode_snapshot(encode_snapshot(bad)).status().code() == Code::kCorrupt);
 }
 
 TEST_CASE("snapshot with an embedding of the wrong dimension is kCorrupt") {

@@ -6,12 +6,15 @@
 #include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
 
 #include "shared/client/manager_client.h"
 #include "shared/client/worker_client.h"
+#include "shared/cluster/etcd_directory.h"
+#include "shared/cluster/placement.h"
 
 namespace {
 
@@ -27,14 +30,20 @@ constexpr int kExitOk = 0;
 constexpr int kExitFailed = 1;
 constexpr int kExitUsage = 2;
 
-const char* kHelp = R"(usage: keepctl [--endpoint E] [--worker-endpoint W] [--json] [--timeout-ms N]
-               <command> [args]
+const char* kHelp =
+    R"(usage: keepctl [--endpoint E | --etcd URLS [--shards N]] [--worker-endpoint W] [--json]
+               [--timeout-ms N] <command> [args]
 
 Client of keep-manager (one command per protocol call, docs/protocol.md) and of keep-worker
 (complete, score, worker-ping).
 
 options:
   --endpoint E         manager endpoint, tcp://host:port or ipc://path (default: %s)
+  --etcd URLS          cluster mode: etcd client URLs, comma-separated (http://host:2379,...);
+                       an agent's command goes to the node serving it, read from etcd as the
+                       managers place it (moved answers followed when etcd was stale); other
+                       manager commands go to --endpoint, else to a live node from etcd
+  --shards N           cluster mode: the managers' --shards (default: 64)
   --worker-endpoint W  worker endpoint (default: %s)
   --json               print the answer as one JSON document, with the worker's stats
                        (default: human-readable text)
@@ -97,6 +106,8 @@ struct Args {
 };
 
 const std::set<std::string> kValueOptions = {"--endpoint",
+                                             "--etcd",
+                                             "--shards",
                                              "--timeout-ms",
                                              "--kind",
                                              "--id",
@@ -355,19 +366,87 @@ int run_worker(const Args& a, const std::string& cmd) {
   return kExitOk;
 }
 
+// --etcd's URLs, checked: http(s)://host:port, comma-separated.
+std::vector<std::string> etcd_urls(const std::string& list) {
+  std::vector<std::string> urls;
+  size_t start = 0;
+  for (;;) {
+    const size_t comma = std::min(list.find(',', start), list.size());
+    const std::string url = list.substr(start, comma - start);
+    const size_t scheme = url.rfind("http://", 0) == 0 ? 7 : url.rfind("https://", 0) == 0 ? 8 : 0;
+    if (scheme == 0 || url.size() == scheme) {
+      throw UsageError{"--etcd: '" + url +
+                       "' is not an etcd client URL (http://host:port, comma-separated)"};
+    }
+    urls.push_back(url);
+    if (comma == list.size()) return urls;
+    start = comma + 1;
+  }
+}
+
+// --etcd and --shards, checked; nullopt without --etcd.
+struct EtcdRoute {
+  std::vector<std::string> urls;
+  uint32_t shards = 64;  // keep-manager's default --shards
+};
+std::optional<EtcdRoute> etcd_route(const Args& a) {
+  const std::string* list = opt(a, "--etcd");
+  const std::string* shards = opt(a, "--shards");
+  if (list == nullptr) {
+    if (shards != nullptr) throw UsageError{"--shards needs --etcd"};
+    return std::nullopt;
+  }
+  EtcdRoute r{etcd_urls(*list)};
+  if (shards != nullptr) {
+    const uint64_t n = parse_u64("--shards", *shards);
+    if (n == 0 || n > 65536) throw UsageError{"--shards must be 1..65536, got " + *shards};
+    r.shards = static_cast<uint32_t>(n);
+  }
+  return r;
+}
+
+// Cluster mode (--etcd): the client asks etcd where each agent lives; node-wide commands go to
+// --endpoint, else to the first live node etcd lists.
+void route_through_etcd(const Args& a, const EtcdRoute& route, kc::ClientOptions* options) {
+  const std::string joined = *opt(a, "--etcd");
+  options->directory = take(
+      keep::cluster::EtcdDirectory::create(route.urls, route.shards, "/keep", options->timeout));
+  if (opt(a, "--endpoint") != nullptr) return;
+  auto etcd = take(keep::cluster::EtcdClient::create({route.urls, options->timeout}));
+  keep::cluster::Placement view(etcd.get(), "keepctl");
+  auto nodes = view.nodes();
+  if (!nodes.is_ok()) {
+    throw Failure{Status(nodes.status().code(), "reading the cluster's nodes from etcd (" + joined +
+                                                    "): " + nodes.status().message())};
+  }
+  if (nodes->empty()) {
+    throw Failure{
+        Status(Code::kUnavailable, "no keep-manager node is registered in etcd (" + joined + ")")};
+  }
+  options->endpoint = nodes->front().second;
+}
+
 int run(const Args& a) {
   kc::ClientOptions options;
   if (auto* e = opt(a, "--endpoint")) options.endpoint = *e;
   if (auto* t = opt(a, "--timeout-ms")) {
     options.timeout = std::chrono::milliseconds(parse_u32("--timeout-ms", *t));
   }
+  const std::optional<EtcdRoute> etcd = etcd_route(a);
   if (a.positional.empty()) throw UsageError{"no command (see keepctl --help)"};
   const std::string& cmd = a.positional[0];
-  if (cmd == "complete" || cmd == "score" || cmd == "worker-ping") return run_worker(a, cmd);
+  if (cmd == "complete" || cmd == "score" || cmd == "worker-ping") {
+    if (etcd) {
+      throw UsageError{"--etcd and --shards route manager commands; " + cmd +
+                       " goes to --worker-endpoint"};
+    }
+    return run_worker(a, cmd);
+  }
   static const std::set<std::string> kCommands = {"ping",     "write",  "update", "delete", "step",
                                                   "retrieve", "groups", "list",   "stats",  "jobs",
                                                   "reserve",  "commit", "revoke", "renew"};
   if (!kCommands.count(cmd)) throw UsageError{"unknown command '" + cmd + "'"};
+  if (etcd) route_through_etcd(a, *etcd, &options);
   auto client = take(kc::ManagerClient::connect(options));
   const bool js = a.json;
   const auto& p = a.positional;

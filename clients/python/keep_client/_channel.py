@@ -42,9 +42,10 @@ class Channel:
             self._socket.close(linger=0)
             self._socket = None
 
-    def call(self, kind, fill, timeout=None):
+    def call(self, kind, fill, timeout=None, header=None):
         """Sends a Request whose union member `kind` is set by fill(member_builder) and returns
-        the Response reader of that kind (raising the KeepError of an error answer)."""
+        the Response reader of that kind (raising the KeepError of an error answer). `header`:
+        other fields of the Request itself, by name (a mutation's clientId and clientSeq)."""
         if self._socket is None:
             raise errors.error_for("unavailable", "the channel is closed")
         wait = self.timeout if timeout is None else timeout
@@ -53,6 +54,8 @@ class Channel:
         msg.protocolVersion = self.schema.protocolVersion
         msg.requestId = request_id
         msg.timeoutMs = max(1, min(int(wait * 1000), 0xFFFFFFFF))
+        for name, value in (header or {}).items():
+            setattr(msg, name, value)
         if _is_void(msg, kind):
             setattr(msg, kind, None)
         else:

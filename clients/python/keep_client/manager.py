@@ -1,5 +1,7 @@
 """ManagerClient: an agent's side of keep-manager (proto/manager.capnp, docs/protocol.md)."""
+import itertools
 import re
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
@@ -29,6 +31,21 @@ def _retry_here(e):
     ("no owner yet") or replayed by its new owner ("being taken over")."""
     return isinstance(e, errors.UnavailableError) and any(
         m in e.message for m in ("no owner yet", "being taken over"))
+
+
+def _unconfirmed(e):
+    """The node's log of record did not confirm a mutation (it may or may not have landed); the
+    node gave the shard up, to be taken again and its log replayed."""
+    return isinstance(e, errors.UnavailableError) and "did not confirm" in e.message
+
+
+def _gave_up(lost, last):
+    """What a call that gives up raises: `last`, or, when a try of the mutation lost its answer,
+    that loss (it may or may not be applied)."""
+    if lost is None or last is lost:
+        return last
+    return errors.error_for(lost.code, f"{lost.message}; sent again with the same request id "
+                            f"until the last answer ({last}): it may or may not be applied")
 
 
 # The memory kinds, as the wire spells them.
@@ -98,17 +115,24 @@ class ManagerClient(Client):
     subclass for the wire code) on failure; `timeout` (seconds) bounds each call."""
 
     def __init__(self, endpoint="tcp://127.0.0.1:7601", timeout=20.0, follow_moved=True,
-                 directory=None):
+                 directory=None, failover_wait=15.0):
         super().__init__(endpoint, timeout, _schema.manager)
         # Cluster mode: a keep_client.cluster.EtcdDirectory, asked first for an agent not seen yet
         # (and again after its node stopped answering).
         self._directory = directory
         # Cluster mode (docs/cluster.md): a node answers `moved` for an agent another node
         # serves, naming it; the call is sent there, and the agent's node remembered. A node that
-        # stops answering (or answers `unavailable`) is forgotten: reads are sent again through
-        # the directory or `endpoint`, a mutation without an answer is not (it may have been
-        # applied: at most once), the next call is routed anew.
+        # stops answering (or answers `unavailable`) is forgotten and the call sent again through
+        # the directory or `endpoint` -- a mutation too, with the same request id (every mutation
+        # carries one: client_id and this client's count of mutations), so the node that took
+        # the agent over answers it as the dead one did if that one applied it, and applies it
+        # otherwise: exactly once. Routed anew for up to `failover_wait` seconds (the shard is
+        # taken over a lease plus a round after its node died).
         self._follow_moved = follow_moved
+        self._failover_wait = failover_wait
+        self.client_id = secrets.randbits(64) or 1  # the request ids' client part, never 0
+        self._seq = itertools.count(1)
+        self.mutations_resent = 0  # mutations sent again after their answer was lost
         self._owners = {}    # agent -> endpoint
         self._others = {}    # endpoint -> Channel (other nodes)
         self._silent = {}    # endpoint -> time.monotonic() it last gave no answer
@@ -139,49 +163,72 @@ class ManagerClient(Client):
                 return found
         return self._ch.endpoint
 
-    def _routed(self, agent, kind, fill, idempotent=False):
+    def _routed(self, agent, kind, fill, mutation=False):
         endpoint = self._owners.get(agent)
         if endpoint is None or self._is_silent(endpoint):
             # Also an agent remembered on a node that stopped answering for another agent's call.
             self._owners.pop(agent, None)
             endpoint = self._lookup(agent)
+        header = {"clientId": self.client_id, "clientSeq": next(self._seq)} if mutation else None
+        lost = None  # a try of the mutation without an answer (or unconfirmed): maybe applied
+        resent = False
+        failover_until = None  # set once the agent's node stopped answering
         # A shard moving while we follow it: a few hops; one between owners (released, not yet
         # taken: "no owner yet") or whose new owner replays its log ("being taken over"): a few
         # short waits (nothing was applied).
-        for attempt in range(16):
-            again = self._follow_moved and attempt < 15
+        attempt = 0
+        while True:
+            if lost is not None and not resent:
+                resent = True
+                self.mutations_resent += 1
             try:
-                return self._channel(endpoint).call(kind, fill)
+                return self._channel(endpoint).call(kind, fill, header=header)
             except errors.MovedError as e:
                 self.moved_answers += 1
                 at = _MOVED_AT.search(e.message)
-                if not again or at is None or at.group(1) == endpoint:
-                    raise
+                if not self._again(attempt, failover_until) or at is None or \
+                        at.group(1) == endpoint:
+                    raise _gave_up(lost, e) from None
                 if self._is_silent(at.group(1)):
                     # The answering node still sees the silent owner's lease: ask once it ran out.
                     self._owners.pop(agent, None)
                     time.sleep(_RETRY_WAIT)
                     endpoint = self._lookup(agent)
-                    continue
-                endpoint = self._owners[agent] = at.group(1)
+                else:
+                    endpoint = self._owners[agent] = at.group(1)
             except (errors.UnavailableError, errors.RequestTimeoutError) as e:
                 if _retry_here(e):
-                    if not again:
-                        raise
+                    if not self._again(attempt, failover_until):
+                        raise _gave_up(lost, e) from None
                     time.sleep(_RETRY_WAIT)
+                    attempt += 1
                     continue
-                # The agent's node stopped answering or cannot serve it now: forget it.
+                # The agent's node stopped answering or cannot serve it now: forget it, and send
+                # the call (a read, or a mutation with its request id) to the node that takes its
+                # shard over.
+                if failover_until is None:
+                    failover_until = time.monotonic() + self._failover_wait
                 self._owners.pop(agent, None)
                 if _transport_failure(e):
                     self._silent[endpoint] = time.monotonic()
-                # A mutation without an answer may have been applied: never sent twice.
-                if not again or not idempotent:
-                    raise
+                if mutation and lost is None and (_transport_failure(e) or _unconfirmed(e)):
+                    lost = e
+                if not self._again(attempt, failover_until):
+                    raise _gave_up(lost, e) from None
                 nxt = self._lookup(agent)
                 if nxt == endpoint:
-                    raise  # nowhere else to ask
+                    if _unconfirmed(e):  # the node gave the shard up: it is taken again shortly
+                        time.sleep(_RETRY_WAIT)
+                        attempt += 1
+                        continue
+                    raise _gave_up(lost, e) from None  # nowhere else to ask
                 endpoint = nxt
-        raise AssertionError("unreachable: the last try raises or returns")
+            attempt += 1
+
+    def _again(self, attempt, failover_until):
+        """Whether a call may be sent once more: 16 tries, or until failover_until."""
+        return self._follow_moved and (
+            attempt < 15 or (failover_until is not None and time.monotonic() < failover_until))
 
     def close(self):
         for ch in self._others.values():
@@ -204,7 +251,7 @@ class ManagerClient(Client):
             if step is not None:
                 r.hasStep = True
                 r.step = step
-        return _written(self._routed(agent, "writeMemory", fill))
+        return _written(self._routed(agent, "writeMemory", fill, mutation=True))
 
     def update(self, agent: str, id: int, text: str, kind: Optional[str] = None,
                step: Optional[int] = None) -> Written:
@@ -218,19 +265,19 @@ class ManagerClient(Client):
             if step is not None:
                 r.hasStep = True
                 r.step = step
-        return _written(self._routed(agent, "updateMemory", fill))
+        return _written(self._routed(agent, "updateMemory", fill, mutation=True))
 
     def delete(self, agent: str, id: int) -> None:
         def fill(r):
             r.agent = agent
             r.id = id
-        self._routed(agent, "deleteMemory", fill)
+        self._routed(agent, "deleteMemory", fill, mutation=True)
 
     def advance_step(self, agent: str, by: int = 1) -> int:
         def fill(r):
             r.agent = agent
             r.by = by
-        return self._routed(agent, "advanceStep", fill).get("step", 0)
+        return self._routed(agent, "advanceStep", fill, mutation=True).get("step", 0)
 
     def retrieve(self, agent: str, query: str, k: int) -> List[Segment]:
         def fill(r):
@@ -238,7 +285,7 @@ class ManagerClient(Client):
             r.query = query
             r.k = k
         out = []
-        for s in self._routed(agent, "retrieve", fill, idempotent=True).get("segments", []):
+        for s in self._routed(agent, "retrieve", fill).get("segments", []):
             kv = None
             if s.get("hasKv"):
                 slc = s.get("kv", {})
@@ -257,7 +304,7 @@ class ManagerClient(Client):
             r.agent = agent
             r.afterId = after_id
             r.limit = limit
-        page = self._routed(agent, "listMemories", fill, idempotent=True)
+        page = self._routed(agent, "listMemories", fill)
         mems = [Memory(m.get("id", 0), m.get("text", ""), _snake(m.get("kind", "unknown")),
                        m.get("tokens", 0), m.get("version", 0), m.get("updatedStep", 0),
                        m.get("groupId", 0), m.get("embedded", False), m.get("hasKv", False))
@@ -269,7 +316,7 @@ class ManagerClient(Client):
             r.agent = agent
         return [Group(g.get("id", 0), _snake(g.get("state", "unknown")), g.get("version", 0),
                       list(g.get("segmentIds", [])), g.get("tokens", 0), g.get("lastChangeStep", 0))
-                for g in self._routed(agent, "listGroups", fill, idempotent=True).get("groups", [])]
+                for g in self._routed(agent, "listGroups", fill).get("groups", [])]
 
     def stats(self) -> dict:
         s = self._ch.call("stats", None)

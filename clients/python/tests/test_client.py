@@ -124,5 +124,49 @@ class Reconnect(unittest.TestCase):
             svc.close()
 
 
+class RequestIds(unittest.TestCase):
+    """Every mutation carries the client's request id; one sent again with the same id (as the
+    client resends one whose answer was lost) is answered as the first time and not applied
+    again, also by a manager restarted after kill -9 (from its WAL)."""
+
+    def test_a_resent_mutation_is_answered_once_applied_once(self):
+        svc = Services(worker=False)
+        try:
+            m = ManagerClient(svc.manager.endpoint, timeout=5)
+            self.assertNotEqual(m.client_id, 0)
+            agent = "py_resend"
+            header = {"clientId": m.client_id, "clientSeq": 1_000_000}
+
+            def fill(r):
+                r.agent = agent
+                r.text = "The kettle is on the stove."
+                r.kind = "objectState"
+
+            first = m._ch.call("writeMemory", fill, header=header)
+            again = m._ch.call("writeMemory", fill, header=header)
+            self.assertEqual(again["id"], first["id"])
+            step = m._ch.call("advanceStep", lambda r: (setattr(r, "agent", agent),
+                                                         setattr(r, "by", 2)),
+                              header=dict(header, clientSeq=1_000_001))
+            self.assertEqual(step["step"], 2)
+            m.write(agent, "The cup is on the shelf.")  # an id of the client's own
+            self.assertEqual(m.stats()["mutations_deduplicated"], 1)
+            svc.manager.kill9()
+            svc.manager = svc.start_manager()  # same data directory: the WAL keeps the ids
+            again = m._ch.call("writeMemory", fill, header=header)
+            self.assertEqual(again["id"], first["id"])
+            step = m._ch.call("advanceStep", lambda r: (setattr(r, "agent", agent),
+                                                         setattr(r, "by", 2)),
+                              header=dict(header, clientSeq=1_000_001))
+            self.assertEqual(step["step"], 2)  # not 4
+            mems, _ = m.list_memories(agent)
+            self.assertEqual([x.text for x in mems],
+                             ["The kettle is on the stove.", "The cup is on the shelf."])
+            self.assertEqual(m.stats()["mutations_deduplicated"], 2)
+            m.close()
+        finally:
+            svc.close()
+
+
 if __name__ == "__main__":
     unittest.main()

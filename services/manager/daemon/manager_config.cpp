@@ -35,6 +35,10 @@ void declare_manager_options(Options* o) {
   o->add("max-pending-embeddings", "1000000",
          "segments waiting for an embedding before writes and updates are refused "
          "(resource_exhausted, retry later); 0: no limit");
+  o->add("request-window", "128",
+         "per agent, the request ids of its last N mutations are kept with their answers, so "
+         "that a client resending one after a lost answer gets that answer instead of a second "
+         "apply (about 48 bytes each); 0: none kept");
   o->add("shm-name", "keep-kv", "POSIX shm object of the KV region (/dev/shm/<name>)");
   o->add("shm-bytes", "1GiB", "KV arena size");
   o->add("shm-block-bytes", "64KiB",
@@ -123,6 +127,9 @@ Result<ManagerConfig> read_manager_config(const Options& o) {
   c.zmq_send_hwm = static_cast<int>(hwm);
   KEEP_ASSIGN_OR_RETURN(uint64_t pending, o.uint64("max-pending-embeddings"));
   c.store.max_pending_embeddings = pending;
+  KEEP_ASSIGN_OR_RETURN(uint64_t window, o.uint64("request-window"));
+  if (window > 65536) return Status(Code::kInvalidArgument, "--request-window: must be 0..65536");
+  c.store.request_window = window;
 
   c.etcd = o.list("etcd");
   c.node_id = o.str("node-id");

@@ -541,12 +541,16 @@ void ManagerDaemon::Impl::register_metrics() {
                        "Requests refused unhandled because their client does not read its answers");
   auto& queued_bytes = registry.gauge("keep_manager_reply_queued_bytes",
                                       "Answer bytes queued by the server beyond ZeroMQ's pipes");
+  auto& deduplicated = registry.counter(
+      "keep_manager_mutations_deduplicated_total",
+      "Mutations resent with a request id already applied: answered as the first time, not "
+      "applied again");
 
   // Counters mirror monotonic totals kept by the components: add the delta at each scrape.
   struct Last {
     double to_static = 0, to_dynamic = 0, completed = 0, stale = 0, failed = 0, evicted = 0,
            records = 0, bytes = 0, hits = 0, misses = 0, deferred = 0, expired = 0, dropped = 0,
-           unread = 0;
+           unread = 0, deduplicated = 0;
   };
   auto last = std::make_shared<Last>();
   auto bump = [](metrics::Counter& c, double now, double* prev) {
@@ -557,7 +561,7 @@ void ManagerDaemon::Impl::register_metrics() {
                              &jobs_done, &evictions, &shards_owned, &shards_ready, &arena, &entries,
                              &wal_records, &wal_bytes, &cache, &deferred, &waiting, &degraded,
                              &linked, &waiting_max, &expired, &dropped, &refused_unread,
-                             &queued_bytes, last, bump] {
+                             &queued_bytes, &deduplicated, last, bump] {
     if (!service || !region) return;  // still starting: the endpoints are bound before the region
     StoreStats s;
     {
@@ -591,6 +595,8 @@ void ManagerDaemon::Impl::register_metrics() {
     waiting.get().set(static_cast<double>(dr.waiting));
     waiting_max.get().set(static_cast<double>(dr.waiting_max_per_peer));
     bump(expired.get(), static_cast<double>(dr.expired), &last->expired);
+    bump(deduplicated.get(), static_cast<double>(service->mutations_deduplicated()),
+         &last->deduplicated);
     if (server) {
       const wire::ServerStats ss = server->stats();
       bump(dropped.get(), static_cast<double>(ss.replies_dropped), &last->dropped);

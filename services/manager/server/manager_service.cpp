@@ -108,6 +108,62 @@ size_t ManagerService::jobs_in_flight() const {
   return jobs_.size();
 }
 
+uint64_t ManagerService::mutations_deduplicated() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return deduplicated_;
+}
+
+namespace {
+// The request's idempotency key; nullopt when it carries none (clientId 0).
+std::optional<RequestId> request_id_of(const proto::Request::Reader& req) {
+  if (req.getClientId() == 0) return std::nullopt;
+  return RequestId{req.getClientId(), req.getClientSeq()};
+}
+}  // namespace
+
+std::optional<bool> ManagerService::answer_resend_locked(ManagerCall& call,
+                                                         const std::string& agent, MutationOp op) {
+  const std::optional<RequestId> id = request_id_of(call.request());
+  if (!id) return std::nullopt;
+  const std::optional<AppliedRequest> applied = store_->find_request(agent, *id);
+  if (!applied) return std::nullopt;
+  if (applied->op != op) {
+    call.fail(Status(Code::kInvalidArgument,
+                     "request id " + std::to_string(id->client) + ":" + std::to_string(id->seq) +
+                         " was already used for a " + mutation_op_name(applied->op) +
+                         " of agent '" + agent + "', not this " + mutation_op_name(op) +
+                         ": a new mutation needs a new id"));
+    return false;
+  }
+  const WriteResult& r = applied->result;
+  switch (op) {
+    case MutationOp::kWrite:
+      set_write_result(call.reply().initWriteMemory(), r);
+      break;
+    case MutationOp::kUpdate:
+      set_write_result(call.reply().initUpdateMemory(), r);
+      break;
+    case MutationOp::kRemove:
+      call.reply().initDeleteMemory();
+      break;
+    case MutationOp::kAdvanceStep:
+      call.reply().initAdvanceStep().setStep(r.step);
+      break;
+  }
+  ++deduplicated_;
+  // The first one may be in this very batch: its answer, too, waits for the batch's sync.
+  return committer_ != nullptr;
+}
+
+void ManagerService::record_request_locked(const proto::Request::Reader& req,
+                                           const std::string& agent, const WriteResult& result,
+                                           std::string* record) {
+  const std::optional<RequestId> id = request_id_of(req);
+  if (!id || record->empty()) return;  // no id, or a no-op (nothing logged: nothing to answer)
+  Status st = store_->set_request(agent, *id, result, record);
+  KEEP_CHECK_MSG(st.is_ok(), st.to_string().c_str());  // the mutation left its agent in place
+}
+
 Status ManagerService::mutation_allowed() const {
   if (degraded_) {
     return Status(Code::kUnavailable,
@@ -304,8 +360,10 @@ bool ManagerService::handle_one(ManagerCall& call) {
       if (!kind.is_ok()) return call.fail(kind.status()), false;
       wr.kind = *kind;
       if (w.getHasStep()) wr.step = w.getStep();
+      if (auto resent = answer_resend_locked(call, wr.agent, MutationOp::kWrite)) return *resent;
       auto r = store_->write(wr, &record);
       if (!r.is_ok()) return call.fail(r.status()), false;
+      record_request_locked(req, wr.agent, *r, &record);
       if (Status st = log_mutation_locked(wr.agent, record); !st.is_ok()) {
         return call.fail(st), false;
       }
@@ -326,8 +384,10 @@ bool ManagerService::handle_one(ManagerCall& call) {
         ur.kind = *kind;
       }
       if (u.getHasStep()) ur.step = u.getStep();
+      if (auto resent = answer_resend_locked(call, ur.agent, MutationOp::kUpdate)) return *resent;
       auto r = store_->update(ur, &record);
       if (!r.is_ok()) return call.fail(r.status()), false;
+      record_request_locked(req, ur.agent, *r, &record);
       if (Status st = log_mutation_locked(ur.agent, record); !st.is_ok()) {
         return call.fail(st), false;
       }
@@ -339,8 +399,10 @@ bool ManagerService::handle_one(ManagerCall& call) {
       if (Status st = mutation_allowed(); !st.is_ok()) return call.fail(st), false;
       auto d = req.getDeleteMemory();
       const std::string agent = str(d.getAgent());
+      if (auto resent = answer_resend_locked(call, agent, MutationOp::kRemove)) return *resent;
       Status st = store_->remove(agent, d.getId(), &record);
       if (!st.is_ok()) return call.fail(st), false;
+      record_request_locked(req, agent, WriteResult{d.getId(), 0, 0}, &record);
       if (Status a = log_mutation_locked(agent, record); !a.is_ok()) return call.fail(a), false;
       call.reply().initDeleteMemory();
       return !record.empty();
@@ -350,8 +412,12 @@ bool ManagerService::handle_one(ManagerCall& call) {
       if (Status st = mutation_allowed(); !st.is_ok()) return call.fail(st), false;
       auto a = req.getAdvanceStep();
       const std::string agent = str(a.getAgent());
+      if (auto resent = answer_resend_locked(call, agent, MutationOp::kAdvanceStep)) {
+        return *resent;
+      }
       auto r = store_->advance_step(agent, a.getBy(), &record);
       if (!r.is_ok()) return call.fail(r.status()), false;
+      record_request_locked(req, agent, WriteResult{0, 0, *r}, &record);
       if (Status st = log_mutation_locked(agent, record); !st.is_ok()) {
         return call.fail(st), false;
       }
@@ -444,6 +510,7 @@ bool ManagerService::handle_one(ManagerCall& call) {
           {"query_cache_hits", s.query_cache_hits},
           {"query_cache_misses", s.query_cache_misses},
           {"degraded", degraded_ ? 1u : 0u},
+          {"mutations_deduplicated", deduplicated_},
       };
       const DeferredRetrieves dr = deferred_retrieves();
       counters.emplace_back("retrieves_deferred", dr.total);

@@ -33,6 +33,11 @@
 // store mutex held; the calls are answered after it. A shard whose part was refused (fenced by a
 // newer owner) or failed gets its calls of the batch answered kUnavailable, and every agent that
 // had an entry in it is dropped from memory: nothing that was refused stays visible.
+//
+// Request ids (docs/protocol.md, "Resending a mutation"): a mutation that carries a client's
+// request id (Request.clientId/clientSeq) is recorded with it (MemoryStore::set_request: in the
+// WAL and the log of record, so replay keeps it); one whose id its agent already applied is
+// answered as the first time and not applied again (mutations_deduplicated counts them).
 #pragma once
 
 #include <chrono>
@@ -154,6 +159,8 @@ class ManagerService : public wire::RequestHandler<client::ManagerProtocol> {
   // kUnavailable from then on (reads still work) until the daemon restarts and recovers.
   bool degraded() const { return degraded_; }
   size_t jobs_in_flight() const;
+  // Mutations answered from their request id's first answer, not applied again, since the start.
+  uint64_t mutations_deduplicated() const;
 
   // Housekeeping at `now` (on_idle() uses the clock): fails jobs whose reservation lease ran out
   // or that were never reserved within job_timeout. Returns how many were failed.
@@ -188,6 +195,15 @@ class ManagerService : public wire::RequestHandler<client::ManagerProtocol> {
   Status log_mutation_locked(std::string_view agent, const std::string& record);
   // Commits log_batch_ and undoes what a failed shard's part applied (see the top).
   void commit_log_locked(std::span<ManagerCall> calls);
+  // A mutation (`op` of `agent`) whose request id the agent already applied: answers it as the
+  // first time, or refuses an id used by another op, and returns handle_one's result; nullopt
+  // when the request carries no id or a new one.
+  std::optional<bool> answer_resend_locked(ManagerCall& call, const std::string& agent,
+                                           MutationOp op);
+  // The mutation that produced *record (non-empty) was answered `result`: with a request id, the
+  // id goes into the agent's window and *record is wrapped with it (MemoryStore::set_request).
+  void record_request_locked(const proto::Request::Reader& req, const std::string& agent,
+                             const WriteResult& result, std::string* record);
 
   // A deferred retrieve: the call, its arguments, what it must embed.
   struct RetrieveJob {
@@ -222,6 +238,7 @@ class ManagerService : public wire::RequestHandler<client::ManagerProtocol> {
   bool degraded_ = false;
   std::unordered_map<uint64_t, JobState> jobs_;  // handed out and not finished
   LogBatch log_batch_;                           // of the batch being handled
+  uint64_t deduplicated_ = 0;                    // mutations_deduplicated()
 
   std::function<void(std::unique_ptr<ManagerCall>)> complete_;  // set: retrieves may be deferred
   mutable std::mutex retrieve_mu_;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <deque>
 #include <functional>
 #include <list>
 #include <map>
@@ -31,6 +32,20 @@ const char* segment_kind_name(SegmentKind kind) {
 
 const char* group_state_name(GroupState state) {
   return state == GroupState::kStatic ? "static" : "dynamic";
+}
+
+const char* mutation_op_name(MutationOp op) {
+  switch (op) {
+    case MutationOp::kWrite:
+      return "write";
+    case MutationOp::kUpdate:
+      return "update";
+    case MutationOp::kRemove:
+      return "delete";
+    case MutationOp::kAdvanceStep:
+      return "advance_step";
+  }
+  return "unknown";
 }
 
 namespace {
@@ -90,6 +105,9 @@ struct Agent {
   std::unordered_map<uint64_t, uint64_t> group_job;  // group id -> latest group job
   std::set<uint64_t> evicted_groups;  // joint KV evicted: produced again when next retrieved
   LogPosition log;                    // cluster mode: the last entry of its log applied here
+  // The request ids of its last mutations that carried one, oldest first (at most
+  // StoreOptions::request_window): a resend of one is answered from here.
+  std::deque<std::pair<RequestId, AppliedRequest>> requests;
 
   Segment* find(uint64_t id) {
     auto it = segments.find(id);
@@ -917,16 +935,83 @@ Status MemoryStore::drop_agent(std::string_view agent, std::string* wal_record) 
   return Status::ok();
 }
 
+namespace {
+
+// The agent a mutation record is about and its op; nullptr for any other record.
+const std::string* mutation_of(const Record& rec, MutationOp* op) {
+  if (auto* w = std::get_if<WriteRecord>(&rec)) return *op = MutationOp::kWrite, &w->agent;
+  if (auto* u = std::get_if<UpdateRecord>(&rec)) return *op = MutationOp::kUpdate, &u->agent;
+  if (auto* r = std::get_if<RemoveRecord>(&rec)) return *op = MutationOp::kRemove, &r->agent;
+  if (auto* a = std::get_if<AdvanceStepRecord>(&rec)) {
+    return *op = MutationOp::kAdvanceStep, &a->agent;
+  }
+  return nullptr;
+}
+
+// Keeps `id` as the agent's newest request id, within `window`.
+void keep_request(Agent* a, RequestId id, AppliedRequest applied, size_t window) {
+  if (window == 0) return;
+  a->requests.emplace_back(id, applied);
+  while (a->requests.size() > window) a->requests.pop_front();
+}
+
+}  // namespace
+
+std::optional<AppliedRequest> MemoryStore::find_request(std::string_view agent,
+                                                        RequestId id) const {
+  const Agent* a = impl_->find_agent(agent);
+  if (a == nullptr || id.client == 0) return std::nullopt;
+  for (auto it = a->requests.rbegin(); it != a->requests.rend(); ++it) {
+    if (it->first == id) return it->second;
+  }
+  return std::nullopt;
+}
+
+Status MemoryStore::set_request(std::string_view agent, RequestId id, const WriteResult& result,
+                                std::string* record) {
+  Agent* a = impl_->find_agent(agent);
+  if (a == nullptr) return Impl::not_found_agent(agent);
+  if (id.client == 0) return invalid("set_request: request id of client 0");
+  if (record == nullptr || record->empty()) {
+    return invalid("set_request: no record for agent '" + std::string(agent) + "'");
+  }
+  if (impl_->opt.request_window == 0) return Status::ok();
+  KEEP_ASSIGN_OR_RETURN(Record rec, decode_record(*record));
+  MutationOp op{};
+  const std::string* of = mutation_of(rec, &op);
+  if (of == nullptr || *of != agent) {
+    return invalid("set_request: the record is not a mutation of agent '" + std::string(agent) +
+                   "'");
+  }
+  keep_request(a, id, AppliedRequest{op, result}, impl_->opt.request_window);
+  *record = encode_record(RequestedRecord{a->name, id.client, id.seq, result.id, result.version,
+                                          result.step, std::move(*record)});
+  return Status::ok();
+}
+
 Status MemoryStore::apply_record(std::string_view bytes) {
   Impl& m = *impl_;
   KEEP_ASSIGN_OR_RETURN(Record rec, decode_record(bytes));
+  if (auto* q = std::get_if<RequestedRecord>(&rec)) {
+    KEEP_ASSIGN_OR_RETURN(Record inner, decode_record(q->inner));
+    MutationOp op{};
+    const std::string* of = mutation_of(inner, &op);
+    if (of == nullptr || *of != q->agent) {
+      return Status(Code::kCorrupt, "requested record of agent '" + q->agent +
+                                        "' does not hold one of its mutations");
+    }
+    KEEP_RETURN_IF_ERROR(apply_record(q->inner));
+    Agent* a = m.find_agent(q->agent);
+    KEEP_CHECK(a != nullptr);  // a mutation leaves its agent in place
+    keep_request(a, RequestId{q->client, q->seq},
+                 AppliedRequest{op, WriteResult{q->id, q->version, q->step}}, m.opt.request_window);
+    return Status::ok();
+  }
   if (auto* l = std::get_if<LoggedRecord>(&rec)) {
     KEEP_ASSIGN_OR_RETURN(Record inner, decode_record(l->inner));
-    const std::string* of = nullptr;
-    if (auto* w = std::get_if<WriteRecord>(&inner)) of = &w->agent;
-    if (auto* u = std::get_if<UpdateRecord>(&inner)) of = &u->agent;
-    if (auto* r = std::get_if<RemoveRecord>(&inner)) of = &r->agent;
-    if (auto* a = std::get_if<AdvanceStepRecord>(&inner)) of = &a->agent;
+    MutationOp op{};
+    const std::string* of = mutation_of(inner, &op);
+    if (auto* q = std::get_if<RequestedRecord>(&inner)) of = &q->agent;
     if (of == nullptr || *of != l->agent) {
       return Status(Code::kCorrupt,
                     "logged record of agent '" + l->agent + "' does not hold one of its mutations");
@@ -972,6 +1057,11 @@ StoreSnapshot MemoryStore::capture() const {
     as.next_group_id = a.next_group_id;
     as.log_seq = a.log.seq;
     as.log_epoch = a.log.epoch;
+    for (const auto& [id, applied] : a.requests) {
+      as.requests.push_back(RequestSnapshot{id.client, id.seq, static_cast<uint8_t>(applied.op),
+                                            applied.result.id, applied.result.version,
+                                            applied.result.step});
+    }
     for (const auto& [gid, g] : a.groups->groups()) {
       as.groups.push_back(
           GroupSnapshot{gid, static_cast<uint8_t>(g.state), g.version, g.last_change_step});
@@ -1031,6 +1121,12 @@ Status MemoryStore::deserialize(std::string_view bytes) {
     a.next_id = as.next_id;
     a.next_group_id = as.next_group_id;
     a.log = LogPosition{as.log_seq, as.log_epoch};
+    for (const RequestSnapshot& q : as.requests) {  // oldest first; the window may be smaller now
+      keep_request(
+          &a, RequestId{q.client, q.seq},
+          AppliedRequest{static_cast<MutationOp>(q.op), WriteResult{q.id, q.version, q.step}},
+          m.opt.request_window);
+    }
     uint64_t prev = 0;
     for (const GroupSnapshot& g : as.groups) {
       if (g.id <= prev || g.id >= as.next_group_id) return fail("bad group id");

@@ -63,6 +63,10 @@ struct StoreOptions {
   size_t max_pending_embeddings = 1'000'000;
   size_t query_cache_entries = 1024;  // LRU of query embeddings by exact text; 0 = off
   uint32_t max_job_attempts = 3;      // fail_job drops a job after this many failures
+  // Per agent, the request ids of its last `request_window` mutations that carried one are kept
+  // with their answers (find_request); an older one is forgotten, and a resend of it is applied
+  // as a new mutation. About 48 bytes per id. 0: none kept (set_request logs no id).
+  size_t request_window = 128;
 };
 
 // Where a segment's KV lives in the shared region, as retrieve() returns it. Only valid
@@ -192,6 +196,25 @@ struct LogPosition {
   uint64_t epoch = 0;  // the epoch that entry was written at
 };
 
+// A mutation's idempotency key, chosen by the client (proto Request.clientId/clientSeq): a random
+// client id (never 0) and that client's count of mutations.
+struct RequestId {
+  uint64_t client = 0;
+  uint64_t seq = 0;
+  bool operator==(const RequestId&) const = default;
+};
+
+// The mutations a request id can name (their RecordType).
+enum class MutationOp : uint8_t { kWrite = 1, kUpdate = 2, kRemove = 3, kAdvanceStep = 4 };
+const char* mutation_op_name(MutationOp op);  // "write", "update", "delete", "advance_step"
+
+// What a mutation with a request id was answered: write and update {id, version, step}, remove
+// {id}, advance_step {step: the new step}.
+struct AppliedRequest {
+  MutationOp op = MutationOp::kWrite;
+  WriteResult result;
+};
+
 enum class KvJobKind : uint8_t { kSegment = 0, kGroup = 1 };
 
 struct KvJobSegment {
@@ -281,6 +304,21 @@ class MemoryStore {
   // KV jobs, queued or running (a worker's completion of one is then kNotFound). *wal_record gets
   // a drop record (empty when the agent is unknown: nothing to forget).
   Status drop_agent(std::string_view agent, std::string* wal_record);
+
+  // ---- request ids: a mutation resent after its answer was lost (docs/protocol.md) -----------
+
+  // The answer of the agent's mutation that carried `id`, when it is among the agent's last
+  // request_window ones that carried one (nullopt otherwise, and for an unknown agent).
+  std::optional<AppliedRequest> find_request(std::string_view agent, RequestId id) const;
+  // The mutation that just produced *record (a write, update, remove or advance_step of `agent`)
+  // carried `id` and is answered `result`: keeps the id in the agent's window (the oldest goes
+  // beyond request_window) and wraps *record into a requested record carrying both, so that a
+  // replay -- of the local WAL, or of the log of record by a node taking the agent over -- keeps
+  // it too. Call before set_log_position. A window of 0: nothing kept, *record unchanged.
+  // kNotFound: unknown agent; kInvalidArgument: client 0, or *record is not one of the agent's
+  // mutations.
+  Status set_request(std::string_view agent, RequestId id, const WriteResult& result,
+                     std::string* record);
 
   // ---- recovery and snapshots ----------------------------------------------------------------
 

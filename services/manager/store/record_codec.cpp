@@ -151,6 +151,15 @@ std::string encode_record(const Record& record) {
         } else if constexpr (std::is_same_v<T, DropAgentRecord>) {
           w.u8(static_cast<uint8_t>(RecordType::kDropAgent));
           w.str(r.agent);
+        } else if constexpr (std::is_same_v<T, RequestedRecord>) {
+          w.u8(static_cast<uint8_t>(RecordType::kRequested));
+          w.str(r.agent);
+          w.u64(r.client);
+          w.u64(r.seq);
+          w.u64(r.id);
+          w.u64(r.version);
+          w.u64(r.step);
+          w.str(r.inner);
         } else {
           static_assert(std::is_same_v<T, EmbeddingsRecord>);
           w.u8(static_cast<uint8_t>(RecordType::kEmbeddings));
@@ -237,6 +246,13 @@ Result<Record> decode_record(std::string_view bytes) {
       out = std::move(d);
       break;
     }
+    case RecordType::kRequested: {
+      RequestedRecord q;
+      ok = r.str(&q.agent) && r.u64(&q.client) && r.u64(&q.seq) && r.u64(&q.id) &&
+           r.u64(&q.version) && r.u64(&q.step) && r.str(&q.inner) && q.client != 0;
+      out = std::move(q);
+      break;
+    }
     default:
       return corrupt("unknown record type " + std::to_string(type));
   }
@@ -260,6 +276,15 @@ std::string encode_snapshot(const StoreSnapshot& s) {
     w.u64(a.next_group_id);
     w.u64(a.log_seq);
     w.u64(a.log_epoch);
+    w.u32(static_cast<uint32_t>(a.requests.size()));
+    for (const RequestSnapshot& q : a.requests) {
+      w.u64(q.client);
+      w.u64(q.seq);
+      w.u8(q.op);
+      w.u64(q.id);
+      w.u64(q.version);
+      w.u64(q.step);
+    }
     w.u32(static_cast<uint32_t>(a.groups.size()));
     for (const GroupSnapshot& g : a.groups) {
       w.u64(g.id);
@@ -290,25 +315,40 @@ Result<StoreSnapshot> decode_snapshot(std::string_view bytes) {
   uint16_t version = 0;
   if (!r.u32(&magic) || magic != kSnapshotMagic) return corrupt("snapshot: bad magic");
   if (!r.u16(&version)) return corrupt("snapshot: truncated header");
-  if (version != kSnapshotFormatVersion && version != 1) {
+  if (version < 1 || version > kSnapshotFormatVersion) {
     return Status(Code::kVersionMismatch, "store snapshot: format version " +
                                               std::to_string(version) + ", expected " +
                                               std::to_string(kSnapshotFormatVersion));
   }
-  const bool has_log = version >= 2;  // version 1: no log positions
+  const bool has_log = version >= 2;       // version 1: no log positions
+  const bool has_requests = version >= 3;  // versions 1, 2: no request ids
   StoreSnapshot s;
   uint32_t n_agents = 0;
   if (!r.u32(&s.dim) || !r.u64(&s.next_seq) ||
-      !r.count(&n_agents, 4 + 24 + (has_log ? 16 : 0) + 8)) {
+      !r.count(&n_agents, 4 + 24 + (has_log ? 16 : 0) + (has_requests ? 4 : 0) + 8)) {
     return corrupt("snapshot: truncated header");
   }
   s.agents.resize(n_agents);
   for (AgentSnapshot& a : s.agents) {
     uint32_t n_groups = 0, n_segs = 0;
     if (!r.str(&a.name) || !r.u64(&a.step) || !r.u64(&a.next_id) || !r.u64(&a.next_group_id) ||
-        (has_log && (!r.u64(&a.log_seq) || !r.u64(&a.log_epoch))) || !r.count(&n_groups, 25)) {
+        (has_log && (!r.u64(&a.log_seq) || !r.u64(&a.log_epoch)))) {
       return corrupt("snapshot: truncated agent");
     }
+    uint32_t n_requests = 0;
+    if (has_requests && !r.count(&n_requests, 41)) {
+      return corrupt("snapshot: request count past the end");
+    }
+    a.requests.resize(n_requests);
+    for (RequestSnapshot& q : a.requests) {
+      if (!r.u64(&q.client) || !r.u64(&q.seq) || !r.u8(&q.op) || !r.u64(&q.id) ||
+          !r.u64(&q.version) || !r.u64(&q.step) || q.client == 0 ||
+          q.op < static_cast<uint8_t>(RecordType::kWrite) ||
+          q.op > static_cast<uint8_t>(RecordType::kAdvanceStep)) {
+        return corrupt("snapshot: bad request id of agent '" + a.name + "'");
+      }
+    }
+    if (!r.count(&n_groups, 25)) return corrupt("snapshot: truncated agent");
     a.groups.resize(n_groups);
     for (GroupSnapshot& g : a.groups) {
       if (!r.u64(&g.id) || !r.u8(&g.state) || !r.u64(&g.version) || !r.u64(&g.last_change_step) ||

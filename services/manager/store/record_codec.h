@@ -22,8 +22,9 @@ namespace keep::manager {
 
 inline constexpr uint8_t kRecordFormatVersion = 1;
 inline constexpr uint32_t kSnapshotMagic = 0x4b50534bu;  // "KSPK" read as LE bytes "KSPK"
-// 2 adds each agent's log position (cluster mode); version 1 snapshots still decode (position 0).
-inline constexpr uint16_t kSnapshotFormatVersion = 2;
+// 2 adds each agent's log position (cluster mode), 3 each agent's window of request ids; versions
+// 1 and 2 still decode (position 0, no request ids).
+inline constexpr uint16_t kSnapshotFormatVersion = 3;
 
 enum class RecordType : uint8_t {
   kWrite = 1,
@@ -33,6 +34,7 @@ enum class RecordType : uint8_t {
   kEmbeddings = 5,
   kLogged = 6,     // cluster mode: a mutation record and its position in the agent's log
   kDropAgent = 7,  // cluster mode: the agent's state is forgotten (replayed from the log later)
+  kRequested = 8,  // a mutation record with the client's request id and the answer it got
 };
 
 // Records carry resolved values (id, step, token count) so replay never consults the tokenizer
@@ -84,9 +86,23 @@ struct LoggedRecord {
 struct DropAgentRecord {
   std::string agent;
 };
+// A mutation sent with a client's request id (proto Request.clientId/clientSeq): `inner` (an
+// encoded write, update, remove or advance_step record of `agent`) and what it was answered, so
+// that replaying it puts the id back in the agent's window (MemoryStore::find_request) and a
+// resend of the same id is answered the same without being applied again. In cluster mode it is
+// the inner record of a logged one, and the record the log of record holds.
+struct RequestedRecord {
+  std::string agent;
+  uint64_t client = 0;  // never 0
+  uint64_t seq = 0;
+  uint64_t id = 0;       // the answer: the memory's id (write, update, remove; 0: advance_step)
+  uint64_t version = 0;  // its version after the mutation (write, update)
+  uint64_t step = 0;     // write, update: the step it was recorded at; advance_step: the new step
+  std::string inner;
+};
 
 using Record = std::variant<WriteRecord, UpdateRecord, RemoveRecord, AdvanceStepRecord,
-                            EmbeddingsRecord, LoggedRecord, DropAgentRecord>;
+                            EmbeddingsRecord, LoggedRecord, DropAgentRecord, RequestedRecord>;
 
 std::string encode_record(const Record& record);
 Result<Record> decode_record(std::string_view bytes);
@@ -111,6 +127,15 @@ struct GroupSnapshot {
   uint64_t version = 0;
   uint64_t last_change_step = 0;
 };
+// One entry of an agent's window of request ids (RequestedRecord without the mutation).
+struct RequestSnapshot {
+  uint64_t client = 0;
+  uint64_t seq = 0;
+  uint8_t op = 0;  // the RecordType of the mutation: 1 write .. 4 advance_step
+  uint64_t id = 0;
+  uint64_t version = 0;
+  uint64_t step = 0;
+};
 struct AgentSnapshot {
   std::string name;
   uint64_t step = 0;
@@ -120,6 +145,7 @@ struct AgentSnapshot {
   std::vector<GroupSnapshot> groups;      // ascending id
   uint64_t log_seq = 0;                   // cluster mode: LogPosition (0: never logged)
   uint64_t log_epoch = 0;
+  std::vector<RequestSnapshot> requests;  // the window of request ids, oldest first (version 3)
 };
 struct StoreSnapshot {
   uint32_t dim = 0;

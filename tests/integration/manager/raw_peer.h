@@ -46,8 +46,8 @@ struct RawPeer {
                   i + 1 < frames.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
     }
   }
-  // The next answer's status and request id; nullopt when none arrives within `wait`.
-  std::optional<std::pair<Status, uint64_t>> answer(
+  // The next answer's bytes (one encoded Response); nullopt when none arrives within `wait`.
+  std::optional<std::string> payload(
       std::chrono::milliseconds wait = std::chrono::milliseconds(5000)) {
     zmq::pollitem_t item{static_cast<void*>(socket), 0, ZMQ_POLLIN, 0};
     zmq::poll(&item, 1, wait);
@@ -62,8 +62,14 @@ struct RawPeer {
     }
     REQUIRE(frames.size() == 2);
     CHECK(frames[0].size() == 0);
-    const std::string bytes(static_cast<const char*>(frames[1].data()), frames[1].size());
-    auto decoded = wire::decode_message(wire::as_bytes(bytes), {});
+    return std::string(static_cast<const char*>(frames[1].data()), frames[1].size());
+  }
+  // The next answer's status and request id; nullopt when none arrives within `wait`.
+  std::optional<std::pair<Status, uint64_t>> answer(
+      std::chrono::milliseconds wait = std::chrono::milliseconds(5000)) {
+    const std::optional<std::string> bytes = payload(wait);
+    if (!bytes) return std::nullopt;
+    auto decoded = wire::decode_message(wire::as_bytes(*bytes), {});
     REQUIRE(decoded.is_ok());
     auto response = (*decoded)->root<proto::Response>();
     CHECK(response.getProtocolVersion() == keep::client::ManagerProtocol::kVersion);
@@ -81,5 +87,42 @@ struct RawPeer {
   zmq::context_t ctx{1};
   zmq::socket_t socket;
 };
+
+// A mutation's answer (write, update, delete, advance_step): ok and its fields, or the error.
+struct Answered {
+  Status status;
+  uint64_t id = 0, version = 0, step = 0;
+};
+
+// The next answer of `peer`, which must come within 5 s and be a mutation's or an error.
+inline Answered read_answer(RawPeer& peer) {
+  const std::optional<std::string> bytes = peer.payload();
+  REQUIRE(bytes.has_value());
+  auto decoded = wire::decode_message(wire::as_bytes(*bytes), {});
+  REQUIRE(decoded.is_ok());
+  auto r = (*decoded)->root<proto::Response>();
+  Answered out;
+  switch (r.which()) {
+    case proto::Response::ERROR:
+      out.status = wire::status_from_error(r.getError());
+      break;
+    case proto::Response::WRITE_MEMORY:
+      out = {Status::ok(), r.getWriteMemory().getId(), r.getWriteMemory().getVersion(),
+             r.getWriteMemory().getStep()};
+      break;
+    case proto::Response::UPDATE_MEMORY:
+      out = {Status::ok(), r.getUpdateMemory().getId(), r.getUpdateMemory().getVersion(),
+             r.getUpdateMemory().getStep()};
+      break;
+    case proto::Response::ADVANCE_STEP:
+      out.step = r.getAdvanceStep().getStep();
+      break;
+    case proto::Response::DELETE_MEMORY:
+      break;
+    default:
+      FAIL("not a mutation's answer: " << static_cast<int>(r.which()));
+  }
+  return out;
+}
 
 }  // namespace keep::itest

@@ -5,7 +5,8 @@
 // an entry the log never got (dropped and read again), one it does not hold (read), and state that
 // never came from the log (dropped). The local WAL then reproduces the store. A commit at the
 // node's epoch lands; once a newer owner fenced the shard, one is refused and the shard is no
-// longer served. Skipped without etcd or PostgreSQL.
+// longer served. A write the log holds with a client's request id is known by that id after the
+// takeover (a resend of it is answered, not applied again). Skipped without etcd or PostgreSQL.
 #include <doctest/doctest.h>
 
 #include <mutex>
@@ -112,9 +113,12 @@ TEST_CASE(
                       {entry("A", 1, "a1"), entry("A", 2, "a2"), entry("B", 1, "b1"),
                        entry("C", 1, "c1"), entry("C", 2, "c2")})
               .is_ok());
+  // D's second write was sent with request id 42:7 (the record the service logs for it).
+  cluster::LogRecord d2 = entry("D", 2, "d2");
+  d2.record = encode_record(RequestedRecord{"D", 42, 7, 2, 1, 0, d2.record});
   REQUIRE(log->append(0, 2,
                       {entry("A", 3, "a3"), entry("A", 4, "a4"), entry("B", 2, "b2 from the log"),
-                       entry("D", 1, "d1"), entry("D", 2, "d2")})
+                       entry("D", 1, "d1"), d2})
               .is_ok());
 
   // What this node holds locally (as its WAL would have given it back).
@@ -179,6 +183,11 @@ TEST_CASE(
     CHECK(texts(store, "C") == std::vector<std::string>{"c1", "c2"});
     CHECK(store.log_position("C").seq == 2);
     CHECK(texts(store, "D") == std::vector<std::string>{"d1", "d2"});
+    auto resent = store.find_request("D", RequestId{42, 7});
+    REQUIRE(resent.has_value());
+    CHECK(resent->op == MutationOp::kWrite);
+    CHECK(resent->result.id == 2);
+    CHECK_FALSE(store.find_request("D", RequestId{42, 6}).has_value());
     CHECK(store.list_memories("E", 0, 10).status().code() == Code::kNotFound);
     auto r = (*cl)->route("A");
     REQUIRE(r.is_ok());

@@ -1,5 +1,6 @@
 // keep-manager's command line: --help lists every option with its default and exits 0; a bad
-// command line or a missing model gives ONE line on stderr and a non-zero exit.
+// command line or a missing model gives ONE line on stderr and a non-zero exit. keepctl's --etcd
+// and --shards likewise (their routing: test_manager_cluster).
 #include <doctest/doctest.h>
 
 #include <string>
@@ -124,4 +125,40 @@ TEST_CASE("a bad keep-manager command line: one line on stderr, non-zero exit") 
     CHECK(r.out.empty());
   }
   ::shm_unlink(shm.c_str());
+}
+
+TEST_CASE("keepctl --etcd: bad input is one line on stderr and a non-zero exit") {
+  const std::string unreachable = "http://127.0.0.1:" + std::to_string(it::free_port());
+  struct Case {
+    std::vector<std::string> args;
+    int exit_code;        // 2: usage, 1: the call failed
+    std::string mention;  // the line must name this
+  };
+  const std::vector<Case> cases = {
+      {{"--etcd", "etcd-host:2379", "ping"}, 2, "'etcd-host:2379' is not an etcd client URL"},
+      {{"--etcd", "http://127.0.0.1:2379,", "ping"}, 2, "'' is not an etcd client URL"},
+      {{"--etcd", "ping"}, 2, "'ping' is not an etcd client URL"},
+      {{"--etcd"}, 2, "--etcd needs a value"},
+      {{"--shards", "8", "ping"}, 2, "--shards needs --etcd"},
+      {{"--etcd", unreachable, "--shards", "0", "ping"}, 2, "--shards must be 1..65536"},
+      {{"--etcd", unreachable, "--shards", "many", "ping"}, 2, "--shards must be"},
+      {{"--etcd", unreachable, "worker-ping"}, 2, "worker-ping goes to --worker-endpoint"},
+      {{"--etcd", unreachable, "--timeout-ms", "500", "write", "robot", "The cup."},
+       1,
+       "keepctl: unavailable: reading the cluster's nodes from etcd (" + unreachable + ")"},
+  };
+  for (const auto& c : cases) {
+    std::vector<std::string> argv = {it::bin_path("keepctl")};
+    argv.insert(argv.end(), c.args.begin(), c.args.end());
+    std::string shown;
+    for (const auto& a : c.args) shown += a + " ";
+    INFO("keepctl " << shown);
+    auto r = it::run_command(argv, 30000ms);
+    CHECK(r.exit_code == c.exit_code);
+    const auto lines = it::lines_of(r.err);
+    CHECK_MESSAGE(lines.size() == 1, r.err);
+    CHECK_MESSAGE(r.err.rfind("keepctl: ", 0) == 0, r.err);
+    CHECK_MESSAGE(r.err.find(c.mention) != std::string::npos, r.err);
+    CHECK(r.out.empty());
+  }
 }

@@ -1,7 +1,8 @@
 // keep-manager in cluster mode (issue 31, points 1 and 4) against a real three-member etcd: two
 // real keep-manager processes split the shards between them; a request about an agent another
 // node serves is answered `moved`, naming that node's endpoint; a node killed -9 loses its shards
-// to the other within its lease, and the survivor then serves every agent. Skipped without etcd.
+// to the other within its lease, and the survivor then serves every agent. keepctl --etcd routes
+// each agent's command to its node with no node address given. Skipped without etcd.
 #include <doctest/doctest.h>
 
 #include <thread>
@@ -9,6 +10,7 @@
 #include "shared/client/manager_client.h"
 #include "shared/cluster/placement.h"
 #include "tests/integration/etcd_cluster.h"
+#include "tests/integration/manager/manager_process.h"
 
 using namespace keep;
 using namespace std::chrono_literals;
@@ -115,4 +117,82 @@ TEST_CASE("two managers share the shards, answer moved for the other's agents, a
   a.kill9();
   REQUIRE(eventually([&] { return shards_owned(b) == kShards; }, 15s));
   CHECK(write(*cb, a_agent).is_ok());
+}
+
+TEST_CASE("keepctl --etcd sends each agent's command to the node that serves it" *
+          doctest::skip(!it::have_etcd())) {
+  it::EtcdCluster etcd;
+  etcd.wait_ready();
+  std::string urls;
+  for (const auto& u : etcd.clients) urls += (urls.empty() ? "" : ",") + u;
+  const auto keepctl = [&](std::vector<std::string> args) {
+    std::vector<std::string> argv = {it::bin_path("keepctl"), "--etcd", urls};
+    argv.insert(argv.end(), args.begin(), args.end());
+    return it::run_command(argv, 30000ms);
+  };
+  // No node registered yet: nowhere to send a command.
+  auto none = keepctl({"--shards", std::to_string(kShards), "ping"});
+  CHECK(none.exit_code == 1);
+  CHECK_MESSAGE(none.err == "keepctl: unavailable: no keep-manager node is registered in etcd (" +
+                                urls + ")\n",
+                none.err);
+
+  const auto cluster_flags = [&](const std::string& node) {
+    return std::vector<std::string>{
+        "--etcd",         urls, "--node-id", node, "--shards", std::to_string(kShards),
+        "--etcd-lease-s", "2"};
+  };
+  it::TempDir tmp("ctletcd");
+  it::ManagerProcess a({(tmp.path() / "a").string(), it::unique_name("cea"), cluster_flags("a")});
+  it::ManagerProcess b({(tmp.path() / "b").string(), it::unique_name("ceb"), cluster_flags("b")});
+  REQUIRE(eventually(
+      [&] { return shards_owned(a) == kShards / 2 && shards_owned(b) == kShards / 2; }, 15s));
+  auto ca = connect(a.endpoint());
+  auto cb = connect(b.endpoint());
+  auto ec = etcd.client();
+  cluster::Placement view(ec.get(), "test");
+  size_t on_a = 0, on_b = 0;
+  for (int i = 0; i < 8; ++i) {
+    const std::string agent = "robot-" + std::to_string(i);
+    const std::string text = "The mug of " + agent + " is on the table.";
+    auto w = keepctl({"--shards", std::to_string(kShards), "--json", "write", agent, text});
+    REQUIRE_MESSAGE(w.exit_code == 0, w.err);
+    CHECK(w.out.find("\"version\":1") != std::string::npos);
+    auto l = keepctl({"--shards", std::to_string(kShards), "list", agent});
+    REQUIRE_MESSAGE(l.exit_code == 0, l.err);
+    CHECK(l.out.find(text) != std::string::npos);
+    // On its owner, and only there (a client that does not follow moved asks each node).
+    auto o = view.owner(cluster::shard_of(agent, kShards));
+    REQUIRE(o.is_ok());
+    REQUIRE(o->has_value());
+    kc::ManagerClient& owner = (*o)->node == "a" ? *ca : *cb;
+    kc::ManagerClient& other = (*o)->node == "a" ? *cb : *ca;
+    ((*o)->node == "a" ? on_a : on_b) += 1;
+    auto page = owner.list_memories(agent);
+    REQUIRE(page.is_ok());
+    REQUIRE(page->memories.size() == 1);
+    CHECK(page->memories[0].text == text);
+    // (The other node learns a shard's new owner at its next round: "no owner yet" until then.)
+    Status elsewhere;
+    CHECK(eventually(
+        [&] {
+          elsewhere = other.list_memories(agent).status();
+          return elsewhere.code() == Code::kMoved;
+        },
+        5s));
+    CHECK_MESSAGE(elsewhere.code() == Code::kMoved, elsewhere.to_string());
+  }
+  CHECK(on_a > 0);
+  CHECK(on_b > 0);
+  // Node-wide commands go to a live node; the default --shards (64) is not the managers' (8):
+  // etcd names wrong owners for some agents, whose moved answers keepctl follows.
+  auto ping = keepctl({"ping"});
+  CHECK_MESSAGE(ping.exit_code == 0, ping.err);
+  CHECK(ping.out.rfind("keep-manager", 0) == 0);
+  for (int i = 0; i < 8; ++i) {
+    const std::string agent = "robot-" + std::to_string(i);
+    auto l = keepctl({"--json", "list", agent});
+    REQUIRE_MESSAGE(l.exit_code == 0, l.err);
+    CHECK(l.out.find("The mug of " + agent) != std::string::npos);
+  }
 }

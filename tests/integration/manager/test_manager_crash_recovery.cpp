@@ -14,6 +14,10 @@
 // request per writer is unacknowledged when the manager dies ("uncertain"): its target may be in
 // the state before or after that request; every other segment must match the model exactly.
 // Seed: printed; set KEEP_ITEST_SEED to replay one.
+//
+// A second case resends mutations with their request ids (as a client does whose answers were
+// lost) after kill -9 and a restart, and after a clean restart from a snapshot: each is answered
+// as the first time from what the WAL or the snapshot kept, and nothing is applied twice.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -28,6 +32,7 @@
 
 #include "shared/client/manager_client.h"
 #include "tests/integration/manager/manager_process.h"
+#include "tests/integration/manager/raw_peer.h"
 
 namespace {
 
@@ -369,5 +374,91 @@ TEST_CASE("every acknowledged change survives kill -9 of keep-manager, three tim
     it::ManagerProcess m({data, shm, snap});
     verify(m.endpoint(), writers, "after a clean shutdown");
     CHECK(m.terminate() == 0);
+  }
+}
+
+TEST_CASE(
+    "a mutation resent with its request id after kill -9 and a restart is not applied twice") {
+  it::TempDir tmp("resend");
+  const std::string data = (tmp.path() / "data").string();
+  const std::string shm = it::unique_name("resend");
+  const std::vector<std::string> flags = {"--snapshot-every", "0", "--fsync", "true"};
+  constexpr uint64_t kClient = 0x5eed;
+  uint64_t rid = 1;
+  const auto write = [&](it::RawPeer& p, uint64_t seq, const std::string& text) {
+    p.send({"", it::request_bytes(++rid, [&](keep::proto::Request::Builder r) {
+              r.setClientId(kClient);
+              r.setClientSeq(seq);
+              auto w = r.initWriteMemory();
+              w.setAgent("robot");
+              w.setText(text);
+              w.setKind(keep::proto::SegmentKind::OBJECT_STATE);
+            })});
+    return it::read_answer(p);
+  };
+  const auto advance = [&](it::RawPeer& p, uint64_t seq) {
+    p.send({"", it::request_bytes(++rid, [&](keep::proto::Request::Builder r) {
+              r.setClientId(kClient);
+              r.setClientSeq(seq);
+              auto a = r.initAdvanceStep();
+              a.setAgent("robot");
+              a.setBy(2);
+            })});
+    return it::read_answer(p);
+  };
+  const auto check_state = [&](const it::ManagerProcess& m, const char* when) {
+    INFO(when);
+    kc::ClientOptions o;
+    o.endpoint = m.endpoint();
+    auto c = kc::ManagerClient::connect(o);
+    REQUIRE(c.is_ok());
+    auto page = (*c)->list_memories("robot");
+    REQUIRE(page.is_ok());
+    REQUIRE(page->memories.size() == 2);
+    CHECK(page->memories[0].text == "The mug is on the table.");
+    CHECK(page->memories[1].text == "The cup is in the sink.");
+    auto stats = (*c)->stats();
+    REQUIRE(stats.is_ok());
+    std::map<std::string, uint64_t> counters(stats->counters.begin(), stats->counters.end());
+    return counters.at("mutations_deduplicated");
+  };
+  it::Answered w1, w2, step;
+  {
+    it::ManagerProcess m({data, shm, flags});
+    it::RawPeer p(m.endpoint());
+    w1 = write(p, 1, "The mug is on the table.");
+    step = advance(p, 2);
+    w2 = write(p, 3, "The cup is in the sink.");
+    REQUIRE(w1.status.is_ok());
+    REQUIRE(step.status.is_ok());
+    REQUIRE(w2.status.is_ok());
+    CHECK(step.step == 2);
+    CHECK(w2.step == 2);
+    m.kill9();
+  }
+  const auto resend = [&](const it::ManagerProcess& m, const char* when) {
+    INFO(when);
+    it::RawPeer p(m.endpoint());
+    const it::Answered again1 = write(p, 1, "The mug is on the table.");
+    const it::Answered again_step = advance(p, 2);
+    const it::Answered again2 = write(p, 3, "The cup is in the sink.");
+    REQUIRE(again1.status.is_ok());
+    CHECK(again1.id == w1.id);
+    CHECK(again_step.step == 2);  // not 4
+    CHECK(again2.id == w2.id);    // not a third memory
+    CHECK(again2.step == 2);
+  };
+  {
+    it::ManagerProcess m({data, shm, flags});  // recovers from the WAL
+    resend(m, "after kill -9: from the WAL");
+    CHECK(check_state(m, "after kill -9") == 3);
+    CHECK(m.terminate() == 0);  // clean stop: a final snapshot holds the request ids
+  }
+  {
+    it::ManagerProcess m({data, shm, flags});
+    const std::string log = m.err();
+    CHECK_MESSAGE(log.find("loaded (up to LSN") != std::string::npos, log);
+    resend(m, "after a clean restart: from the snapshot");
+    CHECK(check_state(m, "after a clean restart") == 3);
   }
 }

@@ -38,6 +38,10 @@ std::vector<std::pair<std::string, uint64_t>> logged_writes(cluster::PgLog& log,
   for (const auto& r : *rows) {
     auto rec = manager::decode_record(r.record);
     REQUIRE(rec.is_ok());
+    if (auto* q = std::get_if<manager::RequestedRecord>(&*rec)) {  // sent with a request id
+      rec = manager::decode_record(q->inner);
+      REQUIRE(rec.is_ok());
+    }
     if (auto* w = std::get_if<manager::WriteRecord>(&*rec)) out.emplace_back(w->text, r.epoch);
   }
   return out;

@@ -28,6 +28,7 @@ using keep::Code;
 constexpr size_t kFileHeader = 32;
 constexpr size_t kRecordHeader = 17;
 constexpr uint8_t kWriteRecord = 1;
+constexpr uint8_t kRequestedRecord = 8;  // a mutation with the client's request id around it
 
 uint32_t get_u32(const std::string& b, size_t at) {
   uint32_t v = 0;
@@ -44,7 +45,8 @@ struct WalRecord {
   size_t offset = 0;
   uint32_t length = 0;
   uint64_t lsn = 0;
-  uint8_t store_type = 0;  // the store's record type (payload byte 1)
+  uint8_t store_type = 0;  // the store's record type (payload byte 1; of the mutation inside a
+                           // requested record)
   uint64_t write_id = 0;   // for write records
 };
 
@@ -63,9 +65,15 @@ std::vector<WalRecord> parse_wal(const std::string& bytes) {
     const size_t p = at + kRecordHeader;
     REQUIRE(r.length >= 2);
     r.store_type = static_cast<uint8_t>(bytes[p + 1]);
+    size_t body = p;  // the mutation's record
+    if (r.store_type == kRequestedRecord) {
+      // u8 version | u8 type | str agent | u64 client, seq, id, version, step | str inner
+      body = p + 2 + 4 + get_u32(bytes, p + 2) + 40 + 4;
+      r.store_type = static_cast<uint8_t>(bytes[body + 1]);
+    }
     if (r.store_type == kWriteRecord) {
-      const uint32_t agent_len = get_u32(bytes, p + 2);
-      r.write_id = get_u64(bytes, p + 6 + agent_len);
+      const uint32_t agent_len = get_u32(bytes, body + 2);
+      r.write_id = get_u64(bytes, body + 6 + agent_len);
     }
     out.push_back(r);
     at = p + r.length;
