@@ -66,6 +66,7 @@ struct Ours {
   keep::kernels::GemmScratch scratch;
   keep::kernels::GemmSchedule schedule = keep::kernels::GemmSchedule::kAuto;
   int tile_cols = 0;  // 0: the width gemm_wgmma picks
+  int max_ctas = 0;   // 0: every SM
 };
 
 // Whether the scratch's flags are all zero again, as every launch must leave them. The scratch
@@ -126,12 +127,12 @@ void check_one(keep::kernels::BlasHandle& blas, std::mt19937& rng, int64_t rows,
       CUDA_OK(keep::kernels::gemm_wgmma_accumulate(
           dy, ys, reinterpret_cast<const __nv_bfloat16*>(dx), xs,
           reinterpret_cast<const __nv_bfloat16*>(dw), rows, out, in, ours->scratch, nullptr,
-          ours->schedule, ours->tile_cols));
+          ours->schedule, ours->tile_cols, ours->max_ctas));
     } else if constexpr (!kF32Out) {
-      CUDA_OK(keep::kernels::gemm_wgmma(reinterpret_cast<DY*>(dy), ys,
-                                        reinterpret_cast<const __nv_bfloat16*>(dx), xs,
-                                        reinterpret_cast<const __nv_bfloat16*>(dw), rows, out, in,
-                                        ours->scratch, nullptr, ours->schedule, ours->tile_cols));
+      CUDA_OK(keep::kernels::gemm_wgmma(
+          reinterpret_cast<DY*>(dy), ys, reinterpret_cast<const __nv_bfloat16*>(dx), xs,
+          reinterpret_cast<const __nv_bfloat16*>(dw), rows, out, in, ours->scratch, nullptr,
+          ours->schedule, ours->tile_cols, ours->max_ctas));
     }
   } else if (tuner != nullptr) {  // the tuner's products: bf16 out or fp32 accumulate
     if (kF32Out != kAcc) std::exit(2);
@@ -448,7 +449,7 @@ void check_gemm_swiglu(std::mt19937& rng, int64_t rows, int64_t inter, int64_t i
   CUDA_OK(keep::kernels::gemm_swiglu(reinterpret_cast<__nv_bfloat16*>(da), as,
                                      reinterpret_cast<const __nv_bfloat16*>(dx), xs,
                                      reinterpret_cast<const __nv_bfloat16*>(dw), rows, inter, in,
-                                     nullptr, ours.scratch, ours.schedule));
+                                     nullptr, ours.scratch, ours.schedule, ours.max_ctas));
   CUDA_OK(cudaDeviceSynchronize());
   if (ours.scratch.ptr != nullptr && !flags_clear(ours.scratch)) {
     ++g_failures;
@@ -658,16 +659,16 @@ void time_ours(keep::kernels::BlasHandle& blas, const keep::kernels::GemmScratch
   const TimedOperands t(rows, out, in);
   __nv_bfloat16* act = nullptr;  // swiglu: (rows, out / 2)
   if (swiglu) CUDA_OK(cudaMalloc(&act, rows * (out / 2) * 2));
-  auto ours = [&](kk::GemmSchedule sched, int width) {
+  auto ours = [&](kk::GemmSchedule sched, int width, int max_ctas = 0) {
     if (swiglu) {
-      CUDA_OK(
-          kk::gemm_swiglu(act, out / 2, t.x, in, t.w, rows, out / 2, in, nullptr, scratch, sched));
+      CUDA_OK(kk::gemm_swiglu(act, out / 2, t.x, in, t.w, rows, out / 2, in, nullptr, scratch,
+                              sched, max_ctas));
     } else if (acc) {
       CUDA_OK(kk::gemm_wgmma_accumulate(static_cast<float*>(t.y), out, t.x, in, t.w, rows, out, in,
-                                        scratch, nullptr, sched, width));
+                                        scratch, nullptr, sched, width, max_ctas));
     } else {
       CUDA_OK(kk::gemm_wgmma(static_cast<__nv_bfloat16*>(t.y), out, t.x, in, t.w, rows, out, in,
-                             scratch, nullptr, sched, width));
+                             scratch, nullptr, sched, width, max_ctas));
     }
   };
   // cuBLAS (+ swiglu_rows), ours as picked (kAuto), ours at 256 in lanes with the stream-K share,
@@ -677,6 +678,11 @@ void time_ours(keep::kernels::BlasHandle& blas, const keep::kernels::GemmScratch
   std::vector<std::function<void()>> runs = {[&] { t.blas(blas, acc); },
                                              [&] { ours(kk::GemmSchedule::kAuto, 0); },
                                              [&] { ours(kk::GemmSchedule::kStreamK, 256); }};
+  // As the CUDA backend runs few rows: the grid leaves the loader's 16 SMs (H200: 116 of 132).
+  if (rows <= kk::kGemmTileRows) {
+    names.push_back("ours 116");
+    runs.push_back([&] { ours(kk::GemmSchedule::kAuto, 0, 116); });
+  }
   if (swiglu) {
     runs[0] = [&] {
       t.blas(blas, false);
@@ -804,7 +810,7 @@ void profile_products(keep::kernels::BlasHandle& blas, void* ws, size_t ws_bytes
 
 // Qwen2.5-7B's and 14B's products on ours against cuBLAS (QKV, o_proj, down; gate/up).
 void time_products(keep::kernels::BlasHandle& blas, const keep::kernels::GemmScratch& scratch,
-                   std::initializer_list<int64_t> row_counts) {
+                   const std::vector<int64_t>& row_counts) {
   for (const int64_t rows : row_counts) {
     time_ours(blas, scratch, rows, 3584 + 2 * 512, 3584, false);
     time_ours(blas, scratch, rows, 3584, 3584, true);
@@ -848,11 +854,25 @@ int main() {
     cudaFree(ws);
     return 0;
   }
-  // KEEP_GPU_TEST_ONLY=times: the products' timings at 1024 and 2048 rows alone, no checks (for
-  // scripts/gpu-ab.sh).
+  // KEEP_GPU_TEST_ONLY=times: the products' timings at 1024 and 2048 rows (KEEP_GEMM_ROWS: a
+  // comma-separated list instead) alone, no checks (for scripts/gpu-ab.sh).
   if (only != nullptr && std::string(only) == "times") {
     const keep::kernels::GemmScratch scratch = zeroed_scratch();
-    if (scratch.ptr != nullptr) time_products(blas, scratch, {1024, 2048});
+    std::vector<int64_t> rows = {1024, 2048};
+    if (const char* list = std::getenv("KEEP_GEMM_ROWS")) {
+      rows.clear();
+      for (const char* p = list; *p != '\0';) {
+        char* end = nullptr;
+        const long long r = std::strtoll(p, &end, 10);
+        if (end == p || r <= 0) {
+          std::fprintf(stderr, "test_gemm: KEEP_GEMM_ROWS wants positive counts: %s\n", list);
+          return 2;
+        }
+        rows.push_back(r);
+        p = *end == ',' ? end + 1 : end;
+      }
+    }
+    if (scratch.ptr != nullptr) time_products(blas, scratch, rows);
     cudaFree(scratch.ptr);
     cudaFree(ws);
     return 0;
@@ -930,6 +950,24 @@ int main() {
     check_one<false>(blas, rng, 1100, 6912, 256, 0, 0, nullptr, &sk);
     check_one<true, true>(blas, rng, 1100, 6912, 256, 8, 2, nullptr, &sk);
     check_one<true, true>(blas, rng, 733, 512, 3072, 0, 0, nullptr, &no_scratch);
+    // At most 128 rows: one-CTA clusters (132 on the H200), 4 columns of 48 k steps cut among
+    // them, and at 128 rows exactly (a whole tile, no rows past the end).
+    for (int64_t rows : {100, 128}) {
+      check_one<false>(blas, rng, rows, 512, 3072, 0, 0, nullptr, &sk);
+      check_one<true, true>(blas, rng, rows, 512, 3072, 0, 8, nullptr, &sk);
+      check_gemm_swiglu(rng, rows, 512, 3072, 0, 8, sk);
+    }
+    // Grids capped (max_ctas, the loader's SMs left free): 116 and 7 CTAs in lanes after launches
+    // on every SM (whose partial tiles lie where a smaller grid's flags would if they followed its
+    // own partials), one-CTA clusters and pairs.
+    for (const int cap : {116, 7}) {
+      const Ours capped{scratch, kk::GemmSchedule::kStreamK, 0, cap};
+      for (int64_t rows : {100, 733}) {
+        check_one<false>(blas, rng, rows, 512, 3072, 0, 0, nullptr, &capped);
+        check_one<true, true>(blas, rng, rows, 512, 3072, 0, 8, nullptr, &capped);
+        check_gemm_swiglu(rng, rows, 512, 3072, 0, 8, capped);
+      }
+    }
     // Lanes with spare clusters (on the H200's 66 clusters), 128 wide: 4 row tiles (the last
     // one part) in 16 lanes and 2 spare clusters of 2 row tiles each, where of 34 columns of 4 k
     // steps the spare ones take the last, the lanes cut 17 and deal 16 whole; 5 row tiles in 13

@@ -202,6 +202,18 @@ TEST_CASE("the tile widths picked on the H200's 66 clusters") {
     CHECK(keep::kernels::pick_gemm_width(p.rows, p.out, p.in / keep::kernels::kGemmStepK, p.acc, 66,
                                          true, GemmSchedule::kAuto) == p.want);
   }
+  // At most 128 rows: one-CTA clusters, 132 of them, one row tile; 14B's gate/up-sized 27648 /
+  // 256 = 108 columns of 80 k steps all cut among the 132 (no column fills a wave).
+  CHECK(keep::kernels::gemm_row_tiles(128, 1) == 1);
+  CHECK(keep::kernels::gemm_row_tiles(129, 1) == 2);
+  CHECK(keep::kernels::gemm_row_tiles(129) == 1);
+  const GemmPlan few =
+      plan_gemm(keep::kernels::gemm_row_tiles(128, 1), 108, 80, 132, true, GemmSchedule::kAuto);
+  CHECK(few.lanes == 132);
+  CHECK(few.sk_cols == 108);
+  CHECK(check_plan(few, 132, true) == (108 * 80 + 131) / 132);  // 66 k steps the busiest
+  CHECK(keep::kernels::pick_gemm_width(128, 5120, 13824 / keep::kernels::kGemmStepK, true, 132,
+                                       true, GemmSchedule::kAuto, 1) > 0);
   // Nothing divides 100 columns; 320 is not taken for a bf16 product.
   CHECK(keep::kernels::pick_gemm_width(1024, 100, 8, false, 66, true, GemmSchedule::kAuto) == 0);
   CHECK(!keep::kernels::gemm_width_fits(320, 640, false));

@@ -167,7 +167,8 @@ class GemmTuner {
 
 // ---- our own products (gemm_wgmma.cu): warp-specialized wgmma + TMA, Hopper only ----
 //
-// Cluster tiles of 256 rows x BN columns (128 x BN per CTA), BN one of 256, 224, 192, 160, 128
+// Cluster tiles of 256 rows x BN columns (128 x BN per CTA; products of at most 128 rows: clusters
+// of one CTA, 128-row tiles, on every SM), BN one of 256, 224, 192, 160, 128
 // (and 320 for gemm_wgmma_accumulate): the width that splits the product's columns into the
 // fewest, fullest waves of the GPU's clusters (gemm_wgmma_tile_cols). Tiles are dealt whole round
 // robin, or in lanes (one cluster per row tile, the lane's clusters on the same columns at once)
@@ -196,13 +197,16 @@ int gemm_wgmma_tile_cols(int64_t rows, int64_t out, int64_t in, bool accumulate,
 // once: gemm_nt's product. y_stride and x_stride multiples of 8 elements, y, x, W 16-byte aligned.
 // tile_cols: the tile width (one of the five dividing `out`; 0: gemm_wgmma_tile_cols's pick).
 // gemm_wgmma_accumulate also takes 320.
+// max_ctas > 0: the persistent grid takes at most that many CTAs (SMs), leaving the others to a
+// kernel running beside it (the KV loader: a grid on every SM would keep its blocks waiting).
 // cudaErrorInvalidValue for other shapes (gemm_wgmma_fits), widths, strides or alignments;
 // cudaErrorNotSupported where wgmma_available() is false. Asynchronous on `stream`, capturable in a
 // CUDA graph (scratch included).
 cudaError_t gemm_wgmma(__nv_bfloat16* y, int64_t y_stride, const __nv_bfloat16* x, int64_t x_stride,
                        const __nv_bfloat16* w, int64_t rows, int64_t out, int64_t in,
                        const GemmScratch& scratch, cudaStream_t stream,
-                       GemmSchedule schedule = GemmSchedule::kAuto, int tile_cols = 0);
+                       GemmSchedule schedule = GemmSchedule::kAuto, int tile_cols = 0,
+                       int max_ctas = 0);
 // y (rows, y_stride) fp32 += x · W^T in fp32 (gemm_nt_accumulate's product): y 8-byte aligned,
 // y_stride even; the rest as gemm_wgmma. Each y element is read and written once, by one thread:
 // the same inputs give the same bits whatever the schedule's timing.
@@ -210,7 +214,7 @@ cudaError_t gemm_wgmma_accumulate(float* y, int64_t y_stride, const __nv_bfloat1
                                   int64_t x_stride, const __nv_bfloat16* w, int64_t rows,
                                   int64_t out, int64_t in, const GemmScratch& scratch,
                                   cudaStream_t stream, GemmSchedule schedule = GemmSchedule::kAuto,
-                                  int tile_cols = 0);
+                                  int tile_cols = 0, int max_ctas = 0);
 
 // The shapes gemm_swiglu takes: inter % 128 == 0 and in % 64 == 0 (Qwen2.5 0.5B-72B, SmolLM2).
 bool gemm_swiglu_fits(int64_t inter, int64_t in);
@@ -228,6 +232,6 @@ cudaError_t gemm_swiglu(__nv_bfloat16* act, int64_t act_stride, const __nv_bfloa
                         int64_t x_stride, const __nv_bfloat16* w_gate_up, int64_t rows,
                         int64_t inter, int64_t in, cudaStream_t stream,
                         const GemmScratch& scratch = {},
-                        GemmSchedule schedule = GemmSchedule::kAuto);
+                        GemmSchedule schedule = GemmSchedule::kAuto, int max_ctas = 0);
 
 }  // namespace keep::kernels

@@ -81,12 +81,12 @@ double gemm_modelled_cost(const GemmPlan& p, int bn) {
 }
 
 int pick_gemm_width(int64_t rows, int64_t outs, int64_t k_steps, bool accumulate, int clusters,
-                    bool have_scratch, GemmSchedule schedule) {
+                    bool have_scratch, GemmSchedule schedule, int cluster) {
   int best = 0;
   double best_cost = 0.0;
   for (const int bn : kGemmWidths) {
     if (!gemm_width_fits(bn, outs, accumulate)) continue;
-    const GemmPlan p = plan_gemm(gemm_row_tiles(rows), outs / bn, k_steps, clusters,
+    const GemmPlan p = plan_gemm(gemm_row_tiles(rows, cluster), outs / bn, k_steps, clusters,
                                  have_scratch && gemm_lanes_allowed(bn), schedule);
     const double c = gemm_modelled_cost(p, bn);
     if (best == 0 || c < 0.99 * best_cost) {

@@ -49,9 +49,10 @@ constexpr int kGemmMaxPartialBlocks = 32;
 // The tile widths of the plain products (320: gemm_wgmma_accumulate only; gemm_swiglu: 256).
 constexpr int kGemmWidths[] = {320, 256, 224, 192, 160, 128};
 
-// Cluster tiles of `rows` token rows.
-KEEP_GEMM_HD constexpr int64_t gemm_row_tiles(int64_t rows) {
-  return (rows + kGemmTileRows * kGemmCluster - 1) / (kGemmTileRows * kGemmCluster);
+// Cluster tiles of `rows` token rows, in clusters of `cluster` CTAs (gemm_wgmma.cu runs products
+// of at most kGemmTileRows rows in clusters of one).
+KEEP_GEMM_HD constexpr int64_t gemm_row_tiles(int64_t rows, int cluster = kGemmCluster) {
+  return (rows + int64_t{kGemmTileRows} * cluster - 1) / (int64_t{kGemmTileRows} * cluster);
 }
 // Whether tiles of width bn can go in lanes with a stream-K share: their partial sums fit a slot.
 KEEP_GEMM_HD constexpr bool gemm_lanes_allowed(int bn) { return bn / 8 <= kGemmMaxPartialBlocks; }
@@ -80,10 +81,11 @@ GemmPlan plan_gemm(int64_t tiles_m, int64_t tiles_n, int64_t k_steps, int cluste
 double gemm_modelled_cost(const GemmPlan& plan, int bn);
 
 // The width for a plain product (accumulate: gemm_wgmma_accumulate's) of `outs` columns, k_steps
-// deep, at `rows` token rows on `clusters` clusters: the cheapest by gemm_modelled_cost, a
-// narrower one only where it saves more than 1 %. 0 where no width divides outs.
+// deep, at `rows` token rows on `clusters` clusters of `cluster` CTAs: the cheapest by
+// gemm_modelled_cost, a narrower one only where it saves more than 1 %. 0 where no width divides
+// outs.
 int pick_gemm_width(int64_t rows, int64_t outs, int64_t k_steps, bool accumulate, int clusters,
-                    bool have_scratch, GemmSchedule schedule);
+                    bool have_scratch, GemmSchedule schedule, int cluster = kGemmCluster);
 
 // The work of one cluster, in order (the kernel's producer and consumers walk the same pieces).
 // Round robin: tiles cluster, cluster + clusters, ... with the rows fastest. In a lane: the lane's

@@ -12,7 +12,11 @@
 //    and n0 + BN/2.. (kStore, kAccumulate: BN consecutive outputs) or the gate rows n0.. and the up
 //    rows inter + n0.. (kSwiglu: 128 outputs).
 //  - Clusters of 2 CTAs along the rows: both need the same weight tile, so each loads one of its
-//    two boxes and multicasts it to both (half the weight traffic from L2).
+//    two boxes and multicasts it to both (half the weight traffic from L2). Products of at most
+//    128 rows (one CTA's tile: a KEEP request's query-only layers, short prefills) run in
+//    clusters of one CTA that loads both boxes itself: a pair's second CTA would only multiply
+//    zeros there, which made those products compute-bound at half the GPU's rate where the weights'
+//    bytes are the limit.
 //  - Warpgroup 0 is the producer (one thread issues the loads); warpgroups 1 and 2 each run
 //    m64nBNk16 over 64 rows of the tile, releasing a stage (in both CTAs) once its products are
 //    done. A stage is refilled only when both CTAs' consumers released it.
@@ -54,7 +58,6 @@ enum class Epilogue { kStore, kAccumulate, kSwiglu };
 
 constexpr int kBM = kGemmTileRows;  // token rows per CTA tile
 constexpr int kBK = kGemmStepK;     // k per stage: one 128-byte swizzled row of bf16
-constexpr int kCluster = kGemmCluster;
 constexpr int kConsumers = 2;
 constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr int kBoxBytes = kBM * kBK * 2;  // x's 128-row box of a stage
@@ -154,7 +157,8 @@ __device__ __forceinline__ void red_add2(float* p, float a, float b) {
 #endif
 }
 
-template <Epilogue E, int BN>
+// CL: CTAs of a cluster (2: along the rows, the weight boxes multicast; 1: rows <= kBM).
+template <Epilogue E, int BN, int CL>
 __global__ void __launch_bounds__(kThreads, 1)
     gemm_wgmma_kernel(const __grid_constant__ Maps maps, const Args args) {
   namespace d = detail;
@@ -171,6 +175,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int tid = static_cast<int>(threadIdx.x) % 128;
   const uint32_t rank = d::cluster_rank();
   const GemmPlan& plan = args.plan;
+  constexpr int kCluster = CL;
+  static_assert(CL == 1 || CL == 2, "clusters of one or two CTAs");
   const int cluster = static_cast<int>(blockIdx.x) / kCluster;
   const int k_steps = plan.k_steps;
   // Row tile tm's first row for this CTA, column tile tn's first output column.
@@ -195,10 +201,21 @@ __global__ void __launch_bounds__(kThreads, 1)
         return E == Epilogue::kSwiglu ? (rank == 0 ? 0 : args.outs) + n0
                                       : n0 + static_cast<int>(rank) * W::kWeightRows;
       };
+      // (One CTA: both boxes, box b at the offset and rows the pair's CTA of rank b takes.)
       const auto load_w = [&](int s, int k, int n0) {
-        d::tma_load_2d_multicast(
-            smem + s * kStageBytes + kBoxBytes + rank * (W::kWeightRows * kBK * 2), &maps.w,
-            &full[s], k * kBK, w_row(n0), static_cast<uint16_t>((1u << kCluster) - 1));
+        if constexpr (CL == 2) {
+          d::tma_load_2d_multicast(
+              smem + s * kStageBytes + kBoxBytes + rank * (W::kWeightRows * kBK * 2), &maps.w,
+              &full[s], k * kBK, w_row(n0), static_cast<uint16_t>((1u << kCluster) - 1));
+        } else {
+#pragma unroll
+          for (int b = 0; b < 2; ++b) {
+            const int row =
+                E == Epilogue::kSwiglu ? (b == 0 ? 0 : args.outs) + n0 : n0 + b * W::kWeightRows;
+            d::tma_load_2d(smem + s * kStageBytes + kBoxBytes + b * (W::kWeightRows * kBK * 2),
+                           &maps.w, &full[s], k * kBK, row);
+          }
+        }
       };
       // The weights are no kernel's output: the first kStages steps' boxes are requested before
       // the wait for the previous kernel, so that their latency overlaps its last blocks.
@@ -411,14 +428,14 @@ bool encode(CUtensorMap* map, const bf16* p, int64_t rows, int64_t cols, int64_t
   return detail::encode_bf16_map(map, p, rows, cols, ld, box_rows, box_cols);
 }
 
-// The kernel's launch configuration: `grid` CTAs in clusters of kCluster along x.
+// The kernel's launch configuration: `grid` CTAs in clusters of `cluster` along x.
 // With `dependent`, a programmatic dependent launch (common.cuh) where kernels::dependent_launch().
 struct Launch {
   cudaLaunchAttribute attr[2] = {};
   cudaLaunchConfig_t cfg{};
-  Launch(unsigned grid, int smem_bytes, cudaStream_t stream, bool dependent) {
+  Launch(unsigned grid, int cluster, int smem_bytes, cudaStream_t stream, bool dependent) {
     attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = kCluster;
+    attr[0].val.clusterDim.x = static_cast<unsigned>(cluster);
     attr[0].val.clusterDim.y = 1;
     attr[0].val.clusterDim.z = 1;
     cfg.gridDim = dim3(grid);
@@ -434,23 +451,24 @@ struct Launch {
   Launch& operator=(const Launch&) = delete;
 };
 
-// Per device, epilogue and width: the kernel's shared-memory limit raised, and how many clusters
-// fit at once (0: the kernel cannot run there; asked again on the next call).
-template <Epilogue E, int BN>
+// Per device, epilogue, width and cluster size: the kernel's shared-memory limit raised, and how
+// many clusters fit at once (0: the kernel cannot run there; asked again on the next call).
+template <Epilogue E, int BN, int CL = kGemmCluster>
 int max_clusters(int device) {
   static detail::DeviceMemo memo;
   return memo.get(device, [](int d) {
     const std::pair<int, bool> none{0, false};
-    if (cudaFuncSetAttribute(gemm_wgmma_kernel<E, BN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    if (cudaFuncSetAttribute(gemm_wgmma_kernel<E, BN, CL>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize,
                              Width<E, BN>::kSmemBytes) != cudaSuccess) {
       return none;
     }
     int sms = 0;
     if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, d) != cudaSuccess) return none;
-    const Launch launch(static_cast<unsigned>(sms - sms % kCluster), Width<E, BN>::kSmemBytes,
+    const Launch launch(static_cast<unsigned>(sms - sms % CL), CL, Width<E, BN>::kSmemBytes,
                         nullptr, false);
     int clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&clusters, gemm_wgmma_kernel<E, BN>, &launch.cfg) !=
+    if (cudaOccupancyMaxActiveClusters(&clusters, gemm_wgmma_kernel<E, BN, CL>, &launch.cfg) !=
             cudaSuccess ||
         clusters <= 0) {
       return none;
@@ -459,29 +477,51 @@ int max_clusters(int device) {
   });
 }
 
-// Whether `scratch` holds the stream-K share's partial tiles and flags for `clusters` clusters.
-bool scratch_fits(const GemmScratch& scratch, int clusters) {
-  return scratch.ptr != nullptr && scratch.bytes >= gemm_wgmma_scratch_bytes(clusters);
+// The stream-K share's scratch for `ctas` CTAs: a partial tile each, then a flag each.
+size_t scratch_bytes_for(int ctas) {
+  return static_cast<size_t>(ctas) * (kPartialBytes + sizeof(unsigned));
+}
+
+// How many CTAs' partial tiles and flags `scratch` holds.
+size_t scratch_ctas(const GemmScratch& scratch) {
+  return scratch.ptr == nullptr ? 0 : scratch.bytes / (kPartialBytes + sizeof(unsigned));
+}
+
+// Whether `scratch` holds the stream-K share's partial tiles and flags for `ctas` CTAs.
+bool scratch_fits(const GemmScratch& scratch, int ctas) {
+  return scratch_ctas(scratch) >= static_cast<size_t>(ctas);
+}
+
+// CTAs a cluster for `rows` rows: one where a CTA's tile holds them all.
+constexpr int cluster_for(int64_t rows) { return rows <= kBM ? 1 : kGemmCluster; }
+
+template <Epilogue E, int BN, int CL>
+cudaError_t launch(const Maps& maps, Args args, int device, const GemmScratch& scratch,
+                   GemmSchedule schedule, cudaStream_t stream, int max_ctas) {
+  int clusters = max_clusters<E, BN, CL>(device);
+  if (clusters <= 0) return cudaErrorNotSupported;
+  if (max_ctas > 0) clusters = std::max(1, std::min(clusters, max_ctas / CL));
+  // Partial tiles hold up to kMaxPartialBlocks accumulator blocks: wider tiles go round robin.
+  // The flags sit after the partial tiles of as many CTAs as the scratch holds, wherever this
+  // launch's grid ends: a smaller grid (max_ctas) must not read a larger one's partials as flags.
+  const bool have_scratch = gemm_lanes_allowed(BN) && scratch_fits(scratch, clusters * CL);
+  args.partials = have_scratch ? static_cast<float4*>(scratch.ptr) : nullptr;
+  args.flags = have_scratch ? reinterpret_cast<unsigned*>(static_cast<unsigned char*>(scratch.ptr) +
+                                                          scratch_ctas(scratch) * kPartialBytes)
+                            : nullptr;
+  args.plan = plan_gemm(gemm_row_tiles(args.rows, CL), args.outs / kTileOuts<E, BN>, args.in / kBK,
+                        clusters, have_scratch, schedule);
+  const Launch launch(static_cast<unsigned>(args.plan.clusters * CL), CL, Width<E, BN>::kSmemBytes,
+                      stream, true);
+  return cudaLaunchKernelEx(&launch.cfg, gemm_wgmma_kernel<E, BN, CL>, maps, args);
 }
 
 template <Epilogue E, int BN>
-cudaError_t launch(const Maps& maps, Args args, int device, const GemmScratch& scratch,
-                   GemmSchedule schedule, cudaStream_t stream) {
-  const int clusters = max_clusters<E, BN>(device);
-  if (clusters <= 0) return cudaErrorNotSupported;
-  // Partial tiles hold up to kMaxPartialBlocks accumulator blocks: wider tiles go round robin.
-  const bool have_scratch = gemm_lanes_allowed(BN) && scratch_fits(scratch, clusters);
-  args.partials = have_scratch ? static_cast<float4*>(scratch.ptr) : nullptr;
-  args.flags =
-      have_scratch
-          ? reinterpret_cast<unsigned*>(static_cast<unsigned char*>(scratch.ptr) +
-                                        static_cast<size_t>(clusters) * kCluster * kPartialBytes)
-          : nullptr;
-  args.plan = plan_gemm(gemm_row_tiles(args.rows), args.outs / kTileOuts<E, BN>, args.in / kBK,
-                        clusters, have_scratch, schedule);
-  const Launch launch(static_cast<unsigned>(args.plan.clusters * kCluster),
-                      Width<E, BN>::kSmemBytes, stream, true);
-  return cudaLaunchKernelEx(&launch.cfg, gemm_wgmma_kernel<E, BN>, maps, args);
+cudaError_t launch(const Maps& maps, const Args& args, int device, const GemmScratch& scratch,
+                   GemmSchedule schedule, cudaStream_t stream, int max_ctas) {
+  return cluster_for(args.rows) == 1
+             ? launch<E, BN, 1>(maps, args, device, scratch, schedule, stream, max_ctas)
+             : launch<E, BN, kGemmCluster>(maps, args, device, scratch, schedule, stream, max_ctas);
 }
 
 // One product: checks (cudaErrorInvalidValue), then the width, the maps and the launch. `outs` is
@@ -491,7 +531,7 @@ cudaError_t launch(const Maps& maps, Args args, int device, const GemmScratch& s
 template <Epilogue E>
 cudaError_t run(void* y, int64_t y_stride, const bf16* x, int64_t x_stride, const bf16* w,
                 int64_t rows, int64_t outs, int64_t in, const GemmScratch& scratch,
-                cudaStream_t stream, GemmSchedule schedule, int tile_cols = 0) {
+                cudaStream_t stream, GemmSchedule schedule, int tile_cols = 0, int max_ctas = 0) {
   constexpr bool kF32 = E == Epilogue::kAccumulate;
   constexpr bool kSwiglu = E == Epilogue::kSwiglu;
   const int64_t w_rows = kSwiglu ? 2 * outs : outs;
@@ -518,10 +558,13 @@ cudaError_t run(void* y, int64_t y_stride, const bf16* x, int64_t x_stride, cons
   int bn = 256;
   if (!kSwiglu && tile_cols == 0) {
     // Every width's kernel has the same occupancy (one CTA an SM): the widest's answer serves.
-    const int clusters = max_clusters<E, 256>(device);
+    const int cl = cluster_for(rows);
+    int clusters =
+        cl == 1 ? max_clusters<E, 256, 1>(device) : max_clusters<E, 256, kGemmCluster>(device);
     if (clusters <= 0) return cudaErrorNotSupported;
-    bn = pick_gemm_width(rows, outs, in / kBK, kF32, clusters, scratch_fits(scratch, clusters),
-                         schedule);
+    if (max_ctas > 0) clusters = std::max(1, std::min(clusters, max_ctas / cl));
+    bn = pick_gemm_width(rows, outs, in / kBK, kF32, clusters, scratch_fits(scratch, clusters * cl),
+                         schedule, cl);
   } else if (!kSwiglu) {
     bn = tile_cols;
   }
@@ -543,31 +586,30 @@ cudaError_t run(void* y, int64_t y_stride, const bf16* x, int64_t x_stride, cons
   args.outs = static_cast<int>(outs);
   args.in = static_cast<int>(in);
   if constexpr (kSwiglu) {
-    return launch<E, 256>(maps, args, device, scratch, schedule, stream);
+    return launch<E, 256>(maps, args, device, scratch, schedule, stream, max_ctas);
   } else {
     switch (bn) {
       case 128:
-        return launch<E, 128>(maps, args, device, scratch, schedule, stream);
+        return launch<E, 128>(maps, args, device, scratch, schedule, stream, max_ctas);
       case 160:
-        return launch<E, 160>(maps, args, device, scratch, schedule, stream);
+        return launch<E, 160>(maps, args, device, scratch, schedule, stream, max_ctas);
       case 192:
-        return launch<E, 192>(maps, args, device, scratch, schedule, stream);
+        return launch<E, 192>(maps, args, device, scratch, schedule, stream, max_ctas);
       case 224:
-        return launch<E, 224>(maps, args, device, scratch, schedule, stream);
+        return launch<E, 224>(maps, args, device, scratch, schedule, stream, max_ctas);
       case 320:
-        if constexpr (kF32) return launch<E, 320>(maps, args, device, scratch, schedule, stream);
+        if constexpr (kF32)
+          return launch<E, 320>(maps, args, device, scratch, schedule, stream, max_ctas);
         return cudaErrorInvalidValue;
       default:
-        return launch<E, 256>(maps, args, device, scratch, schedule, stream);
+        return launch<E, 256>(maps, args, device, scratch, schedule, stream, max_ctas);
     }
   }
 }
 
 }  // namespace
 
-size_t gemm_wgmma_scratch_bytes(int clusters) {
-  return size_t(clusters) * kCluster * (kPartialBytes + sizeof(unsigned));
-}
+size_t gemm_wgmma_scratch_bytes(int clusters) { return scratch_bytes_for(clusters * kGemmCluster); }
 
 size_t gemm_wgmma_scratch_bytes() {
   int device = 0;
@@ -591,7 +633,10 @@ bool gemm_wgmma_fits(int64_t out, int64_t in) {
 int gemm_wgmma_tile_cols(int64_t rows, int64_t out, int64_t in, bool accumulate, int clusters,
                          bool scratch, GemmSchedule schedule) {
   if (rows <= 0 || !gemm_wgmma_fits(out, in) || clusters <= 0) return 0;
-  return pick_gemm_width(rows, out, in / kBK, accumulate, clusters, scratch, schedule);
+  // `clusters` counts pairs of SMs: one-CTA clusters (few rows) are twice as many.
+  const int cl = cluster_for(rows);
+  return pick_gemm_width(rows, out, in / kBK, accumulate, clusters * kGemmCluster / cl, scratch,
+                         schedule, cl);
 }
 
 bool gemm_swiglu_fits(int64_t inter, int64_t in) {
@@ -602,25 +647,26 @@ bool gemm_swiglu_fits(int64_t inter, int64_t in) {
 cudaError_t gemm_wgmma(__nv_bfloat16* y, int64_t y_stride, const __nv_bfloat16* x, int64_t x_stride,
                        const __nv_bfloat16* w, int64_t rows, int64_t out, int64_t in,
                        const GemmScratch& scratch, cudaStream_t stream, GemmSchedule schedule,
-                       int tile_cols) {
+                       int tile_cols, int max_ctas) {
   return run<Epilogue::kStore>(y, y_stride, x, x_stride, w, rows, out, in, scratch, stream,
-                               schedule, tile_cols);
+                               schedule, tile_cols, max_ctas);
 }
 
 cudaError_t gemm_wgmma_accumulate(float* y, int64_t y_stride, const __nv_bfloat16* x,
                                   int64_t x_stride, const __nv_bfloat16* w, int64_t rows,
                                   int64_t out, int64_t in, const GemmScratch& scratch,
-                                  cudaStream_t stream, GemmSchedule schedule, int tile_cols) {
+                                  cudaStream_t stream, GemmSchedule schedule, int tile_cols,
+                                  int max_ctas) {
   return run<Epilogue::kAccumulate>(y, y_stride, x, x_stride, w, rows, out, in, scratch, stream,
-                                    schedule, tile_cols);
+                                    schedule, tile_cols, max_ctas);
 }
 
 cudaError_t gemm_swiglu(__nv_bfloat16* act, int64_t act_stride, const __nv_bfloat16* x,
                         int64_t x_stride, const __nv_bfloat16* w_gate_up, int64_t rows,
                         int64_t inter, int64_t in, cudaStream_t stream, const GemmScratch& scratch,
-                        GemmSchedule schedule) {
+                        GemmSchedule schedule, int max_ctas) {
   return run<Epilogue::kSwiglu>(act, act_stride, x, x_stride, w_gate_up, rows, inter, in, scratch,
-                                stream, schedule);
+                                stream, schedule, 0, max_ctas);
 }
 
 }  // namespace keep::kernels
