@@ -10,6 +10,7 @@
 //                        (layer-balanced loading: LoadOptions, CudaBackendOptions)
 //                        [--autotune-rows N]  (CudaBackendOptions::gemm_autotune_rows)
 //                        [--prefill-split on|off]  (CudaBackendOptions::prefill_split)
+//                        [--own-few-rows N]  (CudaBackendOptions::own_few_rows; 0: cuBLAS)
 //                        [--prefill-kernel auto|mma|wgmma|wgmma1k|wide]
 //                        (CudaBackendOptions::prefill_attention, every layer)
 //                        [--loader-bench B[,B...]]  (then the loader alone, below)
@@ -63,7 +64,7 @@ constexpr const char* kUsage =
     "                  [--methods M[,M...]]\n"
     "                  [--pool tensor|fp32] [--loads queue|sync] [--prefetch-mib M]\n"
     "                  [--loader-blocks B] [--loader-bench B[,B...]] [--autotune-rows N]\n"
-    "                  [--prefill-split on|off]\n";
+    "                  [--prefill-split on|off] [--own-few-rows N]\n";
 
 int fail(const Status& st) {
   std::fprintf(stderr, "bench_keep: %s\n", st.to_string().c_str());
@@ -327,6 +328,10 @@ int main(int argc, char** argv) {
     } else if (a == "--pool") {
       if (v != "tensor" && v != "fp32") return refuse("--pool: tensor or fp32");
       options.pool_tensor_cores = v == "tensor";
+    } else if (a == "--own-few-rows") {
+      const int n = std::atoi(v.c_str());
+      if (n < 0 || (n == 0 && v != "0")) return refuse("--own-few-rows: N >= 0");
+      options.own_few_rows = n;
     } else if (a == "--prefill-split") {
       if (v != "on" && v != "off") return refuse("--prefill-split: on or off");
       options.prefill_split = v == "on";

@@ -55,6 +55,13 @@ struct CudaBackendOptions {
   // cuBLAS; 0 = always cuBLAS. Needs every product's `in` to be a multiple of 8 (else cuBLAS).
   // gemv beats cuBLAS on the H200 at 1 and 2 rows and loses from 4 (benchmarks/RESULTS.md).
   int32_t gemv_rows = 2;
+  // Products of more rows than gemv_rows and at most this many (at most 128: one CTA tile's) run
+  // on our wgmma kernels in one-CTA clusters -- QKV on gemm_wgmma, o_proj and down accumulated on
+  // gemm_wgmma_accumulate, gate/up with the SwiGLU fused on gemm_swiglu -- where wgmma_available()
+  // and the shapes fit, their grid leaving loader_blocks SMs to the loader; else (0) cuBLAS. Off
+  // by default: on every SM they kept the loader waiting and made a 14B KEEP request slower
+  // (benchmarks/RESULTS.md, bench_keep --own-few-rows).
+  int32_t own_few_rows = 0;
   // CUDA graphs for recurring prefill chunks (Engine::prefill, replay_cache.h: a chunk of 64 rows
   // or more whose key -- cache, size before it, length -- comes again is recorded on its second run
   // and replayed from its third: its first layer kernel by kernel, the others as two graph
@@ -254,6 +261,7 @@ class CudaBackend final : public Backend {
   kernels::BlasHandle blas_;
   kernels::GemmTuner tuner_;   // on blas_'s workspace; tuned by reserve()
   bool fused_swiglu_ = false;  // gemm_swiglu runs here for this model (fused_swiglu_rows > 0)
+  bool own_few_ = false;       // own_few_rows > 0 and our products fit this model
 
   // Weights: one allocation; pointers into it.
   void* weight_arena_ = nullptr;
