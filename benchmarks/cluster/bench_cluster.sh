@@ -64,7 +64,7 @@ for mode in "${ms[@]}"; do
     "$bin/bench_manager_writes" --modes "$mode" --agents "$n" --seconds "$seconds" |
       grep -v '^#' | grep -v 'manager threads'
     # A fresh log, and a fresh node name (the previous one left, revoking its lease).
-    psql "SET client_min_messages = warning; DROP TABLE IF EXISTS keep_log, keep_fence" >/dev/null
+    psql "SET client_min_messages = warning; DROP TABLE IF EXISTS keep_log, keep_fence, keep_checkpoint" >/dev/null
     run=$((run + 1))
     echo "== $mode, $n agents: cluster (--etcd, --pg with a synchronous standby)"
     "$bin/bench_manager_writes" --modes "$mode" --agents "$n" --seconds "$seconds" \
