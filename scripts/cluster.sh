@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # KEEP's cluster mode on one machine, for a person to try (docs/cluster.md): a three-member etcd,
-# a PostgreSQL server holding the agents' memory logs, and N nodes (keep-manager --pg, plus a
-# keep-worker on the CPU or GPU), all on 127.0.0.1.
+# a PostgreSQL primary holding the agents' memory logs and its synchronous standby, and N nodes
+# (keep-manager --pg, plus a keep-worker on the CPU or GPU), all on 127.0.0.1.
 #
 #   scripts/cluster.sh up [N]     start (N nodes, default 2) and print their endpoints
-#   scripts/cluster.sh status     shards each node serves, from its /metrics
+#   scripts/cluster.sh status     shards each node serves (its /metrics), PostgreSQL's roles
 #   scripts/cluster.sh kill I     kill -9 node I's manager (its shards move within the lease)
 #   scripts/cluster.sh down       stop everything and remove the state
 #
 # State (pids, logs, data) lives in $KEEP_CLUSTER_DIR (default /tmp/keep-cluster);
 # KEEP_CLUSTER_WORKERS=0 starts managers only; KEEP_CLUSTER_PG=0 (or no Debian postgresql) starts
 # no PostgreSQL: the managers then route only, and a moved shard arrives without its memories.
+# The primary listens on 127.0.0.1:25432, the standby on 25433; `up` prints how to promote the
+# standby by hand (docs/cluster.md, "PostgreSQL's availability"); the managers find whichever
+# server takes writes.
 # keepctl follows `moved`, so any node's endpoint reaches every agent:
 #   build/bin/keepctl --endpoint tcp://127.0.0.1:7611 write robot-7 "The mug is on the table."
 # or, with no node address, through etcd as the clients route:
@@ -21,11 +24,11 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 dir=${KEEP_CLUSTER_DIR:-/tmp/keep-cluster}
 bin=${KEEP_BIN_DIR:-${KEEP_BUILD_DIR:-build}/bin}
-etcd_bin=${ETCD:-/usr/bin/etcd}
 model=models/SmolLM2-135M-Instruct.Q4_1.gguf
 lease_s=${KEEP_CLUSTER_LEASE_S:-5}
-pg_bin=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1 || true)
-pg_port=25432
+pg_port=25432 pg_standby_port=25433
+# shellcheck source=scripts/lib/cluster_services.sh
+. scripts/lib/cluster_services.sh
 
 die() { echo "cluster.sh: $*" >&2; exit 1; }
 alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
@@ -33,49 +36,21 @@ alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 up() {
   local n=${1:-2}
   [[ "$n" =~ ^[1-9]$ ]] || die "N must be 1..9"
-  [ -x "$etcd_bin" ] || die "no etcd at $etcd_bin (bash deploy/install-deps.sh)"
+  [ -x "$keep_etcd_bin" ] || die "no etcd at $keep_etcd_bin (bash deploy/install-deps.sh)"
   [ -x "$bin/keep-manager" ] || die "no $bin/keep-manager (build first)"
   [ -d "$dir" ] && die "$dir exists: scripts/cluster.sh down first"
   mkdir -p "$dir"
-  local cluster="" urls=""
-  for i in 0 1 2; do
-    cluster+="${cluster:+,}e$i=http://127.0.0.1:$((23800 + i))"
-    urls+="${urls:+,}http://127.0.0.1:$((23790 + i))"
-  done
-  for i in 0 1 2; do
-    "$etcd_bin" --name "e$i" --data-dir "$dir/etcd$i" \
-      --listen-client-urls "http://127.0.0.1:$((23790 + i))" \
-      --advertise-client-urls "http://127.0.0.1:$((23790 + i))" \
-      --listen-peer-urls "http://127.0.0.1:$((23800 + i))" \
-      --initial-advertise-peer-urls "http://127.0.0.1:$((23800 + i))" \
-      --initial-cluster "$cluster" >"$dir/etcd$i.log" 2>&1 &
-    echo $! >"$dir/etcd$i.pid"
-  done
-  for _ in $(seq 100); do  # until the members have a leader
-    curl -sf -X POST "http://127.0.0.1:23790/v3/kv/put" -d '{"key":"a2VlcA==","value":"MQ=="}' \
-      >/dev/null && break
-    sleep 0.2
-  done
+  keep_etcd_start "$dir" 23790 23800 || die "etcd did not start"
+  local urls=$keep_etcd_urls
   echo "etcd: $urls"
   local pg=()
-  if [ "${KEEP_CLUSTER_PG:-1}" = 1 ] && [ -x "$pg_bin/initdb" ]; then
-    # PostgreSQL refuses to run as root: then as the postgres user (setpriv execs, so the pid
-    # recorded is the postmaster's).
-    local as=()
-    mkdir -p "$dir/pg"
-    if [ "$(id -u)" = 0 ]; then
-      chown postgres: "$dir/pg"
-      as=(setpriv --reuid=postgres --regid=postgres --init-groups --)
-    fi
-    "${as[@]}" "$pg_bin/initdb" -D "$dir/pg/data" --auth=trust -U postgres --no-sync \
-      >"$dir/pg.log" 2>&1 || die "initdb failed: $dir/pg.log"
-    "${as[@]}" "$pg_bin/postgres" -D "$dir/pg/data" -p "$pg_port" -k "$dir/pg" \
-      -c listen_addresses=127.0.0.1 >>"$dir/pg.log" 2>&1 &
-    echo $! >"$dir/pg.pid"
-    for _ in $(seq 100); do "$pg_bin/pg_isready" -q -h 127.0.0.1 -p "$pg_port" && break; sleep 0.1; done
-    "$pg_bin/pg_isready" -q -h 127.0.0.1 -p "$pg_port" || die "postgresql did not start: $dir/pg.log"
-    pg=(--pg "host=127.0.0.1 port=$pg_port user=postgres dbname=postgres connect_timeout=5")
-    echo "postgresql: 127.0.0.1:$pg_port (the agents' memory logs)"
+  if [ "${KEEP_CLUSTER_PG:-1}" = 1 ] && [ -x "$keep_pg_bin/initdb" ]; then
+    keep_pg_start_pair "$dir" "$pg_port" "$pg_standby_port" || die "postgresql did not start"
+    pg=(--pg "$keep_pg_conninfo")
+    echo "postgresql: primary 127.0.0.1:$pg_port (the agents' memory logs), synchronous standby"
+    echo "  127.0.0.1:$pg_standby_port (every commit waits for it); the managers reach both:"
+    echo "  $keep_pg_conninfo"
+    keep_pg_promote_hint "$dir"
   else
     echo "postgresql: not started (KEEP_CLUSTER_PG=0 or no /usr/lib/postgresql): routing only"
   fi
@@ -113,6 +88,20 @@ status() {
       echo "node$i: down"
     fi
   done
+  local p
+  for p in "$pg_port" "$pg_standby_port"; do
+    [ -f "$dir/pg-primary.pid" ] || break
+    if "$keep_pg_bin/pg_isready" -q -h 127.0.0.1 -p "$p"; then
+      if [ "$(keep_pg_psql "$p" "SELECT pg_is_in_recovery()")" = t ]; then
+        echo "postgresql 127.0.0.1:$p: standby"
+      else
+        echo "postgresql 127.0.0.1:$p: primary, standbys:" \
+          "$(keep_pg_psql "$p" "SELECT coalesce(string_agg(application_name || ' ' || state || ' ' || sync_state, ', '), 'none') FROM pg_stat_replication")"
+      fi
+    else
+      echo "postgresql 127.0.0.1:$p: down"
+    fi
+  done
 }
 
 kill_node() {
@@ -124,7 +113,7 @@ kill_node() {
 
 down() {
   [ -d "$dir" ] || return 0
-  for p in "$dir"/worker*.pid "$dir"/manager*.pid "$dir"/etcd*.pid "$dir"/pg.pid; do
+  for p in "$dir"/worker*.pid "$dir"/manager*.pid "$dir"/etcd*.pid "$dir"/pg-*.pid; do
     [ -f "$p" ] && kill "$(cat "$p")" 2>/dev/null || true
   done
   sleep 1
@@ -141,5 +130,5 @@ case "${1:-}" in
   status) status ;;
   kill) kill_node "${2:-}" ;;
   down) down ;;
-  *) sed -n '2,17p' "$0"; exit 2 ;;
+  *) sed -n '2,20p' "$0"; exit 2 ;;
 esac

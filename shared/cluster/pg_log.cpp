@@ -25,6 +25,10 @@ constexpr char kSchema[] =
     "seq bigint NOT NULL, epoch bigint NOT NULL, record bytea NOT NULL, "
     "PRIMARY KEY (agent, seq));"
     "CREATE INDEX IF NOT EXISTS keep_log_by_shard ON keep_log (shard, agent, seq);"
+    "CREATE TABLE IF NOT EXISTS keep_checkpoint (shard integer NOT NULL, agent text PRIMARY KEY, "
+    "seq bigint NOT NULL, epoch bigint NOT NULL, owner_epoch bigint NOT NULL, "
+    "state bytea NOT NULL);"
+    "CREATE INDEX IF NOT EXISTS keep_checkpoint_by_shard ON keep_checkpoint (shard, agent);"
     "COMMIT;";
 
 // Rows of one multi-row INSERT (5 parameters each; PostgreSQL takes at most 65535).
@@ -280,10 +284,99 @@ Result<uint64_t> PgLog::last_seq(const std::string& agent) {
   Impl& m = *impl_;
   KEEP_RETURN_IF_ERROR(m.ready());
   const char* params[] = {agent.c_str()};
-  PgResult r(PQexecParams(m.conn, "SELECT coalesce(max(seq), 0) FROM keep_log WHERE agent = $1", 1,
-                          nullptr, params, nullptr, nullptr, 0));
+  PgResult r(PQexecParams(m.conn,
+                          "SELECT greatest((SELECT max(seq) FROM keep_log WHERE agent = $1), "
+                          "(SELECT seq FROM keep_checkpoint WHERE agent = $1), 0)",
+                          1, nullptr, params, nullptr, nullptr, 0));
   if (PQresultStatus(r.get()) != PGRES_TUPLES_OK) return m.error("last seq of " + agent, r.get());
   return to_u64(PQgetvalue(r.get(), 0, 0));
+}
+
+Status PgLog::checkpoint(uint32_t shard, uint64_t owner_epoch, const Checkpoint& cp) {
+  Impl& m = *impl_;
+  KEEP_RETURN_IF_ERROR(m.ready());
+  KEEP_RETURN_IF_ERROR(m.exec("BEGIN"));
+  const auto fail = [&m](Status st) {
+    m.rollback();
+    return st;
+  };
+  auto raised = m.raise_fence(shard, owner_epoch);
+  if (!raised.is_ok()) return fail(raised.status());
+  if (!*raised) return fail(m.stale(shard, owner_epoch));
+  const std::string s = std::to_string(shard), seq = std::to_string(cp.seq),
+                    e = std::to_string(cp.epoch), oe = std::to_string(owner_epoch);
+  {  // The state must be the log's prefix: its last entry is in the log, or already compacted.
+    const char* params[] = {cp.agent.c_str(), seq.c_str(), e.c_str()};
+    PgResult r(PQexecParams(m.conn,
+                            "SELECT EXISTS (SELECT 1 FROM keep_log WHERE agent = $1 AND seq = $2 "
+                            "AND epoch = $3) OR EXISTS (SELECT 1 FROM keep_checkpoint "
+                            "WHERE agent = $1 AND seq >= $2)",
+                            3, nullptr, params, nullptr, nullptr, 0));
+    if (PQresultStatus(r.get()) != PGRES_TUPLES_OK) {
+      return fail(m.error("checking the log of " + cp.agent, r.get()));
+    }
+    if (std::string(PQgetvalue(r.get(), 0, 0)) != "t") {
+      return fail(Status(Code::kCorrupt, "checkpoint of agent '" + cp.agent + "' at entry " + seq +
+                                             " (epoch " + e +
+                                             "): the log has no such entry: nothing written"));
+    }
+  }
+  {
+    const char* params[] = {s.c_str(), cp.agent.c_str(), seq.c_str(),
+                            e.c_str(), oe.c_str(),       cp.state.data()};
+    const int lengths[] = {0, 0, 0, 0, 0, static_cast<int>(cp.state.size())};
+    const int formats[] = {0, 0, 0, 0, 0, 1};
+    PgResult r(PQexecParams(m.conn,
+                            "INSERT INTO keep_checkpoint (shard, agent, seq, epoch, owner_epoch, "
+                            "state) VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (agent) DO UPDATE "
+                            "SET shard = EXCLUDED.shard, seq = EXCLUDED.seq, epoch = "
+                            "EXCLUDED.epoch, owner_epoch = EXCLUDED.owner_epoch, state = "
+                            "EXCLUDED.state WHERE keep_checkpoint.seq < EXCLUDED.seq",
+                            6, nullptr, params, lengths, formats, 0));
+    if (PQresultStatus(r.get()) != PGRES_COMMAND_OK) {
+      return fail(m.error("writing the checkpoint of " + cp.agent, r.get()));
+    }
+  }
+  {
+    const char* params[] = {cp.agent.c_str(), seq.c_str()};
+    PgResult r(PQexecParams(m.conn, "DELETE FROM keep_log WHERE agent = $1 AND seq <= $2", 2,
+                            nullptr, params, nullptr, nullptr, 0));
+    if (PQresultStatus(r.get()) != PGRES_COMMAND_OK) {
+      return fail(m.error("compacting the log of " + cp.agent, r.get()));
+    }
+  }
+  return m.exec("COMMIT");
+}
+
+Result<std::vector<Checkpoint>> PgLog::read_checkpoints(uint32_t shard) {
+  Impl& m = *impl_;
+  KEEP_RETURN_IF_ERROR(m.ready());
+  const std::string s = std::to_string(shard);
+  const char* params[] = {s.c_str()};
+  PgResult r(PQexecParams(m.conn,
+                          "SELECT agent, seq, epoch, owner_epoch, state FROM keep_checkpoint "
+                          "WHERE shard = $1 ORDER BY agent",
+                          1, nullptr, params, nullptr, nullptr, 1 /* binary results */));
+  if (PQresultStatus(r.get()) != PGRES_TUPLES_OK) {
+    return m.error("reading the checkpoints of shard " + s, r.get());
+  }
+  const auto be64 = [&](int row, int col) {
+    const auto* p = reinterpret_cast<const unsigned char*>(PQgetvalue(r.get(), row, col));
+    uint64_t v = 0;
+    for (int i = 0; i < 8; ++i) v = (v << 8) | p[i];
+    return v;
+  };
+  std::vector<Checkpoint> out;
+  for (int i = 0; i < PQntuples(r.get()); ++i) {
+    Checkpoint cp;
+    cp.agent.assign(PQgetvalue(r.get(), i, 0), static_cast<size_t>(PQgetlength(r.get(), i, 0)));
+    cp.seq = be64(i, 1);
+    cp.epoch = be64(i, 2);
+    cp.owner_epoch = be64(i, 3);
+    cp.state.assign(PQgetvalue(r.get(), i, 4), static_cast<size_t>(PQgetlength(r.get(), i, 4)));
+    out.push_back(std::move(cp));
+  }
+  return out;
 }
 
 }  // namespace keep::cluster

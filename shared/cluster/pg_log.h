@@ -30,6 +30,17 @@ struct LogRecord {
   std::string record;  // the manager's WAL record bytes
 };
 
+// A checkpoint of one agent's log (compaction, docs/cluster.md): the agent's whole state as of
+// entry `seq` (written at `epoch`: the entry's, to compare with a node's local position),
+// written by the shard's owner at `owner_epoch`. The log keeps only the entries after `seq`.
+struct Checkpoint {
+  std::string agent;
+  uint64_t seq = 0;
+  uint64_t epoch = 0;
+  uint64_t owner_epoch = 0;
+  std::string state;  // the manager's one-agent snapshot bytes (MemoryStore::capture_agent)
+};
+
 // One shard's part of a group commit: its records, written at `epoch`.
 struct ShardAppend {
   uint32_t shard = 0;
@@ -66,7 +77,17 @@ class PgLog {
   // an agent is up to from[agent], and the record at that seq tells whether it is the log's).
   Result<std::vector<LogRecord>> read_shard(uint32_t shard,
                                             const std::map<std::string, uint64_t>& from);
-  Result<uint64_t> last_seq(const std::string& agent);  // 0: none
+  Result<uint64_t> last_seq(const std::string& agent);  // 0: none (a checkpoint's seq counts)
+
+  // Compaction, in ONE transaction fenced like a batch (the shard's fence raised to
+  // `owner_epoch`; kStale, nothing written, when it is above): stores `cp` as the agent's
+  // checkpoint (replacing an older one; one at a seq not above the stored one is kept as is)
+  // and deletes the agent's entries with seq <= cp.seq. kCorrupt (nothing written):
+  // the log has no entry (cp.seq, cp.epoch) and no checkpoint at or past it -- the state is not
+  // the log's prefix. The other errors as append's.
+  Status checkpoint(uint32_t shard, uint64_t owner_epoch, const Checkpoint& cp);
+  // The checkpoints of the agents of `shard`, by agent (a new owner's replay starts from them).
+  Result<std::vector<Checkpoint>> read_checkpoints(uint32_t shard);
 
  private:
   struct Impl;

@@ -126,3 +126,45 @@ TEST_CASE("group commit of several shards: a fenced shard is refused whole, the 
   REQUIRE(rows.is_ok());
   CHECK(rows->empty());
 }
+
+TEST_CASE("compaction: a checkpoint replaces the entries it covers, fenced like a batch" *
+          doctest::skip(it::pg_bin().empty())) {
+  it::PgServer pg;
+  auto log = pg.log();
+  REQUIRE(log->append(5, 1, {rec("r", 1, "a"), rec("r", 2, "b"), rec("r", 3, "c")}).is_ok());
+  REQUIRE(log->append(5, 2, {rec("r", 4, "d"), rec("r", 5, "e"), rec("q", 1, "q")}).is_ok());
+  const std::string state("\0state of r at 4", 16);
+  // Its state must be the log's prefix: entry 4 is epoch 2's, not 1's.
+  CHECK(log->checkpoint(5, 2, Checkpoint{"r", 4, 1, 0, state}).code() == Code::kCorrupt);
+  CHECK(log->read("r")->size() == 5);
+  REQUIRE(log->checkpoint(5, 2, Checkpoint{"r", 4, 2, 0, state}).is_ok());
+  // The log holds only the entries after it; last_seq still counts the checkpoint's.
+  auto rows = log->read("r");
+  REQUIRE(rows->size() == 1);
+  CHECK((*rows)[0].seq == 5);
+  CHECK(log->read_shard(5, {})->size() == 2);  // r 5, q 1
+  CHECK(*log->last_seq("r") == 5);
+  auto cps = log->read_checkpoints(5);
+  REQUIRE(cps.is_ok());
+  REQUIRE(cps->size() == 1);
+  CHECK((*cps)[0].agent == "r");
+  CHECK((*cps)[0].seq == 4);
+  CHECK((*cps)[0].epoch == 2);
+  CHECK((*cps)[0].owner_epoch == 2);
+  CHECK((*cps)[0].state == state);
+  CHECK(log->read_checkpoints(4)->empty());
+  // An older checkpoint does not replace a newer one (nor fail: its entries are gone already).
+  CHECK(log->checkpoint(5, 2, Checkpoint{"r", 2, 1, 0, "older"}).is_ok());
+  CHECK((*log->read_checkpoints(5))[0].seq == 4);
+  // A stale owner (the shard fenced at 3 since) is refused: nothing written, nothing deleted.
+  REQUIRE(log->fence(5, 3).is_ok());
+  CHECK(log->checkpoint(5, 2, Checkpoint{"r", 5, 2, 0, "stale"}).code() == Code::kStale);
+  CHECK(log->read("r")->size() == 1);
+  CHECK((*log->read_checkpoints(5))[0].seq == 4);
+  CHECK((*log->read_checkpoints(5))[0].state == state);
+  // The owner at 3: entry 5 goes; a last_seq past every entry.
+  REQUIRE(log->checkpoint(5, 3, Checkpoint{"r", 5, 2, 0, "at 5"}).is_ok());
+  CHECK(log->read("r")->empty());
+  CHECK(*log->last_seq("r") == 5);
+  CHECK((*log->read_checkpoints(5))[0].owner_epoch == 3);
+}

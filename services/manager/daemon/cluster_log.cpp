@@ -1,5 +1,6 @@
 #include "services/manager/daemon/cluster_log.h"
 
+#include <algorithm>
 #include <chrono>
 #include <set>
 
@@ -58,7 +59,18 @@ ClusterLog::ClusterLog(std::unique_ptr<cluster::PgLog> writer,
       dropped_(registry->counter(
           "keep_manager_cluster_agents_dropped_total",
           "Cluster mode: agents forgotten in memory (refused or unconfirmed mutations, or local "
-          "state that is not a prefix of their log)")) {}
+          "state that is not a prefix of their log)")),
+      checkpoints_(registry->counter(
+          "keep_manager_cluster_checkpoints_total",
+          "Cluster mode: checkpoints of agents' state written to the log of record (compaction), "
+          "by result (ok; stale: fenced by a newer owner; error)",
+          {"result"})),
+      checkpoints_loaded_(
+          registry->counter("keep_manager_cluster_checkpoints_loaded_total",
+                            "Cluster mode: agents' checkpoints loaded when taking shards over")),
+      compacted_(registry->counter(
+          "keep_manager_cluster_compacted_entries_total",
+          "Cluster mode: log entries a checkpoint of this node covers (deleted from the log)")) {}
 
 ClusterLog::~ClusterLog() { stop(); }
 
@@ -123,6 +135,14 @@ void ClusterLog::commit(std::vector<ShardBatch>* batches) {
     b.result = results.is_ok() ? (*results)[i] : results.status();
     if (b.result.is_ok()) {
       entries_.get().inc(static_cast<double>(b.entries.size()));
+      if (compact_after_ != 0) {
+        for (const Entry& e : b.entries) {
+          auto c = checkpointed_.find(e.agent);
+          if (e.seq > (c == checkpointed_.end() ? 0 : c->second) + compact_after_) {
+            compact_due_.insert(e.agent);
+          }
+        }
+      }
       continue;
     }
     refused_.labels({b.result.code() == Code::kStale ? "stale" : "error"}).inc();
@@ -196,6 +216,61 @@ void ClusterLog::run() {
         wait = std::chrono::milliseconds(500);  // the log is unreachable: not in a tight loop
       }
     }
+    compact();
+  }
+}
+
+void ClusterLog::compact() {
+  struct Due {
+    uint32_t shard;
+    uint64_t epoch;
+    cluster::Checkpoint cp;
+  };
+  std::vector<Due> due;
+  {
+    std::lock_guard<std::mutex> lock(*store_mutex_);
+    if (compact_due_.empty()) return;
+    // Bounded per round, so that a takeover waits for at most that many checkpoints.
+    constexpr size_t kPerRound = 64;
+    for (auto it = compact_due_.begin(); it != compact_due_.end() && due.size() < kPerRound;) {
+      const std::string agent = *it;
+      it = compact_due_.erase(it);
+      const uint32_t shard = cluster::shard_of(agent, shards_);
+      auto r = ready_.find(shard);
+      if (r == ready_.end()) continue;  // not served now: its next owner compacts it
+      const LogPosition p = store_->log_position(agent);
+      if (p.seq == 0 || p.seq <= checkpointed_[agent]) continue;
+      // Every entry up to p.seq is committed: commits hold the store mutex, and an agent whose
+      // commit failed was dropped.
+      due.push_back(
+          Due{shard, r->second,
+              cluster::Checkpoint{agent, p.seq, p.epoch, r->second, store_->capture_agent(agent)}});
+    }
+  }
+  for (Due& d : due) {
+    const uint64_t before = [&] {
+      std::lock_guard<std::mutex> lock(*store_mutex_);
+      return checkpointed_[d.cp.agent];
+    }();
+    Status st = reader_->checkpoint(d.shard, d.epoch, d.cp);
+    std::lock_guard<std::mutex> lock(*store_mutex_);
+    if (st.is_ok()) {
+      uint64_t& known = checkpointed_[d.cp.agent];
+      known = std::max(known, d.cp.seq);
+      checkpoints_.labels({"ok"}).inc();
+      compacted_.get().inc(static_cast<double>(d.cp.seq - std::min(before, d.cp.seq)));
+      continue;
+    }
+    KEEP_LOG_WARN(kLog, "checkpoint of agent '%s' at entry %llu (shard %u, epoch %llu): %s",
+                  d.cp.agent.c_str(), static_cast<unsigned long long>(d.cp.seq), d.shard,
+                  static_cast<unsigned long long>(d.epoch), st.to_string().c_str());
+    if (st.code() == Code::kStale) {  // a newer owner fenced the shard: stop serving it
+      checkpoints_.labels({"stale"}).inc();
+      auto r = ready_.find(d.shard);
+      if (r != ready_.end() && r->second == d.epoch) give_up_locked(d.shard, d.epoch);
+    } else {
+      checkpoints_.labels({"error"}).inc();  // tried again after its next commit
+    }
   }
 }
 
@@ -236,14 +311,52 @@ Status ClusterLog::apply_locked(const std::string& agent, const cluster::LogReco
   return Status::ok();
 }
 
+Status ClusterLog::load_checkpoint_locked(const cluster::Checkpoint& cp) {
+  std::string record;
+  if (Status st = store_->load_agent(cp.state, &record); !st.is_ok()) {
+    drop_locked(cp.agent);
+    return st.with_context("loading the checkpoint of agent '" + cp.agent + "' at entry " +
+                           std::to_string(cp.seq));
+  }
+  const LogPosition p = store_->log_position(cp.agent);
+  if (p.seq != cp.seq || p.epoch != cp.epoch) {
+    drop_locked(cp.agent);
+    return Status(Code::kCorrupt, "the checkpoint of agent '" + cp.agent + "' at entry " +
+                                      std::to_string(cp.seq) + " holds the state of entry " +
+                                      std::to_string(p.seq));
+  }
+  if (wal_ != nullptr) {
+    if (Status st = wal_->append(record); !st.is_ok()) {
+      KEEP_LOG_ERROR(kLog, "WAL append (checkpoint of %s): %s", cp.agent.c_str(),
+                     st.to_string().c_str());
+    }
+  }
+  checkpoints_loaded_.get().inc();
+  return Status::ok();
+}
+
 Status ClusterLog::take_over(uint32_t shard, uint64_t epoch) {
   const auto t0 = Clock::now();
-  // 1. From now on an older owner's batch is refused, and every one it committed is visible.
+  // 1. From now on an older owner's batch (or checkpoint) is refused, and every one it committed
+  // is visible.
   KEEP_RETURN_IF_ERROR(reader_->fence(shard, epoch));
-  // 2. What the store holds of the shard's agents.
-  std::map<std::string, LogPosition> held;
+  // 2. The shard's checkpoints, and what the store holds of the shard's agents: a local state
+  // older than the agent's checkpoint (or at its seq but not its epoch) gives way to it; one at
+  // the checkpoint is its prefix; one past it is checked against the log below.
+  KEEP_ASSIGN_OR_RETURN(std::vector<cluster::Checkpoint> cps, reader_->read_checkpoints(shard));
+  std::map<std::string, const cluster::Checkpoint*> cp_of;
+  for (const cluster::Checkpoint& c : cps) cp_of[c.agent] = &c;
+  const auto after_checkpoint = [&cp_of](const std::string& agent) -> uint64_t {
+    auto c = cp_of.find(agent);
+    return c == cp_of.end() ? 0 : c->second->seq;
+  };
+  struct Held {
+    LogPosition pos;
+    bool verified = false;  // equal to its checkpoint: no log entry to compare
+  };
+  std::map<std::string, Held> held;
   std::map<std::string, uint64_t> from;
-  size_t dropped = 0;
+  size_t dropped = 0, loaded = 0;
   {
     std::lock_guard<std::mutex> lock(*store_mutex_);
     for (const std::string& agent : store_->list_agents()) {
@@ -258,13 +371,24 @@ Status ClusterLog::take_over(uint32_t shard, uint64_t epoch) {
         ++dropped;
         continue;
       }
-      held[agent] = p;
+      auto c = cp_of.find(agent);
+      if (c != cp_of.end() && p.seq <= c->second->seq) {
+        if (p.seq == c->second->seq && p.epoch == c->second->epoch) {
+          held[agent] = Held{p, true};
+          from[agent] = p.seq + 1;
+        } else {
+          drop_locked(agent);  // older than its checkpoint: the checkpoint replaces it
+          ++dropped;
+        }
+        continue;
+      }
+      held[agent] = Held{p, false};
       from[agent] = p.seq;
     }
   }
   KEEP_ASSIGN_OR_RETURN(std::vector<cluster::LogRecord> rows, reader_->read_shard(shard, from));
-  // 3. Each agent's entries after what it holds; an agent whose position the log does not have
-  // is read again from the start.
+  // 3. Each agent's entries after what it holds (or after its checkpoint, loaded first); an agent
+  // whose position the log does not have is read again from its checkpoint.
   std::vector<std::string> again;
   std::set<std::string> seen;
   size_t applied = 0;
@@ -278,15 +402,21 @@ Status ClusterLog::take_over(uint32_t shard, uint64_t epoch) {
     size_t first = at;
     uint64_t after = 0;
     if (h != held.end()) {
-      if (rows[at].seq != h->second.seq || rows[at].epoch != h->second.epoch) {
-        drop_locked(agent);
-        ++dropped;
-        again.push_back(agent);
-        at = end;
-        continue;
+      if (!h->second.verified) {
+        if (rows[at].seq != h->second.pos.seq || rows[at].epoch != h->second.pos.epoch) {
+          drop_locked(agent);
+          ++dropped;
+          again.push_back(agent);
+          at = end;
+          continue;
+        }
+        first = at + 1;
       }
-      first = at + 1;
-      after = h->second.seq;
+      after = h->second.pos.seq;
+    } else if (auto c = cp_of.find(agent); c != cp_of.end()) {
+      KEEP_RETURN_IF_ERROR(load_checkpoint_locked(*c->second));
+      ++loaded;
+      after = c->second->seq;
     }
     if (Status st = apply_locked(agent, rows.data() + first, end - first, after); !st.is_ok()) {
       drop_locked(agent);  // half applied: read it all again next time
@@ -295,17 +425,28 @@ Status ClusterLog::take_over(uint32_t shard, uint64_t epoch) {
     applied += end - first;
     at = end;
   }
-  for (const auto& [agent, pos] : held) {
-    if (seen.count(agent) != 0) continue;
+  for (const auto& [agent, h] : held) {
+    if (seen.count(agent) != 0 || h.verified) continue;
     std::lock_guard<std::mutex> lock(*store_mutex_);
     drop_locked(agent);  // the log has nothing at its position (an entry it never committed)
     ++dropped;
     again.push_back(agent);
   }
-  for (const std::string& agent : again) {
-    KEEP_ASSIGN_OR_RETURN(std::vector<cluster::LogRecord> all, reader_->read(agent, 0));
+  for (const cluster::Checkpoint& c : cps) {  // agents whose log is all in their checkpoint
+    if (seen.count(c.agent) != 0 || held.count(c.agent) != 0) continue;
     std::lock_guard<std::mutex> lock(*store_mutex_);
-    if (Status st = apply_locked(agent, all.data(), all.size(), 0); !st.is_ok()) {
+    KEEP_RETURN_IF_ERROR(load_checkpoint_locked(c));
+    ++loaded;
+  }
+  for (const std::string& agent : again) {
+    const uint64_t after = after_checkpoint(agent);
+    KEEP_ASSIGN_OR_RETURN(std::vector<cluster::LogRecord> all, reader_->read(agent, after));
+    std::lock_guard<std::mutex> lock(*store_mutex_);
+    if (after != 0) {
+      KEEP_RETURN_IF_ERROR(load_checkpoint_locked(*cp_of.at(agent)));
+      ++loaded;
+    }
+    if (Status st = apply_locked(agent, all.data(), all.size(), after); !st.is_ok()) {
       drop_locked(agent);
       return st;
     }
@@ -322,13 +463,23 @@ Status ClusterLog::take_over(uint32_t shard, uint64_t epoch) {
   if (k == nullptr || k->epoch_of(shard) != epoch) {
     return Status(Code::kUnavailable, "the shard moved on while it was replayed");
   }
+  for (const std::string& agent : store_->list_agents()) {
+    if (cluster::shard_of(agent, shards_) != shard) continue;
+    checkpointed_[agent] = after_checkpoint(agent);
+    if (compact_after_ != 0 &&
+        store_->log_position(agent).seq > checkpointed_[agent] + compact_after_) {
+      compact_due_.insert(agent);  // a long log from before: compacted from now on
+    }
+  }
   ready_[shard] = epoch;
   const double dt = seconds_since(t0);
   takeover_seconds_.get().observe(dt);
   KEEP_LOG_INFO(kLog,
-                "shard %u served at epoch %llu: %zu agents held locally, %zu entries replayed "
-                "from the log, %zu agents whose local state was not the log's dropped, in %.3f s",
-                shard, static_cast<unsigned long long>(epoch), held.size(), applied, dropped, dt);
+                "shard %u served at epoch %llu: %zu agents held locally, %zu checkpoints loaded, "
+                "%zu entries replayed from the log, %zu agents whose local state was not the "
+                "log's dropped, in %.3f s",
+                shard, static_cast<unsigned long long>(epoch), held.size(), loaded, applied,
+                dropped, dt);
   return Status::ok();
 }
 

@@ -17,9 +17,18 @@
 //                 position the log does not have (or has at another epoch) is dropped and read
 //                 again from seq 1, (3) apply the rest of each agent's log in seq order, each
 //                 entry logged to the local WAL with its position, (4) serve the shard.
+//   compaction    on the takeover thread: an agent of a served shard with more than
+//                 compact_after entries after its last checkpoint gets a new one: its state
+//                 (MemoryStore::capture_agent, taken with the store mutex held, so every entry
+//                 it covers is committed) written to PostgreSQL at the shard's epoch -- fenced
+//                 like a commit: refused, and the shard given up, when a newer owner fenced it
+//                 -- and its entries up to the checkpoint deleted, in one transaction. A takeover
+//                 starts each agent from its checkpoint (its local state when that is at or past
+//                 the checkpoint and the log's, else the checkpoint replaces it) and replays the
+//                 entries after it.
 //
 // The local WAL and snapshots are thus a recovery cache: what a node holds of an agent is a
-// prefix of the agent's log, and a takeover reads only what follows it.
+// prefix of the agent's log (checkpoint included), and a takeover reads only what follows it.
 #pragma once
 
 #include <atomic>
@@ -28,6 +37,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -59,6 +69,10 @@ class ClusterLog final : public RecordLog {
   void start(cluster::ShardKeeper* keeper, std::mutex* store_mutex);
   // Stops the takeover thread; from then on every agent is kUnavailable.
   void stop();
+  // Compaction (see the top): a checkpoint once an agent has more than `entries` log entries
+  // after its last one; 0 (the default here; keep-manager's --pg-compact-after is 1000): never.
+  // Call before start().
+  void set_compact_after(uint64_t entries) { compact_after_ = entries; }
 
   Result<Route> route(std::string_view agent) override;
   void commit(std::vector<ShardBatch>* batches) override;
@@ -78,6 +92,10 @@ class ClusterLog final : public RecordLog {
                       uint64_t after);
   void drop_locked(const std::string& agent);
   void give_up_locked(uint32_t shard, uint64_t epoch);
+  // Replaces the agent's state with its checkpoint (store and local WAL), store mutex held.
+  Status load_checkpoint_locked(const cluster::Checkpoint& cp);
+  // Writes the checkpoints due (compact_due_) of served shards; logs what failed.
+  void compact();
 
   std::unique_ptr<cluster::PgLog> writer_;  // request thread (commit)
   std::unique_ptr<cluster::PgLog> reader_;  // takeover thread
@@ -88,8 +106,11 @@ class ClusterLog final : public RecordLog {
   std::mutex* store_mutex_ = nullptr;
 
   // Guarded by the store mutex.
-  std::map<uint32_t, uint64_t> ready_;     // shard -> the epoch its log was replayed at
-  std::map<uint32_t, uint64_t> given_up_;  // shard -> an epoch this node must not write at
+  std::map<uint32_t, uint64_t> ready_;            // shard -> the epoch its log was replayed at
+  std::map<uint32_t, uint64_t> given_up_;         // shard -> an epoch this node must not write at
+  std::map<std::string, uint64_t> checkpointed_;  // agent -> seq of its last checkpoint known
+  std::set<std::string> compact_due_;             // agents past compact_after_ since then
+  uint64_t compact_after_ = 0;
 
   std::mutex run_mu_;
   std::condition_variable run_cv_;
@@ -102,6 +123,9 @@ class ClusterLog final : public RecordLog {
   metrics::HistogramFamily& takeover_seconds_;
   metrics::CounterFamily& replayed_;
   metrics::CounterFamily& dropped_;
+  metrics::CounterFamily& checkpoints_;
+  metrics::CounterFamily& checkpoints_loaded_;
+  metrics::CounterFamily& compacted_;
 };
 
 }  // namespace keep::manager

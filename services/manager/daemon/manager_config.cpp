@@ -71,6 +71,10 @@ void declare_manager_options(Options* o) {
   o->add("etcd-lease-s", "10",
          "cluster mode: this node's lease; its shards go to others that long after it stops "
          "renewing");
+  o->add("pg-compact-after", "1000",
+         "cluster mode with --pg: once an agent has more than N log entries after its last "
+         "checkpoint, its owner writes a checkpoint of its state to PostgreSQL and deletes the "
+         "entries it covers (log compaction); 0: never");
   o->add("pg", "",
          "cluster mode: libpq conninfo of the PostgreSQL database holding every agent's memory "
          "log, the system of record (\"host=db port=5432 dbname=keep user=keep\"): a mutation is "
@@ -144,6 +148,7 @@ Result<ManagerConfig> read_manager_config(const Options& o) {
   }
   c.etcd_lease_s = static_cast<int64_t>(lease_s);
   c.pg = o.str("pg");
+  KEEP_ASSIGN_OR_RETURN(c.pg_compact_after, o.uint64("pg-compact-after"));
   if (!c.pg.empty() && c.etcd.empty()) {
     return Status(Code::kInvalidArgument, "--pg: needs --etcd (cluster mode)");
   }

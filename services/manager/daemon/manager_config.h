@@ -50,6 +50,7 @@ struct ManagerConfig {
   int64_t etcd_lease_s = 10;
   // Cluster mode's log of record (libpq conninfo); empty: the local WAL is the record.
   std::string pg;
+  uint64_t pg_compact_after = 1000;  // log entries after an agent's checkpoint; 0: no compaction
 };
 
 // Declares every option with its default.

@@ -682,6 +682,7 @@ Result<std::unique_ptr<ManagerDaemon>> ManagerDaemon::start(const ManagerConfig&
         ClusterLog::connect(config.pg, config.shards, d.store.get(), d.wal.get(), &d.registry);
     if (!cl.is_ok()) return cl.status().with_context("--pg");
     d.cluster_log = std::move(cl).value();
+    d.cluster_log->set_compact_after(config.pg_compact_after);
     so.record_log = d.cluster_log.get();
   } else if (!config.etcd.empty()) {
     so.route_agent = [&d](std::string_view agent) {

@@ -786,6 +786,23 @@ struct MemoryStore::Impl {
     next_seq = 1;
     jobs.clear();
   }
+
+  // Creates agent `as.name` (absent) from its snapshot, each segment's write order mapped
+  // through `seq_of` (checked by the caller: unique, below next_seq once it is set). kCorrupt on
+  // any inconsistency; the caller then forgets what was created.
+  template <typename SeqOf>
+  Status restore_agent(const AgentSnapshot& as, SeqOf seq_of);
+
+  // KV is not persisted: asks again for every static group's and dynamic member's entry.
+  void queue_agent_jobs(Agent& a) {
+    for (const auto& [gid, g] : a.groups->groups()) {
+      if (g.state == GroupState::kStatic) {
+        queue_group_job(a, gid);
+      } else {
+        for (uint64_t sid : g.members) queue_segment_job(a, a.segments.at(sid));
+      }
+    }
+  }
 };
 
 // ---- public API
@@ -1026,6 +1043,14 @@ Status MemoryStore::apply_record(std::string_view bytes) {
     m.drop(d->agent);
     return Status::ok();
   }
+  if (auto* st = std::get_if<AgentStateRecord>(&rec)) {
+    KEEP_ASSIGN_OR_RETURN(StoreSnapshot snap, decode_snapshot(st->snapshot));
+    if (snap.agents.size() != 1 || snap.agents[0].name != st->agent) {
+      return Status(Code::kCorrupt,
+                    "agent-state record of '" + st->agent + "' does not hold that agent alone");
+    }
+    return load_agent(st->snapshot, nullptr);
+  }
   if (auto* w = std::get_if<WriteRecord>(&rec)) return m.apply_write(*w);
   if (auto* u = std::get_if<UpdateRecord>(&rec)) return m.apply_update(*u);
   if (auto* r = std::get_if<RemoveRecord>(&rec)) return m.apply_remove(*r);
@@ -1043,12 +1068,15 @@ Status MemoryStore::apply_record(std::string_view bytes) {
 
 std::string MemoryStore::serialize() const { return encode_snapshot(capture()); }
 
-StoreSnapshot MemoryStore::capture() const {
+StoreSnapshot MemoryStore::capture() const { return capture_of({}); }
+
+StoreSnapshot MemoryStore::capture_of(std::optional<std::string_view> only) const {
   const Impl& m = *impl_;
   StoreSnapshot snap;
   snap.dim = static_cast<uint32_t>(m.dim);
   snap.next_seq = m.next_seq;
   for (const auto& [name, ap] : m.agents) {
+    if (only.has_value() && name != *only) continue;
     const Agent& a = *ap;
     AgentSnapshot as;
     as.name = name;
@@ -1089,6 +1117,69 @@ StoreSnapshot MemoryStore::capture() const {
   return snap;
 }
 
+template <typename SeqOf>
+Status MemoryStore::Impl::restore_agent(const AgentSnapshot& as, SeqOf seq_of) {
+  Impl& m = *this;
+  auto fail = [](std::string msg) { return Status(Code::kCorrupt, "store snapshot: " + msg); };
+  if (!m.check_agent_name(as.name).is_ok()) return fail("bad agent name");
+  if (as.next_id == 0 || as.next_group_id == 0) return fail("bad id counters");
+  KEEP_ASSIGN_OR_RETURN(Agent * created, m.get_or_create(as.name));
+  Agent& a = *created;
+  a.step = as.step;
+  a.next_id = as.next_id;
+  a.next_group_id = as.next_group_id;
+  a.log = LogPosition{as.log_seq, as.log_epoch};
+  for (const RequestSnapshot& q : as.requests) {  // oldest first; the window may be smaller now
+    keep_request(
+        &a, RequestId{q.client, q.seq},
+        AppliedRequest{static_cast<MutationOp>(q.op), WriteResult{q.id, q.version, q.step}},
+        m.opt.request_window);
+  }
+  uint64_t prev = 0;
+  for (const GroupSnapshot& g : as.groups) {
+    if (g.id <= prev || g.id >= as.next_group_id) return fail("bad group id");
+    if (g.version == 0) return fail("bad group version");
+    prev = g.id;
+    a.groups->restore_group(g.id, static_cast<GroupState>(g.state), g.version, g.last_change_step);
+  }
+  prev = 0;
+  for (const SegmentSnapshot& ss : as.segments) {
+    if (ss.id <= prev || ss.id >= as.next_id) return fail("bad segment id");
+    prev = ss.id;
+    if (ss.text.empty() || ss.version == 0) return fail("bad segment " + std::to_string(ss.id));
+    if (ss.group != 0 && a.groups->find(ss.group) == nullptr) {
+      return fail("segment " + std::to_string(ss.id) + " in an unknown group");
+    }
+    if (ss.group == 0 && !ss.awaiting) return fail("segment without group nor placement");
+    if (ss.embedding.empty() && !ss.awaiting) return fail("unembedded segment not awaiting");
+    for (float v : ss.embedding) {
+      if (!std::isfinite(v)) return fail("non-finite embedding");
+    }
+    Segment& s = a.segments[ss.id];
+    s.id = ss.id;
+    s.text = ss.text;
+    s.kind = static_cast<SegmentKind>(ss.kind);
+    s.tokens = ss.tokens;
+    s.version = ss.version;
+    s.updated_step = ss.updated_step;
+    s.seq = seq_of(ss.seq);
+    s.group = ss.group;
+    s.awaiting = ss.awaiting;
+    if (s.kind == SegmentKind::kExamplePlan) a.example_plans.insert(s.id);
+    if (!ss.embedding.empty()) m.add_row(a, s, ss.embedding.data());
+    if (s.awaiting) {
+      a.awaiting[s.seq] = s.id;
+      if (s.row < 0) m.to_embed[s.seq] = {&a, s.id};
+    }
+    if (s.group != 0) a.groups->restore_member(s.group, s.id);
+  }
+  for (const auto& [gid, g] : a.groups->groups()) {
+    if (g.members.empty()) return fail("empty group " + std::to_string(gid));
+  }
+  a.groups->finish_restore();
+  return Status::ok();
+}
+
 Status MemoryStore::deserialize(std::string_view bytes) {
   Impl& m = *impl_;
   if (!m.agents.empty()) {
@@ -1107,84 +1198,61 @@ Status MemoryStore::deserialize(std::string_view bytes) {
   std::set<uint64_t> seqs;
   const std::string* prev_name = nullptr;
   for (const AgentSnapshot& as : snap.agents) {
-    if (!m.check_agent_name(as.name).is_ok()) return fail("bad agent name");
     if (prev_name != nullptr && !(*prev_name < as.name)) return fail("agents not ascending");
     prev_name = &as.name;
-    if (as.next_id == 0 || as.next_group_id == 0) return fail("bad id counters");
-    auto created = m.get_or_create(as.name);
-    if (!created.is_ok()) {
-      m.reset();
-      return created.status();
-    }
-    Agent& a = **created;
-    a.step = as.step;
-    a.next_id = as.next_id;
-    a.next_group_id = as.next_group_id;
-    a.log = LogPosition{as.log_seq, as.log_epoch};
-    for (const RequestSnapshot& q : as.requests) {  // oldest first; the window may be smaller now
-      keep_request(
-          &a, RequestId{q.client, q.seq},
-          AppliedRequest{static_cast<MutationOp>(q.op), WriteResult{q.id, q.version, q.step}},
-          m.opt.request_window);
-    }
-    uint64_t prev = 0;
-    for (const GroupSnapshot& g : as.groups) {
-      if (g.id <= prev || g.id >= as.next_group_id) return fail("bad group id");
-      if (g.version == 0) return fail("bad group version");
-      prev = g.id;
-      a.groups->restore_group(g.id, static_cast<GroupState>(g.state), g.version,
-                              g.last_change_step);
-    }
-    prev = 0;
     for (const SegmentSnapshot& ss : as.segments) {
-      if (ss.id <= prev || ss.id >= as.next_id) return fail("bad segment id");
-      prev = ss.id;
-      if (ss.text.empty() || ss.version == 0) return fail("bad segment " + std::to_string(ss.id));
       if (ss.seq == 0 || ss.seq >= snap.next_seq || !seqs.insert(ss.seq).second) {
         return fail("bad write sequence of segment " + std::to_string(ss.id));
       }
-      if (ss.group != 0 && a.groups->find(ss.group) == nullptr) {
-        return fail("segment " + std::to_string(ss.id) + " in an unknown group");
-      }
-      if (ss.group == 0 && !ss.awaiting) return fail("segment without group nor placement");
-      if (ss.embedding.empty() && !ss.awaiting) return fail("unembedded segment not awaiting");
-      for (float v : ss.embedding) {
-        if (!std::isfinite(v)) return fail("non-finite embedding");
-      }
-      Segment& s = a.segments[ss.id];
-      s.id = ss.id;
-      s.text = ss.text;
-      s.kind = static_cast<SegmentKind>(ss.kind);
-      s.tokens = ss.tokens;
-      s.version = ss.version;
-      s.updated_step = ss.updated_step;
-      s.seq = ss.seq;
-      s.group = ss.group;
-      s.awaiting = ss.awaiting;
-      if (s.kind == SegmentKind::kExamplePlan) a.example_plans.insert(s.id);
-      if (!ss.embedding.empty()) m.add_row(a, s, ss.embedding.data());
-      if (s.awaiting) {
-        a.awaiting[s.seq] = s.id;
-        if (s.row < 0) m.to_embed[s.seq] = {&a, s.id};
-      }
-      if (s.group != 0) a.groups->restore_member(s.group, s.id);
     }
-    for (const auto& [gid, g] : a.groups->groups()) {
-      if (g.members.empty()) return fail("empty group " + std::to_string(gid));
+    if (Status st = m.restore_agent(as, [](uint64_t seq) { return seq; }); !st.is_ok()) {
+      m.reset();
+      return st;
     }
-    a.groups->finish_restore();
   }
   m.next_seq = snap.next_seq;
   // KV is not persisted: ask for it again.
-  for (auto& [name, ap] : m.agents) {
-    Agent& a = *ap;
-    for (const auto& [gid, g] : a.groups->groups()) {
-      if (g.state == GroupState::kStatic) {
-        m.queue_group_job(a, gid);
-      } else {
-        for (uint64_t sid : g.members) m.queue_segment_job(a, a.segments.at(sid));
-      }
+  for (auto& [name, ap] : m.agents) m.queue_agent_jobs(*ap);
+  return Status::ok();
+}
+
+std::string MemoryStore::capture_agent(std::string_view agent) const {
+  StoreSnapshot all = capture_of(agent);
+  return all.agents.empty() ? std::string() : encode_snapshot(all);
+}
+
+Status MemoryStore::load_agent(std::string_view bytes, std::string* wal_record) {
+  Impl& m = *impl_;
+  if (wal_record != nullptr) wal_record->clear();
+  KEEP_ASSIGN_OR_RETURN(StoreSnapshot snap, decode_snapshot(bytes));
+  if (snap.dim != static_cast<uint32_t>(m.dim)) {
+    return Status(Code::kVersionMismatch, "agent state: embeddings of dimension " +
+                                              std::to_string(snap.dim) + ", the encoder has " +
+                                              std::to_string(m.dim));
+  }
+  if (snap.agents.size() != 1) {
+    return Status(Code::kCorrupt,
+                  "agent state: " + std::to_string(snap.agents.size()) + " agents, expected one");
+  }
+  const AgentSnapshot& as = snap.agents[0];
+  // The segments' write order is the other store's: renumbered after this store's, in order.
+  std::map<uint64_t, uint64_t> order;
+  for (const SegmentSnapshot& ss : as.segments) {
+    if (ss.seq == 0 || !order.emplace(ss.seq, 0).second) {
+      return Status(Code::kCorrupt,
+                    "agent state: bad write sequence of segment " + std::to_string(ss.id));
     }
+  }
+  m.drop(as.name);
+  for (auto& [from, to] : order) to = m.next_seq++;
+  if (Status st = m.restore_agent(as, [&order](uint64_t seq) { return order.at(seq); });
+      !st.is_ok()) {
+    m.drop(as.name);
+    return st;
+  }
+  m.queue_agent_jobs(*m.find_agent(as.name));
+  if (wal_record != nullptr) {
+    *wal_record = encode_record(AgentStateRecord{as.name, std::string(bytes)});
   }
   return Status::ok();
 }

@@ -337,6 +337,18 @@ class MemoryStore {
   // static group and every member of a dynamic group.
   Status deserialize(std::string_view bytes);
 
+  // ---- one agent's state: cluster mode's checkpoints (docs/cluster.md, "Compaction") ----------
+
+  // The agent's state alone, as a snapshot holding one agent (encode_snapshot: its memories,
+  // groups, embeddings, log position and window of request ids); empty for an unknown agent.
+  std::string capture_agent(std::string_view agent) const;
+  // Replaces the agent's state (whatever the store holds of it is forgotten first, as by
+  // drop_agent) with capture_agent()'s bytes, possibly another store's: its segments' write
+  // order is renumbered after this store's. Queues its KV jobs. *wal_record (may be null) gets an
+  // agent-state record replaying it. kCorrupt (nothing of the agent kept then),
+  // kVersionMismatch (another embedding dimension or format version; the store unchanged).
+  Status load_agent(std::string_view bytes, std::string* wal_record);
+
   // ---- reads ---------------------------------------------------------------------------------
 
   // First embeds this agent's pending segments synchronously through the Embedder and places
@@ -430,6 +442,7 @@ class MemoryStore {
 
  private:
   struct Impl;
+  StoreSnapshot capture_of(std::optional<std::string_view> only) const;  // nullopt: every agent
   std::unique_ptr<Impl> impl_;
 };
 

@@ -151,6 +151,10 @@ std::string encode_record(const Record& record) {
         } else if constexpr (std::is_same_v<T, DropAgentRecord>) {
           w.u8(static_cast<uint8_t>(RecordType::kDropAgent));
           w.str(r.agent);
+        } else if constexpr (std::is_same_v<T, AgentStateRecord>) {
+          w.u8(static_cast<uint8_t>(RecordType::kAgentState));
+          w.str(r.agent);
+          w.str(r.snapshot);
         } else if constexpr (std::is_same_v<T, RequestedRecord>) {
           w.u8(static_cast<uint8_t>(RecordType::kRequested));
           w.str(r.agent);
@@ -251,6 +255,12 @@ Result<Record> decode_record(std::string_view bytes) {
       ok = r.str(&q.agent) && r.u64(&q.client) && r.u64(&q.seq) && r.u64(&q.id) &&
            r.u64(&q.version) && r.u64(&q.step) && r.str(&q.inner) && q.client != 0;
       out = std::move(q);
+      break;
+    }
+    case RecordType::kAgentState: {
+      AgentStateRecord a;
+      ok = r.str(&a.agent) && r.str(&a.snapshot);
+      out = std::move(a);
       break;
     }
     default:

@@ -32,9 +32,10 @@ enum class RecordType : uint8_t {
   kRemove = 3,
   kAdvanceStep = 4,
   kEmbeddings = 5,
-  kLogged = 6,     // cluster mode: a mutation record and its position in the agent's log
-  kDropAgent = 7,  // cluster mode: the agent's state is forgotten (replayed from the log later)
-  kRequested = 8,  // a mutation record with the client's request id and the answer it got
+  kLogged = 6,      // cluster mode: a mutation record and its position in the agent's log
+  kDropAgent = 7,   // cluster mode: the agent's state is forgotten (replayed from the log later)
+  kRequested = 8,   // a mutation record with the client's request id and the answer it got
+  kAgentState = 9,  // cluster mode: the agent's whole state, from a checkpoint of its log
 };
 
 // Records carry resolved values (id, step, token count) so replay never consults the tokenizer
@@ -86,6 +87,13 @@ struct LoggedRecord {
 struct DropAgentRecord {
   std::string agent;
 };
+// Cluster mode: the agent's state is replaced by `snapshot` (an encoded snapshot holding this
+// agent alone, MemoryStore::capture_agent): a checkpoint of its log loaded by a node taking it
+// over (docs/cluster.md, "Compaction").
+struct AgentStateRecord {
+  std::string agent;
+  std::string snapshot;
+};
 // A mutation sent with a client's request id (proto Request.clientId/clientSeq): `inner` (an
 // encoded write, update, remove or advance_step record of `agent`) and what it was answered, so
 // that replaying it puts the id back in the agent's window (MemoryStore::find_request) and a
@@ -101,8 +109,9 @@ struct RequestedRecord {
   std::string inner;
 };
 
-using Record = std::variant<WriteRecord, UpdateRecord, RemoveRecord, AdvanceStepRecord,
-                            EmbeddingsRecord, LoggedRecord, DropAgentRecord, RequestedRecord>;
+using Record =
+    std::variant<WriteRecord, UpdateRecord, RemoveRecord, AdvanceStepRecord, EmbeddingsRecord,
+                 LoggedRecord, DropAgentRecord, RequestedRecord, AgentStateRecord>;
 
 std::string encode_record(const Record& record);
 Result<Record> decode_record(std::string_view bytes);

@@ -10,6 +10,7 @@
 #include <doctest/doctest.h>
 
 #include <mutex>
+#include <thread>
 
 #include "services/manager/daemon/cluster_log.h"
 #include "services/manager/durability/wal_reader.h"
@@ -232,4 +233,147 @@ TEST_CASE(
   CHECK(*log->last_seq("A") == 5);
   CHECK(series(registry, "keep_manager_cluster_log_refused_total{reason=\"stale\"}") == 1);
   (*cl)->stop();
+}
+
+// Compaction: the owner checkpoints an agent past compact_after entries and the log keeps only
+// the entries after the checkpoint; a node taking the shard over -- its local cache older than
+// the checkpoint -- starts from the checkpoint, replays the rest, and knows the request ids of
+// mutations the checkpoint covers (a resend of one is a duplicate). Its WAL reproduces its store.
+TEST_CASE("compaction: checkpoint, log truncated behind it, a takeover starts from it" *
+          doctest::skip(!it::have_etcd() || it::pg_bin().empty())) {
+  it::PgServer pg;
+  auto log = pg.log();
+  it::EtcdCluster etcd;
+  etcd.wait_ready();
+  constexpr uint32_t kShards = 1;
+  FixedEmbedder embedder;
+  OneTokenPerByte counter;
+  cluster::EtcdOptions eo;
+  eo.endpoints = etcd.clients;
+  cluster::ShardKeeperOptions ko;
+  ko.shards = kShards;
+  ko.lease_ttl_s = 5;
+  ko.period = 200ms;
+
+  // Node 1 owns shard 0 at epoch 1 and commits A's writes 1..5 (with request ids 7:1..7:5), then
+  // 6 and 7; it checkpoints past 3 entries.
+  it::TempDir tmp1("clog1");
+  MemoryStore store1(StoreOptions{}, &embedder, &counter);
+  LocalWal wal1((tmp1.path() / "wal").string());
+  metrics::Registry registry1;
+  std::mutex mu1;
+  auto keeper1 = cluster::ShardKeeper::start(eo, "n1", "tcp://n1", ko);
+  REQUIRE(keeper1.is_ok());
+  REQUIRE((*keeper1)->epoch_of(0) == 1);
+  auto cl1 = ClusterLog::connect(pg.conninfo(), kShards, &store1, &wal1, &registry1);
+  REQUIRE(cl1.is_ok());
+  (*cl1)->set_compact_after(3);
+  (*cl1)->start(keeper1->get(), &mu1);
+  REQUIRE(it::eventually(
+      [&] {
+        std::lock_guard<std::mutex> lock(mu1);
+        return (*cl1)->route("A").is_ok();
+      },
+      10s));
+  const auto commit = [&](uint64_t from, uint64_t to) {
+    std::lock_guard<std::mutex> lock(mu1);
+    std::vector<RecordLog::ShardBatch> batch{{0, 1, {}, {}}};
+    for (uint64_t seq = from; seq <= to; ++seq) {
+      const std::string text = "a" + std::to_string(seq);
+      std::string rec =
+          encode_record(RequestedRecord{"A", 7, seq, seq, 1, 0, write_record("A", seq, text)});
+      REQUIRE(store1.apply_record(rec).is_ok());
+      std::string logged = rec;
+      REQUIRE(store1.set_log_position("A", {seq, 1}, &logged).is_ok());
+      REQUIRE(wal1.append(logged).is_ok());
+      batch[0].entries.push_back(RecordLog::Entry{"A", seq, rec});
+    }
+    (*cl1)->commit(&batch);
+    REQUIRE(batch[0].result.is_ok());
+  };
+  commit(1, 5);
+  const auto checkpoint_seq = [&]() -> uint64_t {
+    auto cps = log->read_checkpoints(0);
+    REQUIRE(cps.is_ok());
+    return cps->empty() ? 0 : cps->front().seq;
+  };
+  REQUIRE(it::eventually([&] { return checkpoint_seq() == 5; }, 10s));
+  CHECK(log->read("A")->empty());  // every entry is in the checkpoint
+  commit(6, 7);                    // 2 after it: no checkpoint yet
+  std::this_thread::sleep_for(300ms);
+  CHECK(checkpoint_seq() == 5);
+  auto rows = log->read("A");
+  REQUIRE(rows->size() == 2);
+  CHECK((*rows)[0].seq == 6);
+  CHECK((*rows)[1].seq == 7);
+  CHECK(series(registry1, "keep_manager_cluster_checkpoints_total{result=\"ok\"}") == 1);
+  CHECK(series(registry1, "keep_manager_cluster_compacted_entries_total") == 5);
+
+  // Node 2 holds A at entry 2 from an older life (its local cache, older than the checkpoint).
+  it::TempDir tmp2("clog2");
+  MemoryStore store2(StoreOptions{}, &embedder, &counter);
+  LocalWal wal2((tmp2.path() / "wal").string());
+  {
+    std::string rec = write_record("X", 1, "x1");  // another agent, for the write order
+    REQUIRE(store2.apply_record(rec).is_ok());
+    REQUIRE(store2.set_log_position("X", {1, 1}, &rec).is_ok());
+    REQUIRE(wal2.append(rec).is_ok());
+    for (uint64_t seq = 1; seq <= 2; ++seq) {
+      std::string a = write_record("A", seq, "a" + std::to_string(seq));
+      REQUIRE(store2.apply_record(a).is_ok());
+      REQUIRE(store2.set_log_position("A", {seq, 1}, &a).is_ok());
+      REQUIRE(wal2.append(a).is_ok());
+    }
+  }
+  REQUIRE(log->append(0, 1, {entry("X", 1, "x1")}).is_ok());
+  // Node 1 leaves (as if killed: nothing more of it reaches the log); node 2 takes shard 0.
+  (*cl1)->stop();
+  keeper1->reset();  // leaves: the shard is free at once
+  metrics::Registry registry2;
+  std::mutex mu2;
+  auto keeper2 = cluster::ShardKeeper::start(eo, "n2", "tcp://n2", ko);
+  REQUIRE(keeper2.is_ok());
+  REQUIRE(it::eventually([&] { return (*keeper2)->epoch_of(0) == 2; }, 10s));
+  auto cl2 = ClusterLog::connect(pg.conninfo(), kShards, &store2, &wal2, &registry2);
+  REQUIRE(cl2.is_ok());
+  (*cl2)->set_compact_after(3);
+  (*cl2)->start(keeper2->get(), &mu2);
+  REQUIRE(it::eventually(
+      [&] {
+        std::lock_guard<std::mutex> lock(mu2);
+        return (*cl2)->route("A").is_ok();
+      },
+      10s));
+  {
+    std::lock_guard<std::mutex> lock(mu2);
+    CHECK(texts(store2, "A") ==
+          std::vector<std::string>{"a1", "a2", "a3", "a4", "a5", "a6", "a7"});  // once each
+    CHECK(store2.log_position("A").seq == 7);
+    CHECK(texts(store2, "X") == std::vector<std::string>{"x1"});
+    // Mutations before the checkpoint (1..5) and after it (6, 7) are known by their ids.
+    for (uint64_t seq = 1; seq <= 7; ++seq) {
+      auto resent = store2.find_request("A", RequestId{7, seq});
+      REQUIRE_MESSAGE(resent.has_value(), "request 7:" << seq);
+      CHECK(resent->result.id == seq);
+    }
+  }
+  CHECK(series(registry2, "keep_manager_cluster_checkpoints_loaded_total") == 1);
+  CHECK(series(registry2, "keep_manager_cluster_replayed_entries_total") == 2);  // 6, 7
+  CHECK(series(registry2, "keep_manager_cluster_agents_dropped_total") == 1);    // A at 2
+  {  // The local WAL reproduces the store, the checkpoint included.
+    std::lock_guard<std::mutex> lock(mu2);
+    REQUIRE(wal2.sync().is_ok());
+    MemoryStore again(StoreOptions{}, &embedder, &counter);
+    REQUIRE(wal_replay((tmp2.path() / "wal").string(), 1, [&](uint64_t, std::string_view payload) {
+              return again.apply_record(payload);
+            }).is_ok());
+    CHECK(again.serialize() == store2.serialize());
+  }
+  // Node 1's state, a checkpoint at its old epoch: refused now that node 2 fenced the shard.
+  CHECK(
+      log->checkpoint(0, 1, cluster::Checkpoint{"A", 7, 1, 0, store1.capture_agent("A")}).code() ==
+      Code::kStale);
+  CHECK(checkpoint_seq() == 5);
+  CHECK(log->read("A")->size() == 2);
+  (*cl2)->stop();
 }

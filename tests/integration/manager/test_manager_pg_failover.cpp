@@ -7,7 +7,8 @@
 // within a bound this test asserts (and prints). Then the killed node comes back on its data
 // directory: it gets its shards back, keeps what its local WAL holds of their agents and replays
 // only what their logs gained since, and every memory is still there exactly once. Skipped without
-// etcd or PostgreSQL.
+// etcd or PostgreSQL. Compaction is on (--pg-compact-after 4): logs are truncated behind
+// checkpoints before the kill, and the takeovers start from them.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -50,12 +51,17 @@ TEST_CASE("kill -9 of a node during writes: every acknowledged memory survives, 
   etcd.wait_ready();
   const std::string urls = it::join_urls(etcd.clients);
   it::TempDir tmp("pgfail");
+  // Compaction on, often: agents are checkpointed (their log truncated) before and after the
+  // kill, so the takeover and a's return start from checkpoints.
+  const auto flags = [&](const std::string& node) {
+    auto f = it::pg_cluster_flags(urls, node, kShards, pg);
+    f.insert(f.end(), {"--pg-compact-after", "4"});
+    return f;
+  };
   // b first: it takes every shard, then hands the last ones (4..7) to a, one a round; when a
   // comes back after its kill, b hands the same ones back, so a finds their agents in its WAL.
-  it::ManagerProcess b({(tmp.path() / "b").string(), it::unique_name("pgb"),
-                        it::pg_cluster_flags(urls, "b", kShards, pg)});
-  it::ManagerProcess a({(tmp.path() / "a").string(), it::unique_name("pga"),
-                        it::pg_cluster_flags(urls, "a", kShards, pg)});
+  it::ManagerProcess b({(tmp.path() / "b").string(), it::unique_name("pgb"), flags("b")});
+  it::ManagerProcess a({(tmp.path() / "a").string(), it::unique_name("pga"), flags("a")});
   it::require_split(a, b, kShards);
 
   std::vector<std::string> agents;
@@ -111,6 +117,17 @@ TEST_CASE("kill -9 of a node during writes: every acknowledged memory survives, 
   // Writes flow through both nodes; then a dies without leaving.
   std::this_thread::sleep_for(2500ms);
   std::set<std::string> moved;  // a's agents: they move to b
+  size_t checkpoints = 0;       // a's and b's, before the kill
+  {
+    auto log = pg.log();
+    for (uint32_t shard = 0; shard < kShards; ++shard) {
+      auto cps = log->read_checkpoints(shard);
+      REQUIRE(cps.is_ok());
+      checkpoints += cps->size();
+    }
+  }
+  MESSAGE(checkpoints << " agents checkpointed before the kill");
+  CHECK(checkpoints > 0);
   {
     auto ec = etcd.client();
     cluster::Placement view(ec.get(), "test");
@@ -192,8 +209,7 @@ TEST_CASE("kill -9 of a node during writes: every acknowledged memory survives, 
   CHECK(listed == acked + unknown_there);
 
   // a comes back on its data directory and takes its shards back from b.
-  it::ManagerProcess a2({(tmp.path() / "a").string(), it::unique_name("pga2"),
-                         it::pg_cluster_flags(urls, "a", kShards, pg)});
+  it::ManagerProcess a2({(tmp.path() / "a").string(), it::unique_name("pga2"), flags("a")});
   REQUIRE_MESSAGE(it::eventually(
                       [&] {
                         return it::metric(a2, "keep_manager_cluster_shards_ready") == kShards / 2 &&
@@ -220,10 +236,11 @@ TEST_CASE("kill -9 of a node during writes: every acknowledged memory survives, 
   }
   std::erase_if(seen, [](const auto& e) { return e.second == 0; });
   CHECK(again == seen);
-  // a2 replayed less than its agents' logs hold: the rest came from its local WAL.
+  // a2 replayed less than its agents' logs hold: the rest came from its local WAL and checkpoints.
   const double replayed = it::metric(a2, "keep_manager_cluster_replayed_entries_total");
-  MESSAGE("the restarted node serves " << on_a2 << " memories and replayed " << replayed
-                                       << " log entries; the rest came from its local WAL");
+  MESSAGE("the restarted node serves "
+          << on_a2 << " memories and replayed " << replayed
+          << " log entries; the rest came from its local WAL and checkpoints");
   CHECK(on_a2 > 0);
   CHECK(replayed < static_cast<double>(on_a2));
 }
