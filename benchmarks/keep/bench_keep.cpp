@@ -11,6 +11,7 @@
 //                        [--autotune-rows N]  (CudaBackendOptions::gemm_autotune_rows)
 //                        [--prefill-split on|off]  (CudaBackendOptions::prefill_split)
 //                        [--own-few-rows N]  (CudaBackendOptions::own_few_rows; 0: cuBLAS)
+//                        [--gemm-leave-loader on|off]  (CudaBackendOptions::gemm_leave_loader)
 //                        [--prefill-kernel auto|mma|wgmma|wgmma1k|wide]
 //                        (CudaBackendOptions::prefill_attention, every layer)
 //                        [--loader-bench B[,B...]]  (then the loader alone, below)
@@ -64,7 +65,8 @@ constexpr const char* kUsage =
     "                  [--methods M[,M...]]\n"
     "                  [--pool tensor|fp32] [--loads queue|sync] [--prefetch-mib M]\n"
     "                  [--loader-blocks B] [--loader-bench B[,B...]] [--autotune-rows N]\n"
-    "                  [--prefill-split on|off] [--own-few-rows N]\n";
+    "                  [--prefill-split on|off] [--own-few-rows N]\n"
+    "                  [--gemm-leave-loader on|off]\n";
 
 int fail(const Status& st) {
   std::fprintf(stderr, "bench_keep: %s\n", st.to_string().c_str());
@@ -332,6 +334,9 @@ int main(int argc, char** argv) {
       const int n = std::atoi(v.c_str());
       if (n < 0 || (n == 0 && v != "0")) return refuse("--own-few-rows: N >= 0");
       options.own_few_rows = n;
+    } else if (a == "--gemm-leave-loader") {
+      if (v != "on" && v != "off") return refuse("--gemm-leave-loader: on or off");
+      options.gemm_leave_loader = v == "on";
     } else if (a == "--prefill-split") {
       if (v != "on" && v != "off") return refuse("--prefill-split: on or off");
       options.prefill_split = v == "on";

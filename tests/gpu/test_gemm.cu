@@ -468,13 +468,13 @@ void check_gemm_swiglu(std::mt19937& rng, int64_t rows, int64_t inter, int64_t i
 // reuse the choice (more than half of them), and refuse half the rows or fewer, more rows than
 // tuned, and another stride.
 // ours: the tuner times only our product (use_own_products(scratch, only)), which it must keep and
-// run.
+// run, with its persistent grid capped at max_ctas where that is not 0.
 void check_tuner(keep::kernels::BlasHandle& blas, void* ws, size_t ws_bytes, std::mt19937& rng,
-                 const keep::kernels::GemmScratch* ours = nullptr) {
+                 const keep::kernels::GemmScratch* ours = nullptr, int max_ctas = 0) {
   namespace kk = keep::kernels;
   kk::GemmTuner tuner;
   BLAS_OK(tuner.init(nullptr, ws, ws_bytes));
-  if (ours != nullptr) tuner.use_own_products(*ours, true);
+  if (ours != nullptr) tuner.use_own_products(*ours, true, max_ctas);
   const int64_t rows = 64, out = ours != nullptr ? 512 : 384, in = 320, xs = in + 16, ys = out + 24;
   const auto x = random_bf16(rng, static_cast<size_t>(rows * xs), 1.0f);
   const auto w = random_bf16(rng, static_cast<size_t>(out * in), 0.05f);
@@ -543,8 +543,9 @@ void check_tuner(keep::kernels::BlasHandle& blas, void* ws, size_t ws_bytes, std
   CUDA_OK(cudaFree(dy));
   CUDA_OK(cudaFree(const_cast<__nv_bfloat16*>(dx)));
   CUDA_OK(cudaFree(const_cast<__nv_bfloat16*>(dw)));
-  std::printf("GemmTuner%s: %d shapes tuned at %lld rows (forced), checked at 64 and 33 rows\n",
-              ours != nullptr ? " (ours)" : "", kept, (long long)rows);
+  std::printf("GemmTuner%s: %d shapes tuned at %lld rows (forced), checked at 64 and 33 rows%s\n",
+              ours != nullptr ? " (ours)" : "", kept, (long long)rows,
+              max_ctas > 0 ? (", grid capped at " + std::to_string(max_ctas)).c_str() : "");
 }
 
 // Random operands of one timed product: x (rows, in), W (out, in) bf16, y zeroed with room for
@@ -994,7 +995,11 @@ int main() {
       check_one<true, true>(blas, rng, 300, 2 * bn, 6144, 8, 2, nullptr, &w_sk);
     }
     check_gemm_swiglu(rng, 600, 3072, 576, 0, 8, sk);  // 3 x 24 columns of 9 k steps, all cut
-    if (all) check_tuner(blas, ws, ws_bytes, rng, &scratch);
+    if (all) {
+      check_tuner(blas, ws, ws_bytes, rng, &scratch);
+      // One CTA doing every tile in turn: the capped grid of CudaBackendOptions::gemm_leave_loader.
+      check_tuner(blas, ws, ws_bytes, rng, &scratch, 1);
+    }
     ++g_checks;  // refused: out fitting no width, a width not dividing out or not one of the
                  // five, in not a multiple of 64, odd fp32 stride, misaligned
     __nv_bfloat16* q = nullptr;

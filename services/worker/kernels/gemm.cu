@@ -164,6 +164,7 @@ GemmTuner& GemmTuner::operator=(GemmTuner&& o) noexcept {
     n_entries_ = o.n_entries_;
     scratch_ = o.scratch_;
     only_ours_ = o.only_ours_;
+    max_ctas_ = o.max_ctas_;
     o.lt_ = nullptr;
     o.op_ = nullptr;
     o.n_entries_ = 0;
@@ -332,9 +333,10 @@ cublasStatus_t GemmTuner::run_ours(const GemmShape& shape, int64_t rows, void* y
   const cudaError_t err =
       shape.accumulate
           ? gemm_wgmma_accumulate(static_cast<float*>(y), shape.y_stride, x, shape.x_stride, w,
-                                  rows, shape.out, shape.in, scratch_, stream_)
+                                  rows, shape.out, shape.in, scratch_, stream_, GemmSchedule::kAuto,
+                                  0, max_ctas_)
           : gemm_wgmma(static_cast<__nv_bfloat16*>(y), shape.y_stride, x, shape.x_stride, w, rows,
-                       shape.out, shape.in, scratch_, stream_);
+                       shape.out, shape.in, scratch_, stream_, GemmSchedule::kAuto, 0, max_ctas_);
   return err == cudaSuccess             ? CUBLAS_STATUS_SUCCESS
          : err == cudaErrorInvalidValue ? CUBLAS_STATUS_INVALID_VALUE
          : err == cudaErrorNotSupported ? CUBLAS_STATUS_NOT_SUPPORTED

@@ -120,10 +120,11 @@ class GemmTuner {
   static constexpr int kOurs = kMaxCandidates;  // TuneResult::chosen: gemm_wgmma was kept
   // Lets tune() time gemm_wgmma / gemm_wgmma_accumulate as one more candidate, with this stream-K
   // scratch (which must outlive the tuner; see GemmScratch); `only`: no cuBLASLt candidates
-  // (tests).
-  void use_own_products(const GemmScratch& scratch, bool only = false) {
+  // (tests); `max_ctas`: their persistent grid's cap (0: every SM), timed and run with it.
+  void use_own_products(const GemmScratch& scratch, bool only = false, int max_ctas = 0) {
     scratch_ = scratch;
     only_ours_ = only;
+    max_ctas_ = max_ctas;
   }
   cublasStatus_t tune(cublasHandle_t blas, const GemmShape& shape, int64_t rows, void* y,
                       const __nv_bfloat16* x, const __nv_bfloat16* w, double margin = kTuneMargin,
@@ -159,6 +160,7 @@ class GemmTuner {
   size_t n_entries_ = 0;
   GemmScratch scratch_;
   bool only_ours_ = false;
+  int max_ctas_ = 0;
   // Our product for `shape`, its cudaError_t as run()'s status.
   cublasStatus_t run_ours(const GemmShape& shape, int64_t rows, void* y, const __nv_bfloat16* x,
                           const __nv_bfloat16* w) const;

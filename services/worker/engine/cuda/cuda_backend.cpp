@@ -9,6 +9,7 @@
 
 #include "services/worker/kernels/attention_schedule.h"
 #include "services/worker/kernels/bf16.h"
+#include "services/worker/kernels/gemm_schedule.h"
 #include "services/worker/kernels/kernels.h"
 #include "shared/common/log.h"
 #include "shared/model/hf_loader.h"
@@ -225,9 +226,10 @@ std::string CudaBackend::name() const {
          (fused_swiglu_ ? ", gate/up+SwiGLU fused from " +
                               std::to_string(options_.fused_swiglu_rows) + " rows"
                         : "") +
-         (own_few_
-              ? ", ours up to " + std::to_string(std::min(options_.own_few_rows, 128)) + " rows"
-              : "") +
+         (own_few_ ? ", ours up to " +
+                         std::to_string(std::min(options_.own_few_rows, kernels::kGemmTileRows)) +
+                         " rows"
+                   : "") +
          (options_.gemm_autotune_rows > 0
               ? std::string(options_.gemm_own_products && kernels::wgmma_available()
                                 ? ", cuBLASLt algorithms or ours"
@@ -768,7 +770,10 @@ Status CudaBackend::reserve(int32_t max_rows, int32_t max_keys) {
   }
   cublasStatus_t st = blas_.init(stream_, blas_ws_, kBlasWorkspace);
   if (st == CUBLAS_STATUS_SUCCESS) st = tuner_.init(stream_, blas_ws_, kBlasWorkspace);
-  if (options_.gemm_own_products) tuner_.use_own_products(gemm_scratch_, options_.gemm_own_only);
+  if (options_.gemm_own_products) {
+    tuner_.use_own_products(gemm_scratch_, options_.gemm_own_only,
+                            options_.gemm_leave_loader ? loader_free_ctas() : 0);
+  }
   if (st != CUBLAS_STATUS_SUCCESS) {
     return Status(Code::kUnavailable,
                   std::string("cuda backend: cublas: ") + kernels::blas_status_name(st));
@@ -913,11 +918,9 @@ Status CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_i
   };
   // Few rows (more than gemv's): our products in one-CTA clusters (own_few_rows).
   const auto own_few = [&](int64_t m) {
-    return own_few_ && !few_rows(m) && m <= std::min(options_.own_few_rows, 128);
+    return own_few_ && !few_rows(m) && m <= std::min(options_.own_few_rows, kernels::kGemmTileRows);
   };
-  // Their persistent grid leaves the loader's SMs free: on every SM it kept the loader's blocks
-  // waiting (full_reuse 18.4 -> 25 ms at 14B on the H200).
-  const int few_ctas = std::max(sm_count_ - std::max(options_.loader_blocks, 0), 1);
+  const int few_ctas = loader_free_ctas();
   auto product = [&](bf16* y, int64_t ys, const bf16* x, int64_t xs, const bf16* wt, int64_t m,
                      int64_t n, int64_t k) {
     if (few_rows(m)) {
@@ -1080,9 +1083,9 @@ Status CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_i
     KEEP_CUDA_CHECK(kernels::gemv_rmsnorm(gu, 2 * I, res_kept, C, w.ffn_norm, eps, w.w_gate_up,
                                           keep, 2 * I, C, stream_));
   } else if (swiglu_fused) {
-    KEEP_CUDA_CHECK(kernels::gemm_swiglu(act, I, xn, C, w.w_gate_up, keep, I, C, stream_,
-                                         gemm_scratch_, kernels::GemmSchedule::kAuto,
-                                         own_few(keep) ? few_ctas : 0));
+    KEEP_CUDA_CHECK(kernels::gemm_swiglu(
+        act, I, xn, C, w.w_gate_up, keep, I, C, stream_, gemm_scratch_,
+        kernels::GemmSchedule::kAuto, own_few(keep) || options_.gemm_leave_loader ? few_ctas : 0));
   } else {
     product(gu, 2 * I, xn, C, w.w_gate_up, keep, 2 * I, C);
   }

@@ -62,6 +62,11 @@ struct CudaBackendOptions {
   // by default: on every SM they kept the loader waiting and made a 14B KEEP request slower
   // (benchmarks/RESULTS.md, bench_keep --own-few-rows).
   int32_t own_few_rows = 0;
+  // Our persistent products of many rows too (the tuner's gemm_wgmma picks, gemm_swiglu from
+  // fused_swiglu_rows) leave loader_blocks SMs to the loader, as own_few_rows's do; false: their
+  // grid takes every SM, and a load queued beside them waits for the product to end. A/B in
+  // bench_keep --gemm-leave-loader.
+  bool gemm_leave_loader = false;
   // CUDA graphs for recurring prefill chunks (Engine::prefill, replay_cache.h: a chunk of 64 rows
   // or more whose key -- cache, size before it, length -- comes again is recorded on its second run
   // and replayed from its third: its first layer kernel by kernel, the others as two graph
@@ -288,6 +293,11 @@ class CudaBackend final : public Backend {
   cudaEvent_t fence_compute_ = nullptr;
   cudaEvent_t fence_load_ = nullptr;
   int32_t sm_count_ = 1;
+  // The persistent grid of our products that leaves the loader's SMs free: on every SM they kept
+  // the loader's blocks waiting (full_reuse 18.4 -> 25 ms at 14B on the H200).
+  int loader_free_ctas() const {
+    return std::max(sm_count_ - std::max(options_.loader_blocks, 0), 1);
+  }
   // Puts `runs` in the ring and launches the loader's kernel on `stream` with at most `blocks`
   // blocks; false (nothing launched) when a source is memory the GPU cannot read in place.
   bool launch_runs(cudaStream_t stream, std::span<const KvRun> runs, int32_t blocks);
