@@ -84,6 +84,49 @@ double series(const metrics::Registry& r, const std::string& name) {
   return -1;
 }
 
+// A node as keep-manager runs one: its ShardKeeper on etcd and its ClusterLog over a store and
+// its local WAL. Made by join_node(): connected, not yet started, so it serves nothing.
+struct Node {
+  std::unique_ptr<cluster::ShardKeeper> keeper;
+  std::unique_ptr<ClusterLog> log;
+  std::mutex* store_mutex = nullptr;
+
+  // Starts the takeovers and returns once `agent`'s shard is replayed and served.
+  void serve(const std::string& agent) {
+    log->start(keeper.get(), store_mutex);
+    REQUIRE(it::eventually(
+        [&] {
+          std::lock_guard<std::mutex> lock(*store_mutex);
+          return log->route(agent).is_ok();
+        },
+        10s));
+  }
+};
+
+// Node `id` joins (lease 5 s, a round every 200 ms), holds shard 0 at `epoch` within 10 s, and
+// connects its ClusterLog (checkpoints past `compact_after` entries; 0: never).
+Node join_node(const it::EtcdCluster& etcd, const std::string& id, uint64_t epoch,
+               const it::PgServer& pg, uint32_t shards, MemoryStore* store, BatchCommitter* wal,
+               metrics::Registry* registry, std::mutex* store_mutex, uint64_t compact_after = 0) {
+  cluster::EtcdOptions eo;
+  eo.endpoints = etcd.clients;
+  cluster::ShardKeeperOptions ko;
+  ko.shards = shards;
+  ko.lease_ttl_s = 5;
+  ko.period = 200ms;
+  Node n;
+  n.store_mutex = store_mutex;
+  auto keeper = cluster::ShardKeeper::start(eo, id, "tcp://" + id, ko);
+  REQUIRE(keeper.is_ok());
+  n.keeper = std::move(keeper).value();
+  REQUIRE(it::eventually([&] { return n.keeper->epoch_of(0) == epoch; }, 10s));
+  auto cl = ClusterLog::connect(pg.conninfo(), shards, store, wal, registry);
+  REQUIRE(cl.is_ok());
+  n.log = std::move(cl).value();
+  n.log->set_compact_after(compact_after);
+  return n;
+}
+
 }  // namespace
 
 TEST_CASE(
@@ -151,28 +194,12 @@ TEST_CASE(
 
   metrics::Registry registry;
   std::mutex store_mutex;
-  cluster::EtcdOptions eo;
-  eo.endpoints = etcd.clients;
-  cluster::ShardKeeperOptions ko;
-  ko.shards = kShards;
-  ko.lease_ttl_s = 5;
-  ko.period = 200ms;
-  auto keeper = cluster::ShardKeeper::start(eo, "n2", "tcp://n2", ko);
-  REQUIRE(keeper.is_ok());
-  REQUIRE((*keeper)->epoch_of(0) == 3);
-  auto cl = ClusterLog::connect(pg.conninfo(), kShards, &store, &wal, &registry);
-  REQUIRE(cl.is_ok());
+  Node n2 = join_node(etcd, "n2", 3, pg, kShards, &store, &wal, &registry, &store_mutex);
   {
     std::lock_guard<std::mutex> lock(store_mutex);
-    CHECK((*cl)->route("A").status().code() == Code::kUnavailable);  // not started
+    CHECK(n2.log->route("A").status().code() == Code::kUnavailable);  // not started
   }
-  (*cl)->start(keeper->get(), &store_mutex);
-  REQUIRE(it::eventually(
-      [&] {
-        std::lock_guard<std::mutex> lock(store_mutex);
-        return (*cl)->route("A").is_ok();
-      },
-      10s));
+  n2.serve("A");
 
   {
     std::lock_guard<std::mutex> lock(store_mutex);
@@ -190,12 +217,12 @@ TEST_CASE(
     CHECK(resent->result.id == 2);
     CHECK_FALSE(store.find_request("D", RequestId{42, 6}).has_value());
     CHECK(store.list_memories("E", 0, 10).status().code() == Code::kNotFound);
-    auto r = (*cl)->route("A");
+    auto r = n2.log->route("A");
     REQUIRE(r.is_ok());
     CHECK(r->shard == 0);
     CHECK(r->epoch == 3);
   }
-  CHECK((*cl)->shards_ready() == 1);
+  CHECK(n2.log->shards_ready() == 1);
   // A: 2 entries after its prefix; B and C read again whole (2 each); D whole (2).
   CHECK(series(registry, "keep_manager_cluster_replayed_entries_total") == 8);
   CHECK(series(registry, "keep_manager_cluster_agents_dropped_total") == 3);  // B, C, E
@@ -216,7 +243,7 @@ TEST_CASE(
       {0, 3, {RecordLog::Entry{"A", 5, write_record("A", 5, "a5")}}, {}}};
   {
     std::lock_guard<std::mutex> lock(store_mutex);
-    (*cl)->commit(&batch);
+    n2.log->commit(&batch);
   }
   CHECK(batch[0].result.is_ok());
   CHECK(*log->last_seq("A") == 5);
@@ -226,13 +253,13 @@ TEST_CASE(
   batch = {{0, 3, {RecordLog::Entry{"A", 6, write_record("A", 6, "a6 refused")}}, {}}};
   {
     std::lock_guard<std::mutex> lock(store_mutex);
-    (*cl)->commit(&batch);
+    n2.log->commit(&batch);
     CHECK(batch[0].result.code() == Code::kStale);
-    CHECK((*cl)->route("A").status().code() == Code::kUnavailable);
+    CHECK(n2.log->route("A").status().code() == Code::kUnavailable);
   }
   CHECK(*log->last_seq("A") == 5);
   CHECK(series(registry, "keep_manager_cluster_log_refused_total{reason=\"stale\"}") == 1);
-  (*cl)->stop();
+  n2.log->stop();
 }
 
 // Compaction: the owner checkpoints an agent past compact_after entries and the log keeps only
@@ -248,12 +275,6 @@ TEST_CASE("compaction: checkpoint, log truncated behind it, a takeover starts fr
   constexpr uint32_t kShards = 1;
   FixedEmbedder embedder;
   OneTokenPerByte counter;
-  cluster::EtcdOptions eo;
-  eo.endpoints = etcd.clients;
-  cluster::ShardKeeperOptions ko;
-  ko.shards = kShards;
-  ko.lease_ttl_s = 5;
-  ko.period = 200ms;
 
   // Node 1 owns shard 0 at epoch 1 and commits A's writes 1..5 (with request ids 7:1..7:5), then
   // 6 and 7; it checkpoints past 3 entries.
@@ -262,19 +283,8 @@ TEST_CASE("compaction: checkpoint, log truncated behind it, a takeover starts fr
   LocalWal wal1((tmp1.path() / "wal").string());
   metrics::Registry registry1;
   std::mutex mu1;
-  auto keeper1 = cluster::ShardKeeper::start(eo, "n1", "tcp://n1", ko);
-  REQUIRE(keeper1.is_ok());
-  REQUIRE((*keeper1)->epoch_of(0) == 1);
-  auto cl1 = ClusterLog::connect(pg.conninfo(), kShards, &store1, &wal1, &registry1);
-  REQUIRE(cl1.is_ok());
-  (*cl1)->set_compact_after(3);
-  (*cl1)->start(keeper1->get(), &mu1);
-  REQUIRE(it::eventually(
-      [&] {
-        std::lock_guard<std::mutex> lock(mu1);
-        return (*cl1)->route("A").is_ok();
-      },
-      10s));
+  Node n1 = join_node(etcd, "n1", 1, pg, kShards, &store1, &wal1, &registry1, &mu1, 3);
+  n1.serve("A");
   const auto commit = [&](uint64_t from, uint64_t to) {
     std::lock_guard<std::mutex> lock(mu1);
     std::vector<RecordLog::ShardBatch> batch{{0, 1, {}, {}}};
@@ -288,7 +298,7 @@ TEST_CASE("compaction: checkpoint, log truncated behind it, a takeover starts fr
       REQUIRE(wal1.append(logged).is_ok());
       batch[0].entries.push_back(RecordLog::Entry{"A", seq, rec});
     }
-    (*cl1)->commit(&batch);
+    n1.log->commit(&batch);
     REQUIRE(batch[0].result.is_ok());
   };
   commit(1, 5);
@@ -327,23 +337,12 @@ TEST_CASE("compaction: checkpoint, log truncated behind it, a takeover starts fr
   }
   REQUIRE(log->append(0, 1, {entry("X", 1, "x1")}).is_ok());
   // Node 1 leaves (as if killed: nothing more of it reaches the log); node 2 takes shard 0.
-  (*cl1)->stop();
-  keeper1->reset();  // leaves: the shard is free at once
+  n1.log->stop();
+  n1.keeper.reset();  // leaves: the shard is free at once
   metrics::Registry registry2;
   std::mutex mu2;
-  auto keeper2 = cluster::ShardKeeper::start(eo, "n2", "tcp://n2", ko);
-  REQUIRE(keeper2.is_ok());
-  REQUIRE(it::eventually([&] { return (*keeper2)->epoch_of(0) == 2; }, 10s));
-  auto cl2 = ClusterLog::connect(pg.conninfo(), kShards, &store2, &wal2, &registry2);
-  REQUIRE(cl2.is_ok());
-  (*cl2)->set_compact_after(3);
-  (*cl2)->start(keeper2->get(), &mu2);
-  REQUIRE(it::eventually(
-      [&] {
-        std::lock_guard<std::mutex> lock(mu2);
-        return (*cl2)->route("A").is_ok();
-      },
-      10s));
+  Node n2 = join_node(etcd, "n2", 2, pg, kShards, &store2, &wal2, &registry2, &mu2, 3);
+  n2.serve("A");
   {
     std::lock_guard<std::mutex> lock(mu2);
     CHECK(texts(store2, "A") ==
@@ -375,5 +374,5 @@ TEST_CASE("compaction: checkpoint, log truncated behind it, a takeover starts fr
       Code::kStale);
   CHECK(checkpoint_seq() == 5);
   CHECK(log->read("A")->size() == 2);
-  (*cl2)->stop();
+  n2.log->stop();
 }

@@ -5,7 +5,9 @@
 // within the lease plus a margin this test asserts (and prints). A write whose answer died with
 // the node is sent again there with its request id: every write is acknowledged, and is there
 // exactly once. A write committed by a node that died before its answer reached the client is
-// answered by the new owner from the log it replayed, not applied twice. With an etcd directory
+// answered by the new owner from the log it replayed, not applied twice -- also when the node
+// had checkpointed the agent (compaction) after that write, so that the log no longer holds it
+// and the new owner knows its request id only from the checkpoint. With an etcd directory
 // the client sends every agent's calls to its owner at once: no `moved` answer at all (and, as a
 // control, a client without one does receive some; one whose directory is stale still reaches
 // every agent by following them). Skipped without etcd (and PostgreSQL for the first cases).
@@ -220,20 +222,36 @@ TEST_CASE("a client that is not recreated reaches its agents again after kill -9
   CHECK(listed == acked);
 }
 
-TEST_CASE(
-    "a write committed by a node that died before its answer arrived is answered by the new "
-    "owner from the log it replayed, not applied twice" *
-    doctest::skip(!it::have_etcd() || it::pg_bin().empty())) {
+namespace {
+
+// A write whose answer is lost for certain, committed by its node before it dies: the log's table
+// is locked (`LOCK TABLE keep_log IN SHARE MODE` for 2.5 s) while the client writes to one of a's
+// agents, so a applies the write and waits in its commit past the client's timeout (1 s); the
+// client gives a up and asks b, which sends it back to a (still holding the shard), which it
+// leaves alone for 5 s. The lock goes, the commit lands -- the answer goes to a socket the client
+// closed -- and a is killed -9 before anything else. The client's one call must return the write's
+// id, answered by b from what it took over, and the write must be there once.
+//
+// compact_after 0: a keeps its default (--pg-compact-after 1000): b replays the write from the
+// log. Else a runs with --pg-compact-after compact_after and the lost write is the agent's entry
+// compact_after + 1, so a checkpoints the agent right after committing it, and the log keeps
+// nothing of the agent: a is killed once the checkpoint is written, and b knows the write's
+// request id only from the checkpoint it loads.
+void lost_answer_is_answered_by_the_new_owner(uint64_t compact_after) {
   it::PgServer pg;
   (void)pg.log();
   it::EtcdCluster etcd;
   etcd.wait_ready();
   const std::string urls = it::join_urls(etcd.clients);
   it::TempDir tmp("cllost");
-  it::ManagerProcess b({(tmp.path() / "b").string(), it::unique_name("clb"),
-                        it::pg_cluster_flags(urls, "b", kShards, pg)});
-  it::ManagerProcess a({(tmp.path() / "a").string(), it::unique_name("cla"),
-                        it::pg_cluster_flags(urls, "a", kShards, pg)});
+  const auto flags = [&](const std::string& node) {
+    auto f = it::pg_cluster_flags(urls, node, kShards, pg);
+    if (compact_after != 0)
+      f.insert(f.end(), {"--pg-compact-after", std::to_string(compact_after)});
+    return f;
+  };
+  it::ManagerProcess b({(tmp.path() / "b").string(), it::unique_name("clb"), flags("b")});
+  it::ManagerProcess a({(tmp.path() / "a").string(), it::unique_name("cla"), flags("a")});
   it::require_split(a, b, kShards);
   std::string agent;  // one of a's agents
   {
@@ -248,13 +266,22 @@ TEST_CASE(
   }
   REQUIRE_FALSE(agent.empty());
   auto c = routed_client(b.endpoint(), nullptr);  // learns a's agent by `moved`
-  kc::WriteArgs first{agent, std::nullopt, "The mug of " + agent + " is on the table.",
-                      kc::SegmentKind::kObjectState, std::nullopt};
-  REQUIRE(c->write(first).is_ok());
+  // The writes acknowledged before the lost one: as many as a checkpoints after, so that the lost
+  // one is the first entry past them.
+  const uint64_t before = compact_after != 0 ? compact_after : 1;
+  for (uint64_t i = 0; i < before; ++i) {
+    kc::WriteArgs w{agent, std::nullopt,
+                    "The mug of " + agent + " is on shelf " + std::to_string(i),
+                    kc::SegmentKind::kObjectState, std::nullopt};
+    REQUIRE(c->write(w).is_ok());
+  }
+  const auto in_log = [&] {
+    return pg.query("SELECT count(*) FROM keep_log WHERE agent = '" + agent + "'");
+  };
+  const auto checkpointed_at = [&] {
+    return pg.query("SELECT seq FROM keep_checkpoint WHERE agent = '" + agent + "'");
+  };
 
-  // The log's table locked for 2.5 s: a applies the next write and waits in its commit, past
-  // the client's timeout (1 s); the client gives a up and asks b, which sends it back to a (still
-  // holding the shard), which it leaves alone for 5 s.
   std::thread locker([&] {
     (void)pg.query("BEGIN; LOCK TABLE keep_log IN SHARE MODE; SELECT pg_sleep(2.5); COMMIT;");
   });
@@ -269,26 +296,52 @@ TEST_CASE(
                      kc::SegmentKind::kObjectState, std::nullopt};
   Result<kc::WriteResult> answer = Status(Code::kInternal, "not answered");
   std::thread writer([&] { answer = c->write(lost); });
-  // Once the lock goes, a commits the write -- its answer goes to a socket the client closed --
-  // and dies.
   locker.join();
-  REQUIRE(it::eventually(
-      [&] {
-        return pg.query("SELECT count(*) FROM keep_log WHERE agent = '" + agent + "'") == "2";
-      },
-      10s));
+  const std::string committed = std::to_string(before + 1);
+  if (compact_after == 0) {
+    REQUIRE(it::eventually([&] { return in_log() == committed; }, 10s));
+  } else {  // committed, then checkpointed: the log's entries of the agent deleted behind it
+    REQUIRE_MESSAGE(
+        it::eventually([&] { return checkpointed_at() == committed && in_log() == "0"; }, 10s),
+        "no checkpoint at " << committed << "; a's log:\n"
+                            << a.err());
+  }
   a.kill9();
   writer.join();
   REQUIRE_MESSAGE(answer.is_ok(), answer.status().to_string() << "\nb's log:\n" << b.err());
   CHECK(c->mutations_resent() == 1);
-  // b took the shard over, replayed the write from the log and answered the resend from it.
+  // b took the shard over and answered the resend from what it took over, without applying it.
   CHECK(it::metric(b, "keep_manager_mutations_deduplicated_total") == 1);
   auto page = c->list_memories(agent);
   REQUIRE(page.is_ok());
-  REQUIRE(page->memories.size() == 2);
-  CHECK(page->memories[1].text == lost.text);
-  CHECK(page->memories[1].id == answer->id);
-  CHECK(pg.query("SELECT count(*) FROM keep_log WHERE agent = '" + agent + "'") == "2");
+  REQUIRE(page->memories.size() == before + 1);
+  CHECK(page->memories.back().text == lost.text);
+  CHECK(page->memories.back().id == answer->id);
+  if (compact_after == 0) {
+    CHECK(in_log() == committed);
+  } else {
+    // b started the agent from the checkpoint, with nothing to replay after it, and wrote nothing.
+    CHECK(it::metric(b, "keep_manager_cluster_checkpoints_loaded_total") == 1);
+    CHECK(it::metric(b, "keep_manager_cluster_replayed_entries_total") == 0);
+    CHECK(checkpointed_at() == committed);
+    CHECK(in_log() == "0");
+  }
+}
+
+}  // namespace
+
+TEST_CASE(
+    "a write committed by a node that died before its answer arrived is answered by the new "
+    "owner from the log it replayed, not applied twice" *
+    doctest::skip(!it::have_etcd() || it::pg_bin().empty())) {
+  lost_answer_is_answered_by_the_new_owner(0);
+}
+
+TEST_CASE(
+    "a write whose answer was lost and which a checkpoint then covered is answered by the new "
+    "owner from the checkpoint, not applied twice" *
+    doctest::skip(!it::have_etcd() || it::pg_bin().empty())) {
+  lost_answer_is_answered_by_the_new_owner(4);
 }
 
 TEST_CASE("with the etcd directory a client reaches every agent without a moved answer" *
