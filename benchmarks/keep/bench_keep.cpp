@@ -7,11 +7,13 @@
 //                        [--methods full,keep,...]   (default: all; with CUPTI, one at a time)
 //                        [--pool tensor|fp32]  (importance pooling: CudaBackendOptions)
 //                        [--loads queue|sync] [--prefetch-mib M] [--loader-blocks B]
+//                        [--prefetch-recompute-mib M]
 //                        (layer-balanced loading: LoadOptions, CudaBackendOptions)
 //                        [--autotune-rows N]  (CudaBackendOptions::gemm_autotune_rows)
 //                        [--prefill-split on|off]  (CudaBackendOptions::prefill_split)
 //                        [--own-few-rows N]  (CudaBackendOptions::own_few_rows; 0: cuBLAS)
-//                        [--gemm-leave-loader on|off]  (CudaBackendOptions::gemm_leave_loader)
+//                        [--gemm-leave-loader on|off] [--blas-leave-loader on|off]
+//                        (CudaBackendOptions::gemm_leave_loader, blas_leave_loader)
 //                        [--prefill-kernel auto|mma|wgmma|wgmma1k|wide]
 //                        (CudaBackendOptions::prefill_attention, every layer)
 //                        [--loader-bench B[,B...]]  (then the loader alone, below)
@@ -64,9 +66,10 @@ constexpr const char* kUsage =
     "                  [--warmup W] [--decays D[,D...]] [--keep-ratios R[,R...]] [--json FILE]\n"
     "                  [--methods M[,M...]]\n"
     "                  [--pool tensor|fp32] [--loads queue|sync] [--prefetch-mib M]\n"
+    "                  [--prefetch-recompute-mib M]\n"
     "                  [--loader-blocks B] [--loader-bench B[,B...]] [--autotune-rows N]\n"
     "                  [--prefill-split on|off] [--own-few-rows N]\n"
-    "                  [--gemm-leave-loader on|off]\n";
+    "                  [--gemm-leave-loader on|off] [--blas-leave-loader on|off]\n";
 
 int fail(const Status& st) {
   std::fprintf(stderr, "bench_keep: %s\n", st.to_string().c_str());
@@ -337,6 +340,9 @@ int main(int argc, char** argv) {
     } else if (a == "--gemm-leave-loader") {
       if (v != "on" && v != "off") return refuse("--gemm-leave-loader: on or off");
       options.gemm_leave_loader = v == "on";
+    } else if (a == "--blas-leave-loader") {
+      if (v != "on" && v != "off") return refuse("--blas-leave-loader: on or off");
+      options.blas_leave_loader = v == "on";
     } else if (a == "--prefill-split") {
       if (v != "on" && v != "off") return refuse("--prefill-split: on or off");
       options.prefill_split = v == "on";
@@ -351,6 +357,10 @@ int main(int argc, char** argv) {
       const double mib = std::atof(v.c_str());
       if (!(mib >= 0)) return refuse("--prefetch-mib: M >= 0");
       loads.prefetch_bytes = static_cast<uint64_t>(mib * (1 << 20));
+    } else if (a == "--prefetch-recompute-mib") {
+      const double mib = std::atof(v.c_str());
+      if (!(mib >= 0)) return refuse("--prefetch-recompute-mib: M >= 0");
+      loads.prefetch_bytes_recomputing = static_cast<uint64_t>(mib * (1 << 20));
     } else if (a == "--loader-bench") {
       if (!parse_list(v, &loader_bench)) return refuse("--loader-bench: B[,B...] >= 1");
     } else if (a == "--autotune-rows") {

@@ -317,6 +317,9 @@ TEST_CASE("CUDA own_few_rows: few-row products on our kernels agree with cuBLAS'
   // kShapes[0] fits our products (QKV 512, o_proj 256, down 256 x 384, gate/up 2 x 384), so
   // calls of 3-128 rows run them in one-CTA clusters (gate/up with the SwiGLU fused); own_few_rows
   // 0 puts the same calls on cuBLAS. Prefill chunks of 100 (the tiled attention), 37 and 5 rows.
+  // The first engine also leaves all but one SM to the loader (gemm_leave_loader,
+  // blas_leave_loader, loader_blocks = SMs - 1): our products on a one-CTA grid, cuBLAS's sized
+  // for one SM, the same results.
   const TinyShape& s = kShapes[0];
   auto w = make_tiny_model(s, 23);
   const auto tokens = random_tokens(142, s.vocab, 9);
@@ -325,6 +328,12 @@ TEST_CASE("CUDA own_few_rows: few-row products on our kernels agree with cuBLAS'
     CAPTURE(own);
     CudaBackendOptions o;
     o.own_few_rows = own;
+    if (own > 0) {
+      int sms = 0;
+      REQUIRE(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0) == cudaSuccess);
+      o.gemm_leave_loader = o.blas_leave_loader = true;
+      o.loader_blocks = std::max(sms - 1, 1);
+    }
     auto e = cuda_engine(*w, 256, o);
     CHECK((e->backend().name().find("ours up to 128 rows") != std::string::npos) == (own > 0));
     auto cache = KvCache::create(e->backend(), 160);

@@ -469,11 +469,14 @@ void check_gemm_swiglu(std::mt19937& rng, int64_t rows, int64_t inter, int64_t i
 // tuned, and another stride.
 // ours: the tuner times only our product (use_own_products(scratch, only)), which it must keep and
 // run, with its persistent grid capped at max_ctas where that is not 0.
+// sm_target: cuBLASLt's candidates picked and sized for that many SMs (set_sm_count_target).
 void check_tuner(keep::kernels::BlasHandle& blas, void* ws, size_t ws_bytes, std::mt19937& rng,
-                 const keep::kernels::GemmScratch* ours = nullptr, int max_ctas = 0) {
+                 const keep::kernels::GemmScratch* ours = nullptr, int max_ctas = 0,
+                 int sm_target = 0) {
   namespace kk = keep::kernels;
   kk::GemmTuner tuner;
   BLAS_OK(tuner.init(nullptr, ws, ws_bytes));
+  if (sm_target > 0) BLAS_OK(tuner.set_sm_count_target(sm_target));
   if (ours != nullptr) tuner.use_own_products(*ours, true, max_ctas);
   const int64_t rows = 64, out = ours != nullptr ? 512 : 384, in = 320, xs = in + 16, ys = out + 24;
   const auto x = random_bf16(rng, static_cast<size_t>(rows * xs), 1.0f);
@@ -545,7 +548,9 @@ void check_tuner(keep::kernels::BlasHandle& blas, void* ws, size_t ws_bytes, std
   CUDA_OK(cudaFree(const_cast<__nv_bfloat16*>(dw)));
   std::printf("GemmTuner%s: %d shapes tuned at %lld rows (forced), checked at 64 and 33 rows%s\n",
               ours != nullptr ? " (ours)" : "", kept, (long long)rows,
-              max_ctas > 0 ? (", grid capped at " + std::to_string(max_ctas)).c_str() : "");
+              max_ctas > 0    ? (", grid capped at " + std::to_string(max_ctas)).c_str()
+              : sm_target > 0 ? (", for " + std::to_string(sm_target) + " SMs").c_str()
+                              : "");
 }
 
 // Random operands of one timed product: x (rows, in), W (out, in) bf16, y zeroed with room for
@@ -878,6 +883,21 @@ int main() {
     cudaFree(ws);
     return 0;
   }
+  // KEEP_GPU_TEST_ONLY=tuner: GemmTuner's checks alone (cuBLASLt's candidates, for every SM and
+  // for a few; our product, on every SM and on one CTA).
+  if (only != nullptr && std::string(only) == "tuner") {
+    const keep::kernels::GemmScratch scratch = zeroed_scratch();
+    check_tuner(blas, ws, ws_bytes, rng);
+    check_tuner(blas, ws, ws_bytes, rng, nullptr, 0, 7);
+    if (scratch.ptr != nullptr) {
+      check_tuner(blas, ws, ws_bytes, rng, &scratch);
+      check_tuner(blas, ws, ws_bytes, rng, &scratch, 1);
+    }
+    std::printf("test_gemm: %d checks, %d failures\n", g_checks, g_failures);
+    cudaFree(scratch.ptr);
+    cudaFree(ws);
+    return g_failures == 0 ? 0 : 1;
+  }
   const bool all = only == nullptr || std::string(only) != "gemm_swiglu";
   for (int64_t rows : {1, 3, 7, 19, 733}) {
     if (!all) break;
@@ -894,7 +914,10 @@ int main() {
   for (int64_t rows : {1, 3, 19}) {
     if (all) check_f32(blas, rng, rows, 733, 576);
   }
-  if (all) check_tuner(blas, ws, ws_bytes, rng);
+  if (all) {
+    check_tuner(blas, ws, ws_bytes, rng);
+    check_tuner(blas, ws, ws_bytes, rng, nullptr, 0, 7);  // sized for 7 SMs (blas_leave_loader)
+  }
   for (int64_t rows = 1; all && rows <= keep::kernels::kGemvMaxRows; ++rows) {
     for (auto [out, in] :
          {std::pair<int64_t, int64_t>{1, 8}, {7, 24}, {733, 576}, {64, 1800}, {19, 3584}}) {

@@ -94,3 +94,14 @@ TEST_CASE("LoadSchedule: layers outside the model queue nothing") {
   CHECK(s.before_layer(-1).empty());
   CHECK(s.before_layer(3).empty());
 }
+
+TEST_CASE("LoadSchedule: a call's own budget replaces the constructor's for that call") {
+  LoadSchedule s(8, 0);  // no run-ahead by default
+  s.add_cohort(1, 100);
+  // A compute-heavy layer may let the loader run ahead: 300 bytes past layer 2 -> layers 3-5.
+  CHECK(items(s.before_layer(1, 300)) == Items{{1, 0}, {2, 0}, {3, 0}, {4, 0}, {5, 0}});
+  // Back to the default budget: only what layer 3 needs next (layer 3 is queued, 4 and 5 too).
+  CHECK(items(s.before_layer(2)).empty());
+  CHECK(items(s.before_layer(5)) == Items{{6, 0}});
+  CHECK(items(s.before_layer(6)) == Items{{7, 0}});
+}

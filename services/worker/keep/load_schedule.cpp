@@ -21,7 +21,7 @@ uint64_t LoadSchedule::ahead_of(int32_t layer) const {
   return sum;
 }
 
-std::vector<LoadSchedule::Item> LoadSchedule::before_layer(int32_t layer) {
+std::vector<LoadSchedule::Item> LoadSchedule::before_layer(int32_t layer, uint64_t budget) {
   std::vector<Item> out;
   if (layer < 0 || layer >= layers_) return out;
   const auto n = static_cast<int32_t>(cohorts_.size());
@@ -43,7 +43,7 @@ std::vector<LoadSchedule::Item> LoadSchedule::before_layer(int32_t layer) {
     for (int32_t c = 0; c < n; ++c) {
       Cohort& co = cohorts_[static_cast<size_t>(c)];
       if (co.next != j) continue;
-      if (ahead + co.bytes > budget_) return out;
+      if (ahead + co.bytes > budget) return out;
       ahead += co.bytes;
       take(j, c, &out);
     }

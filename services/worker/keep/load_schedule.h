@@ -32,7 +32,10 @@ class LoadSchedule {
     int32_t cohort = 0;
   };
   // What to queue before layer `layer` runs (call with layers in increasing order).
-  std::vector<Item> before_layer(int32_t layer);
+  std::vector<Item> before_layer(int32_t layer) { return before_layer(layer, budget_); }
+  // The same with this call's budget instead of the constructor's: the caller may let the loader
+  // run further ahead while the layers are compute-heavy (LoadOptions::prefetch_bytes_recomputing).
+  std::vector<Item> before_layer(int32_t layer, uint64_t budget_bytes);
 
   // Bytes queued so far for layers after `layer`.
   uint64_t ahead_of(int32_t layer) const;

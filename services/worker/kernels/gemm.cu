@@ -191,6 +191,12 @@ cublasStatus_t GemmTuner::init(cudaStream_t stream, void* workspace, size_t byte
   return cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb));
 }
 
+cublasStatus_t GemmTuner::set_sm_count_target(int sms) {
+  if (op_ == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
+  const int32_t n = sms;
+  return cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &n, sizeof(n));
+}
+
 cublasStatus_t GemmTuner::tune(cublasHandle_t blas, const GemmShape& shape, int64_t rows, void* y,
                                const __nv_bfloat16* x, const __nv_bfloat16* w, double margin,
                                TuneResult* result) {

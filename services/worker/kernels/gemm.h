@@ -34,6 +34,9 @@ class BlasHandle {
   // it. Tensor-op math with fp32 accumulation.
   cublasStatus_t init(cudaStream_t stream, void* workspace, size_t bytes);
   cublasHandle_t get() const { return h_; }
+  // cuBLAS picks and sizes its kernels for `sms` SMs (0: the device's): a stream beside the
+  // products holding the others (the loader) then delays none of their CTAs.
+  cublasStatus_t set_sm_count_target(int sms) { return cublasSetSmCountTarget(h_, sms); }
 
  private:
   cublasHandle_t h_ = nullptr;
@@ -126,6 +129,9 @@ class GemmTuner {
     only_ours_ = only;
     max_ctas_ = max_ctas;
   }
+  // The cuBLASLt candidates picked and sized for `sms` SMs (0: the device's), as
+  // BlasHandle::set_sm_count_target. After init(), before tune().
+  cublasStatus_t set_sm_count_target(int sms);
   cublasStatus_t tune(cublasHandle_t blas, const GemmShape& shape, int64_t rows, void* y,
                       const __nv_bfloat16* x, const __nv_bfloat16* w, double margin = kTuneMargin,
                       TuneResult* result = nullptr);

@@ -770,6 +770,10 @@ Status CudaBackend::reserve(int32_t max_rows, int32_t max_keys) {
   }
   cublasStatus_t st = blas_.init(stream_, blas_ws_, kBlasWorkspace);
   if (st == CUBLAS_STATUS_SUCCESS) st = tuner_.init(stream_, blas_ws_, kBlasWorkspace);
+  if (st == CUBLAS_STATUS_SUCCESS && options_.blas_leave_loader) {
+    st = blas_.set_sm_count_target(loader_free_ctas());
+    if (st == CUBLAS_STATUS_SUCCESS) st = tuner_.set_sm_count_target(loader_free_ctas());
+  }
   if (options_.gemm_own_products) {
     tuner_.use_own_products(gemm_scratch_, options_.gemm_own_only,
                             options_.gemm_leave_loader ? loader_free_ctas() : 0);

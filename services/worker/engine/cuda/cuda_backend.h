@@ -67,6 +67,10 @@ struct CudaBackendOptions {
   // grid takes every SM, and a load queued beside them waits for the product to end. A/B in
   // bench_keep --gemm-leave-loader.
   bool gemm_leave_loader = false;
+  // cuBLAS's products (gemm_nt and the tuner's cuBLASLt picks) chosen and sized for the SMs the
+  // loader leaves (cublasSetSmCountTarget); false: for every SM. A/B in bench_keep
+  // --blas-leave-loader.
+  bool blas_leave_loader = false;
   // CUDA graphs for recurring prefill chunks (Engine::prefill, replay_cache.h: a chunk of 64 rows
   // or more whose key -- cache, size before it, length -- comes again is recorded on its second run
   // and replayed from its third: its first layer kernel by kernel, the others as two graph
