@@ -7,6 +7,7 @@
 #include <random>
 #include <thread>
 
+#include "shared/client/moved.h"
 #include "shared/client/protocols.h"
 #include "shared/rpc/rpc_channel.h"
 #include "shared/rpc/wire_codec.h"
@@ -258,10 +259,9 @@ Status ManagerClient::routed(std::string_view agent_name, bool mutation,
     if (st.code() == Code::kMoved) {
       ++moved_answers_;
       if (!again) return give_up(st);
-      const std::string& m = st.message();
-      const size_t at = m.rfind(" at ");
-      if (at == std::string::npos || m.substr(at + 4) == endpoint) return give_up(st);
-      std::string next = m.substr(at + 4);
+      const std::optional<MovedTarget> target = parse_moved(st.message());
+      if (!target || target->endpoint == endpoint) return give_up(st);
+      std::string next = target->endpoint;
       if (silent(next)) {
         // The answering node still sees the silent owner's lease: ask again once it ran out.
         owners_.erase(agent);

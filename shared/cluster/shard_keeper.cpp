@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "shared/client/moved.h"
 #include "shared/common/log.h"
 
 namespace keep::cluster {
@@ -24,7 +25,8 @@ Result<std::unique_ptr<ShardKeeper>> ShardKeeper::start(EtcdOptions etcd, std::s
   KEEP_ASSIGN_OR_RETURN(std::unique_ptr<EtcdClient> client, EtcdClient::create(std::move(etcd)));
   std::unique_ptr<ShardKeeper> k(
       new ShardKeeper(std::move(client), std::move(node), std::move(endpoint), std::move(options)));
-  KEEP_RETURN_IF_ERROR(k->placement_.join(k->endpoint_, k->opt_.lease_ttl_s));
+  KEEP_RETURN_IF_ERROR(
+      k->placement_.join(k->endpoint_, k->opt_.lease_ttl_s, k->opt_.worker_endpoint));
   KEEP_RETURN_IF_ERROR(k->tick());
   k->thread_ = std::thread([p = k.get()] { p->run(); });
   return k;
@@ -70,7 +72,7 @@ Status ShardKeeper::tick() {
     }
   }
   if (placement_.lease() == 0) {  // the lease ran out: join again
-    KEEP_RETURN_IF_ERROR(placement_.join(endpoint_, opt_.lease_ttl_s));
+    KEEP_RETURN_IF_ERROR(placement_.join(endpoint_, opt_.lease_ttl_s, opt_.worker_endpoint));
   }
   if (Status st = placement_.renew(); !st.is_ok()) {
     if (st.code() == Code::kNotFound) {
@@ -83,6 +85,8 @@ Status ShardKeeper::tick() {
   }
   KEEP_ASSIGN_OR_RETURN(auto nodes, placement_.nodes());
   std::map<std::string, std::string> endpoints(nodes.begin(), nodes.end());
+  KEEP_ASSIGN_OR_RETURN(auto worker_list, placement_.workers());
+  std::map<std::string, std::string> workers(worker_list.begin(), worker_list.end());
   KEEP_ASSIGN_OR_RETURN(auto owners, placement_.owners());
   // What this node still holds, as etcd says.
   std::map<uint32_t, uint64_t> owned;
@@ -108,6 +112,7 @@ Status ShardKeeper::tick() {
   std::lock_guard<std::mutex> lock(mu_);
   owners_ = std::move(owners);
   endpoints_ = std::move(endpoints);
+  workers_ = std::move(workers);
   return Status::ok();
 }
 
@@ -121,9 +126,11 @@ Status ShardKeeper::route(std::string_view agent) const {
                                           std::to_string(s) + ") has no owner yet: retry");
   }
   auto ep = endpoints_.find(it->second.node);
-  return Status(Code::kMoved, "agent '" + std::string(agent) + "' (shard " + std::to_string(s) +
-                                  ") is served by " + it->second.node + " at " +
-                                  (ep == endpoints_.end() ? "?" : ep->second));
+  auto w = workers_.find(it->second.node);
+  return Status(
+      Code::kMoved,
+      client::moved_message(agent, s, it->second.node, ep == endpoints_.end() ? "?" : ep->second,
+                            w == workers_.end() ? std::string() : w->second));
 }
 
 uint64_t ShardKeeper::epoch_of(uint32_t shard) const {

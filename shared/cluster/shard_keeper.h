@@ -30,6 +30,10 @@ struct ShardKeeperOptions {
   int64_t lease_ttl_s = 10;
   std::chrono::milliseconds period{1000};  // renew, rebalance, refresh owners
   std::string prefix = "/keep";
+  // This node's keep-worker as planners reach it (empty: none known): registered beside the
+  // node, and named in `moved` answers for the node's agents, so that another node's worker can
+  // send a planner there (docs/cluster.md).
+  std::string worker_endpoint;
 };
 
 class ShardKeeper {
@@ -68,6 +72,7 @@ class ShardKeeper {
   mutable std::mutex mu_;
   std::map<uint32_t, ShardOwner> owners_;         // every owned shard as last read, ours among them
   std::map<std::string, std::string> endpoints_;  // node -> endpoint
+  std::map<std::string, std::string> workers_;    // node -> its worker's endpoint (if known)
   std::vector<std::pair<uint32_t, uint64_t>> give_up_;  // shard, epoch: release at the next round
 
   std::mutex stop_mu_;
