@@ -187,6 +187,14 @@ bool unconfirmed(const Status& st) {
          st.message().find("did not confirm") != std::string::npos;
 }
 
+// A node's answer that it no longer serves the agent because its lease may have run out (it lost
+// touch with etcd; nothing was applied): another node takes the shard once etcd frees it, so the
+// call is routed anew -- through the directory or the configured endpoint -- until then.
+bool lease_lapsed(const Status& st) {
+  return st.code() == Code::kUnavailable &&
+         st.message().find("lease may have run out") != std::string::npos;
+}
+
 }  // namespace
 
 bool ManagerClient::silent(const std::string& endpoint) const {
@@ -248,9 +256,10 @@ Status ManagerClient::routed(std::string_view agent_name, bool mutation,
       ++mutations_resent_;
     }
     Status st = call(*ch);
+    const bool lapsed = lease_lapsed(st);
     const bool node_failed =
-        transport_failure(st) || (st.code() == Code::kUnavailable && !retry_here(st));
-    if (node_failed && !failover_until) {
+        transport_failure(st) || (st.code() == Code::kUnavailable && !retry_here(st) && !lapsed);
+    if ((node_failed || lapsed) && !failover_until) {
       failover_until = std::chrono::steady_clock::now() + options_.failover_wait;
     }
     const bool again =
@@ -274,6 +283,13 @@ Status ManagerClient::routed(std::string_view agent_name, bool mutation,
     } else if (retry_here(st)) {
       if (!again) return give_up(st);
       std::this_thread::sleep_for(kRetryWait);
+    } else if (lapsed) {
+      // Nothing was applied; the node answering may be the only one the client knows, and may
+      // serve the agent again once it reaches etcd: ask again shortly, wherever lookup says.
+      if (!again) return give_up(st);
+      owners_.erase(agent);
+      std::this_thread::sleep_for(kRetryWait);
+      endpoint = lookup(agent);
     } else if (node_failed) {
       // The agent's node stopped answering or cannot serve it now: forget it, so that this call
       // -- a read, or a mutation with its request id -- goes to the node that takes its shard

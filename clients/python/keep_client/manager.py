@@ -35,6 +35,12 @@ def _unconfirmed(e):
     return isinstance(e, errors.UnavailableError) and "did not confirm" in e.message
 
 
+def _lease_lapsed(e):
+    """The node no longer serves the agent: its lease may have run out (it lost touch with etcd;
+    nothing was applied). Another node takes the shard once etcd frees it: routed anew."""
+    return isinstance(e, errors.UnavailableError) and "lease may have run out" in e.message
+
+
 def _gave_up(lost, last):
     """What a call that gives up raises: `last`, or, when a try of the mutation lost its answer,
     that loss (it may or may not be applied)."""
@@ -196,6 +202,18 @@ class ManagerClient(Client):
                     if not self._again(attempt, failover_until):
                         raise _gave_up(lost, e) from None
                     time.sleep(_RETRY_WAIT)
+                    attempt += 1
+                    continue
+                if _lease_lapsed(e):
+                    # Ask again shortly, wherever the directory (or the configured endpoint)
+                    # says: the node answering may serve it again once it reaches etcd.
+                    if failover_until is None:
+                        failover_until = time.monotonic() + self._failover_wait
+                    if not self._again(attempt, failover_until):
+                        raise _gave_up(lost, e) from None
+                    self._owners.pop(agent, None)
+                    time.sleep(_RETRY_WAIT)
+                    endpoint = self._lookup(agent)
                     attempt += 1
                     continue
                 # The agent's node stopped answering or cannot serve it now: forget it, and send
