@@ -54,16 +54,24 @@ up() {
   else
     echo "postgresql: not started (KEEP_CLUSTER_PG=0 or no /usr/lib/postgresql): routing only"
   fi
+  local workers=0
+  if [ "${KEEP_CLUSTER_WORKERS:-1}" = 1 ] && [ -x "$bin/keep-worker" ] && [ -f "$model" ]; then
+    workers=1
+  fi
   for i in $(seq 1 "$n"); do
     local ep="tcp://127.0.0.1:$((7610 + i))" wep="tcp://127.0.0.1:$((7620 + i))"
+    # The manager names its worker in etcd: a worker asked about another node's agent answers
+    # moved with that node's worker, which the clients follow.
+    local named=()
+    [ "$workers" = 1 ] && named=(--advertise-worker "$wep")
     "$bin/keep-manager" --etcd "$urls" --node-id "node$i" --etcd-lease-s "$lease_s" \
-      --shards 16 --endpoint "$ep" --metrics-listen "127.0.0.1:$((9470 + i))" \
+      --shards 16 --endpoint "$ep" --metrics-listen "127.0.0.1:$((9470 + i))" "${named[@]}" \
       --data-dir "$dir/node$i" --shm-name "keep-cluster-$i" --shm-bytes 256MiB "${pg[@]}" \
       >"$dir/manager$i.log" 2>&1 &
     echo $! >"$dir/manager$i.pid"
     for _ in $(seq 150); do grep -q "serving on" "$dir/manager$i.log" && break; sleep 0.2; done
     grep -q "serving on" "$dir/manager$i.log" || die "node$i's manager did not start: $dir/manager$i.log"
-    if [ "${KEEP_CLUSTER_WORKERS:-1}" = 1 ] && [ -x "$bin/keep-worker" ] && [ -f "$model" ]; then
+    if [ "$workers" = 1 ]; then
       "$bin/keep-worker" --manager "$ep" --shm-name "keep-cluster-$i" --model "$model" \
         --endpoint "$wep" --metrics-listen "127.0.0.1:$((9480 + i))" >"$dir/worker$i.log" 2>&1 &
       echo $! >"$dir/worker$i.pid"

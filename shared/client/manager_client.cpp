@@ -7,6 +7,7 @@
 #include <random>
 #include <thread>
 
+#include "shared/client/moved.h"
 #include "shared/client/protocols.h"
 #include "shared/rpc/rpc_channel.h"
 #include "shared/rpc/wire_codec.h"
@@ -186,6 +187,14 @@ bool unconfirmed(const Status& st) {
          st.message().find("did not confirm") != std::string::npos;
 }
 
+// A node's answer that it no longer serves the agent because its lease may have run out (it lost
+// touch with etcd; nothing was applied): another node takes the shard once etcd frees it, so the
+// call is routed anew -- through the directory or the configured endpoint -- until then.
+bool lease_lapsed(const Status& st) {
+  return st.code() == Code::kUnavailable &&
+         st.message().find("lease may have run out") != std::string::npos;
+}
+
 }  // namespace
 
 bool ManagerClient::silent(const std::string& endpoint) const {
@@ -247,9 +256,10 @@ Status ManagerClient::routed(std::string_view agent_name, bool mutation,
       ++mutations_resent_;
     }
     Status st = call(*ch);
+    const bool lapsed = lease_lapsed(st);
     const bool node_failed =
-        transport_failure(st) || (st.code() == Code::kUnavailable && !retry_here(st));
-    if (node_failed && !failover_until) {
+        transport_failure(st) || (st.code() == Code::kUnavailable && !retry_here(st) && !lapsed);
+    if ((node_failed || lapsed) && !failover_until) {
       failover_until = std::chrono::steady_clock::now() + options_.failover_wait;
     }
     const bool again =
@@ -258,10 +268,9 @@ Status ManagerClient::routed(std::string_view agent_name, bool mutation,
     if (st.code() == Code::kMoved) {
       ++moved_answers_;
       if (!again) return give_up(st);
-      const std::string& m = st.message();
-      const size_t at = m.rfind(" at ");
-      if (at == std::string::npos || m.substr(at + 4) == endpoint) return give_up(st);
-      std::string next = m.substr(at + 4);
+      const std::optional<MovedTarget> target = parse_moved(st.message());
+      if (!target || target->endpoint == endpoint) return give_up(st);
+      std::string next = target->endpoint;
       if (silent(next)) {
         // The answering node still sees the silent owner's lease: ask again once it ran out.
         owners_.erase(agent);
@@ -274,6 +283,13 @@ Status ManagerClient::routed(std::string_view agent_name, bool mutation,
     } else if (retry_here(st)) {
       if (!again) return give_up(st);
       std::this_thread::sleep_for(kRetryWait);
+    } else if (lapsed) {
+      // Nothing was applied; the node answering may be the only one the client knows, and may
+      // serve the agent again once it reaches etcd: ask again shortly, wherever lookup says.
+      if (!again) return give_up(st);
+      owners_.erase(agent);
+      std::this_thread::sleep_for(kRetryWait);
+      endpoint = lookup(agent);
     } else if (node_failed) {
       // The agent's node stopped answering or cannot serve it now: forget it, so that this call
       // -- a read, or a mutation with its request id -- goes to the node that takes its shard

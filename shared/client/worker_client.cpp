@@ -2,6 +2,7 @@
 
 #include <capnp/message.h>
 
+#include "shared/client/moved.h"
 #include "shared/client/protocols.h"
 #include "shared/rpc/rpc_channel.h"
 #include "shared/rpc/wire_codec.h"
@@ -64,9 +65,53 @@ Result<WorkerPing> WorkerClient::ping() {
   return out;
 }
 
+Result<wire::RpcChannel*> WorkerClient::channel_to(const std::string& endpoint) {
+  if (endpoint == options_.endpoint) return channel_.get();
+  auto& other = others_[endpoint];
+  if (!other) {
+    KEEP_ASSIGN_OR_RETURN(
+        other, wire::RpcChannel::connect({endpoint, options_.timeout, options_.max_request_bytes,
+                                          options_.max_response_bytes}));
+  }
+  return other.get();
+}
+
 Result<CompleteReply> WorkerClient::complete(const CompleteArgs& a) {
+  std::string endpoint = options_.endpoint;
+  if (auto known = owners_.find(a.agent); known != owners_.end()) {
+    endpoint = known->second;
+  } else if (options_.directory) {
+    // A directory that cannot be read, or names no worker, leaves the call to the configured
+    // endpoint, which answers moved if the agent is another node's.
+    auto found = options_.directory->endpoint_of(a.agent);
+    if (found.is_ok() && found->has_value()) endpoint = owners_[a.agent] = **found;
+  }
+  // A shard that moves again while we follow it: a few hops.
+  constexpr int kMaxHops = 4;
+  for (int hop = 0;; ++hop) {
+    KEEP_ASSIGN_OR_RETURN(wire::RpcChannel * ch, channel_to(endpoint));
+    auto r = complete_on(*ch, a);
+    if (r.is_ok()) return r;
+    const Status& st = r.status();
+    if (st.code() == Code::kMoved) {
+      ++moved_answers_;
+      const std::optional<MovedTarget> t = parse_moved(st.message());
+      // No target: the answering worker does not know the owner's (see moved.h).
+      if (!options_.follow_moved || hop >= kMaxHops || !t || t->endpoint == endpoint) return r;
+      endpoint = owners_[a.agent] = t->endpoint;
+      continue;
+    }
+    if (st.code() == Code::kTimeout || st.code() == Code::kUnavailable) {
+      // That worker may be gone, or its node no longer serve the agent: routed anew next time.
+      owners_.erase(a.agent);
+    }
+    return r;
+  }
+}
+
+Result<CompleteReply> WorkerClient::complete_on(wire::RpcChannel& channel, const CompleteArgs& a) {
   CompleteReply out;
-  KEEP_RETURN_IF_ERROR(channel_->call<WorkerProtocol>(
+  KEEP_RETURN_IF_ERROR(channel.call<WorkerProtocol>(
       wp::Response::COMPLETE,
       [&](wp::Request::Builder req) {
         auto c = req.initComplete();

@@ -7,11 +7,13 @@
 
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "shared/client/owner_directory.h"
 #include "shared/common/status.h"
 
 namespace keep::wire {
@@ -101,6 +103,15 @@ struct WorkerClientOptions {
   std::chrono::milliseconds timeout{120000};  // a completion queues behind others and generates
   size_t max_request_bytes = size_t{1} << 20;
   size_t max_response_bytes = size_t{16} << 20;
+  // Cluster mode (docs/cluster.md): a worker plans only for its own node's agents (it reads
+  // their KV in its node's region) and answers `moved` for another node's, naming that node's
+  // worker; the call is sent there (a plan changes no memory, so sending it again is safe) and
+  // the agent's worker remembered. A remembered worker that gives no answer (or answers
+  // `unavailable`) is forgotten: the agent's next call goes through `directory` or `endpoint`.
+  bool follow_moved = true;
+  // Cluster mode, optional: where agents' workers are (cluster::EtcdDirectory::create_for_workers
+  // reads etcd), asked before an agent's first call. Empty: `endpoint` and `moved` answers.
+  std::shared_ptr<OwnerDirectory> directory;
 };
 
 class WorkerClient {
@@ -115,10 +126,22 @@ class WorkerClient {
   // Sends raw frame bytes and returns the raw answer (tests; no id matching).
   Result<std::string> call_raw(std::string_view payload);
 
+  const WorkerClientOptions& options() const { return options_; }
+  // `moved` answers this client received (each costs a round trip the directory would spare).
+  uint64_t moved_answers() const { return moved_answers_; }
+
  private:
   explicit WorkerClient(WorkerClientOptions options);
+  // The channel to `endpoint` (the configured one, or one opened for another node's worker).
+  Result<wire::RpcChannel*> channel_to(const std::string& endpoint);
+  // One complete call on `channel`.
+  Result<CompleteReply> complete_on(wire::RpcChannel& channel, const CompleteArgs& args);
+
   WorkerClientOptions options_;
   std::unique_ptr<wire::RpcChannel> channel_;
+  std::map<std::string, std::string> owners_;                        // agent -> worker endpoint
+  std::map<std::string, std::unique_ptr<wire::RpcChannel>> others_;  // endpoint -> channel
+  uint64_t moved_answers_ = 0;
 };
 
 }  // namespace keep::client

@@ -5,6 +5,9 @@
 //   client::ClientOptions o;
 //   o.directory = cluster::EtcdDirectory::create({"http://e1:2379"}, /*shards=*/64).value();
 //
+// create_for_workers() is WorkerClient's: the same owner, then `<prefix>/workers/<node>`, the
+// node's keep-worker as its manager registered it (keep-manager --advertise-worker).
+//
 // Every lookup reads etcd (two gets); the client caches the answer per agent. Thread-compatible,
 // like the client that owns it.
 #pragma once
@@ -24,17 +27,24 @@ class EtcdDirectory : public client::OwnerDirectory {
   static Result<std::shared_ptr<EtcdDirectory>> create(
       std::vector<std::string> endpoints, uint32_t shards, std::string prefix = "/keep",
       std::chrono::milliseconds timeout = std::chrono::milliseconds(2000));
+  // The same for workers: endpoint_of() names the owner's keep-worker (nullopt also when its
+  // manager named none).
+  static Result<std::shared_ptr<EtcdDirectory>> create_for_workers(
+      std::vector<std::string> endpoints, uint32_t shards, std::string prefix = "/keep",
+      std::chrono::milliseconds timeout = std::chrono::milliseconds(2000));
 
   Result<std::optional<std::string>> endpoint_of(std::string_view agent) override;
 
   uint32_t shards() const { return shards_; }
 
  private:
-  EtcdDirectory(std::unique_ptr<EtcdClient> etcd, uint32_t shards, std::string prefix);
+  EtcdDirectory(std::unique_ptr<EtcdClient> etcd, uint32_t shards, std::string prefix,
+                std::string registry);
 
   std::unique_ptr<EtcdClient> etcd_;
   uint32_t shards_;
   std::string prefix_;
+  std::string registry_;  // "nodes" (managers) or "workers"
 };
 
 }  // namespace keep::cluster

@@ -48,12 +48,16 @@ std::string Placement::shard_key(uint32_t shard, const char* what) const {
   return prefix_ + "/shards/" + std::to_string(shard) + "/" + what;
 }
 
-Status Placement::join(const std::string& endpoint, int64_t ttl_seconds) {
+Status Placement::join(const std::string& endpoint, int64_t ttl_seconds,
+                       const std::string& worker_endpoint) {
   if (node_.empty() || node_.find_first_of(" /") != std::string::npos) {
     return Status(Code::kInvalidArgument,
                   "placement: node name '" + node_ + "' is empty or holds a space or '/'");
   }
   KEEP_ASSIGN_OR_RETURN(lease_, etcd_->grant_lease(ttl_seconds));
+  if (!worker_endpoint.empty()) {
+    KEEP_RETURN_IF_ERROR(etcd_->put(prefix_ + "/workers/" + node_, worker_endpoint, lease_));
+  }
   return etcd_->put(prefix_ + "/nodes/" + node_, endpoint, lease_);
 }
 
@@ -140,7 +144,15 @@ Result<std::map<uint32_t, ShardOwner>> Placement::owners() {
 }
 
 Result<std::vector<std::pair<std::string, std::string>>> Placement::nodes() {
-  const std::string dir = prefix_ + "/nodes/";
+  return names_under(prefix_ + "/nodes/");
+}
+
+Result<std::vector<std::pair<std::string, std::string>>> Placement::workers() {
+  return names_under(prefix_ + "/workers/");
+}
+
+Result<std::vector<std::pair<std::string, std::string>>> Placement::names_under(
+    const std::string& dir) {
   KEEP_ASSIGN_OR_RETURN(std::vector<KeyValue> kvs, etcd_->get_prefix(dir));
   std::vector<std::pair<std::string, std::string>> out;
   for (auto& kv : kvs) out.emplace_back(kv.key.substr(dir.size()), std::move(kv.value));

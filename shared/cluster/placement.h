@@ -4,6 +4,8 @@
 //
 // Keys under a prefix (default "/keep"):
 //   <prefix>/nodes/<node>          the node's endpoint, on the node's lease (gone when it dies)
+//   <prefix>/workers/<node>        the endpoint of the node's keep-worker, for planners, on the
+//                                  same lease (absent when the node does not name one)
 //   <prefix>/shards/<n>/owner      "<node> <epoch>", on the owner's lease
 //   <prefix>/shards/<n>/epoch      the last epoch handed out for shard n (no lease: it only grows)
 // A node takes a free shard in one transaction that checks the owner key is absent and the epoch
@@ -39,8 +41,10 @@ class Placement {
   // `etcd` must outlive the placement; `node` names this node (no spaces or '/').
   Placement(EtcdClient* etcd, std::string node, std::string prefix = "/keep");
 
-  // Registers the node with a lease of `ttl_seconds` (its endpoint as the value).
-  Status join(const std::string& endpoint, int64_t ttl_seconds);
+  // Registers the node with a lease of `ttl_seconds` (its endpoint as the value), and its
+  // worker's endpoint when `worker_endpoint` is not empty.
+  Status join(const std::string& endpoint, int64_t ttl_seconds,
+              const std::string& worker_endpoint = {});
   // Renews the lease: call well within the TTL. kNotFound: the lease ran out -- this node owns
   // nothing any more and must stop serving its agents (join again to come back).
   Status renew();
@@ -60,12 +64,16 @@ class Placement {
   Result<std::map<uint32_t, ShardOwner>> owners();
   // Live nodes: name -> endpoint.
   Result<std::vector<std::pair<std::string, std::string>>> nodes();
+  // Live nodes that named their worker: name -> the worker's endpoint.
+  Result<std::vector<std::pair<std::string, std::string>>> workers();
 
   const std::string& node() const { return node_; }
   int64_t lease() const { return lease_; }
 
  private:
   std::string shard_key(uint32_t shard, const char* what) const;
+  // Every key under `dir` (a prefix ending in '/'): the rest of its name -> its value.
+  Result<std::vector<std::pair<std::string, std::string>>> names_under(const std::string& dir);
 
   EtcdClient* etcd_;
   std::string node_;

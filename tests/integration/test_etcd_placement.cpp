@@ -1,7 +1,9 @@
 // Placement against a real three-member etcd cluster on loopback (issue 31, point 1): nodes join
 // with leases, take shards with growing epochs, lose them when their lease runs out (another node
 // takes over with a larger epoch, and the old owner sees it no longer holds its epoch), and the
-// cluster goes on answering with one member killed. Skipped (doctest skip) without etcd.
+// cluster goes on answering with one member killed. ShardKeeper cut off from etcd stops serving at
+// its own lease deadline, before etcd frees its shards, and back in touch takes only free shards.
+// Skipped (doctest skip) without etcd.
 #include <doctest/doctest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -12,7 +14,9 @@
 
 #include "shared/cluster/etcd_client.h"
 #include "shared/cluster/placement.h"
+#include "shared/cluster/shard_keeper.h"
 #include "tests/integration/etcd_cluster.h"
+#include "tests/integration/tcp_proxy.h"
 
 using namespace keep;
 using namespace keep::cluster;
@@ -167,4 +171,93 @@ TEST_CASE("with one of three members killed, placement goes on" * doctest::skip(
   auto e2 = p.acquire(2);
   REQUIRE(e2.is_ok());
   CHECK(e2->has_value());
+}
+
+TEST_CASE(
+    "a keeper cut off from etcd stops serving at its lease deadline, before etcd frees its "
+    "shards, and back in touch serves only shards nobody else owns" *
+    doctest::skip(!it::have_etcd())) {
+  using Clock = std::chrono::steady_clock;
+  it::EtcdCluster etcd;
+  etcd.wait_ready();
+  it::TcpProxy proxy(std::stoi(etcd.clients[0].substr(etcd.clients[0].rfind(':') + 1)));
+  ShardKeeperOptions ko;
+  ko.shards = 4;
+  ko.lease_ttl_s = 2;
+  ko.period = 200ms;
+  ko.worker_endpoint = "tcp://10.0.0.1:7602";
+  EtcdOptions via_proxy{{proxy.url()}, 500ms};
+  auto a = ShardKeeper::start(via_proxy, "a", "tcp://10.0.0.1:7601", ko);
+  REQUIRE(a.is_ok());
+  REQUIRE((*a)->owned() == 4);
+  const std::map<uint32_t, uint64_t> before = (*a)->owned_shards();
+  auto c = etcd.client();
+  Placement view(c.get(), "test");
+  auto workers = view.workers();
+  REQUIRE(workers.is_ok());
+  REQUIRE(workers->size() == 1);
+  CHECK((*workers)[0] == std::pair<std::string, std::string>{"a", "tcp://10.0.0.1:7602"});
+
+  // Cut off: a's rounds fail; it stops serving at its deadline (the last renewal's send time +
+  // 2 s - 0.2 s), while etcd still has it as the owner (its lease ends 2 s after etcd renewed it).
+  proxy.cut();
+  const auto cut_at = Clock::now();
+  while ((*a)->within_lease() && Clock::now() - cut_at < 5s) std::this_thread::sleep_for(5ms);
+  const auto stopped = Clock::now() - cut_at;
+  MESSAGE(
+      "stopped serving " << std::chrono::duration_cast<std::chrono::milliseconds>(stopped).count()
+                         << " ms after the cut");
+  CHECK_FALSE((*a)->within_lease());
+  CHECK(stopped < 2s);
+  auto still = view.owner(0);
+  REQUIRE(still.is_ok());
+  REQUIRE(still->has_value());
+  CHECK((*still)->node == "a");  // etcd has not freed it yet
+  CHECK((*a)->owned() == 0);
+  CHECK((*a)->owned_shards().empty());
+  std::string agent;  // one of shard 0
+  for (int i = 0; agent.empty(); ++i) {
+    if (shard_of("robot-" + std::to_string(i), 4) == 0) agent = "robot-" + std::to_string(i);
+  }
+  CHECK((*a)->epoch_of(0) == 0);
+  const Status refused = (*a)->route(agent);
+  CHECK(refused.code() == Code::kUnavailable);
+  CHECK_MESSAGE(refused.message().find("lease may have run out") != std::string::npos,
+                refused.to_string());
+
+  // etcd frees the shards; b takes them all at larger epochs.
+  auto b = ShardKeeper::start({etcd.clients, 1000ms}, "b", "tcp://10.0.0.2:7601", ko);
+  REQUIRE(b.is_ok());
+  for (const auto t0 = Clock::now(); (*b)->owned() < 4 && Clock::now() - t0 < 10s;) {
+    std::this_thread::sleep_for(20ms);
+  }
+  REQUIRE((*b)->owned() == 4);
+  for (const auto& [s, e] : (*b)->owned_shards()) CHECK(e > before.at(s));
+
+  // Back in touch: a's lease is gone. It must not serve what b owns: it joins again, b hands it
+  // its share (a shard a round), which it takes at new epochs. Every shard a serves meanwhile is
+  // its own in etcd, at the epoch it serves it at.
+  proxy.restore();
+  const auto back_at = Clock::now();
+  size_t checked = 0;
+  while (Clock::now() - back_at < 10s) {
+    const auto served = (*a)->owned_shards();
+    for (const auto& [s, e] : served) {
+      auto o = view.owner(s);
+      REQUIRE(o.is_ok());
+      // Released by a since it read owned_shards() at most, never another node's.
+      if (o->has_value()) {
+        CHECK((*o)->node == "a");
+        CHECK((*o)->epoch == e);
+      }
+      CHECK(e > before.at(s));
+      ++checked;
+    }
+    if (served.size() == 2 && (*b)->owned() == 2) break;
+    std::this_thread::sleep_for(20ms);
+  }
+  CHECK((*a)->owned() == 2);
+  CHECK((*b)->owned() == 2);
+  CHECK(checked > 0);
+  CHECK((*a)->route(agent).code() != Code::kUnavailable);  // served by a or moved to b
 }

@@ -3,6 +3,7 @@ read from etcd through its JSON gateway, as keep-manager's placement writes it.
 
     d = EtcdDirectory(["http://127.0.0.1:23790"], shards=64)
     ManagerClient("tcp://any-node:7601", directory=d)   # asks d first, then follows `moved`
+    WorkerClient("tcp://any-node:7602", directory=d)    # the owner's worker, then `moved`
 """
 import base64
 import json
@@ -33,8 +34,9 @@ def _b64(s):
 
 class EtcdDirectory:
     """Owners of shards and nodes' endpoints, read from etcd (`prefix`/shards/N/owner,
-    `prefix`/nodes/NODE). `shards` must be the managers' --shards. Lookups hit etcd each time;
-    ManagerClient caches the answer per agent and refreshes it on a `moved` answer."""
+    `prefix`/nodes/NODE, and `prefix`/workers/NODE for the node's keep-worker when its manager
+    names one: --advertise-worker). `shards` must be the managers' --shards. Lookups hit etcd
+    each time; the clients cache the answer per agent and refresh it on a `moved` answer."""
 
     def __init__(self, endpoints, shards=64, prefix="/keep", timeout=2.0):
         if isinstance(endpoints, str):
@@ -59,8 +61,16 @@ class EtcdDirectory:
 
     def owner_endpoint(self, agent):
         """The endpoint of the node serving `agent`, or None (no owner right now)."""
+        return self._of_owner(agent, "nodes")
+
+    def worker_endpoint(self, agent):
+        """The endpoint of the keep-worker of the node serving `agent`, or None (no owner right
+        now, or its manager named no worker)."""
+        return self._of_owner(agent, "workers")
+
+    def _of_owner(self, agent, registry):
         owner = self._get(f"{self.prefix}/shards/{shard_of(agent, self.shards)}/owner")
         if owner is None:
             return None
         node = owner.rsplit(" ", 1)[0]
-        return self._get(f"{self.prefix}/nodes/{node}")
+        return self._get(f"{self.prefix}/{registry}/{node}")

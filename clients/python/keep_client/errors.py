@@ -58,4 +58,14 @@ def from_wire(enum_name, message):
     return error_for(snake, message)
 
 
-__all__ = ["KeepError", "CODES", "error_for", "from_wire"] + [c.__name__ for c in _BY_CODE.values()]
+def moved_target(message):
+    """Where a `moved` answer sends the call (docs/cluster.md, shared/client/moved.h): the word
+    after the message's last " at " -- a manager's endpoint in a manager's answer, a worker's in
+    a worker's -- or None when the answer names none (a worker that does not know the owner's)."""
+    head, sep, target = message.rpartition(" at ")
+    if not sep or not target or " " in target:
+        return None
+    return target
+
+
+__all__ = ["KeepError", "CODES", "error_for", "from_wire", "moved_target"] + [c.__name__ for c in _BY_CODE.values()]

@@ -1,6 +1,5 @@
 """ManagerClient: an agent's side of keep-manager (proto/manager.capnp, docs/protocol.md)."""
 import itertools
-import re
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -8,9 +7,6 @@ from typing import List, Optional, Tuple
 
 from . import _schema, errors
 from ._channel import Channel, Client
-
-# The end of a `moved` answer's message: "... is served by NODE at ENDPOINT".
-_MOVED_AT = re.compile(r" at (\S+)$")
 
 # Between two tries of a call whose shard is between owners (seconds).
 _RETRY_WAIT = 0.25
@@ -37,6 +33,12 @@ def _unconfirmed(e):
     """The node's log of record did not confirm a mutation (it may or may not have landed); the
     node gave the shard up, to be taken again and its log replayed."""
     return isinstance(e, errors.UnavailableError) and "did not confirm" in e.message
+
+
+def _lease_lapsed(e):
+    """The node no longer serves the agent: its lease may have run out (it lost touch with etcd;
+    nothing was applied). Another node takes the shard once etcd frees it: routed anew."""
+    return isinstance(e, errors.UnavailableError) and "lease may have run out" in e.message
 
 
 def _gave_up(lost, last):
@@ -185,22 +187,33 @@ class ManagerClient(Client):
                 return self._channel(endpoint).call(kind, fill, header=header)
             except errors.MovedError as e:
                 self.moved_answers += 1
-                at = _MOVED_AT.search(e.message)
-                if not self._again(attempt, failover_until) or at is None or \
-                        at.group(1) == endpoint:
+                at = errors.moved_target(e.message)
+                if not self._again(attempt, failover_until) or at is None or at == endpoint:
                     raise _gave_up(lost, e) from None
-                if self._is_silent(at.group(1)):
+                if self._is_silent(at):
                     # The answering node still sees the silent owner's lease: ask once it ran out.
                     self._owners.pop(agent, None)
                     time.sleep(_RETRY_WAIT)
                     endpoint = self._lookup(agent)
                 else:
-                    endpoint = self._owners[agent] = at.group(1)
+                    endpoint = self._owners[agent] = at
             except (errors.UnavailableError, errors.RequestTimeoutError) as e:
                 if _retry_here(e):
                     if not self._again(attempt, failover_until):
                         raise _gave_up(lost, e) from None
                     time.sleep(_RETRY_WAIT)
+                    attempt += 1
+                    continue
+                if _lease_lapsed(e):
+                    # Ask again shortly, wherever the directory (or the configured endpoint)
+                    # says: the node answering may serve it again once it reaches etcd.
+                    if failover_until is None:
+                        failover_until = time.monotonic() + self._failover_wait
+                    if not self._again(attempt, failover_until):
+                        raise _gave_up(lost, e) from None
+                    self._owners.pop(agent, None)
+                    time.sleep(_RETRY_WAIT)
+                    endpoint = self._lookup(agent)
                     attempt += 1
                     continue
                 # The agent's node stopped answering or cannot serve it now: forget it, and send

@@ -2,8 +2,8 @@
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-from . import _schema
-from ._channel import Client
+from . import _schema, errors
+from ._channel import Channel, Client
 
 # Method names as keep-worker's --method spells them, and their wire enumerants.
 METHODS = {"full": "full", "prefix": "prefix", "full_reuse": "fullReuse",
@@ -54,13 +54,69 @@ class Scored:
     stats: Stats
 
 
+# A shard that moves again while a call follows it: a few hops.
+_MAX_HOPS = 4
+
+
 class WorkerClient(Client):
     """One blocking connection to keep-worker. Calls raise keep_client.errors.KeepError (its
     subclass for the wire code); `timeout` (seconds) bounds each call and is sent with it, so a
-    request still queued when it runs out is dropped by the worker."""
+    request still queued when it runs out is dropped by the worker.
 
-    def __init__(self, endpoint="tcp://127.0.0.1:7602", timeout=60.0):
+    Cluster mode (docs/cluster.md): a worker plans only for its own node's agents (it reads their
+    KV in its node's region) and answers `moved` for another node's, naming that node's worker;
+    the call is sent there (a plan changes no memory) and the agent's worker remembered. With a
+    `directory` (keep_client.cluster.EtcdDirectory) the owner's worker is read from etcd before
+    an agent's first call."""
+
+    def __init__(self, endpoint="tcp://127.0.0.1:7602", timeout=60.0, follow_moved=True,
+                 directory=None):
         super().__init__(endpoint, timeout, _schema.worker)
+        self._follow_moved = follow_moved
+        self._directory = directory
+        self._owners = {}  # agent -> worker endpoint
+        self._others = {}  # endpoint -> Channel (other nodes' workers)
+        self.moved_answers = 0  # `moved` answers received (the directory spares them)
+
+    def _channel(self, endpoint):
+        if endpoint == self._ch.endpoint:
+            return self._ch
+        ch = self._others.get(endpoint)
+        if ch is None:
+            ch = self._others[endpoint] = Channel(endpoint, self._ch.timeout, _schema.worker)
+        return ch
+
+    def _routed(self, agent, fill):
+        endpoint = self._owners.get(agent)
+        if endpoint is None:
+            endpoint = self._ch.endpoint
+            if self._directory is not None:
+                try:
+                    found = self._directory.worker_endpoint(agent)
+                except (OSError, ValueError, KeyError):
+                    found = None  # etcd unreadable: the configured worker answers moved
+                if found:
+                    endpoint = self._owners[agent] = found
+        for hop in range(_MAX_HOPS + 1):
+            try:
+                return self._channel(endpoint).call("complete", fill)
+            except errors.MovedError as e:
+                self.moved_answers += 1
+                at = errors.moved_target(e.message)
+                if not self._follow_moved or hop == _MAX_HOPS or at is None or at == endpoint:
+                    raise
+                endpoint = self._owners[agent] = at
+            except (errors.UnavailableError, errors.RequestTimeoutError):
+                # That worker may be gone, or its node no longer serve the agent: routed anew
+                # next time.
+                self._owners.pop(agent, None)
+                raise
+
+    def close(self):
+        for ch in self._others.values():
+            ch.close()
+        self._others.clear()
+        super().close()
 
     def ping(self) -> Dict[str, str]:
         p = self._ch.call("ping", None)
@@ -69,8 +125,8 @@ class WorkerClient(Client):
     def complete(self, agent: str, instruction: str, history: Sequence[str] = (), k: int = 0,
                  method: Optional[str] = None, max_tokens: int = 0, temperature: float = 0.0,
                  **knobs) -> Completion:
-        r = self._ch.call("complete", self._fill(agent, instruction, history, k, method,
-                                                 max_tokens, temperature, (), knobs))
+        r = self._routed(agent, self._fill(agent, instruction, history, k, method, max_tokens,
+                                           temperature, (), knobs))
         return Completion(r.get("text", ""), list(r.get("tokens", [])), _stats(r.get("stats", {})))
 
     def score(self, agent: str, instruction: str, candidates: Sequence[str],
@@ -78,8 +134,8 @@ class WorkerClient(Client):
               **knobs) -> Scored:
         if not candidates:
             raise ValueError("score needs at least one candidate")
-        r = self._ch.call("complete", self._fill(agent, instruction, history, k, method, 0, 0.0,
-                                                 candidates, knobs))
+        r = self._routed(agent, self._fill(agent, instruction, history, k, method, 0, 0.0,
+                                           candidates, knobs))
         scores = r.get("scores", [])
         return Scored([s.get("logProb", 0.0) for s in scores], [s.get("tokens", 0) for s in scores],
                       r.get("best", 0), _stats(r.get("stats", {})))

@@ -13,7 +13,7 @@ import tempfile
 import time
 import unittest
 
-from keep_client import ManagerClient, errors
+from keep_client import ManagerClient, WorkerClient, errors
 from keep_client.cluster import EtcdDirectory, shard_of
 from keep_client.local import LocalServices, free_port
 
@@ -259,6 +259,86 @@ class FailsOver(unittest.TestCase):
         print(f"{len(acked)} writes acknowledged, all there once", flush=True)
         for m in clients:
             m.close()
+
+
+@unittest.skipUnless(os.access(ETCD, os.X_OK), "no etcd-server")
+class WorkerFollowsMoved(unittest.TestCase):
+    """Two nodes of keep-manager + keep-worker (CPU) on etcd. A worker plans only for its own
+    node's agents (their KV is in its node's region) and answers `moved` for another node's,
+    naming that node's worker when its manager registered one (--advertise-worker, node a here;
+    b names none). WorkerClient follows it, or asks the etcd directory first."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.mkdtemp(prefix="keep_wcluster_")
+        cls.etcd, cls.url = start_etcd(cls.tmp)
+        cls.worker_a = f"tcp://127.0.0.1:{free_port()}"
+        flags = lambda node: ["--etcd", cls.url, "--node-id", node, "--shards", "4",
+                              "--etcd-lease-s", "2"]
+        deadline = time.monotonic() + 30
+        while True:  # once etcd has elected itself
+            try:
+                cls.a = LocalServices(worker=True,
+                                      extra_manager=flags("a") + ["--advertise-worker",
+                                                                  cls.worker_a],
+                                      extra_worker=["--endpoint", cls.worker_a])
+                break
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        cls.b = LocalServices(worker=True, extra_manager=flags("b"))
+        cls.directory = EtcdDirectory([cls.url], shards=4)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.b.close()
+        cls.a.close()
+        cls.etcd.kill()
+        cls.etcd.wait()
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    def test_a_plan_goes_to_the_owners_worker(self):
+        a_ep, b_ep = self.a.manager.endpoint, self.b.manager.endpoint
+        self.assertEqual(self.a.worker.endpoint, self.worker_a)
+        deadline = time.monotonic() + 20
+        while True:  # until each node serves its half
+            owners = [self.directory.owner_endpoint(f"robot-{i}") for i in range(32)]
+            x = next((f"robot-{i}" for i, ep in enumerate(owners) if ep == a_ep), None)
+            y = next((f"robot-{i}" for i, ep in enumerate(owners) if ep == b_ep), None)
+            if x and y:
+                break
+            self.assertLess(time.monotonic(), deadline, "the shards were never split")
+            time.sleep(0.2)
+        with ManagerClient(b_ep, timeout=10) as m:
+            m.write(x, "The red mug is on the kitchen counter.")
+            m.write(y, "The milk is in the fridge.")
+        ask = dict(instruction="Where is the mug?", method="full", max_tokens=8)
+        with WorkerClient(self.a.worker.endpoint, timeout=60, follow_moved=False) as wa, \
+                WorkerClient(self.b.worker.endpoint, timeout=60, follow_moved=False) as plain, \
+                WorkerClient(self.b.worker.endpoint, timeout=60) as follow, \
+                WorkerClient(self.b.worker.endpoint, timeout=60,
+                             directory=self.directory) as direct:
+            owner = wa.complete(x, **ask)
+            with self.assertRaises(errors.MovedError) as moved:
+                plain.complete(x, **ask)
+            self.assertEqual(errors.moved_target(moved.exception.message), self.worker_a)
+            self.assertIn("served by a at", moved.exception.message)
+            for _ in range(2):  # followed, then remembered
+                self.assertEqual(follow.complete(x, **ask).tokens, owner.tokens)
+            self.assertEqual(follow.moved_answers, 1)
+            # b named no worker: a's worker answers moved for y with nothing to follow.
+            with WorkerClient(self.a.worker.endpoint, timeout=60) as wa_follow, \
+                    self.assertRaises(errors.MovedError) as unknown:
+                wa_follow.complete(y, **ask)
+            self.assertIsNone(errors.moved_target(unknown.exception.message))
+            self.assertIn("whose keep-worker", unknown.exception.message)
+            # The directory names x's worker at once; y's owner named none: b's own worker.
+            self.assertEqual(self.directory.worker_endpoint(x), self.worker_a)
+            self.assertIsNone(self.directory.worker_endpoint(y))
+            self.assertEqual(direct.complete(x, **ask).tokens, owner.tokens)
+            direct.complete(y, **ask)
+            self.assertEqual(direct.moved_answers, 0)
 
 
 class ShardHash(unittest.TestCase):

@@ -66,6 +66,10 @@ void declare_manager_options(Options* o) {
   o->add("advertise", "",
          "cluster mode: the endpoint other nodes name in `moved` answers (empty: the first bound "
          "--endpoint)");
+  o->add("advertise-worker", "",
+         "cluster mode: the endpoint of this node's keep-worker as planners reach it; registered "
+         "in etcd and named in `moved` answers, so that another node's worker sends a planner "
+         "here (empty: a worker asked about this node's agents answers moved without a target)");
   o->add("shards", "64",
          "cluster mode: agents are hashed into this many shards (same on every node)");
   o->add("etcd-lease-s", "10",
@@ -138,6 +142,10 @@ Result<ManagerConfig> read_manager_config(const Options& o) {
   c.etcd = o.list("etcd");
   c.node_id = o.str("node-id");
   c.advertise = o.str("advertise");
+  c.advertise_worker = o.str("advertise-worker");
+  if (c.advertise_worker.find(' ') != std::string::npos) {
+    return Status(Code::kInvalidArgument, "--advertise-worker: an endpoint holds no space");
+  }
   KEEP_ASSIGN_OR_RETURN(uint64_t shards, o.uint64("shards"));
   if (shards == 0 || shards > 65536)
     return Status(Code::kInvalidArgument, "--shards: must be 1..65536");

@@ -44,8 +44,9 @@ struct ManagerConfig {
   std::string log_level;
   // Cluster mode (issue 31): placement on etcd; empty etcd: one node, every agent.
   std::vector<std::string> etcd;
-  std::string node_id;    // empty: host-pid
-  std::string advertise;  // empty: the first bound endpoint
+  std::string node_id;           // empty: host-pid
+  std::string advertise;         // empty: the first bound endpoint
+  std::string advertise_worker;  // this node's keep-worker for planners; empty: not named
   uint32_t shards = 64;
   int64_t etcd_lease_s = 10;
   // Cluster mode's log of record (libpq conninfo); empty: the local WAL is the record.

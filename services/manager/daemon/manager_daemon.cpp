@@ -740,6 +740,7 @@ Result<std::unique_ptr<ManagerDaemon>> ManagerDaemon::start(const ManagerConfig&
     ko.shards = config.shards;
     ko.lease_ttl_s = config.etcd_lease_s;
     ko.period = std::chrono::milliseconds(std::max<int64_t>(200, config.etcd_lease_s * 1000 / 4));
+    ko.worker_endpoint = config.advertise_worker;
     std::string node = config.node_id;
     if (node.empty()) {
       char host[256] = {};

@@ -963,10 +963,13 @@ void ManagerService::run_retrieve(RetrieveJob& job) {
       if (arrived.count(p.id) != 0) todo.push_back(std::move(p));
     }
     if (!todo.empty() && rechecks++ < 2) continue;
-    if (options_.record_log != nullptr) {  // the shard may have gone while the retrieve waited
+    // The shard may have gone while the retrieve waited (moved, or this node's lease ran out).
+    if (options_.record_log != nullptr) {
       if (auto route = options_.record_log->route(job.agent); !route.is_ok()) {
         return call.fail(route.status());
       }
+    } else if (options_.route_agent) {
+      if (Status st = options_.route_agent(job.agent); !st.is_ok()) return call.fail(st);
     }
     auto r = store_->retrieve_embedded(job.agent, query_embedding, job.needs.k);
     if (!r.is_ok()) return call.fail(r.status());

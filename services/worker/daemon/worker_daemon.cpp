@@ -141,6 +141,10 @@ Result<std::unique_ptr<WorkerDaemon>> WorkerDaemon::start(const WorkerConfig& co
   client::ClientOptions co;
   co.endpoint = config.manager;
   co.timeout = config.manager_timeout;
+  // Only this node's manager: its KV descriptors ({index, generation}) name entries of the region
+  // this worker maps; another node's would name other bytes at the same slots. An agent another
+  // node serves is answered `moved` to the planner, naming that node's worker (PlanService).
+  co.follow_moved = false;
   KEEP_ASSIGN_OR_RETURN(d.manager, client::ManagerClient::connect(co));
 
   const uint64_t worker_id = config.worker_id != 0 ? config.worker_id : derived_worker_id();

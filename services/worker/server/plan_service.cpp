@@ -5,6 +5,7 @@
 #include <thread>
 #include <utility>
 
+#include "shared/client/moved.h"
 #include "shared/common/log.h"
 
 namespace keep::worker {
@@ -15,6 +16,22 @@ using Clock = std::chrono::steady_clock;
 
 double seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
+}
+
+// The manager's `moved` answer for an agent another node serves (its client does not follow
+// it: the descriptors of another node's manager name entries of another region), turned into
+// the planner's: the owner's worker to ask, or, when its manager did not name one, no target.
+Status moved_to_worker(const Status& moved) {
+  const std::optional<client::MovedTarget> t = client::parse_moved(moved.message());
+  if (!t) {  // not a message this version writes: nothing a planner could follow
+    const std::string why = "its manager answered: " + moved.message();
+    return Status(Code::kMoved, "the agent is served by another node (" + why +
+                                    "); this worker plans for its own node's agents only");
+  }
+  if (!t->worker.empty()) return Status(Code::kMoved, t->head + " at " + t->worker);
+  return Status(Code::kMoved, t->head +
+                                  ", whose keep-worker this node does not know (its keep-manager "
+                                  "has no --advertise-worker): plan there");
 }
 
 kv::EntryDescriptor descriptor(const client::EntryDescriptor& d) {
@@ -67,7 +84,10 @@ Result<CompleteResult> PlanService::complete(const CompleteArgs& args, Clock::ti
     }
     retrieved = manager_->retrieve(args.agent, args.instruction, k);
   }
-  if (!retrieved.is_ok()) return retrieved.status();
+  if (!retrieved.is_ok()) {
+    if (retrieved.status().code() == Code::kMoved) return moved_to_worker(retrieved.status());
+    return retrieved.status();
+  }
   out.retrieve_seconds = seconds(t_retrieve, Clock::now());
 
   // Entries are read in place from the region's mapping (registered for the GPU: the loader

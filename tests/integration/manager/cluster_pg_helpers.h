@@ -1,14 +1,10 @@
 // Helpers of the tests of keep-manager in cluster mode with its log in PostgreSQL
 // (test_manager_pg_failover, _pg_fence, _pg_standby, test_manager_client_failover): the cluster
 // flags, metrics by label, a client per endpoint, polling, the shards' split between two nodes,
-// and a loopback TCP proxy that can cut a process off from etcd.
+// and (tcp_proxy.h) a loopback TCP proxy that can cut a process off from etcd.
 #pragma once
 
 #include <doctest/doctest.h>
-#include <netinet/in.h>
-#include <poll.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <atomic>
 #include <map>
@@ -23,6 +19,7 @@
 #include "tests/integration/etcd_cluster.h"
 #include "tests/integration/manager/manager_process.h"
 #include "tests/integration/pg_server.h"
+#include "tests/integration/tcp_proxy.h"
 
 namespace keep::itest {
 
@@ -116,116 +113,5 @@ inline Result<std::vector<std::string>> all_texts(client::ManagerClient& c,
     if (!page.more) return out;
   }
 }
-
-// A TCP proxy on a free loopback port to 127.0.0.1:target_port, in a thread of its own. cut()
-// closes every connection and refuses new ones (they are accepted and closed at once): the
-// process behind it is cut off from the target, and fails fast rather than waiting on timeouts.
-class TcpProxy {
- public:
-  explicit TcpProxy(int target_port) : target_(target_port) {
-    listen_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    REQUIRE(listen_ >= 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    REQUIRE(::bind(listen_, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
-    REQUIRE(::listen(listen_, 64) == 0);
-    socklen_t len = sizeof a;
-    ::getsockname(listen_, reinterpret_cast<sockaddr*>(&a), &len);
-    port_ = ntohs(a.sin_port);
-    thread_ = std::thread([this] { run(); });
-  }
-  ~TcpProxy() {
-    stop_.store(true);
-    thread_.join();
-    for (auto [x, y] : pairs_) {
-      ::close(x);
-      ::close(y);
-    }
-    ::close(listen_);
-  }
-  TcpProxy(const TcpProxy&) = delete;
-  TcpProxy& operator=(const TcpProxy&) = delete;
-
-  int port() const { return port_; }
-  std::string url() const { return "http://127.0.0.1:" + std::to_string(port_); }
-  void cut() { cut_.store(true); }
-
- private:
-  int connect_target() const {
-    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    a.sin_port = htons(static_cast<uint16_t>(target_));
-    if (fd >= 0 && ::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0) return fd;
-    if (fd >= 0) ::close(fd);
-    return -1;
-  }
-  // Copies what `from` has to `to`; false at the end of the stream or on an error.
-  static bool pump(int from, int to) {
-    char buf[65536];
-    const ssize_t n = ::read(from, buf, sizeof buf);
-    if (n <= 0) return false;
-    for (ssize_t done = 0; done < n;) {
-      const ssize_t w = ::send(to, buf + done, static_cast<size_t>(n - done), MSG_NOSIGNAL);
-      if (w <= 0) return false;
-      done += w;
-    }
-    return true;
-  }
-  void run() {
-    while (!stop_.load()) {
-      if (cut_.load() && !pairs_.empty()) {
-        for (auto [x, y] : pairs_) {
-          ::close(x);
-          ::close(y);
-        }
-        pairs_.clear();
-      }
-      std::vector<pollfd> fds{{listen_, POLLIN, 0}};
-      for (auto [x, y] : pairs_) {
-        fds.push_back({x, POLLIN, 0});
-        fds.push_back({y, POLLIN, 0});
-      }
-      if (::poll(fds.data(), fds.size(), 20) <= 0) continue;
-      std::vector<std::pair<int, int>> keep;
-      if (fds[0].revents & POLLIN) {
-        const int c = ::accept4(listen_, nullptr, nullptr, SOCK_CLOEXEC);
-        if (c >= 0) {
-          const int t = cut_.load() ? -1 : connect_target();
-          if (t < 0) {
-            ::close(c);
-          } else {
-            keep.emplace_back(c, t);
-          }
-        }
-      }
-      for (size_t i = 0; i < pairs_.size(); ++i) {
-        const auto [x, y] = pairs_[i];
-        const pollfd& px = fds[1 + 2 * i];
-        const pollfd& py = fds[2 + 2 * i];
-        bool ok = true;
-        if (px.revents & (POLLIN | POLLHUP | POLLERR)) ok = pump(x, y);
-        if (ok && (py.revents & (POLLIN | POLLHUP | POLLERR))) ok = pump(y, x);
-        if (ok) {
-          keep.emplace_back(x, y);
-        } else {
-          ::close(x);
-          ::close(y);
-        }
-      }
-      pairs_ = std::move(keep);
-    }
-  }
-
-  int target_;
-  int listen_ = -1;
-  int port_ = 0;
-  std::atomic<bool> stop_{false};
-  std::atomic<bool> cut_{false};
-  std::vector<std::pair<int, int>> pairs_;  // (client, target), the proxy thread's
-  std::thread thread_;
-};
 
 }  // namespace keep::itest
