@@ -107,12 +107,26 @@ def _is_void(msg, kind):
 
 
 class Client:
-    """What both clients share: one channel, closed by close() or a with-block."""
+    """What both clients share: one channel, and one to each other node a cluster answer sent
+    them to (_channel), all closed by close() or a with-block."""
 
     def __init__(self, endpoint, timeout, schema):
         self._ch = Channel(endpoint, timeout, schema)
+        self._schema = schema
+        self._others = {}  # endpoint -> Channel (other nodes)
+
+    def _channel(self, endpoint):
+        if endpoint == self._ch.endpoint:
+            return self._ch
+        ch = self._others.get(endpoint)
+        if ch is None:
+            ch = self._others[endpoint] = Channel(endpoint, self._ch.timeout, self._schema)
+        return ch
 
     def close(self):
+        for ch in self._others.values():
+            ch.close()
+        self._others.clear()
         self._ch.close()
 
     def __enter__(self):

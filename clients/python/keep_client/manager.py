@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
 from . import _schema, errors
-from ._channel import Channel, Client
+from ._channel import Client
 
 # Between two tries of a call whose shard is between owners (seconds).
 _RETRY_WAIT = 0.25
@@ -136,17 +136,8 @@ class ManagerClient(Client):
         self._seq = itertools.count(1)
         self.mutations_resent = 0  # mutations sent again after their answer was lost
         self._owners = {}    # agent -> endpoint
-        self._others = {}    # endpoint -> Channel (other nodes)
         self._silent = {}    # endpoint -> time.monotonic() it last gave no answer
         self.moved_answers = 0  # `moved` answers received (the directory spares them)
-
-    def _channel(self, endpoint):
-        if endpoint == self._ch.endpoint:
-            return self._ch
-        ch = self._others.get(endpoint)
-        if ch is None:
-            ch = self._others[endpoint] = Channel(endpoint, self._ch.timeout, _schema.manager)
-        return ch
 
     def _is_silent(self, endpoint):
         at = self._silent.get(endpoint)
@@ -242,12 +233,6 @@ class ManagerClient(Client):
         """Whether a call may be sent once more: 16 tries, or until failover_until."""
         return self._follow_moved and (
             attempt < 15 or (failover_until is not None and time.monotonic() < failover_until))
-
-    def close(self):
-        for ch in self._others.values():
-            ch.close()
-        self._others.clear()
-        super().close()
 
     def ping(self) -> str:
         return self._ch.call("ping", None).get("serverVersion", "")

@@ -3,7 +3,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 from . import _schema, errors
-from ._channel import Channel, Client
+from ._channel import Client
 
 # Method names as keep-worker's --method spells them, and their wire enumerants.
 METHODS = {"full": "full", "prefix": "prefix", "full_reuse": "fullReuse",
@@ -75,16 +75,7 @@ class WorkerClient(Client):
         self._follow_moved = follow_moved
         self._directory = directory
         self._owners = {}  # agent -> worker endpoint
-        self._others = {}  # endpoint -> Channel (other nodes' workers)
         self.moved_answers = 0  # `moved` answers received (the directory spares them)
-
-    def _channel(self, endpoint):
-        if endpoint == self._ch.endpoint:
-            return self._ch
-        ch = self._others.get(endpoint)
-        if ch is None:
-            ch = self._others[endpoint] = Channel(endpoint, self._ch.timeout, _schema.worker)
-        return ch
 
     def _routed(self, agent, fill):
         endpoint = self._owners.get(agent)
@@ -111,12 +102,6 @@ class WorkerClient(Client):
                 # next time.
                 self._owners.pop(agent, None)
                 raise
-
-    def close(self):
-        for ch in self._others.values():
-            ch.close()
-        self._others.clear()
-        super().close()
 
     def ping(self) -> Dict[str, str]:
         p = self._ch.call("ping", None)
