@@ -227,12 +227,15 @@ Result<Prefilled> KvAssembler::prefill(const AssembleRequest& req) {
     }
     batch.clear();
     batch_runs.clear();
+    // A layer recomputing memory rows may let queued loads run further ahead; else the
+    // schedule's own budget (prefetch_bytes, or none for loads not queued).
     const bool recomputing_memory =
         std::any_of(rows.begin(), rows.end(), [&](int32_t r) { return r < memory_end; });
-    const uint64_t budget = !load_options_.queue ? 0
-                            : recomputing_memory ? load_options_.prefetch_bytes_recomputing
-                                                 : load_options_.prefetch_bytes;
-    for (const LoadSchedule::Item& item : schedule.before_layer(l, budget)) {
+    const std::vector<LoadSchedule::Item> items =
+        load_options_.queue && recomputing_memory
+            ? schedule.before_layer(l, load_options_.prefetch_bytes_recomputing)
+            : schedule.before_layer(l);
+    for (const LoadSchedule::Item& item : items) {
       const engine::KvView target = cache_.layer(item.layer);
       for (const LoadRun& run : cohorts[static_cast<size_t>(item.cohort)]) {
         const SegmentKv& kv = req.segments[run.segment].kv;
