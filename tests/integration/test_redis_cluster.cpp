@@ -4,6 +4,10 @@
 
 #include <algorithm>
 #include <cstring>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "shared/kvremote/redis_cluster.h"
 #include "shared/kvremote/shared_kv_tier.h"
@@ -90,6 +94,48 @@ TEST_CASE("values: content, length and checksum are checked") {
         keep::Code::kCorrupt);
   std::vector<std::byte> longer(65);
   CHECK(kr::decode_value(value, content, longer).code() == keep::Code::kCorrupt);
+}
+
+TEST_CASE("every part of an entry's content is in its key") {
+  // A key shared by two contents would make a worker of another model, backend or context take
+  // the entry's bytes for its own (decode_value catches it only after the transfer).
+  const std::string base = kr::content_key(kr::content_bytes(sample_content()));
+  CHECK(base.rfind("keep:kv:1:", 0) == 0);
+  CHECK(base.size() == std::string("keep:kv:1:").size() + 32);
+  CHECK(kr::content_key(kr::content_bytes(sample_content())) == base);  // deterministic
+  const std::vector<std::pair<const char*, void (*)(kr::EntryContent&)>> changes = {
+      {"layers", [](kr::EntryContent& c) { c.fingerprint.num_layers = 3; }},
+      {"kv heads", [](kr::EntryContent& c) { c.fingerprint.num_kv_heads = 2; }},
+      {"head_dim", [](kr::EntryContent& c) { c.fingerprint.head_dim = 8; }},
+      {"dtype", [](kr::EntryContent& c) { c.fingerprint.dtype = keep::kv::KvDType::kF32; }},
+      {"rope theta", [](kr::EntryContent& c) { c.fingerprint.rope_theta = 1e6; }},
+      {"rope scaling",
+       [](kr::EntryContent& c) {
+         c.fingerprint.rope_scaling = keep::kv::RopeScaling::kLlama3;
+         c.fingerprint.rope_scaling_factor = 8;
+       }},
+      {"tokenizer", [](kr::EntryContent& c) { c.fingerprint.tokenizer_hash = 43; }},
+      {"model name", [](kr::EntryContent& c) { c.fingerprint.set_model_name("test-2"); }},
+      {"producer", [](kr::EntryContent& c) { c.producer = "cuda"; }},
+      {"context", [](kr::EntryContent& c) { c.context[1] = 7; }},
+      {"no context", [](kr::EntryContent& c) { c.context.clear(); }},
+      {"tokens", [](kr::EntryContent& c) { c.tokens[3] = 14; }},
+      // The same token stream cut elsewhere: the entry starts at another position.
+      {"context/tokens boundary",
+       [](kr::EntryContent& c) {
+         c.tokens.insert(c.tokens.begin(), c.context.back());
+         c.context.pop_back();
+       }},
+  };
+  std::set<std::string> keys{base};
+  for (const auto& [what, change] : changes) {
+    kr::EntryContent c = sample_content();
+    change(c);
+    const std::string key = kr::content_key(kr::content_bytes(c));
+    INFO(what);
+    CHECK(key != base);
+    CHECK(keys.insert(key).second);  // and differs from every other change's
+  }
 }
 
 TEST_CASE("a three-master cluster: slots, binary values, MOVED, ASK, servers killed") {
