@@ -7,7 +7,8 @@
 #   scripts/cluster.sh up [N]        start (N nodes, default 2) and print their endpoints
 #   scripts/cluster.sh status        shards each node serves (its /metrics), PostgreSQL's roles,
 #                                    the Redis Cluster's state and each master up or down
-#   scripts/cluster.sh kill I        kill -9 node I's manager (its shards move within the lease)
+#   scripts/cluster.sh kill I        kill -9 node I: its manager and its worker (its shards move
+#                                    within the lease)
 #   scripts/cluster.sh kill redis I  kill -9 Redis master I (0..2): the workers lose KV hits only
 #   scripts/cluster.sh down          stop everything and remove the state
 #
@@ -144,10 +145,14 @@ status() {
 }
 
 kill_node() {
-  local i=${1:?node number}
+  local i=${1:?node number} what="manager"
   alive "$dir/manager$i.pid" || die "node$i's manager is not running"
   kill -9 "$(cat "$dir/manager$i.pid")"
-  echo "node$i's manager killed; its shards move within ${lease_s} s"
+  if alive "$dir/worker$i.pid"; then
+    kill -9 "$(cat "$dir/worker$i.pid")"
+    what="manager and worker"
+  fi
+  echo "node$i's $what killed (-9); its shards move within ${lease_s} s"
 }
 
 kill_redis() {
@@ -179,5 +184,5 @@ case "${1:-}" in
   status) status ;;
   kill) if [ "${2:-}" = redis ]; then kill_redis "${3:-}"; else kill_node "${2:-}"; fi ;;
   down) down ;;
-  *) sed -n '2,28p' "$0"; exit 2 ;;
+  *) sed -n '2,29p' "$0"; exit 2 ;;
 esac
