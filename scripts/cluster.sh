@@ -15,8 +15,8 @@
 # State (pids, logs, data) lives in $KEEP_CLUSTER_DIR (default /tmp/keep-cluster);
 # KEEP_CLUSTER_WORKERS=0 starts managers only; KEEP_CLUSTER_PG=0 (or no Debian postgresql) starts
 # no PostgreSQL: the managers then route only, and a moved shard arrives without its memories;
-# KEEP_CLUSTER_REDIS=0 (or no Debian redis-server) starts no Redis: each worker computes all its
-# KV itself. KEEP_CLUSTER_LEASE_S is the managers' --etcd-lease-s (default 5).
+# KEEP_CLUSTER_REDIS=0 (or no Debian redis-server, or no workers) starts no Redis: each worker
+# computes all its KV itself. KEEP_CLUSTER_LEASE_S is the managers' --etcd-lease-s (default 5).
 # The primary listens on 127.0.0.1:25432, the standby on 25433; `up` prints how to promote the
 # standby by hand (docs/cluster.md, "PostgreSQL's availability"); the managers find whichever
 # server takes writes. The Redis masters listen on 127.0.0.1:26379..26381 (their cluster bus on
@@ -62,17 +62,19 @@ up() {
   else
     echo "postgresql: not started (KEEP_CLUSTER_PG=0 or no /usr/lib/postgresql): routing only"
   fi
+  local workers=0
+  if [ "${KEEP_CLUSTER_WORKERS:-1}" = 1 ] && [ -x "$bin/keep-worker" ] && [ -f "$model" ]; then
+    workers=1
+  fi
   local kv=()
-  if [ "${KEEP_CLUSTER_REDIS:-1}" = 1 ] && [ -x "$keep_redis_bin" ] && [ -x "$keep_redis_cli_bin" ]; then
+  if [ "$workers" = 0 ]; then
+    echo "redis: not started (no keep-worker: KEEP_CLUSTER_WORKERS=0, or no $bin/keep-worker or $model)"
+  elif [ "${KEEP_CLUSTER_REDIS:-1}" = 1 ] && [ -x "$keep_redis_bin" ] && [ -x "$keep_redis_cli_bin" ]; then
     keep_redis_start "$dir" "$redis_port" || die "redis did not start"
     kv=(--kv-remote "$keep_redis_url")
     echo "redis: a cluster of three masters, $keep_redis_url (the workers' shared KV tier)"
   else
     echo "redis: not started (KEEP_CLUSTER_REDIS=0 or no /usr/bin/redis-server): no shared KV tier"
-  fi
-  local workers=0
-  if [ "${KEEP_CLUSTER_WORKERS:-1}" = 1 ] && [ -x "$bin/keep-worker" ] && [ -f "$model" ]; then
-    workers=1
   fi
   for i in $(seq 1 "$n"); do
     local ep="tcp://127.0.0.1:$((7610 + i))" wep="tcp://127.0.0.1:$((7620 + i))"
