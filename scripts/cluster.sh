@@ -68,8 +68,10 @@ up() {
   fi
   local kv=()
   if [ "$workers" = 0 ]; then
-    echo "redis: not started (no keep-worker: KEEP_CLUSTER_WORKERS=0, or no $bin/keep-worker or $model)"
-  elif [ "${KEEP_CLUSTER_REDIS:-1}" = 1 ] && [ -x "$keep_redis_bin" ] && [ -x "$keep_redis_cli_bin" ]; then
+    echo "redis: not started (no keep-worker: KEEP_CLUSTER_WORKERS=0, or no $bin/keep-worker" \
+      "or $model)"
+  elif [ "${KEEP_CLUSTER_REDIS:-1}" = 1 ] && [ -x "$keep_redis_bin" ] &&
+    [ -x "$keep_redis_cli_bin" ]; then
     keep_redis_start "$dir" "$redis_port" || die "redis did not start"
     kv=(--kv-remote "$keep_redis_url")
     echo "redis: a cluster of three masters, $keep_redis_url (the workers' shared KV tier)"

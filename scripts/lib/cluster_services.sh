@@ -133,7 +133,10 @@ keep_redis_start() {
   done
   keep_redis_url="redis://$keep_redis_url"
   for i in 0 1 2; do
-    for _ in $(seq 100); do keep_redis_cli $((port + i)) PING 2>/dev/null | grep -q PONG && break; sleep 0.1; done
+    for _ in $(seq 100); do
+      keep_redis_cli $((port + i)) PING 2>/dev/null | grep -q PONG && break
+      sleep 0.1
+    done
   done
   "$keep_redis_cli_bin" --cluster create "${masters[@]}" --cluster-replicas 0 --cluster-yes \
     >"$dir/redis-create.log" 2>&1 ||

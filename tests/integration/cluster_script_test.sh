@@ -20,7 +20,7 @@
 #   printed), with at least the memories its prompt held before the kill (with PostgreSQL; without
 #   it node2 holds none of them and the answer is not_found);
 # - `kill redis 0` (with Redis): status shows that master down, and a completion is still answered.
-# Skipped (77) without etcd. About 35 s with workers on a loaded 2-core machine.
+# Skipped (77) without etcd. 24 to 37 s with workers on a 2-core machine, about 20 s without.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
@@ -180,4 +180,5 @@ if [ "$redis" = 1 ]; then
 fi
 scripts/cluster.sh down
 [ ! -d "$KEEP_CLUSTER_DIR" ] || fail "state left behind"
-echo "cluster.sh: passed in $((SECONDS - t_start)) s (workers: $workers, postgresql: $pg, redis: $redis)"
+echo "cluster.sh: passed in $((SECONDS - t_start)) s" \
+  "(workers: $workers, postgresql: $pg, redis: $redis)"
