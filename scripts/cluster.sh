@@ -1,24 +1,32 @@
 #!/usr/bin/env bash
 # KEEP's cluster mode on one machine, for a person to try (docs/cluster.md): a three-member etcd,
-# a PostgreSQL primary holding the agents' memory logs and its synchronous standby, and N nodes
-# (keep-manager --pg, plus a keep-worker on the CPU or GPU), all on 127.0.0.1.
+# a PostgreSQL primary holding the agents' memory logs and its synchronous standby, a Redis
+# Cluster of three masters (the shared KV tier) and N nodes (keep-manager --pg, plus a keep-worker
+# on the CPU or GPU with --kv-remote), all on 127.0.0.1.
 #
-#   scripts/cluster.sh up [N]     start (N nodes, default 2) and print their endpoints
-#   scripts/cluster.sh status     shards each node serves (its /metrics), PostgreSQL's roles
-#   scripts/cluster.sh kill I     kill -9 node I's manager (its shards move within the lease)
-#   scripts/cluster.sh down       stop everything and remove the state
+#   scripts/cluster.sh up [N]        start (N nodes, default 2) and print their endpoints
+#   scripts/cluster.sh status        shards each node serves (its /metrics), PostgreSQL's roles,
+#                                    the Redis Cluster's state and each master up or down
+#   scripts/cluster.sh kill I        kill -9 node I: its manager and its worker (its shards move
+#                                    within the lease)
+#   scripts/cluster.sh kill redis I  kill -9 Redis master I (0..2): the workers lose KV hits only
+#   scripts/cluster.sh down          stop everything and remove the state
 #
 # State (pids, logs, data) lives in $KEEP_CLUSTER_DIR (default /tmp/keep-cluster);
 # KEEP_CLUSTER_WORKERS=0 starts managers only; KEEP_CLUSTER_PG=0 (or no Debian postgresql) starts
-# no PostgreSQL: the managers then route only, and a moved shard arrives without its memories.
+# no PostgreSQL: the managers then route only, and a moved shard arrives without its memories;
+# KEEP_CLUSTER_REDIS=0 (or no Debian redis-server, or no workers) starts no Redis: each worker
+# computes all its KV itself. KEEP_CLUSTER_LEASE_S is the managers' --etcd-lease-s (default 5).
 # The primary listens on 127.0.0.1:25432, the standby on 25433; `up` prints how to promote the
 # standby by hand (docs/cluster.md, "PostgreSQL's availability"); the managers find whichever
-# server takes writes.
+# server takes writes. The Redis masters listen on 127.0.0.1:26379..26381 (their cluster bus on
+# 36379..36381).
 # keepctl follows `moved`, so any node's endpoint reaches every agent:
 #   build/bin/keepctl --endpoint tcp://127.0.0.1:7611 write robot-7 "The mug is on the table."
 # or, with no node address, through etcd as the clients route:
 #   build/bin/keepctl --etcd http://127.0.0.1:23790 --shards 16 list robot-7
-# Not yet in cluster mode: the Redis KV tier; see docs/cluster.md.
+# and any node's worker plans for every agent (it answers `moved` to the owner's worker):
+#   build/bin/keepctl --worker-endpoint tcp://127.0.0.1:7621 complete robot-7 "Bring the mug."
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -26,7 +34,7 @@ dir=${KEEP_CLUSTER_DIR:-/tmp/keep-cluster}
 bin=${KEEP_BIN_DIR:-${KEEP_BUILD_DIR:-build}/bin}
 model=models/SmolLM2-135M-Instruct.Q4_1.gguf
 lease_s=${KEEP_CLUSTER_LEASE_S:-5}
-pg_port=25432 pg_standby_port=25433
+pg_port=25432 pg_standby_port=25433 redis_port=26379
 # shellcheck source=scripts/lib/cluster_services.sh
 . scripts/lib/cluster_services.sh
 
@@ -58,6 +66,18 @@ up() {
   if [ "${KEEP_CLUSTER_WORKERS:-1}" = 1 ] && [ -x "$bin/keep-worker" ] && [ -f "$model" ]; then
     workers=1
   fi
+  local kv=()
+  if [ "$workers" = 0 ]; then
+    echo "redis: not started (no keep-worker: KEEP_CLUSTER_WORKERS=0, or no $bin/keep-worker" \
+      "or $model)"
+  elif [ "${KEEP_CLUSTER_REDIS:-1}" = 1 ] && [ -x "$keep_redis_bin" ] &&
+    [ -x "$keep_redis_cli_bin" ]; then
+    keep_redis_start "$dir" "$redis_port" || die "redis did not start"
+    kv=(--kv-remote "$keep_redis_url")
+    echo "redis: a cluster of three masters, $keep_redis_url (the workers' shared KV tier)"
+  else
+    echo "redis: not started (KEEP_CLUSTER_REDIS=0 or no /usr/bin/redis-server): no shared KV tier"
+  fi
   for i in $(seq 1 "$n"); do
     local ep="tcp://127.0.0.1:$((7610 + i))" wep="tcp://127.0.0.1:$((7620 + i))"
     # The manager names its worker in etcd: a worker asked about another node's agent answers
@@ -73,9 +93,10 @@ up() {
     grep -q "serving on" "$dir/manager$i.log" || die "node$i's manager did not start: $dir/manager$i.log"
     if [ "$workers" = 1 ]; then
       "$bin/keep-worker" --manager "$ep" --shm-name "keep-cluster-$i" --model "$model" \
-        --endpoint "$wep" --metrics-listen "127.0.0.1:$((9480 + i))" >"$dir/worker$i.log" 2>&1 &
+        --endpoint "$wep" --metrics-listen "127.0.0.1:$((9480 + i))" "${kv[@]}" \
+        >"$dir/worker$i.log" 2>&1 &
       echo $! >"$dir/worker$i.pid"
-      wep=", worker $wep"
+      wep=", worker $wep (metrics 127.0.0.1:$((9480 + i)))"
     else
       wep=""
     fi
@@ -110,18 +131,47 @@ status() {
       echo "postgresql 127.0.0.1:$p: down"
     fi
   done
+  [ -f "$dir/redis0.pid" ] || return 0
+  local i state=""
+  for i in 0 1 2; do  # the cluster's state, as the first master still up sees it
+    state=$(keep_redis_cli $((redis_port + i)) CLUSTER INFO 2>/dev/null |
+      tr -d '\r' | awk -F: '$1 == "cluster_state" {print $2}' || true)
+    [ -n "$state" ] && break
+  done
+  echo "redis cluster: ${state:-down}"
+  for i in 0 1 2; do
+    if keep_redis_cli $((redis_port + i)) PING 2>/dev/null | grep -q PONG; then
+      echo "redis$i 127.0.0.1:$((redis_port + i)): up"
+    else
+      echo "redis$i 127.0.0.1:$((redis_port + i)): down"
+    fi
+  done
 }
 
 kill_node() {
-  local i=${1:?node number}
+  local i=${1:?node number} what="manager"
   alive "$dir/manager$i.pid" || die "node$i's manager is not running"
   kill -9 "$(cat "$dir/manager$i.pid")"
-  echo "node$i's manager killed; its shards move within ${lease_s} s"
+  if alive "$dir/worker$i.pid"; then
+    kill -9 "$(cat "$dir/worker$i.pid")"
+    what="manager and worker"
+  fi
+  echo "node$i's $what killed (-9); its shards move within ${lease_s} s"
+}
+
+kill_redis() {
+  local i=${1:?redis master number}
+  [[ "$i" =~ ^[0-2]$ ]] || die "redis master I must be 0..2"
+  alive "$dir/redis$i.pid" || die "redis$i is not running"
+  kill -9 "$(cat "$dir/redis$i.pid")"
+  echo "redis$i (127.0.0.1:$((redis_port + i))) killed (-9); the workers lose KV hits, never"
+  echo "  answers: they compute what they would have read"
 }
 
 down() {
   [ -d "$dir" ] || return 0
-  for p in "$dir"/worker*.pid "$dir"/manager*.pid "$dir"/etcd*.pid "$dir"/pg-*.pid; do
+  for p in "$dir"/worker*.pid "$dir"/manager*.pid "$dir"/etcd*.pid "$dir"/pg-*.pid \
+    "$dir"/redis*.pid; do
     [ -f "$p" ] && kill "$(cat "$p")" 2>/dev/null || true
   done
   sleep 1
@@ -136,7 +186,7 @@ down() {
 case "${1:-}" in
   up) up "${2:-2}" ;;
   status) status ;;
-  kill) kill_node "${2:-}" ;;
+  kill) if [ "${2:-}" = redis ]; then kill_redis "${3:-}"; else kill_node "${2:-}"; fi ;;
   down) down ;;
-  *) sed -n '2,20p' "$0"; exit 2 ;;
+  *) sed -n '2,29p' "$0"; exit 2 ;;
 esac

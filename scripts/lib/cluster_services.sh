@@ -18,11 +18,23 @@
 #       one query's rows, unaligned (psql -Atq as postgres).
 #   keep_pg_promote_hint DIR
 #       how to promote the standby by hand (docs/cluster.md, "PostgreSQL's availability").
+#   keep_redis_start DIR PORT
+#       a Redis Cluster of three masters on loopback, configured as tests/integration/
+#       redis_cluster.h starts one (cluster mode, no persistence, no replicas,
+#       cluster-node-timeout 2000 ms): master i listens on PORT + i, its cluster bus on
+#       PORT + i + 10000; data DIR/redisI, logs DIR/redisI.log, pids DIR/redisI.pid. Made one
+#       cluster by `redis-cli --cluster create ... --cluster-replicas 0 --cluster-yes`; returns
+#       once every master says cluster_state:ok. Sets keep_redis_url (keep-worker's --kv-remote:
+#       redis://127.0.0.1:PORT,127.0.0.1:PORT+1,127.0.0.1:PORT+2).
+#   keep_redis_cli PORT ARGS...
+#       one redis-cli command against the master on PORT.
 #
-# Needs Debian's etcd-server (ETCD overrides /usr/bin/etcd) and postgresql.
+# Needs Debian's etcd-server (ETCD overrides /usr/bin/etcd), postgresql and redis-server.
 
 keep_etcd_bin=${ETCD:-/usr/bin/etcd}
 keep_pg_bin=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1 || true)
+keep_redis_bin=/usr/bin/redis-server
+keep_redis_cli_bin=/usr/bin/redis-cli
 keep_pg_as=()
 [ "$(id -u)" = 0 ] && keep_pg_as=(setpriv --reuid=postgres --regid=postgres --init-groups --)
 
@@ -98,4 +110,43 @@ keep_pg_promote_hint() {
   [ "$(id -u)" = 0 ] && as="setpriv --reuid=postgres --regid=postgres --init-groups -- "
   echo "  promote the standby once the primary is gone for good (docs/cluster.md, \"PostgreSQL's"
   echo "  availability\"): kill -9 \$(cat $1/pg-primary.pid); ${as}$keep_pg_bin/pg_ctl promote -w -D $1/pg/standby"
+}
+
+keep_redis_cli() {
+  local port=$1
+  shift
+  "$keep_redis_cli_bin" -h 127.0.0.1 -p "$port" "$@"
+}
+
+keep_redis_start() {
+  local dir=$1 port=$2 i p masters=()
+  keep_redis_url=""
+  for i in 0 1 2; do
+    p=$((port + i))
+    mkdir -p "$dir/redis$i"
+    "$keep_redis_bin" --port "$p" --bind 127.0.0.1 --dir "$dir/redis$i" --cluster-enabled yes \
+      --cluster-config-file "$dir/redis$i/nodes.conf" --cluster-node-timeout 2000 --save "" \
+      --appendonly no --daemonize no >"$dir/redis$i.log" 2>&1 &
+    echo $! >"$dir/redis$i.pid"
+    masters+=("127.0.0.1:$p")
+    keep_redis_url+="${keep_redis_url:+,}127.0.0.1:$p"
+  done
+  keep_redis_url="redis://$keep_redis_url"
+  for i in 0 1 2; do
+    for _ in $(seq 100); do
+      keep_redis_cli $((port + i)) PING 2>/dev/null | grep -q PONG && break
+      sleep 0.1
+    done
+  done
+  "$keep_redis_cli_bin" --cluster create "${masters[@]}" --cluster-replicas 0 --cluster-yes \
+    >"$dir/redis-create.log" 2>&1 ||
+    { echo "redis-cli --cluster create failed: $dir/redis-create.log" >&2; return 1; }
+  for i in 0 1 2; do
+    for _ in $(seq 100); do
+      keep_redis_cli $((port + i)) CLUSTER INFO | grep -q "^cluster_state:ok" && break
+      sleep 0.1
+    done
+    keep_redis_cli $((port + i)) CLUSTER INFO | grep -q "^cluster_state:ok" ||
+      { echo "redis cluster not ok on 127.0.0.1:$((port + i)): $dir/redis$i.log" >&2; return 1; }
+  done
 }
