@@ -4,9 +4,10 @@
 //
 // A synchronous pair: PgServer primary(PgServer::kSyncPrimary) waits at every commit until the
 // standby named kStandbyName flushed it; PgServer standby(PgServer::StandbyOf{&primary}) is
-// that standby (pg_basebackup -R, streaming on loopback). standby.promote() is the manual
-// failover an operator (or patroni) does once the primary is gone; multi_host_conninfo() lists
-// both servers, so libpq reaches whichever takes writes.
+// that standby (pg_basebackup -R, streaming on loopback); SyncPgPair starts both and waits until
+// the standby streams. standby.promote() is the manual failover an operator (or patroni) does once
+// the primary is gone; multi_host_conninfo() lists both servers, so libpq reaches whichever takes
+// writes.
 #pragma once
 
 #include <doctest/doctest.h>
@@ -169,5 +170,15 @@ inline std::string multi_host_conninfo(const PgServer& a, const PgServer& b) {
   return "host=127.0.0.1,127.0.0.1 port=" + std::to_string(a.port) + "," + std::to_string(b.port) +
          " user=postgres dbname=postgres connect_timeout=5 target_session_attrs=read-write";
 }
+
+// A primary and its synchronous standby, streaming once constructed (every commit on the primary
+// returns once the standby flushed it); conninfo() lists both (multi_host_conninfo).
+struct SyncPgPair {
+  PgServer primary{PgServer::kSyncPrimary};
+  PgServer standby{PgServer::StandbyOf{&primary}};
+
+  SyncPgPair() { primary.wait_sync_standby(); }
+  std::string conninfo() const { return multi_host_conninfo(primary, standby); }
+};
 
 }  // namespace keep::itest

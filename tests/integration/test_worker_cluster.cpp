@@ -7,9 +7,22 @@
 // worker (a's manager registered it: --advertise-worker); a client following it gets a's answer,
 // never one computed from b's region. b's manager names no worker: a's worker answers `moved`
 // for Y with nothing to follow. Skipped without Debian's etcd-server.
+//
+// The fault of issue 31, point 5, "kill -9 a node under writes": the same two nodes with their log
+// in PostgreSQL (a primary and its synchronous standby, three etcd members); writers write through
+// ManagerClients while each agent's planner asks completions through a WorkerClient configured
+// with either node's worker; node a's manager and worker are killed -9 mid-run. a's agents move to
+// b, every acknowledged memory is there exactly once, each of a's agents is planned for again
+// within kAnswerAgainBound of the kill, and b's worker never answered for one of a's agents before
+// it owned the agent's shard. Skipped without etcd-server or postgresql.
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <atomic>
+#include <map>
+#include <mutex>
 #include <set>
+#include <thread>
 
 #include "shared/client/manager_client.h"
 #include "shared/client/moved.h"
@@ -29,10 +42,11 @@ namespace {
 constexpr uint32_t kShards = 4;
 
 std::unique_ptr<kc::WorkerClient> worker_client(const std::string& endpoint, bool follow,
-                                                std::shared_ptr<kc::OwnerDirectory> dir = {}) {
+                                                std::shared_ptr<kc::OwnerDirectory> dir = {},
+                                                std::chrono::milliseconds timeout = 60s) {
   kc::WorkerClientOptions o;
   o.endpoint = endpoint;
-  o.timeout = 60s;
+  o.timeout = timeout;
   o.follow_moved = follow;
   o.directory = std::move(dir);
   auto c = kc::WorkerClient::connect(o);
@@ -204,4 +218,300 @@ TEST_CASE(
   REQUIRE_MESSAGE(dy.is_ok(), dy.status().to_string());
   CHECK(dy->tokens == own->tokens);
   CHECK(direct->moved_answers() == 0);
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+// The node-kill fault test: each node serves kRobotsPerNode of the agents.
+constexpr uint32_t kKillShards = 8;
+constexpr size_t kRobotsPerNode = 3;
+constexpr auto kLease = 2s;                                     // pg_cluster_flags' --etcd-lease-s
+constexpr auto kRound = std::chrono::milliseconds(kLease) / 4;  // a node's round
+// A planner's WorkerClient timeout: how long a call sent to the dead worker waits for nothing.
+// Well above a plan's time with every robot's plan queued on one worker (0.3 to 1.3 s here).
+constexpr auto kPlanTimeout = 4s;
+// One plan on the survivor, queued behind every robot's: 2 * kRobotsPerNode plans of up to 0.5 s
+// on a loaded 2-core machine.
+constexpr auto kQueuedPlan = 3s;
+// The stated time: from the kill to each of the dead node's robots' first plan again. The dead
+// node's lease runs out at most kLease after the kill (it renewed before it died); the survivor
+// notices at its next round (kRound), takes the shard and replays its log (tens of ms); until then
+// the robot's plans are answered moved (to the dead worker: followed) or unavailable. A plan sent
+// to the dead worker -- in flight at the kill, remembered, or named by `moved` or by etcd until
+// the lease ran out -- waits kPlanTimeout for nothing; then the robot's plan on the survivor.
+// Measured on a loaded 2-core machine: 4.5 to 5.6 s (the planner's timeout on the dead worker,
+// then a plan), 2.2 to 2.7 s for the robot whose planner asks the survivor's worker and follows
+// nothing (the lease, a round, a plan).
+constexpr auto kAnswerAgainBound = kLease + kRound + kPlanTimeout + kQueuedPlan;  // 9.5 s
+
+// A successful plan: when it was sent and when its answer came.
+struct Answer {
+  Clock::time_point sent, received;
+};
+
+// What one robot's planner saw.
+struct PlannerLog {
+  std::vector<Answer> ok;
+  std::map<std::string, int> failures;  // code name -> count
+  std::string last_failure;
+};
+
+// What one writer saw, per memory text.
+struct WriterLog {
+  std::set<std::string> acked, unknown;
+  std::vector<std::string> errors;  // any other answer
+  size_t acked_on_a_after_kill = 0;
+};
+
+}  // namespace
+
+TEST_CASE(
+    "kill -9 of a node (manager and worker) under writes and plans: its agents move, no "
+    "acknowledged memory is lost or duplicated, planners are answered again within the stated "
+    "time, never by a node not owning the agent" *
+    doctest::skip(!it::have_etcd() || it::pg_bin().empty())) {
+  it::SyncPgPair pg;
+  const std::string conninfo = pg.conninfo();
+  it::EtcdCluster etcd;
+  etcd.wait_ready();
+  const std::string urls = it::join_urls(etcd.clients);
+  it::TempDir tmp("wckill");
+  const std::string worker_ep[2] = {"tcp://127.0.0.1:" + std::to_string(it::free_port()),
+                                    "tcp://127.0.0.1:" + std::to_string(it::free_port())};
+  const std::string shm[2] = {it::unique_name("wka"), it::unique_name("wkb")};
+  const auto flags = [&](const std::string& node, int i) {
+    auto f = it::pg_cluster_flags(urls, node, kKillShards, conninfo);
+    f.insert(f.end(), {"--advertise-worker", worker_ep[i]});
+    return f;
+  };
+  it::ManagerProcess ma({(tmp.path() / "a").string(), shm[0], flags("a", 0)});
+  it::ManagerProcess mb({(tmp.path() / "b").string(), shm[1], flags("b", 1)});
+  const auto worker_flags = [&](int i) {
+    return std::vector<std::string>{"--endpoint", worker_ep[i], "--job-poll-ms",
+                                    "20",         "--threads",  "1"};
+  };
+  it::WorkerProcess wa({tmp.str(), ma.endpoint(), shm[0], worker_flags(0)});
+  it::WorkerProcess wb({tmp.str(), mb.endpoint(), shm[1], worker_flags(1)});
+  it::require_split(ma, mb, kKillShards);
+
+  // kRobotsPerNode robots (agents) of each node: a's, then b's.
+  std::vector<std::string> names;
+  for (int i = 0; i < 64; ++i) names.push_back("robot-" + std::to_string(i));
+  std::vector<std::string> agents;
+  for (const char* node : {"a", "b"}) {
+    const auto mine = it::agents_of(etcd, node, names, kKillShards);
+    REQUIRE(mine.size() >= kRobotsPerNode);
+    agents.insert(agents.end(), mine.begin(), std::next(mine.begin(), kRobotsPerNode));
+  }
+  const std::set<std::string> on_a(agents.begin(), agents.begin() + kRobotsPerNode);
+
+  std::atomic<bool> stop{false};
+  std::atomic<bool> killed{false};
+  Clock::time_point killed_at{};  // written before `killed` is set
+
+  // Ownership as etcd says it, read every 50 ms: for each of a's agents' shards, the start of the
+  // last read that named another owner than b (or none). b may answer for the shard's agents only
+  // after that (etcd reads are linearizable; b takes a shard in etcd before it serves it).
+  std::map<uint32_t, Clock::time_point> not_b_at;
+  std::thread monitor([&] {
+    auto ec = etcd.client();
+    keep::cluster::Placement view(ec.get(), "test");
+    while (!stop.load()) {
+      const auto t = Clock::now();
+      auto owners = view.owners();
+      for (const auto& agent : on_a) {
+        if (!owners.is_ok()) break;
+        const uint32_t s = keep::cluster::shard_of(agent, kKillShards);
+        auto o = owners->find(s);
+        if (o == owners->end() || o->second.node != "b") not_b_at[s] = t;
+      }
+      std::this_thread::sleep_for(50ms);
+    }
+  });
+
+  // Writers, each with one ManagerClient for the whole test (moved followed): writer 0 configured
+  // with b's endpoint, writer 1 with a's and the etcd directory. A write in flight to a at the
+  // kill is resent by writer 0, through b; writer 1 may have nowhere to resend it (etcd still
+  // names a, its configured endpoint): it returns "no answer", counted as unconfirmed.
+  std::vector<std::unique_ptr<kc::ManagerClient>> writer_clients;
+  for (int w = 0; w < 2; ++w) {
+    kc::ClientOptions o;
+    o.endpoint = w == 0 ? mb.endpoint() : ma.endpoint();
+    o.timeout = 1000ms;
+    if (w == 1) {
+      auto d = keep::cluster::EtcdDirectory::create(etcd.clients, kKillShards);
+      REQUIRE(d.is_ok());
+      o.directory = std::move(d).value();
+    }
+    auto c = kc::ManagerClient::connect(o);
+    REQUIRE(c.is_ok());
+    writer_clients.push_back(std::move(c).value());
+  }
+  std::vector<WriterLog> wlogs(2);
+  std::vector<std::thread> writers;
+  for (int w = 0; w < 2; ++w) {
+    writers.emplace_back([&, w] {
+      WriterLog& log = wlogs[static_cast<size_t>(w)];
+      // A robot's pace: the managers embed every memory.
+      it::write_rounds(
+          *writer_clients[static_cast<size_t>(w)], w, agents, stop, killed, 150ms,
+          [&](const std::string& agent, const std::string& text, const keep::Status& st,
+              bool after_kill) {
+            if (st.is_ok()) {
+              log.acked.insert(text);
+              if (after_kill && on_a.count(agent)) ++log.acked_on_a_after_kill;
+            } else if (st.code() == Code::kTimeout || st.code() == Code::kUnavailable) {
+              log.unknown.insert(text);  // the client gave up: applied or not
+            } else {
+              log.errors.push_back(agent + ": " + st.to_string());
+            }
+          });
+    });
+  }
+  std::this_thread::sleep_for(1000ms);  // every agent has memories before the first plan
+
+  // Each robot's planner: one WorkerClient, a plan a second after its last, again 50 ms after a
+  // failure. The i-th robot of each node has a planner of kind i: 0 configured with b's worker,
+  // following moved; 1 with a's worker and the etcd directory of workers, following moved; 2 with
+  // b's worker, not following (a's robot is answered moved until b owns it: what it is answered
+  // shows who served).
+  auto worker_dir = keep::cluster::EtcdDirectory::create_for_workers(etcd.clients, kKillShards);
+  REQUIRE(worker_dir.is_ok());
+  std::vector<std::unique_ptr<kc::WorkerClient>> planners;
+  for (size_t r = 0; r < agents.size(); ++r) {
+    switch (r % kRobotsPerNode) {
+      case 0:
+        planners.push_back(worker_client(worker_ep[1], true, nullptr, kPlanTimeout));
+        break;
+      case 1:
+        planners.push_back(worker_client(worker_ep[0], true, *worker_dir, kPlanTimeout));
+        break;
+      default:
+        planners.push_back(worker_client(worker_ep[1], false, nullptr, kPlanTimeout));
+    }
+  }
+  std::mutex plans_mu;  // guards plogs
+  std::vector<PlannerLog> plogs(planners.size());
+  std::vector<std::thread> planner_threads;
+  for (size_t r = 0; r < planners.size(); ++r) {
+    planner_threads.emplace_back([&, r] {
+      kc::CompleteArgs q;
+      q.agent = agents[r];
+      q.instruction = "Where is the mug?";
+      q.method = kc::PlanMethod::kFullReuse;
+      q.k = 1;
+      q.max_tokens = 1;
+      while (!stop.load()) {
+        const auto sent = Clock::now();
+        auto answer = planners[r]->complete(q);
+        {
+          std::lock_guard<std::mutex> lock(plans_mu);
+          PlannerLog& log = plogs[r];
+          if (answer.is_ok()) {
+            log.ok.push_back({sent, Clock::now()});
+          } else {
+            log.failures[keep::code_name(answer.status().code())] += 1;
+            log.last_failure = answer.status().to_string();
+          }
+        }
+        std::this_thread::sleep_for(answer.is_ok() ? 1000ms : 50ms);
+      }
+    });
+  }
+  // Robot r's first plan sent after the kill: when its answer came (nullopt: none yet).
+  const auto first_after_kill = [&](size_t r) {
+    std::optional<Clock::time_point> first;
+    for (const Answer& a : plogs[r].ok) {
+      if (a.sent >= killed_at && (!first || a.received < *first)) first = a.received;
+    }
+    return first;
+  };
+
+  std::this_thread::sleep_for(2500ms);  // writes and plans flow on both nodes
+  wa.kill9();
+  ma.kill9();
+  killed_at = Clock::now();
+  killed.store(true);
+  // Until every robot was answered again (or well past the bound).
+  it::eventually(
+      [&] {
+        std::lock_guard<std::mutex> lock(plans_mu);
+        for (size_t r = 0; r < agents.size(); ++r) {
+          if (!first_after_kill(r)) return false;
+        }
+        return true;
+      },
+      kAnswerAgainBound + 5s);
+  std::this_thread::sleep_for(500ms);  // a few more writes and plans on the survivor
+  stop.store(true);
+  for (auto& t : planner_threads) t.join();
+  for (auto& t : writers) t.join();
+  monitor.join();
+
+  // (2) Every robot of a planned again within the bound; b's planned on.
+  double worst = 0;
+  for (size_t r = 0; r < agents.size(); ++r) {
+    const PlannerLog& log = plogs[r];
+    double busy = 0;  // mean time of its answered plans
+    for (const Answer& a : log.ok) busy += seconds(a.received - a.sent) / log.ok.size();
+    std::string failures;
+    for (const auto& [code, n] : log.failures) failures += " " + code + " " + std::to_string(n);
+    const auto first = first_after_kill(r);
+    MESSAGE(agents[r] << " (node " << (on_a.count(agents[r]) ? "a" : "b") << ", planner kind "
+                      << r % kRobotsPerNode << "): " << log.ok.size() << " plans, " << busy
+                      << " s each; planned again " << (first ? seconds(*first - killed_at) : -1)
+                      << " s after the kill; failures:" << failures
+                      << " (the last: " << log.last_failure << ")");
+    REQUIRE_MESSAGE(first.has_value(), agents[r] << " never planned again; b's worker:\n"
+                                                 << wb.err() << "\nb's manager:\n"
+                                                 << mb.err());
+    if (on_a.count(agents[r])) worst = std::max(worst, seconds(*first - killed_at));
+  }
+  MESSAGE("a's robots planned again within " << worst << " s of the kill (stated bound "
+                                             << seconds(kAnswerAgainBound) << " s)");
+  CHECK(worst < seconds(kAnswerAgainBound));
+
+  // (3) b's worker, asked without following for a's robot of kind 2: answered moved while a
+  // lived, and not once before etcd named b the owner of the robot's shard.
+  const std::string& watched = agents[2];
+  CHECK(plogs[2].failures["moved"] > 0);
+  const uint32_t watched_shard = keep::cluster::shard_of(watched, kKillShards);
+  for (const Answer& a : plogs[2].ok) {
+    CHECK_MESSAGE(a.received > not_b_at[watched_shard],
+                  "b's worker answered for " << watched << " "
+                                             << seconds(not_b_at[watched_shard] - a.received)
+                                             << " s before etcd named b its owner");
+  }
+  CHECK(planners[0]->moved_answers() > 0);  // a's robot of kind 0 found a's worker through b's
+
+  // (1) Every acknowledged memory exactly once on b (now serving every shard), nothing else.
+  REQUIRE(it::eventually(
+      [&] { return it::metric(mb, "keep_manager_cluster_shards_ready") == kKillShards; }, 10s));
+  auto reader = it::manager_client(mb.endpoint(), 10s, /*follow=*/true);
+  const auto seen = it::memory_counts(*reader, agents);
+  size_t acked = 0, unknown_there = 0, listed = 0;
+  for (const WriterLog& w : wlogs) {
+    CHECK_MESSAGE(w.errors.empty(), (w.errors.empty() ? "" : w.errors.front()));
+    CHECK(w.acked_on_a_after_kill > 0);
+    for (const auto& t : w.acked) {
+      const int n = seen.count(t) ? seen.at(t) : 0;
+      CHECK_MESSAGE(n == 1, "acknowledged '" << t << "' is there " << n << " times");
+    }
+    for (const auto& t : w.unknown) {
+      const int n = seen.count(t) ? seen.at(t) : 0;
+      CHECK_MESSAGE(n <= 1, "'" << t << "' is there " << n << " times");
+      unknown_there += static_cast<size_t>(n);
+    }
+    acked += w.acked.size();
+  }
+  for (const auto& [t, n] : seen) listed += static_cast<size_t>(n);
+  MESSAGE(acked << " writes acknowledged, " << wlogs[0].unknown.size() + wlogs[1].unknown.size()
+                << " unconfirmed (" << unknown_there << " of them applied); " << listed
+                << " memories on the survivor");
+  CHECK(acked > 40);
+  CHECK(listed == acked + unknown_there);
 }

@@ -1,7 +1,8 @@
 // Helpers of the tests of keep-manager in cluster mode with its log in PostgreSQL
 // (test_manager_pg_failover, _pg_fence, _pg_standby, test_manager_client_failover): the cluster
 // flags, metrics by label, a client per endpoint, polling, the shards' split between two nodes,
-// and (tcp_proxy.h) a loopback TCP proxy that can cut a process off from etcd.
+// which agents a node owns, a writer, every memory's count, and (tcp_proxy.h) a loopback TCP proxy
+// that can cut a process off from etcd.
 #pragma once
 
 #include <doctest/doctest.h>
@@ -10,12 +11,14 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "shared/client/manager_client.h"
+#include "shared/cluster/placement.h"
 #include "tests/integration/etcd_cluster.h"
 #include "tests/integration/manager/manager_process.h"
 #include "tests/integration/pg_server.h"
@@ -112,6 +115,61 @@ inline Result<std::vector<std::string>> all_texts(client::ManagerClient& c,
     }
     if (!page.more) return out;
   }
+}
+
+// One writer of the failover tests, writer `w`: through `c`, a memory for each agent of `agents`
+// in turn, round after round, until `stop` -- "<agent> memory <round> of writer <w>", unique --
+// handing each answer to on_answer(agent, text, status, marked), `marked` saying whether `mark`
+// (e.g. "the node was killed") was set before the write was sent; `pause` after each write.
+template <typename F>
+void write_rounds(client::ManagerClient& c, int w, const std::vector<std::string>& agents,
+                  const std::atomic<bool>& stop, const std::atomic<bool>& mark,
+                  std::chrono::milliseconds pause, F on_answer) {
+  for (int n = 0; !stop.load(); ++n) {
+    for (const auto& agent : agents) {
+      if (stop.load()) return;
+      client::WriteArgs args;
+      args.agent = agent;
+      args.text = agent + " memory " + std::to_string(n) + " of writer " + std::to_string(w);
+      const bool marked = mark.load();
+      on_answer(agent, args.text, c.write(args).status(), marked);
+      if (pause.count() > 0) std::this_thread::sleep_for(pause);
+    }
+  }
+}
+
+// How many times `needle` occurs in `hay` (overlaps counted).
+inline size_t occurrences(const std::string& hay, const std::string& needle) {
+  size_t n = 0;
+  for (size_t at = hay.find(needle); at != std::string::npos; at = hay.find(needle, at + 1)) ++n;
+  return n;
+}
+
+// The agents among `agents` whose shard (of `shards`) `node` owns, as etcd says now.
+inline std::set<std::string> agents_of(EtcdCluster& etcd, const std::string& node,
+                                       const std::vector<std::string>& agents, uint32_t shards) {
+  auto ec = etcd.client();
+  cluster::Placement view(ec.get(), "test");
+  std::set<std::string> out;
+  for (const auto& agent : agents) {
+    auto o = view.owner(cluster::shard_of(agent, shards));
+    REQUIRE(o.is_ok());
+    REQUIRE(o->has_value());
+    if ((*o)->node == node) out.insert(agent);
+  }
+  return out;
+}
+
+// How many times each memory text is there, over every agent of `agents` (all pages).
+inline std::map<std::string, int> memory_counts(client::ManagerClient& c,
+                                                const std::vector<std::string>& agents) {
+  std::map<std::string, int> seen;
+  for (const auto& agent : agents) {
+    auto texts = all_texts(c, agent);
+    REQUIRE_MESSAGE(texts.is_ok(), agent << ": " << texts.status().to_string());
+    for (const auto& t : *texts) seen[t] += 1;
+  }
+  return seen;
 }
 
 }  // namespace keep::itest

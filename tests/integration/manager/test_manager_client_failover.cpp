@@ -111,32 +111,27 @@ TEST_CASE("a client that is not recreated reaches its agents again after kill -9
   std::vector<std::thread> writers;
   for (int w = 0; w < 2; ++w) {
     writers.emplace_back([&, w] {
-      kc::ManagerClient& c = *clients[static_cast<size_t>(w)];
       Outcomes& out = outcomes[static_cast<size_t>(w)];
-      for (int n = 0; !stop.load(); ++n) {
-        for (const auto& agent : agents) {
-          if (stop.load()) break;
-          kc::WriteArgs args;
-          args.agent = agent;
-          args.text = agent + " memory " + std::to_string(n) + " of writer " + std::to_string(w);
-          const bool after_kill = a_dead.load();
-          const Status st = c.write(args).status();
-          if (st.is_ok()) {
-            out.acked.insert(args.text);
-            if (after_kill && on_a.count(agent) &&
-                out.first_ok_after_kill.emplace(agent, Clock::now()).second) {
-              reached[w] += 1;
+      it::write_rounds(
+          *clients[static_cast<size_t>(w)], w, agents, stop, a_dead, 0ms,
+          [&](const std::string& agent, const std::string& text, const Status& st,
+              bool after_kill) {
+            if (st.is_ok()) {
+              out.acked.insert(text);
+              if (after_kill && on_a.count(agent) &&
+                  out.first_ok_after_kill.emplace(agent, Clock::now()).second) {
+                reached[w] += 1;
+              }
+            } else if (st.code() == Code::kTimeout || st.code() == Code::kUnavailable) {
+              // The client gave up (failover_wait) on a write it may or may not
+              // have applied.
+              out.unknown.insert(text + ": " + st.to_string());
+            } else if (st.code() == Code::kMoved) {
+              out.refused.insert(text);  // routed away: nothing applied
+            } else {
+              out.errors.push_back(agent + ": " + st.to_string());
             }
-          } else if (st.code() == Code::kTimeout || st.code() == Code::kUnavailable) {
-            // The client gave up (failover_wait) on a write it may or may not have applied.
-            out.unknown.insert(args.text + ": " + st.to_string());
-          } else if (st.code() == Code::kMoved) {
-            out.refused.insert(args.text);  // routed away: nothing applied
-          } else {
-            out.errors.push_back(agent + ": " + st.to_string());
-          }
-        }
-      }
+          });
     });
   }
 

@@ -54,23 +54,17 @@ std::map<uint32_t, std::string> owners(it::EtcdCluster& etcd) {
   return out;
 }
 
-size_t occurrences(const std::string& hay, const std::string& needle) {
-  size_t n = 0;
-  for (size_t at = hay.find(needle); at != std::string::npos; at = hay.find(needle, at + 1)) ++n;
-  return n;
-}
-
 }  // namespace
 
 TEST_CASE(
     "etcd member and PostgreSQL primary killed during writes: writes go on, then resume "
     "on the promoted standby, every acknowledged memory exactly once" *
     doctest::skip(!it::have_etcd() || it::pg_bin().empty())) {
-  it::PgServer primary(it::PgServer::kSyncPrimary);
-  it::PgServer standby(it::PgServer::StandbyOf{&primary});
-  primary.wait_sync_standby();
+  it::SyncPgPair pg;
+  it::PgServer& primary = pg.primary;
+  it::PgServer& standby = pg.standby;
   CHECK(standby.query("SELECT pg_is_in_recovery()") == "t");
-  const std::string conninfo = it::multi_host_conninfo(primary, standby);
+  const std::string conninfo = pg.conninfo();
   it::EtcdCluster etcd;
   etcd.wait_ready();
   const std::string urls = it::join_urls(etcd.clients);
@@ -234,7 +228,7 @@ TEST_CASE(
   }
   const auto in_log = [&](const std::string& text) {
     const std::string agent = text.substr(0, text.find(' '));
-    return occurrences(records_of[agent], text);
+    return it::occurrences(records_of[agent], text);
   };
   size_t acked = 0, refused = 0, unknown = 0, unknown_there = 0;
   for (const Outcomes& o : outcomes) {
