@@ -42,6 +42,9 @@ EtcdDirectory::EtcdDirectory(std::unique_ptr<EtcdClient> etcd, uint32_t shards, 
       registry_(std::move(registry)) {}
 
 Result<std::optional<std::string>> EtcdDirectory::endpoint_of(std::string_view agent) {
+  // One etcd connection: lookups are rare (an agent's first call, a failover), so clients on
+  // several threads sharing a directory take turns.
+  std::lock_guard<std::mutex> lock(mu_);
   // Placement reads the owner key and parses "<node> <epoch>"; the node name is not ours to use.
   Placement view(etcd_.get(), "directory", prefix_);
   KEEP_ASSIGN_OR_RETURN(std::optional<ShardOwner> owner, view.owner(shard_of(agent, shards_)));

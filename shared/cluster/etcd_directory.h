@@ -8,11 +8,12 @@
 // create_for_workers() is WorkerClient's: the same owner, then `<prefix>/workers/<node>`, the
 // node's keep-worker as its manager registered it (keep-manager --advertise-worker).
 //
-// Every lookup reads etcd (two gets); the client caches the answer per agent. Thread-compatible,
-// like the client that owns it.
+// Every lookup reads etcd (two gets); the client caches the answer per agent. Thread-safe: one
+// directory may serve clients on several threads (their lookups take turns).
 #pragma once
 
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -41,6 +42,7 @@ class EtcdDirectory : public client::OwnerDirectory {
   EtcdDirectory(std::unique_ptr<EtcdClient> etcd, uint32_t shards, std::string prefix,
                 std::string registry);
 
+  std::mutex mu_;  // guards etcd_'s connection
   std::unique_ptr<EtcdClient> etcd_;
   uint32_t shards_;
   std::string prefix_;
