@@ -299,6 +299,20 @@ Status ManagerClient::routed(std::string_view agent_name, bool mutation,
       if (mutation && lost.is_ok() && (transport_failure(st) || unconfirmed(st))) lost = st;
       if (!again) return give_up(st);
       std::string next = lookup(agent);
+      if (next == endpoint && options_.directory && transport_failure(st)) {
+        // etcd names the silent node (here also the configured endpoint) until its lease runs
+        // out: ask etcd again shortly for the node taking the shard over, while failover_wait
+        // lasts, instead of giving the call up.
+        while (next == endpoint && silent(endpoint) &&
+               std::chrono::steady_clock::now() < *failover_until) {
+          std::this_thread::sleep_for(kRetryWait);
+          next = lookup(agent);
+        }
+        if (next == endpoint) {
+          if (std::chrono::steady_clock::now() >= *failover_until) return give_up(st);
+          continue;  // silent long enough: it may answer again (restarted)
+        }
+      }
       if (next == endpoint) {
         // The node answered that its log did not confirm the mutation and gave the shard up:
         // it (or another) serves the agent again once the shard is taken and its log replayed.

@@ -335,8 +335,9 @@ TEST_CASE(
 
   // Writers, each with one ManagerClient for the whole test (moved followed): writer 0 configured
   // with b's endpoint, writer 1 with a's and the etcd directory. A write in flight to a at the
-  // kill is resent by writer 0, through b; writer 1 may have nowhere to resend it (etcd still
-  // names a, its configured endpoint): it returns "no answer", counted as unconfirmed.
+  // kill is resent with its request id: by writer 0 through b, by writer 1 once etcd names b
+  // (until a's lease runs out it names a, also writer 1's configured endpoint). Neither gives a
+  // write up within failover_wait.
   std::vector<std::unique_ptr<kc::ManagerClient>> writer_clients;
   for (int w = 0; w < 2; ++w) {
     kc::ClientOptions o;
@@ -497,6 +498,7 @@ TEST_CASE(
   for (const WriterLog& w : wlogs) {
     CHECK_MESSAGE(w.errors.empty(), (w.errors.empty() ? "" : w.errors.front()));
     CHECK(w.acked_on_a_after_kill > 0);
+    CHECK_MESSAGE(w.unknown.empty(), w.unknown.size() << " writes given up");
     for (const auto& t : w.acked) {
       const int n = seen.count(t) ? seen.at(t) : 0;
       CHECK_MESSAGE(n == 1, "acknowledged '" << t << "' is there " << n << " times");

@@ -220,6 +220,18 @@ class ManagerClient(Client):
                 if not self._again(attempt, failover_until):
                     raise _gave_up(lost, e) from None
                 nxt = self._lookup(agent)
+                if nxt == endpoint and self._directory is not None and _transport_failure(e):
+                    # etcd names the silent node (here also the configured endpoint) until its
+                    # lease runs out: ask etcd again shortly while failover_wait lasts.
+                    while (nxt == endpoint and self._is_silent(endpoint)
+                           and time.monotonic() < failover_until):
+                        time.sleep(_RETRY_WAIT)
+                        nxt = self._lookup(agent)
+                    if nxt == endpoint:
+                        if time.monotonic() >= failover_until:
+                            raise _gave_up(lost, e) from None
+                        attempt += 1
+                        continue  # silent long enough: it may answer again (restarted)
                 if nxt == endpoint:
                     if _unconfirmed(e):  # the node gave the shard up: it is taken again shortly
                         time.sleep(_RETRY_WAIT)
