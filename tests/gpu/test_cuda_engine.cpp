@@ -317,9 +317,10 @@ TEST_CASE("CUDA own_few_rows: few-row products on our kernels agree with cuBLAS'
   // kShapes[0] fits our products (QKV 512, o_proj 256, down 256 x 384, gate/up 2 x 384), so
   // calls of 3-128 rows run them in one-CTA clusters (gate/up with the SwiGLU fused); own_few_rows
   // 0 puts the same calls on cuBLAS. Prefill chunks of 100 (the tiled attention), 37 and 5 rows.
-  // The first engine also leaves all but one SM to the loader (gemm_leave_loader,
-  // blas_leave_loader, loader_blocks = SMs - 1): our products on a one-CTA grid, cuBLAS's sized
-  // for one SM, the same results.
+  // The first engine also leaves all but one SM to the loader (loader_blocks = SMs - 1): our
+  // few-row products on a one-CTA grid, cuBLAS's sized for one SM (blas_leave_loader), the same
+  // results. (gemm_leave_loader caps only while loads run: none here; test_gemm checks the capped
+  // grids of the tuner's picks and gemm_swiglu.)
   const TinyShape& s = kShapes[0];
   auto w = make_tiny_model(s, 23);
   const auto tokens = random_tokens(142, s.vocab, 9);

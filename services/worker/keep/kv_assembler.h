@@ -82,9 +82,10 @@ struct LoadOptions {
   // those layers are compute-bound, so loads run ahead of them hide behind their compute instead
   // of being left to the query-only layers, which are load-bound. On the H100 (14B, 40 segments) 1
   // GiB with gemm_leave_loader took keep ~0.15 from 47.4-48.1 to 45.8 ms, while the same budget on
-  // every layer slowed full_reuse 19.8 -> 21.7 (benchmarks/RESULTS.md run 13). Not yet measured as
-  // this per-layer rule: the default keeps prefetch_bytes's behaviour until it is.
-  uint64_t prefetch_bytes_recomputing = uint64_t{32} << 20;
+  // every layer slowed full_reuse 19.8 -> 21.7 (benchmarks/RESULTS.md run 13). As this per-layer
+  // rule: keep ~0.15 47.2-47.6 -> 45.4-45.5 ms, full_reuse unchanged, keep d = 0.96 ~2 % slower
+  // (run 14).
+  uint64_t prefetch_bytes_recomputing = uint64_t{1} << 30;
   // Ablation (issue 30): false rotates a loaded K to the positions it was produced at instead of
   // the prompt's -- what storing K after RoPE without correcting it gives. Loads then go one run
   // at a time on the compute stream (positions per run). Never for serving.

@@ -129,6 +129,9 @@ class GemmTuner {
     only_ours_ = only;
     max_ctas_ = max_ctas;
   }
+  // The cap run() gives our products from now on (0: every SM), without tuning again: the
+  // backend lifts it while no load runs beside them.
+  void set_own_max_ctas(int max_ctas) { max_ctas_ = max_ctas; }
   // The cuBLASLt candidates picked and sized for `sms` SMs (0: the device's), as
   // BlasHandle::set_sm_count_target. After init(), before tune().
   cublasStatus_t set_sm_count_target(int sms);

@@ -925,6 +925,11 @@ Status CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_i
     return own_few_ && !few_rows(m) && m <= std::min(options_.own_few_rows, kernels::kGemmTileRows);
   };
   const int few_ctas = loader_free_ctas();
+  // Our large products leave the loader its SMs only while it has work.
+  const bool leave_loader = options_.gemm_leave_loader && loads_in_flight();
+  if (options_.gemm_own_products && options_.gemm_leave_loader) {
+    tuner_.set_own_max_ctas(leave_loader ? few_ctas : 0);
+  }
   auto product = [&](bf16* y, int64_t ys, const bf16* x, int64_t xs, const bf16* wt, int64_t m,
                      int64_t n, int64_t k) {
     if (few_rows(m)) {
@@ -1089,7 +1094,7 @@ Status CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_i
   } else if (swiglu_fused) {
     KEEP_CUDA_CHECK(kernels::gemm_swiglu(
         act, I, xn, C, w.w_gate_up, keep, I, C, stream_, gemm_scratch_,
-        kernels::GemmSchedule::kAuto, own_few(keep) || options_.gemm_leave_loader ? few_ctas : 0));
+        kernels::GemmSchedule::kAuto, own_few(keep) || leave_loader ? few_ctas : 0));
   } else {
     product(gu, 2 * I, xn, C, w.w_gate_up, keep, 2 * I, C);
   }
@@ -1379,9 +1384,16 @@ void CudaBackend::queue_kv_bf16_runs(std::span<const KvRun> runs) {
     } else {
       KEEP_CUDA_CHECK(
           cudaEventRecord(load_done_[static_cast<size_t>(runs[at].layer)], load_stream_));
+      last_queued_layer_ = runs[at].layer;
     }
     at = end;
   }
+}
+
+bool CudaBackend::loads_in_flight() const {
+  // No query inside a capture (its loads run on the compute stream anyway).
+  if (capturing_ || last_queued_layer_ < 0) return false;
+  return cudaEventQuery(load_done_[static_cast<size_t>(last_queued_layer_)]) == cudaErrorNotReady;
 }
 
 void CudaBackend::set_loader_blocks(int32_t blocks) {

@@ -63,10 +63,11 @@ struct CudaBackendOptions {
   // (benchmarks/RESULTS.md, bench_keep --own-few-rows).
   int32_t own_few_rows = 0;
   // Our persistent products of many rows too (the tuner's gemm_wgmma picks, gemm_swiglu from
-  // fused_swiglu_rows) leave loader_blocks SMs to the loader, as own_few_rows's do; false: their
-  // grid takes every SM, and a load queued beside them waits for the product to end. A/B in
-  // bench_keep --gemm-leave-loader.
-  bool gemm_leave_loader = false;
+  // fused_swiglu_rows) leave loader_blocks SMs to the loader, as own_few_rows's do, in a layer
+  // enqueued while a queued load has not ended (a request without loads, `full`, keeps every
+  // SM); false: their grid takes every SM, and a load queued beside them waits for the product
+  // to end. A/B in bench_keep --gemm-leave-loader (benchmarks/RESULTS.md, run 14).
+  bool gemm_leave_loader = true;
   // cuBLAS's products (gemm_nt and the tuner's cuBLASLt picks) chosen and sized for the SMs the
   // loader leaves (cublasSetSmCountTarget); false: for every SM. A/B in bench_keep
   // --blas-leave-loader.
@@ -294,11 +295,16 @@ class CudaBackend final : public Backend {
   // The loader: its stream, one event per layer (the last load queued for it), the fence's two.
   cudaStream_t load_stream_ = nullptr;
   std::vector<cudaEvent_t> load_done_;
+  int32_t last_queued_layer_ = -1;  // whose load_done_ the loader's stream records last
   cudaEvent_t fence_compute_ = nullptr;
   cudaEvent_t fence_load_ = nullptr;
   int32_t sm_count_ = 1;
   // The persistent grid of our products that leaves the loader's SMs free: on every SM they kept
   // the loader's blocks waiting (full_reuse 18.4 -> 25 ms at 14B on the H200).
+  // Whether the last load queued on the loader's stream has not ended yet (host's view, at
+  // enqueue time: the layers' stream may be behind it, so a layer may be capped needlessly,
+  // never the other way).
+  bool loads_in_flight() const;
   int loader_free_ctas() const {
     return std::max(sm_count_ - std::max(options_.loader_blocks, 0), 1);
   }
