@@ -153,10 +153,11 @@ class FollowsMoved(unittest.TestCase):
 @unittest.skipUnless(os.access(ETCD, os.X_OK) and PG_BIN, "no etcd-server or postgresql")
 class FailsOver(unittest.TestCase):
     """Two managers with their memories in PostgreSQL (lease 2 s); the node serving some agents
-    is killed -9 while two clients, made once, write to every agent: one finds nodes by `moved`,
-    the other in etcd. Both reach the killed node's agents again once the survivor took their
-    shards over; a write in flight at the kill is sent again with its request id, so every write
-    is acknowledged, and is there exactly once."""
+    is killed -9 while three clients, made once, write to every agent: one finds nodes by
+    `moved`, two in etcd, one of those configured with the node that dies (etcd names it until
+    its lease runs out: the client asks again). All reach the killed node's agents again once the
+    survivor took their shards over; a write in flight at the kill is sent again with its request
+    id, so every write is acknowledged, and is there exactly once."""
 
     LEASE_S = 2
     BOUND_S = LEASE_S + 8  # the survivor's takeover on a loaded machine
@@ -197,11 +198,12 @@ class FailsOver(unittest.TestCase):
         agents = [f"robot-{i}" for i in range(16)]
         on_a = {ag for ag in agents if self.directory.owner_endpoint(ag) == a_ep}
         self.assertTrue(on_a)
-        # Both configured with b's endpoint, made once for the whole test.
+        # Made once for the whole test: two configured with b's endpoint, one with a's.
         clients = [ManagerClient(b_ep, timeout=1.0),
-                   ManagerClient(b_ep, timeout=1.0, directory=self.directory)]
+                   ManagerClient(b_ep, timeout=1.0, directory=self.directory),
+                   ManagerClient(a_ep, timeout=1.0, directory=self.directory)]
         acked, unknown, refused = set(), set(), set()
-        back = [{}, {}]  # per client: agent of a -> seconds from the kill to its first ok write
+        back = [{}, {}, {}]  # per client: agent of a -> seconds from the kill to its first ok write
         killed_at = None
         n = 0
         while True:
@@ -213,7 +215,8 @@ class FailsOver(unittest.TestCase):
                     or time.monotonic() - killed_at > self.BOUND_S + 2):
                 break
             for agent in agents:
-                for w, m in enumerate(clients):
+                # The client configured with a first: it meets a dead while etcd still names a.
+                for w, m in reversed(list(enumerate(clients))):
                     text = f"{agent} memory {n} of client {w}"
                     try:
                         m.write(agent, text)
@@ -227,7 +230,7 @@ class FailsOver(unittest.TestCase):
                     if killed_at is not None and agent in on_a:
                         back[w].setdefault(agent, time.monotonic() - killed_at)
             n += 1
-        for w, name in enumerate(("moved only", "etcd directory")):
+        for w, name in enumerate(("moved only", "etcd directory", "etcd directory, a's endpoint")):
             self.assertEqual(set(back[w]), on_a, f"client {w} ({name}) did not reach them all")
             last = max(back[w].values())
             print(f"\nclient {w} ({name}): the {len(on_a)} agents of the killed node were written "
