@@ -240,7 +240,7 @@ cublasStatus_t GemmTuner::tune(cublasHandle_t blas, const GemmShape& shape, int6
   int best_i = -1;
   if (scratch_.ptr != nullptr && gemm_wgmma_fits(shape.out, shape.in) && wgmma_available()) {
     best = time_ms(stream_, start, stop, kReps, kBatch,
-                   [&] { return run_ours(shape, rows, y, x, w); });
+                   [&] { return run_ours(shape, rows, y, x, w, max_ctas_); });
     if (best > 0.0f) best_i = kOurs;
   }
   for (int i = 0; i < found && !only_ours_; ++i) {
@@ -280,7 +280,7 @@ cublasStatus_t GemmTuner::tune(cublasHandle_t blas, const GemmShape& shape, int6
 }
 
 cublasStatus_t GemmTuner::run(const GemmShape& shape, int64_t rows, void* y, const __nv_bfloat16* x,
-                              const __nv_bfloat16* w) const {
+                              const __nv_bfloat16* w, int own_max_ctas) const {
   const Entry* e = nullptr;
   for (size_t i = 0; i < n_entries_; ++i) {
     const Entry& c = entries_[i];
@@ -291,7 +291,9 @@ cublasStatus_t GemmTuner::run(const GemmShape& shape, int64_t rows, void* y, con
   }
   if (e == nullptr || lt_ == nullptr || !shape_ok(shape, rows)) return CUBLAS_STATUS_NOT_SUPPORTED;
   if (y == nullptr || x == nullptr || w == nullptr) return CUBLAS_STATUS_INVALID_VALUE;
-  if (e->ours) return run_ours(shape, rows, y, x, w);
+  if (e->ours) {
+    return run_ours(shape, rows, y, x, w, own_max_ctas == kTunedCap ? max_ctas_ : own_max_ctas);
+  }
   const LtLayouts l(shape, rows);
   if (l.status != CUBLAS_STATUS_SUCCESS) return l.status;
   if (rows != e->rows && rows != e->checked_rows) {
@@ -335,14 +337,15 @@ std::string GemmTuner::describe(const GemmShape& shape, int64_t rows) const {
 }
 
 cublasStatus_t GemmTuner::run_ours(const GemmShape& shape, int64_t rows, void* y,
-                                   const __nv_bfloat16* x, const __nv_bfloat16* w) const {
+                                   const __nv_bfloat16* x, const __nv_bfloat16* w,
+                                   int max_ctas) const {
   const cudaError_t err =
       shape.accumulate
           ? gemm_wgmma_accumulate(static_cast<float*>(y), shape.y_stride, x, shape.x_stride, w,
                                   rows, shape.out, shape.in, scratch_, stream_, GemmSchedule::kAuto,
-                                  0, max_ctas_)
+                                  0, max_ctas)
           : gemm_wgmma(static_cast<__nv_bfloat16*>(y), shape.y_stride, x, shape.x_stride, w, rows,
-                       shape.out, shape.in, scratch_, stream_, GemmSchedule::kAuto, 0, max_ctas_);
+                       shape.out, shape.in, scratch_, stream_, GemmSchedule::kAuto, 0, max_ctas);
   return err == cudaSuccess             ? CUBLAS_STATUS_SUCCESS
          : err == cudaErrorInvalidValue ? CUBLAS_STATUS_INVALID_VALUE
          : err == cudaErrorNotSupported ? CUBLAS_STATUS_NOT_SUPPORTED

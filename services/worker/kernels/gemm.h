@@ -123,15 +123,13 @@ class GemmTuner {
   static constexpr int kOurs = kMaxCandidates;  // TuneResult::chosen: gemm_wgmma was kept
   // Lets tune() time gemm_wgmma / gemm_wgmma_accumulate as one more candidate, with this stream-K
   // scratch (which must outlive the tuner; see GemmScratch); `only`: no cuBLASLt candidates
-  // (tests); `max_ctas`: their persistent grid's cap (0: every SM), timed and run with it.
+  // (tests); `max_ctas`: their persistent grid's cap (0: every SM), timed with it; run() uses it
+  // unless its call gives another.
   void use_own_products(const GemmScratch& scratch, bool only = false, int max_ctas = 0) {
     scratch_ = scratch;
     only_ours_ = only;
     max_ctas_ = max_ctas;
   }
-  // The cap run() gives our products from now on (0: every SM), without tuning again: the
-  // backend lifts it while no load runs beside them.
-  void set_own_max_ctas(int max_ctas) { max_ctas_ = max_ctas; }
   // The cuBLASLt candidates picked and sized for `sms` SMs (0: the device's), as
   // BlasHandle::set_sm_count_target. After init(), before tune().
   cublasStatus_t set_sm_count_target(int sms);
@@ -141,8 +139,11 @@ class GemmTuner {
   // The product with the algorithm tuned for `shape` at the smallest tuned row count >= rows,
   // provided rows is more than half of it. CUBLAS_STATUS_NOT_SUPPORTED when there is none (or
   // cuBLASLt refuses it for these rows): the caller runs gemm_nt / gemm_nt_accumulate instead.
+  // `own_max_ctas`: our product's grid cap for this call (0: every SM; kTunedCap: the one it
+  // was timed with) -- the backend lifts it while no load runs beside the product.
+  static constexpr int kTunedCap = -1;
   cublasStatus_t run(const GemmShape& shape, int64_t rows, void* y, const __nv_bfloat16* x,
-                     const __nv_bfloat16* w) const;
+                     const __nv_bfloat16* w, int own_max_ctas = kTunedCap) const;
   size_t tuned() const { return n_entries_; }  // shapes x row counts with a kept algorithm
   // What run() uses for `shape` at exactly `rows` tuned rows: "ours", or the cuBLASLt
   // algorithm's configuration as cublasLt.h's values ("algo 66 tile 165 stages 35 split-k 1
@@ -172,7 +173,7 @@ class GemmTuner {
   int max_ctas_ = 0;
   // Our product for `shape`, its cudaError_t as run()'s status.
   cublasStatus_t run_ours(const GemmShape& shape, int64_t rows, void* y, const __nv_bfloat16* x,
-                          const __nv_bfloat16* w) const;
+                          const __nv_bfloat16* w, int max_ctas) const;
   void release();
 };
 

@@ -910,12 +910,16 @@ Status CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_i
   // y (m, ys) = x W^T, or y += x W^T into fp32: our few-row kernel or cuBLAS.
   const bool gemv_dims = C % 8 == 0 && q % 8 == 0 && I % 8 == 0;
   auto few_rows = [&](int64_t m) { return gemv_dims && m <= options_.gemv_rows; };
+  const int few_ctas = loader_free_ctas();
+  // Our large products leave the loader its SMs only while it has work.
+  const bool leave_loader = options_.gemm_leave_loader && loads_in_flight();
   // The product reserve() tuned for this shape and about these rows (a cuBLASLt algorithm or our
   // gemm_wgmma), where it kept one.
   auto tuned = [&](void* y, int64_t ys, const bf16* x, int64_t xs, const bf16* wt, int64_t m,
                    int64_t n, int64_t k, bool acc) {
     if (tuner_.tuned() == 0) return false;
-    const cublasStatus_t st = tuner_.run({n, k, xs, ys, acc}, m, y, x, wt);
+    const cublasStatus_t st =
+        tuner_.run({n, k, xs, ys, acc}, m, y, x, wt, leave_loader ? few_ctas : 0);
     if (st == CUBLAS_STATUS_NOT_SUPPORTED) return false;
     KEEP_BLAS_CHECK(st);
     return true;
@@ -924,12 +928,6 @@ Status CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_i
   const auto own_few = [&](int64_t m) {
     return own_few_ && !few_rows(m) && m <= std::min(options_.own_few_rows, kernels::kGemmTileRows);
   };
-  const int few_ctas = loader_free_ctas();
-  // Our large products leave the loader its SMs only while it has work.
-  const bool leave_loader = options_.gemm_leave_loader && loads_in_flight();
-  if (options_.gemm_own_products && options_.gemm_leave_loader) {
-    tuner_.set_own_max_ctas(leave_loader ? few_ctas : 0);
-  }
   auto product = [&](bf16* y, int64_t ys, const bf16* x, int64_t xs, const bf16* wt, int64_t m,
                      int64_t n, int64_t k) {
     if (few_rows(m)) {
@@ -1092,9 +1090,9 @@ Status CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_i
     KEEP_CUDA_CHECK(kernels::gemv_rmsnorm(gu, 2 * I, res_kept, C, w.ffn_norm, eps, w.w_gate_up,
                                           keep, 2 * I, C, stream_));
   } else if (swiglu_fused) {
-    KEEP_CUDA_CHECK(kernels::gemm_swiglu(
-        act, I, xn, C, w.w_gate_up, keep, I, C, stream_, gemm_scratch_,
-        kernels::GemmSchedule::kAuto, own_few(keep) || leave_loader ? few_ctas : 0));
+    KEEP_CUDA_CHECK(kernels::gemm_swiglu(act, I, xn, C, w.w_gate_up, keep, I, C, stream_,
+                                         gemm_scratch_, kernels::GemmSchedule::kAuto,
+                                         own_few(keep) || leave_loader ? few_ctas : 0));
   } else {
     product(gu, 2 * I, xn, C, w.w_gate_up, keep, 2 * I, C);
   }
