@@ -86,16 +86,8 @@ class Postgres:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-@unittest.skipUnless(os.access(ETCD, os.X_OK), "no etcd-server")
-class FollowsMoved(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.tmp = tempfile.mkdtemp(prefix="keep_cluster_")
-        cls.etcd, cls.url = start_etcd(cls.tmp)
-        flags = lambda node: ["--etcd", cls.url, "--node-id", node, "--shards", "8",
-                              "--etcd-lease-s", "2"]
-        cls.a = start_manager(flags("a"))
-        cls.b = LocalServices(worker=False, extra_manager=flags("b"))
+class TwoNodes(unittest.TestCase):
+    """Two nodes (a, b) on one etcd, started by setUpClass in cls.tmp; stopped here."""
 
     @classmethod
     def tearDownClass(cls):
@@ -104,6 +96,18 @@ class FollowsMoved(unittest.TestCase):
         cls.etcd.kill()
         cls.etcd.wait()
         shutil.rmtree(cls.tmp, ignore_errors=True)
+
+
+@unittest.skipUnless(os.access(ETCD, os.X_OK), "no etcd-server")
+class FollowsMoved(TwoNodes):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.mkdtemp(prefix="keep_cluster_")
+        cls.etcd, cls.url = start_etcd(cls.tmp)
+        flags = lambda node: ["--etcd", cls.url, "--node-id", node, "--shards", "8",
+                              "--etcd-lease-s", "2"]
+        cls.a = start_manager(flags("a"))
+        cls.b = LocalServices(worker=False, extra_manager=flags("b"))
 
     def test_every_agent_is_reached_through_one_node(self):
         agents = [f"robot-{i}" for i in range(24)]
@@ -265,7 +269,7 @@ class FailsOver(unittest.TestCase):
 
 
 @unittest.skipUnless(os.access(ETCD, os.X_OK), "no etcd-server")
-class WorkerFollowsMoved(unittest.TestCase):
+class WorkerFollowsMoved(TwoNodes):
     """Two nodes of keep-manager + keep-worker (CPU) on etcd. A worker plans only for its own
     node's agents (their KV is in its node's region) and answers `moved` for another node's,
     naming that node's worker when its manager registered one (--advertise-worker, node a here;
@@ -292,14 +296,6 @@ class WorkerFollowsMoved(unittest.TestCase):
                 time.sleep(0.5)
         cls.b = LocalServices(worker=True, extra_manager=flags("b"))
         cls.directory = EtcdDirectory([cls.url], shards=4)
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.b.close()
-        cls.a.close()
-        cls.etcd.kill()
-        cls.etcd.wait()
-        shutil.rmtree(cls.tmp, ignore_errors=True)
 
     def test_a_plan_goes_to_the_owners_worker(self):
         a_ep, b_ep = self.a.manager.endpoint, self.b.manager.endpoint
