@@ -210,13 +210,7 @@ TEST_CASE("kill -9 of a node during writes: every acknowledged memory survives, 
 
   // a comes back on its data directory and takes its shards back from b.
   it::ManagerProcess a2({(tmp.path() / "a").string(), it::unique_name("pga2"), flags("a")});
-  REQUIRE_MESSAGE(it::eventually(
-                      [&] {
-                        return it::metric(a2, "keep_manager_cluster_shards_ready") == kShards / 2 &&
-                               it::metric(b, "keep_manager_cluster_shards_ready") == kShards / 2;
-                      },
-                      20s),
-                  a2.err() << b.err());
+  it::require_split(a2, b, kShards);
   // Every memory exactly as before, through either node (moved followed).
   auto follower = it::manager_client(b_ep, 10s, /*follow=*/true);
   std::map<std::string, int> again;

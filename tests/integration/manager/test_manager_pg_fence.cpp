@@ -178,13 +178,7 @@ TEST_CASE(
   // Back in touch: a's lease is gone, so it joins again; b hands it its share back (one shard a
   // round), which a takes at new epochs and replays. Until then a serves nothing b owns.
   proxy.restore();
-  REQUIRE_MESSAGE(it::eventually(
-                      [&] {
-                        return it::metric(a, "keep_manager_cluster_shards_ready") == kShards / 2 &&
-                               it::metric(b, "keep_manager_cluster_shards_ready") == kShards / 2;
-                      },
-                      20s),
-                  a.err() << b.err());
+  it::require_split(a, b, kShards);
   auto follow = it::manager_client(b.endpoint(), 5s, /*follow=*/true);
   auto texts = it::all_texts(*follow, on_a.agent);
   REQUIRE(texts.is_ok());
