@@ -139,7 +139,16 @@ TEST_CASE("a client that is not recreated reaches its agents again after kill -9
   // within the call, through b, once b took the shard over.
   auto reader = routed_client(b_ep, nullptr);
   const std::string probe = *on_a.begin();
-  REQUIRE(reader->list_memories(probe, 0, 1).is_ok());
+  // The agent exists once a writer's first write to it landed: until then the read is
+  // (rightly) "not found". Any other answer fails the test.
+  Status first_read;
+  REQUIRE(it::eventually(
+      [&] {
+        first_read = reader->list_memories(probe, 0, 1).status();
+        return first_read.code() != Code::kNotFound;
+      },
+      5s));
+  REQUIRE_MESSAGE(first_read.is_ok(), first_read.to_string());
 
   std::this_thread::sleep_for(1500ms);  // writes flow to both nodes
   a.kill9();
