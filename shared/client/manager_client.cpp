@@ -7,6 +7,7 @@
 #include <random>
 #include <thread>
 
+#include "shared/client/failover.h"
 #include "shared/client/moved.h"
 #include "shared/client/protocols.h"
 #include "shared/rpc/rpc_channel.h"
@@ -158,28 +159,6 @@ static Status round_trip(wire::RpcChannel& channel, proto::Response::Which expec
 
 namespace {
 
-// Between two tries of a call whose shard is between owners.
-constexpr auto kRetryWait = std::chrono::milliseconds(250);
-// An endpoint that gave no answer is not sent an agent's call again for this long, even when a
-// `moved` answer names it: the node answering still sees the silent node's lease until it runs out
-// (10 s by default), and each call to a dead node costs a whole timeout.
-constexpr auto kSilentFor = std::chrono::seconds(5);
-
-// No answer at all (RpcChannel's kTimeout, or ZeroMQ failing): the request may have been applied.
-bool transport_failure(const Status& st) {
-  return st.code() == Code::kTimeout ||
-         (st.code() == Code::kUnavailable && st.message().rfind("zmq: ", 0) == 0);
-}
-
-// Answers that say nothing was applied and the same node serves the agent shortly: a shard
-// between owners ("no owner yet") or replayed by its new owner ("being taken over"; also a fenced
-// node's refusal, after which it gives the shard up and answers `moved`).
-bool retry_here(const Status& st) {
-  return st.code() == Code::kUnavailable &&
-         (st.message().find("no owner yet") != std::string::npos ||
-          st.message().find("being taken over") != std::string::npos);
-}
-
 // A node's answer that its log of record did not confirm a mutation (it may or may not have
 // landed); the node gave the shard up, to be taken again and its log replayed.
 bool unconfirmed(const Status& st) {
@@ -187,27 +166,14 @@ bool unconfirmed(const Status& st) {
          st.message().find("did not confirm") != std::string::npos;
 }
 
-// A node's answer that it no longer serves the agent because its lease may have run out (it lost
-// touch with etcd; nothing was applied): another node takes the shard once etcd frees it, so the
-// call is routed anew -- through the directory or the configured endpoint -- until then.
-bool lease_lapsed(const Status& st) {
-  return st.code() == Code::kUnavailable &&
-         st.message().find("lease may have run out") != std::string::npos;
-}
-
 }  // namespace
-
-bool ManagerClient::silent(const std::string& endpoint) const {
-  auto it = silent_.find(endpoint);
-  return it != silent_.end() && std::chrono::steady_clock::now() - it->second < kSilentFor;
-}
 
 std::string ManagerClient::lookup(const std::string& agent) {
   if (options_.directory) {
     // A directory that cannot be read, or names no owner (or a silent one, whose lease has not
     // run out yet), leaves the call to the configured endpoint: it answers moved or "retry".
     auto found = options_.directory->endpoint_of(agent);
-    if (found.is_ok() && found->has_value() && !silent(**found)) {
+    if (found.is_ok() && found->has_value() && !silent_.contains(**found)) {
       owners_[agent] = **found;
       return **found;
     }
@@ -221,7 +187,8 @@ Status ManagerClient::routed(std::string_view agent_name, bool mutation,
   // An agent remembered on a node that just stopped answering (for another agent's call) is
   // routed anew too, rather than costing a timeout of its own.
   std::string endpoint;
-  if (auto known = owners_.find(agent); known != owners_.end() && !silent(known->second)) {
+  if (auto known = owners_.find(agent);
+      known != owners_.end() && !silent_.contains(known->second)) {
     endpoint = known->second;
   } else {
     owners_.erase(agent);
@@ -271,7 +238,7 @@ Status ManagerClient::routed(std::string_view agent_name, bool mutation,
       const std::optional<MovedTarget> target = parse_moved(st.message());
       if (!target || target->endpoint == endpoint) return give_up(st);
       std::string next = target->endpoint;
-      if (silent(next)) {
+      if (silent_.contains(next)) {
         // The answering node still sees the silent owner's lease: ask again once it ran out.
         owners_.erase(agent);
         std::this_thread::sleep_for(kRetryWait);
@@ -295,7 +262,7 @@ Status ManagerClient::routed(std::string_view agent_name, bool mutation,
       // -- a read, or a mutation with its request id -- goes to the node that takes its shard
       // over.
       owners_.erase(agent);
-      if (transport_failure(st)) silent_[endpoint] = std::chrono::steady_clock::now();
+      if (transport_failure(st)) silent_.mark(endpoint);
       if (mutation && lost.is_ok() && (transport_failure(st) || unconfirmed(st))) lost = st;
       if (!again) return give_up(st);
       std::string next = lookup(agent);
@@ -303,7 +270,7 @@ Status ManagerClient::routed(std::string_view agent_name, bool mutation,
         // etcd names the silent node (here also the configured endpoint) until its lease runs
         // out: ask etcd again shortly for the node taking the shard over, while failover_wait
         // lasts, instead of giving the call up.
-        while (next == endpoint && silent(endpoint) &&
+        while (next == endpoint && silent_.contains(endpoint) &&
                std::chrono::steady_clock::now() < *failover_until) {
           std::this_thread::sleep_for(kRetryWait);
           next = lookup(agent);

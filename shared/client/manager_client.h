@@ -16,6 +16,7 @@
 #include <string_view>
 #include <vector>
 
+#include "shared/client/failover.h"
 #include "shared/client/owner_directory.h"
 #include "shared/common/status.h"
 
@@ -219,14 +220,12 @@ class ManagerClient {
   // Where to send `agent`'s call when no node is remembered for it: the directory's answer when
   // there is one and its node answers, else the configured endpoint.
   std::string lookup(const std::string& agent);
-  // True while `endpoint` failed at the transport level recently (see kSilentFor).
-  bool silent(const std::string& endpoint) const;
 
   ClientOptions options_;
   std::unique_ptr<wire::RpcChannel> channel_;
-  std::map<std::string, std::string> owners_;                            // agent -> endpoint
-  std::map<std::string, std::unique_ptr<wire::RpcChannel>> others_;      // endpoint -> channel
-  std::map<std::string, std::chrono::steady_clock::time_point> silent_;  // endpoint -> failed at
+  std::map<std::string, std::string> owners_;                        // agent -> endpoint
+  std::map<std::string, std::unique_ptr<wire::RpcChannel>> others_;  // endpoint -> channel
+  SilentEndpoints silent_;  // endpoints that gave no answer lately
   uint64_t moved_answers_ = 0;
   uint64_t mutations_resent_ = 0;
   uint64_t client_id_ = 0;  // random, never 0

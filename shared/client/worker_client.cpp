@@ -2,6 +2,9 @@
 
 #include <capnp/message.h>
 
+#include <thread>
+
+#include "shared/client/failover.h"
 #include "shared/client/moved.h"
 #include "shared/client/protocols.h"
 #include "shared/rpc/rpc_channel.h"
@@ -76,34 +79,96 @@ Result<wire::RpcChannel*> WorkerClient::channel_to(const std::string& endpoint) 
   return other.get();
 }
 
-Result<CompleteReply> WorkerClient::complete(const CompleteArgs& a) {
-  std::string endpoint = options_.endpoint;
-  if (auto known = owners_.find(a.agent); known != owners_.end()) {
-    endpoint = known->second;
-  } else if (options_.directory) {
-    // A directory that cannot be read, or names no worker, leaves the call to the configured
-    // endpoint, which answers moved if the agent is another node's.
-    auto found = options_.directory->endpoint_of(a.agent);
-    if (found.is_ok() && found->has_value()) endpoint = owners_[a.agent] = **found;
+std::string WorkerClient::lookup(const std::string& agent) {
+  if (options_.directory) {
+    // A directory that cannot be read, or names no worker (or a silent one, whose node's lease
+    // has not run out yet), leaves the call to the configured endpoint, which answers moved if
+    // the agent is another node's.
+    auto found = options_.directory->endpoint_of(agent);
+    if (found.is_ok() && found->has_value() && !silent_.contains(**found)) {
+      owners_[agent] = **found;
+      return **found;
+    }
   }
-  // A shard that moves again while we follow it: a few hops.
+  return options_.endpoint;
+}
+
+Result<CompleteReply> WorkerClient::complete(const CompleteArgs& a) {
+  std::string endpoint;
+  if (auto known = owners_.find(a.agent);
+      known != owners_.end() && !silent_.contains(known->second)) {
+    endpoint = known->second;
+  } else {
+    owners_.erase(a.agent);
+    endpoint = lookup(a.agent);
+  }
+  // Set once the agent's worker stopped answering or its shard was found moving: the call is
+  // routed anew until then. Without either, a shard that moves while we follow it: a few hops.
+  std::optional<std::chrono::steady_clock::time_point> failover_until;
   constexpr int kMaxHops = 4;
-  for (int hop = 0;; ++hop) {
+  bool resent = false;
+  const auto send_again = [&] {
+    if (!resent) ++calls_resent_;
+    resent = true;
+  };
+  for (int attempt = 0;; ++attempt) {
     KEEP_ASSIGN_OR_RETURN(wire::RpcChannel * ch, channel_to(endpoint));
     auto r = complete_on(*ch, a);
     if (r.is_ok()) return r;
     const Status& st = r.status();
+    const bool no_answer = transport_failure(st);
+    const bool moving = retry_here(st) || lease_lapsed(st);
+    if ((no_answer || moving) && !failover_until) {
+      failover_until = std::chrono::steady_clock::now() + options_.failover_wait;
+    }
+    const bool again = options_.follow_moved &&
+                       (attempt < kMaxHops ||
+                        (failover_until && std::chrono::steady_clock::now() < *failover_until));
     if (st.code() == Code::kMoved) {
       ++moved_answers_;
-      const std::optional<MovedTarget> t = parse_moved(st.message());
       // No target: the answering worker does not know the owner's (see moved.h).
-      if (!options_.follow_moved || hop >= kMaxHops || !t || t->endpoint == endpoint) return r;
+      const std::optional<MovedTarget> t = parse_moved(st.message());
+      if (!again || !t || t->endpoint == endpoint) return r;
+      if (silent_.contains(t->endpoint)) {
+        // The answering node still sees the dead node's lease: ask again once it ran out.
+        owners_.erase(a.agent);
+        std::this_thread::sleep_for(kRetryWait);
+        endpoint = lookup(a.agent);
+        continue;
+      }
       endpoint = owners_[a.agent] = t->endpoint;
       continue;
     }
-    if (st.code() == Code::kTimeout || st.code() == Code::kUnavailable) {
-      // That worker may be gone, or its node no longer serve the agent: routed anew next time.
+    if (no_answer) {
+      // That worker may be gone: forget it, and send the plan to the node that takes its agents
+      // over -- the directory's answer (which names the dead node until its lease runs out) or
+      // the configured endpoint (which answers moved).
       owners_.erase(a.agent);
+      silent_.mark(endpoint);
+      if (!again) return r;
+      std::string next = lookup(a.agent);
+      while (next == endpoint && options_.directory &&
+             std::chrono::steady_clock::now() < *failover_until) {
+        std::this_thread::sleep_for(kRetryWait);
+        next = lookup(a.agent);
+      }
+      if (next == endpoint) return r;  // nowhere else to ask
+      endpoint = std::move(next);
+      send_again();
+      continue;
+    }
+    if (moving) {
+      // Nothing was planned; the node serves the agent shortly (or, its lease lapsed, another
+      // node does: routed anew).
+      owners_.erase(a.agent);
+      if (!again) return r;
+      std::this_thread::sleep_for(kRetryWait);
+      if (lease_lapsed(st)) endpoint = lookup(a.agent);
+      send_again();
+      continue;
+    }
+    if (st.code() == Code::kUnavailable) {
+      owners_.erase(a.agent);  // its node may no longer serve the agent: routed anew next time
     }
     return r;
   }

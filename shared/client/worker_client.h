@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "shared/client/failover.h"
 #include "shared/client/owner_directory.h"
 #include "shared/common/status.h"
 
@@ -105,13 +106,23 @@ struct WorkerClientOptions {
   size_t max_response_bytes = size_t{16} << 20;
   // Cluster mode (docs/cluster.md): a worker plans only for its own node's agents (it reads
   // their KV in its node's region) and answers `moved` for another node's, naming that node's
-  // worker; the call is sent there (a plan changes no memory, so sending it again is safe) and
-  // the agent's worker remembered. A remembered worker that gives no answer (or answers
-  // `unavailable`) is forgotten: the agent's next call goes through `directory` or `endpoint`.
+  // worker; the call is sent there (a plan changes no memory, so sending it again is always safe)
+  // and the agent's worker remembered. A worker that gives no answer within `timeout` is
+  // forgotten (and not asked again for kSilentFor, even where a `moved` answer names it), and the
+  // call is sent again through `directory` or `endpoint` to the node that takes the agent over;
+  // one answered "no owner yet" or "being taken over" is sent again shortly. Off: every answer,
+  // `moved` included, is returned as it is.
   bool follow_moved = true;
   // Cluster mode, optional: where agents' workers are (cluster::EtcdDirectory::create_for_workers
-  // reads etcd), asked before an agent's first call. Empty: `endpoint` and `moved` answers.
+  // reads etcd), asked before an agent's first call and after its worker stopped answering.
+  // Empty: `endpoint` and `moved` answers.
   std::shared_ptr<OwnerDirectory> directory;
+  // Cluster mode: once an agent's worker stopped answering or its shard is moving, how long its
+  // call keeps being routed anew before the last answer is returned (the shard is taken over a
+  // lease plus a round after a node died: 10 s and a quarter by default). A call to a dead worker
+  // costs one `timeout` first, so a call takes at most timeout + failover_wait (+ one timeout
+  // more if the next worker dies too).
+  std::chrono::milliseconds failover_wait{15000};
 };
 
 class WorkerClient {
@@ -129,11 +140,16 @@ class WorkerClient {
   const WorkerClientOptions& options() const { return options_; }
   // `moved` answers this client received (each costs a round trip the directory would spare).
   uint64_t moved_answers() const { return moved_answers_; }
+  // Calls sent again to another worker after theirs gave no answer, or after "no owner yet".
+  uint64_t calls_resent() const { return calls_resent_; }
 
  private:
   explicit WorkerClient(WorkerClientOptions options);
   // The channel to `endpoint` (the configured one, or one opened for another node's worker).
   Result<wire::RpcChannel*> channel_to(const std::string& endpoint);
+  // Where to send `agent`'s call when no worker is remembered for it: the directory's answer
+  // when there is one and its worker answers, else the configured endpoint.
+  std::string lookup(const std::string& agent);
   // One complete call on `channel`.
   Result<CompleteReply> complete_on(wire::RpcChannel& channel, const CompleteArgs& args);
 
@@ -141,7 +157,9 @@ class WorkerClient {
   std::unique_ptr<wire::RpcChannel> channel_;
   std::map<std::string, std::string> owners_;                        // agent -> worker endpoint
   std::map<std::string, std::unique_ptr<wire::RpcChannel>> others_;  // endpoint -> channel
+  SilentEndpoints silent_;  // workers that gave no answer lately
   uint64_t moved_answers_ = 0;
+  uint64_t calls_resent_ = 0;
 };
 
 }  // namespace keep::client

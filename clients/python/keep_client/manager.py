@@ -6,39 +6,14 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
 from . import _schema, errors
+from ._failover import (_RETRY_WAIT, SilentEndpoints, _lease_lapsed, _retry_here,
+                        _transport_failure)
 from ._channel import Client
-
-# Between two tries of a call whose shard is between owners (seconds).
-_RETRY_WAIT = 0.25
-# An endpoint that gave no answer is not sent an agent's call again for this long (seconds), even
-# when a `moved` answer names it: the answering node still sees the silent node's lease until it
-# runs out (10 s by default), and each call to a dead node costs a whole timeout.
-_SILENT_FOR = 5.0
-
-
-def _transport_failure(e):
-    """No answer at all (timeout, or ZeroMQ failing): the request may have been applied."""
-    return isinstance(e, errors.RequestTimeoutError) or (
-        isinstance(e, errors.UnavailableError) and e.message.startswith("zmq: "))
-
-
-def _retry_here(e):
-    """Nothing applied, and the same node serves the agent shortly: its shard between owners
-    ("no owner yet") or replayed by its new owner ("being taken over")."""
-    return isinstance(e, errors.UnavailableError) and any(
-        m in e.message for m in ("no owner yet", "being taken over"))
-
 
 def _unconfirmed(e):
     """The node's log of record did not confirm a mutation (it may or may not have landed); the
     node gave the shard up, to be taken again and its log replayed."""
     return isinstance(e, errors.UnavailableError) and "did not confirm" in e.message
-
-
-def _lease_lapsed(e):
-    """The node no longer serves the agent: its lease may have run out (it lost touch with etcd;
-    nothing was applied). Another node takes the shard once etcd frees it: routed anew."""
-    return isinstance(e, errors.UnavailableError) and "lease may have run out" in e.message
 
 
 def _gave_up(lost, last):
@@ -136,12 +111,8 @@ class ManagerClient(Client):
         self._seq = itertools.count(1)
         self.mutations_resent = 0  # mutations sent again after their answer was lost
         self._owners = {}    # agent -> endpoint
-        self._silent = {}    # endpoint -> time.monotonic() it last gave no answer
+        self._silent = SilentEndpoints()
         self.moved_answers = 0  # `moved` answers received (the directory spares them)
-
-    def _is_silent(self, endpoint):
-        at = self._silent.get(endpoint)
-        return at is not None and time.monotonic() - at < _SILENT_FOR
 
     def _lookup(self, agent):
         """Where to send a call of `agent` no node is remembered for: the directory's answer
@@ -151,14 +122,14 @@ class ManagerClient(Client):
                 found = self._directory.owner_endpoint(agent)
             except (OSError, ValueError, KeyError):
                 found = None  # etcd unreadable: the configured endpoint routes
-            if found and not self._is_silent(found):
+            if found and not self._silent.contains(found):
                 self._owners[agent] = found
                 return found
         return self._ch.endpoint
 
     def _routed(self, agent, kind, fill, mutation=False):
         endpoint = self._owners.get(agent)
-        if endpoint is None or self._is_silent(endpoint):
+        if endpoint is None or self._silent.contains(endpoint):
             # Also an agent remembered on a node that stopped answering for another agent's call.
             self._owners.pop(agent, None)
             endpoint = self._lookup(agent)
@@ -181,7 +152,7 @@ class ManagerClient(Client):
                 at = errors.moved_target(e.message)
                 if not self._again(attempt, failover_until) or at is None or at == endpoint:
                     raise _gave_up(lost, e) from None
-                if self._is_silent(at):
+                if self._silent.contains(at):
                     # The answering node still sees the silent owner's lease: ask once it ran out.
                     self._owners.pop(agent, None)
                     time.sleep(_RETRY_WAIT)
@@ -214,7 +185,7 @@ class ManagerClient(Client):
                     failover_until = time.monotonic() + self._failover_wait
                 self._owners.pop(agent, None)
                 if _transport_failure(e):
-                    self._silent[endpoint] = time.monotonic()
+                    self._silent.mark(endpoint)
                 if mutation and lost is None and (_transport_failure(e) or _unconfirmed(e)):
                     lost = e
                 if not self._again(attempt, failover_until):
@@ -223,7 +194,7 @@ class ManagerClient(Client):
                 if nxt == endpoint and self._directory is not None and _transport_failure(e):
                     # etcd names the silent node (here also the configured endpoint) until its
                     # lease runs out: ask etcd again shortly while failover_wait lasts.
-                    while (nxt == endpoint and self._is_silent(endpoint)
+                    while (nxt == endpoint and self._silent.contains(endpoint)
                            and time.monotonic() < failover_until):
                         time.sleep(_RETRY_WAIT)
                         nxt = self._lookup(agent)

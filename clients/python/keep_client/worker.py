@@ -1,9 +1,12 @@
 """WorkerClient: a planner's side of keep-worker (proto/worker.capnp, docs/protocol.md)."""
+import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 from . import _schema, errors
 from ._channel import Client
+from ._failover import (_RETRY_WAIT, SilentEndpoints, _lease_lapsed, _retry_here,
+                        _transport_failure)
 
 # Method names as keep-worker's --method spells them, and their wire enumerants.
 METHODS = {"full": "full", "prefix": "prefix", "full_reuse": "fullReuse",
@@ -54,7 +57,7 @@ class Scored:
     stats: Stats
 
 
-# A shard that moves again while a call follows it: a few hops.
+# Without a failed node, a shard that moves again while a call follows it: a few hops.
 _MAX_HOPS = 4
 
 
@@ -65,43 +68,97 @@ class WorkerClient(Client):
 
     Cluster mode (docs/cluster.md): a worker plans only for its own node's agents (it reads their
     KV in its node's region) and answers `moved` for another node's, naming that node's worker;
-    the call is sent there (a plan changes no memory) and the agent's worker remembered. With a
-    `directory` (keep_client.cluster.EtcdDirectory) the owner's worker is read from etcd before
-    an agent's first call."""
+    the call is sent there (a plan changes no memory, so sending it again is always safe) and the
+    agent's worker remembered. With a `directory` (keep_client.cluster.EtcdDirectory) the owner's
+    worker is read from etcd before an agent's first call. A worker that gives no answer within
+    `timeout` is forgotten (and not asked again for a few seconds, even where a `moved` answer
+    names it) and the call sent again through the directory or `endpoint` to the node that takes
+    the agent over; one answered "no owner yet" or "being taken over" is sent again shortly. That
+    goes on for up to `failover_wait` seconds after the first such answer, so a call takes at most
+    timeout + failover_wait. follow_moved=False: every answer is raised as it is."""
 
     def __init__(self, endpoint="tcp://127.0.0.1:7602", timeout=60.0, follow_moved=True,
-                 directory=None):
+                 directory=None, failover_wait=15.0):
         super().__init__(endpoint, timeout, _schema.worker)
         self._follow_moved = follow_moved
         self._directory = directory
+        self._failover_wait = failover_wait
         self._owners = {}  # agent -> worker endpoint
+        self._silent = SilentEndpoints()
         self.moved_answers = 0  # `moved` answers received (the directory spares them)
+        self.calls_resent = 0  # calls sent again after no answer or "no owner yet"
+
+    def _lookup(self, agent):
+        """Where to send a call of `agent` no worker is remembered for: the directory's answer
+        when it names a worker that answers, else the configured endpoint (which answers moved)."""
+        if self._directory is not None:
+            try:
+                found = self._directory.worker_endpoint(agent)
+            except (OSError, ValueError, KeyError):
+                found = None  # etcd unreadable: the configured worker answers moved
+            if found and not self._silent.contains(found):
+                self._owners[agent] = found
+                return found
+        return self._ch.endpoint
 
     def _routed(self, agent, fill):
         endpoint = self._owners.get(agent)
-        if endpoint is None:
-            endpoint = self._ch.endpoint
-            if self._directory is not None:
-                try:
-                    found = self._directory.worker_endpoint(agent)
-                except (OSError, ValueError, KeyError):
-                    found = None  # etcd unreadable: the configured worker answers moved
-                if found:
-                    endpoint = self._owners[agent] = found
-        for hop in range(_MAX_HOPS + 1):
+        if endpoint is None or self._silent.contains(endpoint):
+            self._owners.pop(agent, None)
+            endpoint = self._lookup(agent)
+        failover_until = None  # set once the agent's worker failed or its shard was moving
+        resent = False
+        attempt = 0
+        while True:
             try:
                 return self._channel(endpoint).call("complete", fill)
             except errors.MovedError as e:
                 self.moved_answers += 1
                 at = errors.moved_target(e.message)
-                if not self._follow_moved or hop == _MAX_HOPS or at is None or at == endpoint:
+                if not self._again(attempt, failover_until) or at is None or at == endpoint:
                     raise
-                endpoint = self._owners[agent] = at
-            except (errors.UnavailableError, errors.RequestTimeoutError):
-                # That worker may be gone, or its node no longer serve the agent: routed anew
-                # next time.
-                self._owners.pop(agent, None)
-                raise
+                if self._silent.contains(at):
+                    # The answering node still sees the dead node's lease: ask once it ran out.
+                    self._owners.pop(agent, None)
+                    time.sleep(_RETRY_WAIT)
+                    endpoint = self._lookup(agent)
+                else:
+                    endpoint = self._owners[agent] = at
+            except (errors.UnavailableError, errors.RequestTimeoutError) as e:
+                self._owners.pop(agent, None)  # routed anew (next time, if not now)
+                no_answer = _transport_failure(e)
+                if not (no_answer or _retry_here(e) or _lease_lapsed(e)):
+                    raise  # e.g. the worker's queue is full
+                if failover_until is None:
+                    failover_until = time.monotonic() + self._failover_wait
+                if no_answer:
+                    self._silent.mark(endpoint)
+                if not self._again(attempt, failover_until):
+                    raise
+                if no_answer:
+                    # The directory names the dead node until its lease runs out.
+                    nxt = self._lookup(agent)
+                    while (nxt == endpoint and self._directory is not None
+                           and time.monotonic() < failover_until):
+                        time.sleep(_RETRY_WAIT)
+                        nxt = self._lookup(agent)
+                    if nxt == endpoint:
+                        raise  # nowhere else to ask
+                    endpoint = nxt
+                else:
+                    time.sleep(_RETRY_WAIT)
+                    if _lease_lapsed(e):
+                        endpoint = self._lookup(agent)
+                if not resent:
+                    resent = True
+                    self.calls_resent += 1
+            attempt += 1
+
+    def _again(self, attempt, failover_until):
+        """Whether a call may be sent once more: a few hops, or until failover_until."""
+        return self._follow_moved and (
+            attempt < _MAX_HOPS or (failover_until is not None
+                                    and time.monotonic() < failover_until))
 
     def ping(self) -> Dict[str, str]:
         p = self._ch.call("ping", None)

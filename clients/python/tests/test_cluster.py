@@ -3,7 +3,8 @@ shards; a client connected to one of them reaches every agent, following `moved`
 node that serves it (docs/cluster.md). With the memories in a real PostgreSQL, a client that is
 not recreated reaches its agents again after kill -9 of their node; the writes whose answers died
 with it are sent again with their request ids, so every write is acknowledged and there exactly
-once. Skipped without Debian's etcd-server (and postgresql).
+once; a plan sent to a killed node's worker is sent again by WorkerClient, within the call, to
+the node that took the agent over. Skipped without Debian's etcd-server (and postgresql).
 """
 import os
 import pwd
@@ -338,6 +339,76 @@ class WorkerFollowsMoved(TwoNodes):
             self.assertEqual(direct.complete(x, **ask).tokens, owner.tokens)
             direct.complete(y, **ask)
             self.assertEqual(direct.moved_answers, 0)
+
+
+@unittest.skipUnless(os.access(ETCD, os.X_OK) and PG_BIN, "no etcd-server or postgresql")
+class WorkerFailsOver(unittest.TestCase):
+    """Two nodes of keep-manager + keep-worker (CPU), the memories in PostgreSQL (lease 2 s). A
+    planner's WorkerClient, made once, remembers node a's worker for a's robot; a's manager and
+    worker are killed -9. The next plan for the robot gets no answer from a's worker within its
+    timeout, and the client sends it again, within the same call, through b's worker (which
+    answers moved, naming a, until b took the robot's shard over, then plans): the call returns
+    a plan over the robot's memories, not an error."""
+
+    LEASE_S = 2
+    TIMEOUT_S = 4.0
+
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp(prefix="keep_wfailover_")
+        self.pg = Postgres()
+        self.etcd, url = start_etcd(self.tmp)
+        self.worker_ep = {n: f"tcp://127.0.0.1:{free_port()}" for n in ("a", "b")}
+        flags = lambda node: ["--etcd", url, "--node-id", node, "--shards", "4",
+                              "--etcd-lease-s", str(self.LEASE_S), "--pg", self.pg.conninfo,
+                              "--advertise-worker", self.worker_ep[node]]
+        deadline = time.monotonic() + 30
+        while True:  # once etcd has elected itself
+            try:
+                self.b = LocalServices(extra_manager=flags("b"),
+                                       extra_worker=["--endpoint", self.worker_ep["b"]])
+                break
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        self.a = LocalServices(extra_manager=flags("a"),
+                               extra_worker=["--endpoint", self.worker_ep["a"]])
+        self.directory = EtcdDirectory([url], shards=4)
+
+    def tearDown(self):
+        self.a.close()
+        self.b.close()
+        self.etcd.kill()
+        self.etcd.wait()
+        self.pg.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def test_a_plan_in_flight_to_a_dead_worker_is_answered_by_the_survivor(self):
+        a_ep = self.a.manager.endpoint
+        deadline = time.monotonic() + 20
+        x = None
+        while x is None:  # until b handed a its half
+            x = next((f"robot-{i}" for i in range(32)
+                      if self.directory.owner_endpoint(f"robot-{i}") == a_ep), None)
+            self.assertLess(time.monotonic(), deadline, "the shards were never split")
+            time.sleep(0.2)
+        with ManagerClient(self.b.manager.endpoint, timeout=10) as m:
+            m.write(x, "The red mug is on the kitchen counter.")
+        ask = dict(instruction="Where is the mug?", method="full_reuse", max_tokens=1)
+        with WorkerClient(self.worker_ep["b"], timeout=self.TIMEOUT_S) as planner:
+            before = planner.complete(x, **ask)
+            self.assertEqual(planner.moved_answers, 1)  # a's worker, remembered
+            self.a.worker.kill9()
+            self.a.manager.kill9()
+            killed_at = time.monotonic()
+            after = planner.complete(x, **ask)  # sent to a's worker: no answer, then b's
+            took = time.monotonic() - killed_at
+            print(f"\na plan sent to the killed node's worker was answered by the survivor "
+                  f"{took:.2f} s after the kill, in the same call (timeout {self.TIMEOUT_S} s, "
+                  f"lease {self.LEASE_S} s)", flush=True)
+            self.assertEqual(planner.calls_resent, 1)
+            self.assertEqual(after.stats.segments, before.stats.segments)  # the robot's memory
+            self.assertLess(took, self.TIMEOUT_S + self.LEASE_S + 6)
 
 
 class ShardHash(unittest.TestCase):
