@@ -130,7 +130,9 @@ uint64_t random_client_id() {
 }  // namespace
 
 ManagerClient::ManagerClient(ClientOptions options)
-    : options_(std::move(options)), client_id_(random_client_id()) {}
+    : options_(std::move(options)),
+      routes_(options_.endpoint, options_.directory),
+      client_id_(random_client_id()) {}
 
 ManagerClient::~ManagerClient() = default;
 
@@ -168,32 +170,10 @@ bool unconfirmed(const Status& st) {
 
 }  // namespace
 
-std::string ManagerClient::lookup(const std::string& agent) {
-  if (options_.directory) {
-    // A directory that cannot be read, or names no owner (or a silent one, whose lease has not
-    // run out yet), leaves the call to the configured endpoint: it answers moved or "retry".
-    auto found = options_.directory->endpoint_of(agent);
-    if (found.is_ok() && found->has_value() && !silent_.contains(**found)) {
-      owners_[agent] = **found;
-      return **found;
-    }
-  }
-  return options_.endpoint;
-}
-
 Status ManagerClient::routed(std::string_view agent_name, bool mutation,
                              const std::function<Status(wire::RpcChannel&)>& call) {
   const std::string agent(agent_name);
-  // An agent remembered on a node that just stopped answering (for another agent's call) is
-  // routed anew too, rather than costing a timeout of its own.
-  std::string endpoint;
-  if (auto known = owners_.find(agent);
-      known != owners_.end() && !silent_.contains(known->second)) {
-    endpoint = known->second;
-  } else {
-    owners_.erase(agent);
-    endpoint = lookup(agent);
-  }
+  std::string endpoint = routes_.first(agent);
   // A mutation's try that got no answer, or an unconfirmed one: it may have been applied. Sent
   // again with the same request id, it is answered by whichever node serves the agent then.
   Status lost;
@@ -237,16 +217,7 @@ Status ManagerClient::routed(std::string_view agent_name, bool mutation,
       if (!again) return give_up(st);
       const std::optional<MovedTarget> target = parse_moved(st.message());
       if (!target || target->endpoint == endpoint) return give_up(st);
-      std::string next = target->endpoint;
-      if (silent_.contains(next)) {
-        // The answering node still sees the silent owner's lease: ask again once it ran out.
-        owners_.erase(agent);
-        std::this_thread::sleep_for(kRetryWait);
-        endpoint = lookup(agent);
-        continue;
-      }
-      endpoint = std::move(next);
-      owners_[agent] = endpoint;
+      endpoint = routes_.after_moved(agent, target->endpoint);
     } else if (retry_here(st)) {
       if (!again) return give_up(st);
       std::this_thread::sleep_for(kRetryWait);
@@ -254,26 +225,26 @@ Status ManagerClient::routed(std::string_view agent_name, bool mutation,
       // Nothing was applied; the node answering may be the only one the client knows, and may
       // serve the agent again once it reaches etcd: ask again shortly, wherever lookup says.
       if (!again) return give_up(st);
-      owners_.erase(agent);
+      routes_.forget(agent);
       std::this_thread::sleep_for(kRetryWait);
-      endpoint = lookup(agent);
+      endpoint = routes_.lookup(agent);
     } else if (node_failed) {
       // The agent's node stopped answering or cannot serve it now: forget it, so that this call
       // -- a read, or a mutation with its request id -- goes to the node that takes its shard
       // over.
-      owners_.erase(agent);
-      if (transport_failure(st)) silent_.mark(endpoint);
+      routes_.forget(agent);
+      if (transport_failure(st)) routes_.mark_silent(endpoint);
       if (mutation && lost.is_ok() && (transport_failure(st) || unconfirmed(st))) lost = st;
       if (!again) return give_up(st);
-      std::string next = lookup(agent);
-      if (next == endpoint && options_.directory && transport_failure(st)) {
+      std::string next = routes_.lookup(agent);
+      if (next == endpoint && routes_.has_directory() && transport_failure(st)) {
         // etcd names the silent node (here also the configured endpoint) until its lease runs
         // out: ask etcd again shortly for the node taking the shard over, while failover_wait
         // lasts, instead of giving the call up.
-        while (next == endpoint && silent_.contains(endpoint) &&
+        while (next == endpoint && routes_.silent(endpoint) &&
                std::chrono::steady_clock::now() < *failover_until) {
           std::this_thread::sleep_for(kRetryWait);
-          next = lookup(agent);
+          next = routes_.lookup(agent);
         }
         if (next == endpoint) {
           if (std::chrono::steady_clock::now() >= *failover_until) return give_up(st);

@@ -217,15 +217,11 @@ class ManagerClient {
                 const std::function<Status(wire::RpcChannel&)>& call);
   // The request id of the next mutation: {client_id_, its sequence number}.
   uint64_t next_seq() { return next_seq_++; }
-  // Where to send `agent`'s call when no node is remembered for it: the directory's answer when
-  // there is one and its node answers, else the configured endpoint.
-  std::string lookup(const std::string& agent);
 
   ClientOptions options_;
   std::unique_ptr<wire::RpcChannel> channel_;
-  std::map<std::string, std::string> owners_;                        // agent -> endpoint
   std::map<std::string, std::unique_ptr<wire::RpcChannel>> others_;  // endpoint -> channel
-  SilentEndpoints silent_;  // endpoints that gave no answer lately
+  AgentRoutes routes_;
   uint64_t moved_answers_ = 0;
   uint64_t mutations_resent_ = 0;
   uint64_t client_id_ = 0;  // random, never 0

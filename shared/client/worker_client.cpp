@@ -40,7 +40,8 @@ std::optional<PlanMethod> parse_plan_method(std::string_view name) {
   return std::nullopt;
 }
 
-WorkerClient::WorkerClient(WorkerClientOptions options) : options_(std::move(options)) {}
+WorkerClient::WorkerClient(WorkerClientOptions options)
+    : options_(std::move(options)), routes_(options_.endpoint, options_.directory) {}
 WorkerClient::~WorkerClient() = default;
 
 Result<std::unique_ptr<WorkerClient>> WorkerClient::connect(WorkerClientOptions options) {
@@ -79,29 +80,8 @@ Result<wire::RpcChannel*> WorkerClient::channel_to(const std::string& endpoint) 
   return other.get();
 }
 
-std::string WorkerClient::lookup(const std::string& agent) {
-  if (options_.directory) {
-    // A directory that cannot be read, or names no worker (or a silent one, whose node's lease
-    // has not run out yet), leaves the call to the configured endpoint, which answers moved if
-    // the agent is another node's.
-    auto found = options_.directory->endpoint_of(agent);
-    if (found.is_ok() && found->has_value() && !silent_.contains(**found)) {
-      owners_[agent] = **found;
-      return **found;
-    }
-  }
-  return options_.endpoint;
-}
-
 Result<CompleteReply> WorkerClient::complete(const CompleteArgs& a) {
-  std::string endpoint;
-  if (auto known = owners_.find(a.agent);
-      known != owners_.end() && !silent_.contains(known->second)) {
-    endpoint = known->second;
-  } else {
-    owners_.erase(a.agent);
-    endpoint = lookup(a.agent);
-  }
+  std::string endpoint = routes_.first(a.agent);
   // Set once the agent's worker stopped answering or its shard was found moving: the call is
   // routed anew until then. Without either, a shard that moves while we follow it: a few hops.
   std::optional<std::chrono::steady_clock::time_point> failover_until;
@@ -129,28 +109,21 @@ Result<CompleteReply> WorkerClient::complete(const CompleteArgs& a) {
       // No target: the answering worker does not know the owner's (see moved.h).
       const std::optional<MovedTarget> t = parse_moved(st.message());
       if (!again || !t || t->endpoint == endpoint) return r;
-      if (silent_.contains(t->endpoint)) {
-        // The answering node still sees the dead node's lease: ask again once it ran out.
-        owners_.erase(a.agent);
-        std::this_thread::sleep_for(kRetryWait);
-        endpoint = lookup(a.agent);
-        continue;
-      }
-      endpoint = owners_[a.agent] = t->endpoint;
+      endpoint = routes_.after_moved(a.agent, t->endpoint);
       continue;
     }
     if (no_answer) {
       // That worker may be gone: forget it, and send the plan to the node that takes its agents
       // over -- the directory's answer (which names the dead node until its lease runs out) or
       // the configured endpoint (which answers moved).
-      owners_.erase(a.agent);
-      silent_.mark(endpoint);
+      routes_.forget(a.agent);
+      routes_.mark_silent(endpoint);
       if (!again) return r;
-      std::string next = lookup(a.agent);
-      while (next == endpoint && options_.directory &&
+      std::string next = routes_.lookup(a.agent);
+      while (next == endpoint && routes_.has_directory() &&
              std::chrono::steady_clock::now() < *failover_until) {
         std::this_thread::sleep_for(kRetryWait);
-        next = lookup(a.agent);
+        next = routes_.lookup(a.agent);
       }
       if (next == endpoint) return r;  // nowhere else to ask
       endpoint = std::move(next);
@@ -160,15 +133,15 @@ Result<CompleteReply> WorkerClient::complete(const CompleteArgs& a) {
     if (moving) {
       // Nothing was planned; the node serves the agent shortly (or, its lease lapsed, another
       // node does: routed anew).
-      owners_.erase(a.agent);
+      routes_.forget(a.agent);
       if (!again) return r;
       std::this_thread::sleep_for(kRetryWait);
-      if (lease_lapsed(st)) endpoint = lookup(a.agent);
+      if (lease_lapsed(st)) endpoint = routes_.lookup(a.agent);
       send_again();
       continue;
     }
     if (st.code() == Code::kUnavailable) {
-      owners_.erase(a.agent);  // its node may no longer serve the agent: routed anew next time
+      routes_.forget(a.agent);  // its node may no longer serve the agent: routed anew next time
     }
     return r;
   }

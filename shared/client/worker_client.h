@@ -147,17 +147,13 @@ class WorkerClient {
   explicit WorkerClient(WorkerClientOptions options);
   // The channel to `endpoint` (the configured one, or one opened for another node's worker).
   Result<wire::RpcChannel*> channel_to(const std::string& endpoint);
-  // Where to send `agent`'s call when no worker is remembered for it: the directory's answer
-  // when there is one and its worker answers, else the configured endpoint.
-  std::string lookup(const std::string& agent);
   // One complete call on `channel`.
   Result<CompleteReply> complete_on(wire::RpcChannel& channel, const CompleteArgs& args);
 
   WorkerClientOptions options_;
   std::unique_ptr<wire::RpcChannel> channel_;
-  std::map<std::string, std::string> owners_;                        // agent -> worker endpoint
   std::map<std::string, std::unique_ptr<wire::RpcChannel>> others_;  // endpoint -> channel
-  SilentEndpoints silent_;  // workers that gave no answer lately
+  AgentRoutes routes_;
   uint64_t moved_answers_ = 0;
   uint64_t calls_resent_ = 0;
 };

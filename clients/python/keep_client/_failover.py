@@ -45,3 +45,60 @@ class SilentEndpoints:
     def contains(self, endpoint):
         at = self._at.get(endpoint)
         return at is not None and time.monotonic() - at < _SILENT_FOR
+
+
+class Routes:
+    """Where a client sends an agent's calls: the node remembered for it (followed `moved`, or
+    named by the directory), else the directory's answer, else the configured endpoint -- never a
+    node that gave no answer lately. `find(agent)` asks the directory (None: it names none)."""
+
+    def __init__(self, configured, find=None):
+        self._configured = configured
+        self._find = find
+        self._owners = {}  # agent -> endpoint
+        self.silent = SilentEndpoints()
+
+    @property
+    def owners(self):
+        """agent -> the endpoint remembered for it (a copy)."""
+        return dict(self._owners)
+
+    @property
+    def has_directory(self):
+        return self._find is not None
+
+    def first(self, agent):
+        """Where `agent`'s call goes first; one remembered on a node that just stopped answering
+        (for another agent's call) is routed anew, rather than costing a timeout of its own."""
+        endpoint = self._owners.get(agent)
+        if endpoint is None or self.silent.contains(endpoint):
+            self._owners.pop(agent, None)
+            endpoint = self.lookup(agent)
+        return endpoint
+
+    def lookup(self, agent):
+        """The directory's answer when it names a node that answers, else the configured
+        endpoint (which answers moved or "retry")."""
+        if self._find is not None:
+            try:
+                found = self._find(agent)
+            except (OSError, ValueError, KeyError):
+                found = None  # etcd unreadable: the configured endpoint routes
+            if found and not self.silent.contains(found):
+                self._owners[agent] = found
+                return found
+        return self._configured
+
+    def after_moved(self, agent, target):
+        """Where the call goes after `moved` named `target`: there (remembered), or, when
+        `target` gave no answer lately -- the answering node still sees its lease until it runs
+        out -- wherever lookup says after a short wait."""
+        if self.silent.contains(target):
+            self._owners.pop(agent, None)
+            time.sleep(_RETRY_WAIT)
+            return self.lookup(agent)
+        self._owners[agent] = target
+        return target
+
+    def forget(self, agent):
+        self._owners.pop(agent, None)

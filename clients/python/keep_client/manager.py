@@ -6,8 +6,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
 from . import _schema, errors
-from ._failover import (_RETRY_WAIT, SilentEndpoints, _lease_lapsed, _retry_here,
-                        _transport_failure)
+from ._failover import _RETRY_WAIT, Routes, _lease_lapsed, _retry_here, _transport_failure
 from ._channel import Client
 
 def _unconfirmed(e):
@@ -94,9 +93,6 @@ class ManagerClient(Client):
     def __init__(self, endpoint="tcp://127.0.0.1:7601", timeout=20.0, follow_moved=True,
                  directory=None, failover_wait=15.0):
         super().__init__(endpoint, timeout, _schema.manager)
-        # Cluster mode: a keep_client.cluster.EtcdDirectory, asked first for an agent not seen yet
-        # (and again after its node stopped answering).
-        self._directory = directory
         # Cluster mode (docs/cluster.md): a node answers `moved` for an agent another node
         # serves, naming it; the call is sent there, and the agent's node remembered. A node that
         # stops answering (or answers `unavailable`) is forgotten and the call sent again through
@@ -110,29 +106,14 @@ class ManagerClient(Client):
         self.client_id = secrets.randbits(64) or 1  # the request ids' client part, never 0
         self._seq = itertools.count(1)
         self.mutations_resent = 0  # mutations sent again after their answer was lost
-        self._owners = {}    # agent -> endpoint
-        self._silent = SilentEndpoints()
+        # Cluster mode: `directory`, a keep_client.cluster.EtcdDirectory, is asked first for an
+        # agent not seen yet (and again after its node stopped answering).
+        self._routes = Routes(self._ch.endpoint,
+                              directory.owner_endpoint if directory is not None else None)
         self.moved_answers = 0  # `moved` answers received (the directory spares them)
 
-    def _lookup(self, agent):
-        """Where to send a call of `agent` no node is remembered for: the directory's answer
-        when it names a node that answers, else the configured endpoint (which answers moved)."""
-        if self._directory is not None:
-            try:
-                found = self._directory.owner_endpoint(agent)
-            except (OSError, ValueError, KeyError):
-                found = None  # etcd unreadable: the configured endpoint routes
-            if found and not self._silent.contains(found):
-                self._owners[agent] = found
-                return found
-        return self._ch.endpoint
-
     def _routed(self, agent, kind, fill, mutation=False):
-        endpoint = self._owners.get(agent)
-        if endpoint is None or self._silent.contains(endpoint):
-            # Also an agent remembered on a node that stopped answering for another agent's call.
-            self._owners.pop(agent, None)
-            endpoint = self._lookup(agent)
+        endpoint = self._routes.first(agent)
         header = {"clientId": self.client_id, "clientSeq": next(self._seq)} if mutation else None
         lost = None  # a try of the mutation without an answer (or unconfirmed): maybe applied
         resent = False
@@ -152,13 +133,7 @@ class ManagerClient(Client):
                 at = errors.moved_target(e.message)
                 if not self._again(attempt, failover_until) or at is None or at == endpoint:
                     raise _gave_up(lost, e) from None
-                if self._silent.contains(at):
-                    # The answering node still sees the silent owner's lease: ask once it ran out.
-                    self._owners.pop(agent, None)
-                    time.sleep(_RETRY_WAIT)
-                    endpoint = self._lookup(agent)
-                else:
-                    endpoint = self._owners[agent] = at
+                endpoint = self._routes.after_moved(agent, at)
             except (errors.UnavailableError, errors.RequestTimeoutError) as e:
                 if _retry_here(e):
                     if not self._again(attempt, failover_until):
@@ -173,9 +148,9 @@ class ManagerClient(Client):
                         failover_until = time.monotonic() + self._failover_wait
                     if not self._again(attempt, failover_until):
                         raise _gave_up(lost, e) from None
-                    self._owners.pop(agent, None)
+                    self._routes.forget(agent)
                     time.sleep(_RETRY_WAIT)
-                    endpoint = self._lookup(agent)
+                    endpoint = self._routes.lookup(agent)
                     attempt += 1
                     continue
                 # The agent's node stopped answering or cannot serve it now: forget it, and send
@@ -183,21 +158,21 @@ class ManagerClient(Client):
                 # shard over.
                 if failover_until is None:
                     failover_until = time.monotonic() + self._failover_wait
-                self._owners.pop(agent, None)
+                self._routes.forget(agent)
                 if _transport_failure(e):
-                    self._silent.mark(endpoint)
+                    self._routes.silent.mark(endpoint)
                 if mutation and lost is None and (_transport_failure(e) or _unconfirmed(e)):
                     lost = e
                 if not self._again(attempt, failover_until):
                     raise _gave_up(lost, e) from None
-                nxt = self._lookup(agent)
-                if nxt == endpoint and self._directory is not None and _transport_failure(e):
+                nxt = self._routes.lookup(agent)
+                if nxt == endpoint and self._routes.has_directory and _transport_failure(e):
                     # etcd names the silent node (here also the configured endpoint) until its
                     # lease runs out: ask etcd again shortly while failover_wait lasts.
-                    while (nxt == endpoint and self._silent.contains(endpoint)
+                    while (nxt == endpoint and self._routes.silent.contains(endpoint)
                            and time.monotonic() < failover_until):
                         time.sleep(_RETRY_WAIT)
-                        nxt = self._lookup(agent)
+                        nxt = self._routes.lookup(agent)
                     if nxt == endpoint:
                         if time.monotonic() >= failover_until:
                             raise _gave_up(lost, e) from None

@@ -5,8 +5,7 @@ from typing import Dict, List, Optional, Sequence
 
 from . import _schema, errors
 from ._channel import Client
-from ._failover import (_RETRY_WAIT, SilentEndpoints, _lease_lapsed, _retry_here,
-                        _transport_failure)
+from ._failover import _RETRY_WAIT, Routes, _lease_lapsed, _retry_here, _transport_failure
 
 # Method names as keep-worker's --method spells them, and their wire enumerants.
 METHODS = {"full": "full", "prefix": "prefix", "full_reuse": "fullReuse",
@@ -81,31 +80,14 @@ class WorkerClient(Client):
                  directory=None, failover_wait=15.0):
         super().__init__(endpoint, timeout, _schema.worker)
         self._follow_moved = follow_moved
-        self._directory = directory
         self._failover_wait = failover_wait
-        self._owners = {}  # agent -> worker endpoint
-        self._silent = SilentEndpoints()
+        self._routes = Routes(self._ch.endpoint,
+                              directory.worker_endpoint if directory is not None else None)
         self.moved_answers = 0  # `moved` answers received (the directory spares them)
         self.calls_resent = 0  # calls sent again after no answer or "no owner yet"
 
-    def _lookup(self, agent):
-        """Where to send a call of `agent` no worker is remembered for: the directory's answer
-        when it names a worker that answers, else the configured endpoint (which answers moved)."""
-        if self._directory is not None:
-            try:
-                found = self._directory.worker_endpoint(agent)
-            except (OSError, ValueError, KeyError):
-                found = None  # etcd unreadable: the configured worker answers moved
-            if found and not self._silent.contains(found):
-                self._owners[agent] = found
-                return found
-        return self._ch.endpoint
-
     def _routed(self, agent, fill):
-        endpoint = self._owners.get(agent)
-        if endpoint is None or self._silent.contains(endpoint):
-            self._owners.pop(agent, None)
-            endpoint = self._lookup(agent)
+        endpoint = self._routes.first(agent)
         failover_until = None  # set once the agent's worker failed or its shard was moving
         resent = False
         attempt = 0
@@ -117,38 +99,32 @@ class WorkerClient(Client):
                 at = errors.moved_target(e.message)
                 if not self._again(attempt, failover_until) or at is None or at == endpoint:
                     raise
-                if self._silent.contains(at):
-                    # The answering node still sees the dead node's lease: ask once it ran out.
-                    self._owners.pop(agent, None)
-                    time.sleep(_RETRY_WAIT)
-                    endpoint = self._lookup(agent)
-                else:
-                    endpoint = self._owners[agent] = at
+                endpoint = self._routes.after_moved(agent, at)
             except (errors.UnavailableError, errors.RequestTimeoutError) as e:
-                self._owners.pop(agent, None)  # routed anew (next time, if not now)
+                self._routes.forget(agent)  # routed anew (next time, if not now)
                 no_answer = _transport_failure(e)
                 if not (no_answer or _retry_here(e) or _lease_lapsed(e)):
                     raise  # e.g. the worker's queue is full
                 if failover_until is None:
                     failover_until = time.monotonic() + self._failover_wait
                 if no_answer:
-                    self._silent.mark(endpoint)
+                    self._routes.silent.mark(endpoint)
                 if not self._again(attempt, failover_until):
                     raise
                 if no_answer:
                     # The directory names the dead node until its lease runs out.
-                    nxt = self._lookup(agent)
-                    while (nxt == endpoint and self._directory is not None
+                    nxt = self._routes.lookup(agent)
+                    while (nxt == endpoint and self._routes.has_directory
                            and time.monotonic() < failover_until):
                         time.sleep(_RETRY_WAIT)
-                        nxt = self._lookup(agent)
+                        nxt = self._routes.lookup(agent)
                     if nxt == endpoint:
                         raise  # nowhere else to ask
                     endpoint = nxt
                 else:
                     time.sleep(_RETRY_WAIT)
                     if _lease_lapsed(e):
-                        endpoint = self._lookup(agent)
+                        endpoint = self._routes.lookup(agent)
                 if not resent:
                     resent = True
                     self.calls_resent += 1

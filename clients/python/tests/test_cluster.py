@@ -131,7 +131,7 @@ class FollowsMoved(TwoNodes):
             for agent in agents:
                 w = m.write(agent, f"The mug of {agent} is on the table.")
                 self.assertGreater(w.id, 0)
-            on_b = [a for a, ep in m._owners.items() if ep == self.b.manager.endpoint]
+            on_b = [a for a, ep in m._routes.owners.items() if ep == self.b.manager.endpoint]
             self.assertTrue(on_b)
             for agent in agents:  # read back through the same client, wherever it lives
                 mems, _ = m.list_memories(agent)
@@ -144,7 +144,7 @@ class FollowsMoved(TwoNodes):
             d = EtcdDirectory([self.url], shards=8)
             for agent in agents:
                 self.assertEqual(d.owner_endpoint(agent),
-                                 m._owners.get(agent, self.a.manager.endpoint), agent)
+                                 m._routes.owners.get(agent, self.a.manager.endpoint), agent)
             # A client that asks the directory first sends no request to the wrong node.
             with ManagerClient(self.a.manager.endpoint, timeout=10, follow_moved=False,
                                directory=d) as direct:
@@ -155,8 +155,21 @@ class FollowsMoved(TwoNodes):
             self.assertGreater(m.moved_answers, 0)  # the control: m found b's agents by moved
 
 
+class PgNodes(unittest.TestCase):
+    """Two nodes (a, b) with their memories in PostgreSQL, on one etcd, started by setUp in
+    self.tmp; stopped here."""
+
+    def tearDown(self):
+        self.a.close()
+        self.b.close()
+        self.etcd.kill()
+        self.etcd.wait()
+        self.pg.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
 @unittest.skipUnless(os.access(ETCD, os.X_OK) and PG_BIN, "no etcd-server or postgresql")
-class FailsOver(unittest.TestCase):
+class FailsOver(PgNodes):
     """Two managers with their memories in PostgreSQL (lease 2 s); the node serving some agents
     is killed -9 while three clients, made once, write to every agent: one finds nodes by
     `moved`, two in etcd, one of those configured with the node that dies (etcd names it until
@@ -176,14 +189,6 @@ class FailsOver(unittest.TestCase):
         self.b = start_manager(flags("b"))
         self.a = LocalServices(worker=False, extra_manager=flags("a"))
         self.directory = EtcdDirectory([url], shards=8)
-
-    def tearDown(self):
-        self.a.close()
-        self.b.close()
-        self.etcd.kill()
-        self.etcd.wait()
-        self.pg.close()
-        shutil.rmtree(self.tmp, ignore_errors=True)
 
     def owners(self):
         """shard -> node name, as etcd says now."""
@@ -342,7 +347,7 @@ class WorkerFollowsMoved(TwoNodes):
 
 
 @unittest.skipUnless(os.access(ETCD, os.X_OK) and PG_BIN, "no etcd-server or postgresql")
-class WorkerFailsOver(unittest.TestCase):
+class WorkerFailsOver(PgNodes):
     """Two nodes of keep-manager + keep-worker (CPU), the memories in PostgreSQL (lease 2 s). A
     planner's WorkerClient, made once, remembers node a's worker for a's robot; a's manager and
     worker are killed -9. The next plan for the robot gets no answer from a's worker within its
@@ -374,14 +379,6 @@ class WorkerFailsOver(unittest.TestCase):
         self.a = LocalServices(extra_manager=flags("a"),
                                extra_worker=["--endpoint", self.worker_ep["a"]])
         self.directory = EtcdDirectory([url], shards=4)
-
-    def tearDown(self):
-        self.a.close()
-        self.b.close()
-        self.etcd.kill()
-        self.etcd.wait()
-        self.pg.close()
-        shutil.rmtree(self.tmp, ignore_errors=True)
 
     def test_a_plan_in_flight_to_a_dead_worker_is_answered_by_the_survivor(self):
         a_ep = self.a.manager.endpoint
