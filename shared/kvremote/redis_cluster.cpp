@@ -162,6 +162,28 @@ struct RedisCluster::Impl {
       *error = Status(Code::kUnavailable, "redis " + address + ": setting the timeout failed");
       return nullptr;
     }
+    if (!options.password.empty()) {
+      std::vector<const char*> argv = {"AUTH"};
+      std::vector<size_t> lens = {4};
+      if (!options.user.empty()) {
+        argv.push_back(options.user.data());
+        lens.push_back(options.user.size());
+      }
+      argv.push_back(options.password.data());
+      lens.push_back(options.password.size());
+      Reply r(static_cast<redisReply*>(
+          redisCommandArgv(c.get(), static_cast<int>(argv.size()), argv.data(), lens.data())));
+      if (!r || r->type == REDIS_REPLY_ERROR) {
+        // WRONGPASS, or AUTH sent to a server without a password: a configuration error the
+        // node keeps answering, so the same rest as a node that is down (and the entries are
+        // computed meanwhile).
+        const std::string why =
+            !r ? (c->errstr[0] != 0 ? std::string(c->errstr) : "no reply") : reply_text(&*r);
+        mark_down(address, "AUTH: " + why);
+        *error = Status(Code::kUnavailable, "redis " + address + ": AUTH: " + why);
+        return nullptr;
+      }
+    }
     redisContext* raw = c.get();
     connections[address] = std::move(c);
     return raw;

@@ -40,6 +40,10 @@ struct RedisClusterOptions {
   std::chrono::milliseconds op_timeout{50};       // per command (reading the reply)
   std::chrono::milliseconds backoff{2000};        // a failed node is left alone this long
   int max_redirects = 5;                          // MOVED / ASK hops of one command
+  // Sent as AUTH on every new connection when `password` is not empty: AUTH password (the
+  // servers' requirepass), or AUTH user password (a Redis 6+ ACL user).
+  std::string user;
+  std::string password;
 };
 
 // "redis://h1:p1,h2:p2,..." (the scheme optional) into seeds; kInvalidArgument naming the part.

@@ -1,6 +1,7 @@
 // A real Redis Cluster for tests: three redis-server masters in cluster mode on loopback (free
 // ports, a temp dir each, no persistence, no replicas), made one cluster by `redis-cli --cluster
-// create`, killed with the object. Debian's redis-server / redis-tools; tests skip without them.
+// create`, killed with the object; with a password, every master requires it (requirepass).
+// Debian's redis-server / redis-tools; tests skip without them.
 #pragma once
 
 #include <doctest/doctest.h>
@@ -46,18 +47,37 @@ struct RedisClusterProcs {
   TempDir dir{"redis"};
   std::vector<int> ports;
   std::vector<pid_t> pids;
+  std::string password;  // requirepass (and masterauth) of every master; empty: none
 
-  RedisClusterProcs() {
+  explicit RedisClusterProcs(std::string pass = {}) : password(std::move(pass)) {
     for (int i = 0; i < 3; ++i) {
       const int port = free_redis_port();  // its bus is port + 10000: at most 55535
       ports.push_back(port);
       const std::string d = (dir.path() / ("m" + std::to_string(i))).string();
       fs::create_directories(d);
-      pids.push_back(
-          spawn({kRedisServer, "--port", std::to_string(port), "--bind", "127.0.0.1", "--dir", d,
-                 "--cluster-enabled", "yes", "--cluster-config-file", d + "/nodes.conf", "--save",
-                 "", "--appendonly", "no", "--daemonize", "no", "--cluster-node-timeout", "2000"},
-                d + ".out", d + ".err"));
+      std::vector<std::string> argv = {kRedisServer,
+                                       "--port",
+                                       std::to_string(port),
+                                       "--bind",
+                                       "127.0.0.1",
+                                       "--dir",
+                                       d,
+                                       "--cluster-enabled",
+                                       "yes",
+                                       "--cluster-config-file",
+                                       d + "/nodes.conf",
+                                       "--save",
+                                       "",
+                                       "--appendonly",
+                                       "no",
+                                       "--daemonize",
+                                       "no",
+                                       "--cluster-node-timeout",
+                                       "2000"};
+      if (!password.empty()) {
+        argv.insert(argv.end(), {"--requirepass", password, "--masterauth", password});
+      }
+      pids.push_back(spawn(argv, d + ".out", d + ".err"));
     }
     for (int p : ports) {
       bool up = false;
@@ -67,7 +87,9 @@ struct RedisClusterProcs {
       }
       REQUIRE_MESSAGE(up, "redis-server on " << p << " did not start");
     }
-    std::vector<std::string> create = {kRedisCli, "--cluster", "create"};
+    std::vector<std::string> create = {kRedisCli};
+    if (!password.empty()) create.insert(create.end(), {"-a", password, "--no-auth-warning"});
+    create.insert(create.end(), {"--cluster", "create"});
     for (int p : ports) create.push_back(address(p));
     create.insert(create.end(), {"--cluster-replicas", "0", "--cluster-yes"});
     const auto r = run_command(create, 30000ms);
@@ -96,8 +118,10 @@ struct RedisClusterProcs {
     for (size_t i = 0; i < ports.size(); ++i) u += (i ? "," : "") + address(ports[i]);
     return u;
   }
-  static RunResult cli(int port, std::vector<std::string> args) {
+  // redis-cli on `port`, with the password when the masters have one.
+  RunResult cli(int port, std::vector<std::string> args) const {
     std::vector<std::string> argv = {kRedisCli, "-h", "127.0.0.1", "-p", std::to_string(port)};
+    if (!password.empty()) argv.insert(argv.end(), {"-a", password, "--no-auth-warning"});
     argv.insert(argv.end(), args.begin(), args.end());
     return run_command(argv, 10000ms);
   }

@@ -19,9 +19,13 @@ using namespace std::chrono_literals;
 
 namespace {
 
-std::unique_ptr<kr::RedisCluster> client_of(const it::RedisClusterProcs& rc) {
+std::unique_ptr<kr::RedisCluster> client_of(const it::RedisClusterProcs& rc,
+                                            const std::string& password = {},
+                                            const std::string& user = {}) {
   kr::RedisClusterOptions o;
   o.seeds = rc.seeds();
+  o.password = password;
+  o.user = user;
   o.connect_timeout = 200ms;
   o.op_timeout = 500ms;
   o.backoff = 300ms;
@@ -160,7 +164,7 @@ TEST_CASE("a three-master cluster: slots, binary values, MOVED, ASK, servers kil
       owners.push_back(c->slot_owner(kr::key_slot(key)));
       // The owner redis-cli names is the one the key is stored on.
       const std::string port = owners.back().substr(owners.back().rfind(':') + 1);
-      CHECK(it::RedisClusterProcs::cli(std::stoi(port), {"EXISTS", key}).out.find("1") == 0);
+      CHECK(rc.cli(std::stoi(port), {"EXISTS", key}).out.find("1") == 0);
     }
     std::sort(owners.begin(), owners.end());
     owners.erase(std::unique(owners.begin(), owners.end()), owners.end());
@@ -191,8 +195,7 @@ TEST_CASE("a three-master cluster: slots, binary values, MOVED, ASK, servers kil
     // The slot is empty: assign it to the other master on every node.
     const std::string to_id = rc.node_id(to_i);
     for (int p : rc.ports) {
-      auto r = it::RedisClusterProcs::cli(
-          p, {"CLUSTER", "SETSLOT", std::to_string(slot), "NODE", to_id});
+      auto r = rc.cli(p, {"CLUSTER", "SETSLOT", std::to_string(slot), "NODE", to_id});
       INFO(r.out << r.err);
       CHECK(r.out.find("OK") != std::string::npos);
     }
@@ -209,12 +212,10 @@ TEST_CASE("a three-master cluster: slots, binary values, MOVED, ASK, servers kil
 
     // ASK: the slot migrating back; a key absent on the source is asked of the target.
     const std::string from_id = rc.node_id(from_i);
-    auto r1 = it::RedisClusterProcs::cli(
-        rc.ports[static_cast<size_t>(from_i)],
-        {"CLUSTER", "SETSLOT", std::to_string(slot), "IMPORTING", to_id});
-    auto r2 = it::RedisClusterProcs::cli(
-        rc.ports[static_cast<size_t>(to_i)],
-        {"CLUSTER", "SETSLOT", std::to_string(slot), "MIGRATING", from_id});
+    auto r1 = rc.cli(rc.ports[static_cast<size_t>(from_i)],
+                     {"CLUSTER", "SETSLOT", std::to_string(slot), "IMPORTING", to_id});
+    auto r2 = rc.cli(rc.ports[static_cast<size_t>(to_i)],
+                     {"CLUSTER", "SETSLOT", std::to_string(slot), "MIGRATING", from_id});
     REQUIRE(r1.out.find("OK") != std::string::npos);
     REQUIRE(r2.out.find("OK") != std::string::npos);
     const uint64_t before_ask = c->redirects();
@@ -282,4 +283,52 @@ TEST_CASE("a three-master cluster: slots, binary values, MOVED, ASK, servers kil
     CHECK((*tier)->stats().errors == 2);
     CHECK((*tier)->stats().hits == 0);
   }
+}
+
+TEST_CASE("masters with a password: AUTH on every connection; none or a wrong one is refused") {
+  if (!it::have_redis()) {
+    MESSAGE("skipped: no redis-server / redis-cli");
+    return;
+  }
+  it::RedisClusterProcs rc("s3cret pass");  // a space: sent as one argument
+  // Keys on all three masters: every connection authenticates, CLUSTER SLOTS's included.
+  auto c = client_of(rc, "s3cret pass");
+  std::vector<std::string> owners;
+  for (int i = 0; i < 30; ++i) {
+    const std::string key = "auth" + std::to_string(i);
+    REQUIRE(c->set(key, "v" + std::to_string(i), 60000ms).is_ok());
+    auto got = c->get(key);
+    REQUIRE(got.is_ok());
+    CHECK(**got == "v" + std::to_string(i));
+    owners.push_back(c->slot_owner(kr::key_slot(key)));
+  }
+  std::sort(owners.begin(), owners.end());
+  owners.erase(std::unique(owners.begin(), owners.end()), owners.end());
+  CHECK(owners.size() == 3);
+
+  // An ACL user with its own password (Redis 6+), on every master.
+  for (int p : rc.ports) {
+    auto r = rc.cli(p, {"ACL", "SETUSER", "keep", "on", ">kv-pass", "~*", "+@all"});
+    REQUIRE_MESSAGE(r.out.find("OK") != std::string::npos, r.out << r.err);
+  }
+  auto as_user = client_of(rc, "kv-pass", "keep");
+  REQUIRE(as_user->set("auth-user", "u", 60000ms).is_ok());
+  CHECK(**as_user->get("auth-user") == "u");
+
+  // Without the password every command is refused (NOAUTH): kUnavailable, not an exception.
+  auto none = client_of(rc);
+  auto refused = none->get("auth0");
+  REQUIRE_FALSE(refused.is_ok());
+  CHECK(refused.status().code() == keep::Code::kUnavailable);
+  CHECK(refused.status().message().find("NOAUTH") != std::string::npos);
+  // A wrong password: refused at AUTH, the node left alone.
+  auto wrong = client_of(rc, "not it");
+  auto bad = wrong->get("auth0");
+  REQUIRE_FALSE(bad.is_ok());
+  CHECK(bad.status().code() == keep::Code::kUnavailable);
+  INFO(bad.status().to_string());
+  CHECK(bad.status().message().find("AUTH") != std::string::npos);
+  CHECK(bad.status().message().find("WRONGPASS") != std::string::npos);
+  CHECK(wrong->set("auth0", "x", 60000ms).code() == keep::Code::kUnavailable);
+  CHECK(**c->get("auth0") == "v0");  // nothing written by the refused clients
 }

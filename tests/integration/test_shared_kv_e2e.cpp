@@ -6,6 +6,7 @@
 // plans the same again; B keeps serving.
 #include <doctest/doctest.h>
 
+#include <fstream>
 #include <sstream>
 
 #include "shared/client/manager_client.h"
@@ -145,12 +146,14 @@ struct Node {
   std::string shm;
   std::unique_ptr<it::ManagerProcess> manager;
   std::unique_ptr<it::WorkerProcess> worker;
-  Node(const it::TempDir& tmp, const std::string& name, const std::string& redis_url)
+  Node(const it::TempDir& tmp, const std::string& name, const std::string& redis_url,
+       std::vector<std::string> worker_flags = {})
       : shm(it::unique_name("skv-" + name)) {
     manager = std::make_unique<it::ManagerProcess>(it::ManagerProcess::Options{
         (tmp.path() / name).string(), shm, {"--static-after-steps", "2", "--shm-bytes", "64MiB"}});
-    worker = std::make_unique<it::WorkerProcess>(it::WorkerProcess::Options{
-        tmp.str(), manager->endpoint(), shm, {"--kv-remote", redis_url}});
+    worker_flags.insert(worker_flags.begin(), {"--kv-remote", redis_url});
+    worker = std::make_unique<it::WorkerProcess>(
+        it::WorkerProcess::Options{tmp.str(), manager->endpoint(), shm, worker_flags});
   }
   double shared(const std::string& result) const {
     return shared_metric(worker->metrics(), result);
@@ -218,4 +221,51 @@ TEST_CASE("workers share static groups' and example plans' KV through Redis Clus
   CHECK(alone.scores == computed.scores);
   CHECK(b.shared("hit") == b_hits);  // no more hits anywhere
   CHECK(b.worker->alive());
+}
+
+TEST_CASE(
+    "a password-protected Redis Cluster: workers with its password share; a wrong one only "
+    "loses the hits") {
+  if (!it::have_redis()) {
+    MESSAGE("skipped: no redis-server / redis-cli");
+    return;
+  }
+  it::RedisClusterProcs redis("kv pass");
+  it::TempDir tmp("shared-kv-auth");
+  const auto password_file = [&](const std::string& name, const std::string& password) {
+    const std::string path = (tmp.path() / name).string();
+    std::ofstream(path) << password << "\n";
+    return std::vector<std::string>{"--kv-remote-password-file", path};
+  };
+  Node a(tmp, "a", redis.url(), password_file("right-a", "kv pass"));
+  auto ma = manager_client(a.manager->endpoint());
+  remember_and_wait(*ma, "robot");
+  auto wa = worker_client(a.worker->endpoint());
+  const Plans computed = plan(*wa);
+  CHECK(a.shared("published") > 0);
+  CHECK(a.shared("error") == 0);
+
+  Node b(tmp, "b", redis.url(), password_file("right-b", "kv pass"));
+  auto mb = manager_client(b.manager->endpoint());
+  remember_and_wait(*mb, "robot");
+  auto wb = worker_client(b.worker->endpoint());
+  const Plans shared = plan(*wb);
+  MESSAGE("with the password: A published " << a.shared("published") << ", B hits "
+                                            << b.shared("hit"));
+  CHECK(b.shared("hit") > 0);
+  CHECK(b.shared("error") == 0);
+  CHECK(shared.scores == computed.scores);
+
+  // A wrong password: every Redis call refused, the entries computed, the same plans.
+  Node w(tmp, "w", redis.url(), password_file("wrong", "not it"));
+  auto mw = manager_client(w.manager->endpoint());
+  remember_and_wait(*mw, "robot");
+  auto ww = worker_client(w.worker->endpoint());
+  const Plans alone = plan(*ww);
+  MESSAGE("with a wrong password: errors " << w.shared("error") << ", hits " << w.shared("hit"));
+  CHECK(w.shared("hit") == 0);
+  CHECK(w.shared("error") > 0);
+  CHECK(alone.entries_hit == std::size(kMemories));
+  CHECK(alone.scores == computed.scores);
+  CHECK(w.worker->err().find("WRONGPASS") != std::string::npos);  // said in its log
 }

@@ -6,6 +6,7 @@
 
 #include <capnp/message.h>
 
+#include <fstream>
 #include <set>
 
 #include "shared/client/manager_client.h"
@@ -341,18 +342,15 @@ TEST_CASE("deploy/worker.conf is read by keep-worker; a worker starts before its
   CHECK(w.terminate() == 0);
 }
 
-TEST_CASE("keep-worker refuses a device tier it cannot have, in one line naming the flag") {
-  // A tier's size without its name, a tier with the CPU backend, a budget below one slot.
-  struct Case {
-    std::vector<std::string> args;  // after --device cpu
-    std::string needle;
-  };
-  const std::vector<Case> cases = {
-      {{"--device-tier-bytes", "64MiB"}, "--device-tier-bytes"},
-      {{"--device-tier", "t"}, "--device-tier"},
-      {{"--device-tier", "t", "--device-tier-bytes", "1MiB", "--device-tier-slot-bytes", "2MiB"},
-       "--device-tier-bytes"},
-  };
+namespace {
+
+// keep-worker started with `c.args` (after --device cpu) exits non-zero with one line on stderr
+// that names `c.needle`.
+struct Refusal {
+  std::vector<std::string> args;
+  std::string needle;
+};
+void expect_refused_in_one_line(const std::vector<Refusal>& cases) {
   for (const auto& c : cases) {
     std::vector<std::string> argv = {it::bin_path("keep-worker"),
                                      "--endpoint",
@@ -374,4 +372,30 @@ TEST_CASE("keep-worker refuses a device tier it cannot have, in one line naming 
     CHECK(it::lines_of(r.err).size() == 1);
     CHECK(r.err.find(c.needle) != std::string::npos);
   }
+}
+
+}  // namespace
+
+TEST_CASE("keep-worker refuses a device tier it cannot have, in one line naming the flag") {
+  // A tier's size without its name, a tier with the CPU backend, a budget below one slot.
+  expect_refused_in_one_line({
+      {{"--device-tier-bytes", "64MiB"}, "--device-tier-bytes"},
+      {{"--device-tier", "t"}, "--device-tier"},
+      {{"--device-tier", "t", "--device-tier-bytes", "1MiB", "--device-tier-slot-bytes", "2MiB"},
+       "--device-tier-bytes"},
+  });
+}
+
+TEST_CASE("keep-worker refuses a shared KV tier's bad settings, in one line naming the flag") {
+  it::TempDir tmp("kv-remote-flags");
+  const std::string empty = (tmp.path() / "empty").string();
+  { std::ofstream(empty) << "\n"; }
+  expect_refused_in_one_line({
+      {{"--kv-remote", "redis://nohost"}, "--kv-remote"},
+      {{"--kv-remote-timeout-ms", "0"}, "--kv-remote-timeout-ms"},
+      {{"--kv-remote-password-file", (tmp.path() / "absent").string()},
+       "--kv-remote-password-file"},
+      {{"--kv-remote-password-file", empty}, "--kv-remote-password-file"},
+      {{"--kv-remote-user", "keep"}, "--kv-remote-user"},
+  });
 }

@@ -1,5 +1,7 @@
 #include "services/worker/daemon/worker_config.h"
 
+#include <fstream>
+
 #include "shared/kvremote/redis_cluster.h"
 
 namespace keep::worker {
@@ -62,6 +64,13 @@ void declare_worker_options(Options* o) {
          "the shared KV tier: the longest a connect or a command may take (then the entry is "
          "computed, and that Redis node is left alone for 2 s)");
   o->add("kv-remote-ttl-s", "86400", "the shared KV tier: expiry of a published entry");
+  o->add("kv-remote-password-file", "",
+         "the shared KV tier: a file whose first line is the Redis password (requirepass, or the "
+         "ACL user's), sent as AUTH on each connection; a file, so that it is not in the process "
+         "list; empty: no AUTH");
+  o->add("kv-remote-user", "",
+         "the shared KV tier: the Redis ACL user of --kv-remote-password-file; empty: the "
+         "password alone (requirepass)");
   o->add("log-level", "info", "debug, info, warn, error or off");
 }
 
@@ -159,6 +168,21 @@ Result<WorkerConfig> read_worker_config(const Options& o) {
   KEEP_ASSIGN_OR_RETURN(uint64_t ttl, o.uint64("kv-remote-ttl-s"));
   if (ttl == 0 || ttl > 365ull * 86400) return bad("--kv-remote-ttl-s: must be in 1..31536000");
   c.kv_remote_ttl = std::chrono::seconds(ttl);
+  c.kv_remote_user = o.str("kv-remote-user");
+  if (const std::string file = o.str("kv-remote-password-file"); !file.empty()) {
+    std::ifstream in(file);
+    if (!in) return bad("--kv-remote-password-file: cannot read " + file);
+    std::getline(in, c.kv_remote_password);
+    if (!c.kv_remote_password.empty() && c.kv_remote_password.back() == '\r') {
+      c.kv_remote_password.pop_back();
+    }
+    if (c.kv_remote_password.empty()) {
+      return bad("--kv-remote-password-file: " + file + " holds no password on its first line");
+    }
+  }
+  if (!c.kv_remote_user.empty() && c.kv_remote_password.empty()) {
+    return bad("--kv-remote-user: needs --kv-remote-password-file");
+  }
   c.device_tier = o.str("device-tier");
   KEEP_ASSIGN_OR_RETURN(c.device_tier_bytes, o.bytes("device-tier-bytes"));
   KEEP_ASSIGN_OR_RETURN(c.device_tier_slot_bytes, o.bytes("device-tier-slot-bytes"));

@@ -44,6 +44,8 @@ struct WorkerConfig {
   std::vector<std::string> kv_remote;
   std::chrono::milliseconds kv_remote_timeout{50};  // per connect and per command
   std::chrono::seconds kv_remote_ttl{86400};        // expiry of a published entry
+  std::string kv_remote_user;                       // AUTH's ACL user; empty: requirepass
+  std::string kv_remote_password;                   // AUTH's password; empty: no AUTH
   std::string log_level;
 };
 

@@ -156,12 +156,14 @@ Result<std::unique_ptr<WorkerDaemon>> WorkerDaemon::start(const WorkerConfig& co
     ko.redis.seeds = config.kv_remote;
     ko.redis.connect_timeout = config.kv_remote_timeout;
     ko.redis.op_timeout = config.kv_remote_timeout;
+    ko.redis.user = config.kv_remote_user;
+    ko.redis.password = config.kv_remote_password;
     ko.ttl = config.kv_remote_ttl;
     KEEP_ASSIGN_OR_RETURN(d.shared_kv, kvremote::SharedKvTier::create(ko));
     d.producer->set_shared_tier(d.shared_kv.get(), backend_name);
-    KEEP_LOG_INFO(kLog, "shared KV tier on Redis Cluster: %zu seed(s), timeout %lld ms",
-                  config.kv_remote.size(),
-                  static_cast<long long>(config.kv_remote_timeout.count()));
+    KEEP_LOG_INFO(kLog, "shared KV tier on Redis Cluster: %zu seed(s), timeout %lld ms%s",
+                  config.kv_remote.size(), static_cast<long long>(config.kv_remote_timeout.count()),
+                  config.kv_remote_password.empty() ? "" : ", AUTH");
   }
   d.metrics = std::make_unique<WorkerMetrics>(d.registry);
 
