@@ -20,7 +20,7 @@
 # The primary listens on 127.0.0.1:25432, the standby on 25433; `up` prints how to promote the
 # standby by hand (docs/cluster.md, "PostgreSQL's availability"); the managers find whichever
 # server takes writes. The Redis masters listen on 127.0.0.1:26379..26381 (their cluster bus on
-# 36379..36381).
+# 36379..36381) and require the password `up` writes to $KEEP_CLUSTER_DIR/redis-password.
 # keepctl follows `moved`, so any node's endpoint reaches every agent:
 #   build/bin/keepctl --endpoint tcp://127.0.0.1:7611 write robot-7 "The mug is on the table."
 # or, with no node address, through etcd as the clients route:
@@ -37,6 +37,8 @@ lease_s=${KEEP_CLUSTER_LEASE_S:-5}
 pg_port=25432 pg_standby_port=25433 redis_port=26379
 # shellcheck source=scripts/lib/cluster_services.sh
 . scripts/lib/cluster_services.sh
+redis_password_file=$dir/redis-password
+[ -f "$redis_password_file" ] && keep_redis_password_file=$redis_password_file
 
 die() { echo "cluster.sh: $*" >&2; exit 1; }
 alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
@@ -72,9 +74,13 @@ up() {
       "or $model)"
   elif [ "${KEEP_CLUSTER_REDIS:-1}" = 1 ] && [ -x "$keep_redis_bin" ] &&
     [ -x "$keep_redis_cli_bin" ]; then
-    keep_redis_start "$dir" "$redis_port" || die "redis did not start"
-    kv=(--kv-remote "$keep_redis_url")
-    echo "redis: a cluster of three masters, $keep_redis_url (the workers' shared KV tier)"
+    # A password, as on real machines (docs/cluster.md): in a file only its owner reads, which
+    # redis-server and keep-worker read; never on a command line.
+    (umask 077 && head -c 18 /dev/urandom | base64 >"$redis_password_file")
+    keep_redis_start "$dir" "$redis_port" "$redis_password_file" || die "redis did not start"
+    kv=(--kv-remote "$keep_redis_url" --kv-remote-password-file "$redis_password_file")
+    echo "redis: a cluster of three masters, $keep_redis_url (the workers' shared KV tier);"
+    echo "  its password is in $redis_password_file (REDISCLI_AUTH=\$(cat FILE) redis-cli ...)"
   else
     echo "redis: not started (KEEP_CLUSTER_REDIS=0 or no /usr/bin/redis-server): no shared KV tier"
   fi

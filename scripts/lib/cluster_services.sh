@@ -18,16 +18,19 @@
 #       one query's rows, unaligned (psql -Atq as postgres).
 #   keep_pg_promote_hint DIR
 #       how to promote the standby by hand (docs/cluster.md, "PostgreSQL's availability").
-#   keep_redis_start DIR PORT
+#   keep_redis_start DIR PORT [PASSWORD_FILE]
 #       a Redis Cluster of three masters on loopback, configured as tests/integration/
 #       redis_cluster.h starts one (cluster mode, no persistence, no replicas,
 #       cluster-node-timeout 2000 ms): master i listens on PORT + i, its cluster bus on
-#       PORT + i + 10000; data DIR/redisI, logs DIR/redisI.log, pids DIR/redisI.pid. Made one
-#       cluster by `redis-cli --cluster create ... --cluster-replicas 0 --cluster-yes`; returns
-#       once every master says cluster_state:ok. Sets keep_redis_url (keep-worker's --kv-remote:
+#       PORT + i + 10000; data DIR/redisI, logs DIR/redisI.log, pids DIR/redisI.pid. With
+#       PASSWORD_FILE (keep-worker's --kv-remote-password-file), every master requires the
+#       password on its first line (requirepass, masterauth). Made one cluster by
+#       `redis-cli --cluster create ... --cluster-replicas 0 --cluster-yes`; returns once every
+#       master says cluster_state:ok. Sets keep_redis_url (keep-worker's --kv-remote:
 #       redis://127.0.0.1:PORT,127.0.0.1:PORT+1,127.0.0.1:PORT+2).
 #   keep_redis_cli PORT ARGS...
-#       one redis-cli command against the master on PORT.
+#       one redis-cli command against the master on PORT (with the password of the last
+#       keep_redis_start, or of $keep_redis_password_file when set).
 #
 # Needs Debian's etcd-server (ETCD overrides /usr/bin/etcd), postgresql and redis-server.
 
@@ -113,20 +116,33 @@ keep_pg_promote_hint() {
 }
 
 keep_redis_cli() {
-  local port=$1
+  local port=$1 auth=()
   shift
-  "$keep_redis_cli_bin" -h 127.0.0.1 -p "$port" "$@"
+  # REDISCLI_AUTH: redis-cli's password without it showing in the process list.
+  [ -n "${keep_redis_password_file:-}" ] &&
+    auth=(env "REDISCLI_AUTH=$(head -n 1 "$keep_redis_password_file")")
+  "${auth[@]}" "$keep_redis_cli_bin" -h 127.0.0.1 -p "$port" "$@"
 }
 
 keep_redis_start() {
-  local dir=$1 port=$2 i p masters=()
+  local dir=$1 port=$2 i p masters=() auth=()
+  keep_redis_password_file=${3:-}
   keep_redis_url=""
+  if [ -n "$keep_redis_password_file" ]; then
+    # A config file on stdin ("-"), so that the password is not in the process list either.
+    local pw
+    pw=$(head -n 1 "$keep_redis_password_file")
+    auth=(-)
+  fi
   for i in 0 1 2; do
     p=$((port + i))
     mkdir -p "$dir/redis$i"
-    "$keep_redis_bin" --port "$p" --bind 127.0.0.1 --dir "$dir/redis$i" --cluster-enabled yes \
-      --cluster-config-file "$dir/redis$i/nodes.conf" --cluster-node-timeout 2000 --save "" \
-      --appendonly no --daemonize no >"$dir/redis$i.log" 2>&1 &
+    if [ ${#auth[@]} -gt 0 ]; then
+      printf 'requirepass "%s"\nmasterauth "%s"\n' "$pw" "$pw"
+    fi | "$keep_redis_bin" "${auth[@]}" --port "$p" --bind 127.0.0.1 --dir "$dir/redis$i" \
+      --cluster-enabled yes --cluster-config-file "$dir/redis$i/nodes.conf" \
+      --cluster-node-timeout 2000 --save "" --appendonly no --daemonize no \
+      >"$dir/redis$i.log" 2>&1 &
     echo $! >"$dir/redis$i.pid"
     masters+=("127.0.0.1:$p")
     keep_redis_url+="${keep_redis_url:+,}127.0.0.1:$p"
@@ -138,7 +154,7 @@ keep_redis_start() {
       sleep 0.1
     done
   done
-  "$keep_redis_cli_bin" --cluster create "${masters[@]}" --cluster-replicas 0 --cluster-yes \
+  keep_redis_cli "$port" --cluster create "${masters[@]}" --cluster-replicas 0 --cluster-yes \
     >"$dir/redis-create.log" 2>&1 ||
     { echo "redis-cli --cluster create failed: $dir/redis-create.log" >&2; return 1; }
   for i in 0 1 2; do

@@ -11,7 +11,8 @@
 #   node's agent is answered `moved` to node2's worker, which keepctl follows; every answer has the
 #   agent's memories in its prompt (memory_tokens > 0);
 # - with Redis (Debian's redis-server; KEEP_CLUSTER_REDIS=0 leaves it out) the workers share KV:
-#   `status` says the Redis Cluster is ok with its three masters up; an example plan written to an
+#   `status` says the Redis Cluster is ok with its three masters up, which refuse a client without
+#   the password (the workers read it from its file); an example plan written to an
 #   agent of node1 is computed and published by node1's worker, and the same plan written to an
 #   agent of node2 is read from Redis by node2's worker (its keep_worker_kv_shared_total{result=
 #   "hit"} goes up, no error);
@@ -66,6 +67,9 @@ if [ "$redis" = 1 ]; then
   grep -q "^redis cluster: ok$" <<<"$status" || fail "status does not show the Redis Cluster ok"
   [ "$(grep -cE "^redis[0-2] 127\.0\.0\.1:[0-9]+: up$" <<<"$status")" = 3 ] ||
     fail "status does not show three Redis masters up"
+  # The masters require the password (the workers read it from its file): none is refused.
+  grep -q NOAUTH <<<"$(/usr/bin/redis-cli -h 127.0.0.1 -p 26379 GET anything 2>&1)" ||
+    fail "Redis answers without the password"
 fi
 for _ in $(seq 100); do [ "$(shards 1)" = 8 ] && [ "$(shards 2)" = 8 ] && break; sleep 0.2; done
 scripts/cluster.sh status
