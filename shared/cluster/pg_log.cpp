@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <charconv>
 #include <cstdlib>
+#include <string_view>
+#include <thread>
 
 namespace keep::cluster {
 
@@ -14,6 +16,15 @@ struct ResultDeleter {
   void operator()(PGresult* r) const { PQclear(r); }
 };
 using PgResult = std::unique_ptr<PGresult, ResultDeleter>;
+
+// Whether every table and index of kSchema exists. to_regclass reads the catalog and takes no
+// lock on the tables: CREATE INDEX IF NOT EXISTS takes its ShareLock on the table before it looks
+// for the index, which deadlocks with a running manager's commit (a checkpoint holds
+// keep_checkpoint and then wants keep_log) -- a node restarting while others write.
+constexpr char kSchemaExists[] =
+    "SELECT to_regclass('keep_fence') IS NOT NULL AND to_regclass('keep_log') IS NOT NULL AND "
+    "to_regclass('keep_log_by_shard') IS NOT NULL AND to_regclass('keep_checkpoint') IS NOT NULL "
+    "AND to_regclass('keep_checkpoint_by_shard') IS NOT NULL";
 
 // Two processes creating the tables at once would race in the catalog (a unique violation on
 // pg_type): one transaction-scoped advisory lock orders them.
@@ -30,6 +41,9 @@ constexpr char kSchema[] =
     "state bytea NOT NULL);"
     "CREATE INDEX IF NOT EXISTS keep_checkpoint_by_shard ON keep_checkpoint (shard, agent);"
     "COMMIT;";
+
+// Tries at creating the tables when they collide with another process's transaction.
+constexpr int kSchemaAttempts = 5;
 
 // Rows of one multi-row INSERT (5 parameters each; PostgreSQL takes at most 65535).
 constexpr size_t kRowsPerInsert = 1000;
@@ -186,9 +200,24 @@ Result<std::unique_ptr<PgLog>> PgLog::connect(const std::string& conninfo) {
   }
   PQsetNoticeProcessor(
       impl->conn, [](void*, const char*) {}, nullptr);  // "already exists"
-  if (Status st = impl->exec(kSchema); !st.is_ok()) {
+  // Created by the first manager to start; the others only look. A deadlock with another
+  // process's transaction (the first start, while others already write) is tried again.
+  for (int attempt = 1;; ++attempt) {
+    PgResult exists(PQexec(impl->conn, kSchemaExists));
+    if (PQresultStatus(exists.get()) != PGRES_TUPLES_OK) {
+      return impl->error("reading the catalog", exists.get());
+    }
+    if (std::string_view(PQgetvalue(exists.get(), 0, 0)) == "t") break;
+    PgResult r(PQexec(impl->conn, kSchema));
+    const auto rs = PQresultStatus(r.get());
+    if (rs == PGRES_COMMAND_OK || rs == PGRES_TUPLES_OK) break;
+    const Status st = impl->error("creating the tables", r.get());
     impl->rollback();
-    return st.with_context("creating the tables");
+    if (st.code() != Code::kUnavailable || PQstatus(impl->conn) != CONNECTION_OK ||
+        attempt == kSchemaAttempts) {
+      return st;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50 * attempt));
   }
   return std::unique_ptr<PgLog>(new PgLog(std::move(impl)));
 }
