@@ -158,6 +158,13 @@ struct Node {
   double shared(const std::string& result) const {
     return shared_metric(worker->metrics(), result);
   }
+  // The robot's memories written at this node's manager and their KV produced, then its plans
+  // asked of this node's worker.
+  Plans remember_and_plan() const {
+    auto m = manager_client(manager->endpoint());
+    remember_and_wait(*m, "robot");
+    return plan(*worker_client(worker->endpoint()));
+  }
 };
 
 }  // namespace
@@ -172,10 +179,7 @@ TEST_CASE("workers share static groups' and example plans' KV through Redis Clus
 
   // Node A: nothing in Redis yet; it computes every entry and publishes the shareable ones.
   Node a(tmp, "a", redis.url());
-  auto ma = manager_client(a.manager->endpoint());
-  remember_and_wait(*ma, "robot");
-  auto wa = worker_client(a.worker->endpoint());
-  const Plans computed = plan(*wa);
+  const Plans computed = a.remember_and_plan();
   CHECK(computed.entries_hit == std::size(kMemories));
   // A may hit entries it published itself: a static group of one example plan has the same
   // content as that plan's own KV.
@@ -186,10 +190,7 @@ TEST_CASE("workers share static groups' and example plans' KV through Redis Clus
 
   // Node B, the same memories: its shareable entries come from Redis, and it plans the same.
   Node b(tmp, "b", redis.url());
-  auto mb = manager_client(b.manager->endpoint());
-  remember_and_wait(*mb, "robot");
-  auto wb = worker_client(b.worker->endpoint());
-  const Plans shared = plan(*wb);
+  const Plans shared = b.remember_and_plan();
   const double b_hits = b.shared("hit");
   MESSAGE("node B: hits " << b_hits << ", misses " << b.shared("miss") << ", published "
                           << b.shared("published"));
@@ -204,14 +205,11 @@ TEST_CASE("workers share static groups' and example plans' KV through Redis Clus
   // Redis killed: B goes on serving; node C computes everything itself, counts errors, plans
   // the same.
   redis.kill_all();
-  const Plans after = plan(*wb);
+  const Plans after = plan(*worker_client(b.worker->endpoint()));
   CHECK(after.reuse_tokens == computed.reuse_tokens);
   CHECK(after.scores == computed.scores);
   Node c(tmp, "c", redis.url());
-  auto mc = manager_client(c.manager->endpoint());
-  remember_and_wait(*mc, "robot");
-  auto wc = worker_client(c.worker->endpoint());
-  const Plans alone = plan(*wc);
+  const Plans alone = c.remember_and_plan();
   MESSAGE("node C (Redis down): errors " << c.shared("error") << ", hits " << c.shared("hit"));
   CHECK(c.shared("hit") == 0);
   CHECK(c.shared("error") > 0);
@@ -238,18 +236,12 @@ TEST_CASE(
     return std::vector<std::string>{"--kv-remote-password-file", path};
   };
   Node a(tmp, "a", redis.url(), password_file("right-a", "kv pass"));
-  auto ma = manager_client(a.manager->endpoint());
-  remember_and_wait(*ma, "robot");
-  auto wa = worker_client(a.worker->endpoint());
-  const Plans computed = plan(*wa);
+  const Plans computed = a.remember_and_plan();
   CHECK(a.shared("published") > 0);
   CHECK(a.shared("error") == 0);
 
   Node b(tmp, "b", redis.url(), password_file("right-b", "kv pass"));
-  auto mb = manager_client(b.manager->endpoint());
-  remember_and_wait(*mb, "robot");
-  auto wb = worker_client(b.worker->endpoint());
-  const Plans shared = plan(*wb);
+  const Plans shared = b.remember_and_plan();
   MESSAGE("with the password: A published " << a.shared("published") << ", B hits "
                                             << b.shared("hit"));
   CHECK(b.shared("hit") > 0);
@@ -258,10 +250,7 @@ TEST_CASE(
 
   // A wrong password: every Redis call refused, the entries computed, the same plans.
   Node w(tmp, "w", redis.url(), password_file("wrong", "not it"));
-  auto mw = manager_client(w.manager->endpoint());
-  remember_and_wait(*mw, "robot");
-  auto ww = worker_client(w.worker->endpoint());
-  const Plans alone = plan(*ww);
+  const Plans alone = w.remember_and_plan();
   MESSAGE("with a wrong password: errors " << w.shared("error") << ", hits " << w.shared("hit"));
   CHECK(w.shared("hit") == 0);
   CHECK(w.shared("error") > 0);
