@@ -7,7 +7,7 @@
 //                        [--methods full,keep,...]   (default: all; with CUPTI, one at a time)
 //                        [--pool tensor|fp32]  (importance pooling: CudaBackendOptions)
 //                        [--loads queue|sync] [--prefetch-mib M] [--loader-blocks B]
-//                        [--prefetch-recompute-mib M]
+//                        [--prefetch-recompute-mib M] [--loader-dma on|off]
 //                        (layer-balanced loading: LoadOptions, CudaBackendOptions)
 //                        [--autotune-rows N]  (CudaBackendOptions::gemm_autotune_rows)
 //                        [--prefill-split on|off]  (CudaBackendOptions::prefill_split)
@@ -66,7 +66,7 @@ constexpr const char* kUsage =
     "                  [--warmup W] [--decays D[,D...]] [--keep-ratios R[,R...]] [--json FILE]\n"
     "                  [--methods M[,M...]]\n"
     "                  [--pool tensor|fp32] [--loads queue|sync] [--prefetch-mib M]\n"
-    "                  [--prefetch-recompute-mib M]\n"
+    "                  [--prefetch-recompute-mib M] [--loader-dma on|off]\n"
     "                  [--loader-blocks B] [--loader-bench B[,B...]] [--autotune-rows N]\n"
     "                  [--prefill-split on|off] [--own-few-rows N]\n"
     "                  [--gemm-leave-loader on|off] [--blas-leave-loader on|off]\n";
@@ -337,6 +337,9 @@ int main(int argc, char** argv) {
       const int n = std::atoi(v.c_str());
       if (n < 0 || (n == 0 && v != "0")) return refuse("--own-few-rows: N >= 0");
       options.own_few_rows = n;
+    } else if (a == "--loader-dma") {
+      if (v != "on" && v != "off") return refuse("--loader-dma: on or off");
+      options.loader_dma = v == "on";
     } else if (a == "--gemm-leave-loader") {
       if (v != "on" && v != "off") return refuse("--gemm-leave-loader: on or off");
       options.gemm_leave_loader = v == "on";

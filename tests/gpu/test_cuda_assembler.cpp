@@ -41,11 +41,11 @@ struct Fixture {
   std::vector<std::vector<int32_t>> segments;
   std::shared_ptr<eng::ModelWeights> weights;
 
-  Fixture() {
+  explicit Fixture(const eng::CudaBackendOptions& options = {}) {
     // head_dim 64: the CUDA kernels' smallest.
     eng::testing::TinyShape s{eng::Arch::kQwen2, 300, 256, 4, 4, 2, 64, 384, false, true, false};
     weights = eng::testing::make_tiny_model(s, 23);
-    auto backend = eng::CudaBackend::create(*weights);
+    auto backend = eng::CudaBackend::create(*weights, options);
     REQUIRE_MESSAGE(backend.is_ok(), backend.status().to_string());
     auto e = eng::Engine::create(std::move(backend).value(), 64);
     REQUIRE(e.is_ok());
@@ -149,6 +149,58 @@ TEST_CASE("CUDA: keep at d = 1, cacheblend at 100 %, full_reuse over same-contex
   CHECK(st.recompute_ratio < 1.0);
   CHECK(st.bytes_loaded > 0);
   for (float x : keep) REQUIRE(std::isfinite(x));
+}
+
+// The loader's three ways into the views: pageable entries staged on the compute stream; pinned
+// entries read in place by the loader's kernel beside the layers; the same copied into the slots
+// by the copy engines and rotated there (loader_dma). Every method that loads gives the same
+// logits all three ways.
+TEST_CASE("CUDA: pinned entries loaded by the loader's kernel or the copy engines equal staged") {
+  std::vector<std::vector<float>> got[3];
+  std::vector<double> loaded[3];
+  for (int way = 0; way < 3; ++way) {
+    CAPTURE(way);
+    eng::CudaBackendOptions o;
+    o.loader_dma = way == 2;
+    Fixture f(o);
+    std::vector<std::vector<std::byte>> own(f.segments.size());
+    std::vector<EntryGeometry> own_g(f.segments.size());
+    std::vector<std::byte*> pinned(f.segments.size(), nullptr);
+    for (size_t i = 0; i < f.segments.size(); ++i) {
+      own[i] = f.produce(f.segments[i], &own_g[i]);
+      if (way > 0) {
+        REQUIRE(cudaHostAlloc(reinterpret_cast<void**>(&pinned[i]), own[i].size(),
+                              cudaHostAllocDefault) == cudaSuccess);
+        std::memcpy(pinned[i], own[i].data(), own[i].size());
+      }
+    }
+    for (const Method m : {Method::kFullReuse, Method::kKeep, Method::kCacheBlend, Method::kEpic}) {
+      auto r = f.request(m);
+      r.knobs.keep_decay = 0.6;
+      r.knobs.epic_tokens = 4;
+      for (size_t i = 0; i < r.segments.size(); ++i) {
+        const std::span<const std::byte> bytes =
+            way > 0 ? std::span<const std::byte>(pinned[i], own[i].size())
+                    : std::span<const std::byte>(own[i]);
+        r.segments[i].kv = SegmentKv{bytes, own_g[i], 0};
+      }
+      AssembleStats st;
+      got[way].push_back(f.prefill(r, &st));
+      loaded[way].push_back(static_cast<double>(st.bytes_loaded));
+      CHECK(st.bytes_loaded > 0);
+    }
+    for (std::byte* p : pinned) cudaFreeHost(p);
+  }
+  for (size_t i = 0; i < got[0].size(); ++i) {
+    CAPTURE(i);
+    CHECK(loaded[1][i] == loaded[0][i]);
+    CHECK(loaded[2][i] == loaded[0][i]);
+    INFO("kernel vs staged " << rel_l2(got[1][i], got[0][i]) << ", copies vs kernel "
+                             << rel_l2(got[2][i], got[1][i]));
+    CHECK(rel_l2(got[1][i], got[0][i]) < 1e-5);
+    CHECK(rel_l2(got[2][i], got[1][i]) < 1e-6);
+    CHECK(eng::argmax(got[2][i]) == eng::argmax(got[0][i]));
+  }
 }
 
 TEST_CASE("CUDA: generation and scoring after an assembled prompt match the engine's") {

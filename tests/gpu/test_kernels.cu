@@ -533,8 +533,10 @@ void test_load_kv_rope(std::mt19937& rng, int64_t n, int64_t heads, int64_t head
 // reference run by run (positions = slots); slots between the runs stay untouched. `blocks`
 // bounds the grid (the loader's few SMs: one block strides over every run); `vec` takes the
 // 16-byte path, else the sources sit one element off 16-byte alignment (the element path).
+// `in_place`: the copy engines' form -- pre-RoPE K and V already in the views' slots, the runs
+// rotating K there (k_pre = the view's slots, v null: V left as it is).
 void test_load_kv_runs(std::mt19937& rng, int n_runs, int64_t heads, int64_t head_dim, bool mapped,
-                       int32_t blocks, bool vec) {
+                       int32_t blocks, bool vec, bool in_place = false) {
   const std::vector<float> inv_freq = rope_inv_freq(1000000.0, head_dim);
   const int64_t row = heads * head_dim;
   std::uniform_int_distribution<int32_t> len(1, 90), gap(0, 5);
@@ -555,22 +557,29 @@ void test_load_kv_runs(std::mt19937& rng, int n_runs, int64_t heads, int64_t hea
     v[i] = random_vec<Bf16>(rng, k[i].size(), -2.0f, 2.0f);
     std::vector<int32_t> pos(static_cast<size_t>(count[i]));
     for (int32_t r = 0; r < count[i]; ++r) pos[r] = slot[i] + r;
-    const size_t off = vec ? 0 : 1;
+    const size_t off = vec || in_place ? 0 : 1;
     ref::load_kv_rope(want_k[i % 2].data() + slot[i] * row, want_v[i % 2].data() + slot[i] * row,
                       k[i].data() + off, v[i].data() + off, pos.data(), inv_freq.data(), count[i],
                       heads, head_dim);
   }
-  std::vector<std::unique_ptr<Buf<Bf16>>> views;
-  for (int l = 0; l < 2; ++l) {
-    views.push_back(std::make_unique<Buf<Bf16>>(nan_vec<Bf16>(want_k[l].size())));
-    views.push_back(std::make_unique<Buf<Bf16>>(nan_vec<Bf16>(want_v[l].size())));
+  std::vector<std::vector<Bf16>> init(4, nan_vec<Bf16>(want_k[0].size()));
+  if (in_place) {  // what the copies put in the slots: the entries' bytes as they are
+    for (int i = 0; i < n_runs; ++i) {
+      std::copy_n(k[i].begin(), count[i] * row, init[2 * (i % 2)].begin() + slot[i] * row);
+      std::copy_n(v[i].begin(), count[i] * row, init[2 * (i % 2) + 1].begin() + slot[i] * row);
+    }
   }
+  std::vector<std::unique_ptr<Buf<Bf16>>> views;
+  for (int b = 0; b < 4; ++b) views.push_back(std::make_unique<Buf<Bf16>>(init[b]));
   std::vector<std::unique_ptr<Buf<Bf16>>> src;
   std::vector<keep::kernels::KvLoadRun> runs;
   for (int i = 0; i < n_runs; ++i) {
     keep::kernels::KvLoadRun r{};
     const size_t off = vec ? 0 : 1;
-    if (mapped) {
+    if (in_place) {
+      r.k_pre = views[2 * (i % 2)]->dev() + slot[i] * row;
+      r.v = nullptr;
+    } else if (mapped) {
       CUDA_OK(cudaHostRegister(k[i].data(), k[i].size() * sizeof(Bf16), cudaHostRegisterMapped));
       CUDA_OK(cudaHostRegister(v[i].data(), v[i].size() * sizeof(Bf16), cudaHostRegisterMapped));
       void* hk = nullptr;
@@ -607,9 +616,11 @@ void test_load_kv_runs(std::mt19937& rng, int n_runs, int64_t heads, int64_t hea
       CUDA_OK(cudaHostUnregister(v[i].data()));
     }
   }
-  const std::string what = std::string(mapped ? "load_kv_runs mapped " : "load_kv_runs ") +
-                           shape({n_runs, heads, head_dim}) + " blocks " + std::to_string(blocks) +
-                           (vec ? " vec" : " scalar");
+  const std::string what =
+      std::string(in_place ? "load_kv_runs in place "
+                           : (mapped ? "load_kv_runs mapped " : "load_kv_runs ")) +
+      shape({n_runs, heads, head_dim}) + " blocks " + std::to_string(blocks) +
+      (vec ? " vec" : " scalar");
   for (int l = 0; l < 2; ++l) {
     check(what + " k" + std::to_string(l), views[2 * l]->host(), want_k[l]);
     check_bits(what + " v" + std::to_string(l), views[2 * l + 1]->host(), want_v[l],
@@ -644,6 +655,8 @@ void run_misc(std::mt19937& rng) {
   test_load_kv_runs(rng, 40, 8, 128, true, 32, true);  // the registered region, read in place
   test_load_kv_runs(rng, 40, 4, 64, true, 1000, false);
   test_load_kv_runs(rng, 0, 8, 128, false, 32, true);
+  test_load_kv_runs(rng, 40, 8, 128, false, 16, true, /*in_place=*/true);  // loader_dma's rotation
+  test_load_kv_runs(rng, 5, 3, 64, false, 2, false, /*in_place=*/true);
   for (const int64_t n : {1, 3, 7, 19, 733}) {
     test_load_kv_rope(rng, n, 3, 64, false);
     test_load_kv_rope(rng, n, 8, 128, n == 19);  // Qwen2.5-7B/14B's K rows

@@ -49,7 +49,9 @@ cudaError_t load_kv_rope(__nv_bfloat16* k_out, __nv_bfloat16* v_out, const __nv_
 
 // One run of cached rows for load_kv_runs: `count` bf16 rows (heads, head_dim) at k_pre / v
 // (device or mapped host memory) into slots [slot, slot + count) of the layer view k_view / v_view
-// ((capacity, heads, head_dim) bf16), at positions = slots.
+// ((capacity, heads, head_dim) bf16), at positions = slots. v null: K only (V already in place);
+// k_pre may then be the view's own slots (k_pre == k_view + slot rows: rotated in place, each
+// element read and written by one thread).
 struct KvLoadRun {
   const __nv_bfloat16* k_pre;
   const __nv_bfloat16* v;

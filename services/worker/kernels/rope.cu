@@ -92,8 +92,11 @@ __global__ void load_kv_runs_kernel(const KvLoadRun* __restrict__ runs, int32_t 
       if constexpr (V == 8) {
         const uint4 a = *reinterpret_cast<const uint4*>(run.k_pre + src);
         const uint4 b = *reinterpret_cast<const uint4*>(run.k_pre + src + half);
-        const uint4 va = *reinterpret_cast<const uint4*>(run.v + src);
-        const uint4 vb = *reinterpret_cast<const uint4*>(run.v + src + half);
+        uint4 va{}, vb{};  // loaded with K: the four reads in flight together
+        if (run.v != nullptr) {
+          va = *reinterpret_cast<const uint4*>(run.v + src);
+          vb = *reinterpret_cast<const uint4*>(run.v + src + half);
+        }
         const auto* x1 = reinterpret_cast<const __nv_bfloat16*>(&a);
         const auto* x2 = reinterpret_cast<const __nv_bfloat16*>(&b);
         uint4 oa, ob;
@@ -111,8 +114,10 @@ __global__ void load_kv_runs_kernel(const KvLoadRun* __restrict__ runs, int32_t 
         }
         *reinterpret_cast<uint4*>(run.k_view + dst) = oa;
         *reinterpret_cast<uint4*>(run.k_view + dst + half) = ob;
-        *reinterpret_cast<uint4*>(run.v_view + dst) = va;
-        *reinterpret_cast<uint4*>(run.v_view + dst + half) = vb;
+        if (run.v != nullptr) {
+          *reinterpret_cast<uint4*>(run.v_view + dst) = va;
+          *reinterpret_cast<uint4*>(run.v_view + dst + half) = vb;
+        }
       } else {
         float s;
         float c;
@@ -121,8 +126,10 @@ __global__ void load_kv_runs_kernel(const KvLoadRun* __restrict__ runs, int32_t 
         const float x2 = __bfloat162float(run.k_pre[src + half]);
         run.k_view[dst] = __float2bfloat16(x1 * c - x2 * s);
         run.k_view[dst + half] = __float2bfloat16(x2 * c + x1 * s);
-        run.v_view[dst] = run.v[src];
-        run.v_view[dst + half] = run.v[src + half];
+        if (run.v != nullptr) {
+          run.v_view[dst] = run.v[src];
+          run.v_view[dst + half] = run.v[src + half];
+        }
       }
     }
     base += units;

@@ -775,8 +775,9 @@ Status CudaBackend::reserve(int32_t max_rows, int32_t max_keys) {
     if (st == CUBLAS_STATUS_SUCCESS) st = tuner_.set_sm_count_target(loader_free_ctas());
   }
   if (options_.gemm_own_products) {
-    tuner_.use_own_products(gemm_scratch_, options_.gemm_own_only,
-                            options_.gemm_leave_loader ? loader_free_ctas() : 0);
+    tuner_.use_own_products(
+        gemm_scratch_, options_.gemm_own_only,
+        options_.gemm_leave_loader && !options_.loader_dma ? loader_free_ctas() : 0);
   }
   if (st != CUBLAS_STATUS_SUCCESS) {
     return Status(Code::kUnavailable,
@@ -912,7 +913,8 @@ Status CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_i
   auto few_rows = [&](int64_t m) { return gemv_dims && m <= options_.gemv_rows; };
   const int few_ctas = loader_free_ctas();
   // Our large products leave the loader its SMs only while it has work.
-  const bool leave_loader = options_.gemm_leave_loader && loads_in_flight();
+  // (With loader_dma the loads hold no SM but for their brief rotation: never capped.)
+  const bool leave_loader = options_.gemm_leave_loader && !options_.loader_dma && loads_in_flight();
   // The product reserve() tuned for this shape and about these rows (a cuBLASLt algorithm or our
   // gemm_wgmma), where it kept one.
   auto tuned = [&](void* y, int64_t ys, const bf16* x, int64_t xs, const bf16* wt, int64_t m,
@@ -1323,7 +1325,8 @@ bool device_readable(const void* p) {
 }
 }  // namespace
 
-bool CudaBackend::launch_runs(cudaStream_t stream, std::span<const KvRun> runs, int32_t blocks) {
+bool CudaBackend::launch_runs(cudaStream_t stream, std::span<const KvRun> runs, int32_t blocks,
+                              bool in_place) {
   bool vec = config_.head_dim % 16 == 0;
   for (const KvRun& r : runs) {
     if (!device_readable(r.k_pre) || !device_readable(r.v)) return false;
@@ -1331,6 +1334,30 @@ bool CudaBackend::launch_runs(cudaStream_t stream, std::span<const KvRun> runs, 
                           static_cast<const void*>(r.kv.k), static_cast<const void*>(r.kv.v)}) {
       vec = vec && reinterpret_cast<uintptr_t>(p) % 16 == 0;
     }
+  }
+  const size_t row_bytes = static_cast<size_t>(config_.kv_dim()) * sizeof(uint16_t);
+  auto slot_k = [&](const KvRun& r) {
+    return static_cast<bf16*>(r.kv.k) + static_cast<int64_t>(r.first_slot) * config_.kv_dim();
+  };
+  auto slot_v = [&](const KvRun& r) {
+    return static_cast<bf16*>(r.kv.v) + static_cast<int64_t>(r.first_slot) * config_.kv_dim();
+  };
+  if (in_place && !runs.empty()) {  // the bytes as stored into the slots, by the copy engines
+    dma_dsts_.clear();
+    dma_srcs_.clear();
+    dma_sizes_.clear();
+    for (const KvRun& r : runs) {
+      const size_t bytes = static_cast<size_t>(r.n) * row_bytes;
+      dma_dsts_.insert(dma_dsts_.end(), {slot_k(r), slot_v(r)});
+      dma_srcs_.insert(dma_srcs_.end(), {r.k_pre, r.v});
+      dma_sizes_.insert(dma_sizes_.end(), {bytes, bytes});
+    }
+    cudaMemcpyAttributes attr{};
+    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+    size_t attr_idx = 0;
+    KEEP_CUDA_CHECK(cudaMemcpyBatchAsync(dma_dsts_.data(), dma_srcs_.data(), dma_sizes_.data(),
+                                         dma_dsts_.size(), &attr, &attr_idx, 1, stream));
   }
   for (size_t at = 0; at < runs.size();) {
     if (runs_at_ == kRunRing) {  // full mid-request: every entry handed out may still be read
@@ -1342,8 +1369,8 @@ bool CudaBackend::launch_runs(cudaStream_t stream, std::span<const KvRun> runs, 
     kernels::KvLoadRun* host = runs_host_ + runs_at_;
     for (size_t i = 0; i < n; ++i) {
       const KvRun& r = runs[at + i];
-      host[i] = {reinterpret_cast<const bf16*>(r.k_pre),
-                 reinterpret_cast<const bf16*>(r.v),
+      host[i] = {in_place ? slot_k(r) : reinterpret_cast<const bf16*>(r.k_pre),
+                 in_place ? nullptr : reinterpret_cast<const bf16*>(r.v),
                  static_cast<bf16*>(r.kv.k),
                  static_cast<bf16*>(r.kv.v),
                  r.first_slot,
@@ -1377,7 +1404,8 @@ void CudaBackend::queue_kv_bf16_runs(std::span<const KvRun> runs) {
     size_t end = at + 1;
     while (end < runs.size() && runs[end].layer == runs[at].layer) ++end;
     const std::span<const KvRun> part = runs.subspan(at, end - at);
-    if (capturing_ || !launch_runs(load_stream_, part, std::max(options_.loader_blocks, 1))) {
+    if (capturing_ || !launch_runs(load_stream_, part, std::max(options_.loader_blocks, 1),
+                                   options_.loader_dma)) {
       load_kv_bf16_runs(part);  // on the compute stream, ordered with the layers
     } else {
       KEEP_CUDA_CHECK(

@@ -134,6 +134,15 @@ struct CudaBackendOptions {
   // read 14B entries at 46 GB/s alone (0.85 of one cudaMemcpyAsync), and 16 beside the layers
   // gave full_reuse 19.2 ms where 32 gave 21.3 and 132 27.1 (benchmarks/RESULTS.md).
   int32_t loader_blocks = 16;
+  // The loader's bytes moved by the copy engines instead: each layer's runs go from the region
+  // (or device memory) straight into the view's slots in one cudaMemcpyBatchAsync, then the
+  // loader's kernel rotates their K in place (V is final as copied), so the link's transfer holds
+  // no SM and our products are never capped for it (gemm_leave_loader). Off: slower in a request
+  // (H100, 14B/40: keep ~0.15 45.2-45.5 -> 54.4-55.1 ms, full_reuse 18.9-19.0 -> 21.1-21.3),
+  // since a layer's rotation can start only after its copies and then waits for SMs between the
+  // products, where the kernel moves and rotates in one pass (benchmarks/RESULTS.md run 15).
+  // A/B in bench_keep --loader-dma.
+  bool loader_dma = false;
 };
 
 // Where the GPU time goes (CudaBackend::profile): one entry per stage of layer_forward, then
@@ -310,7 +319,14 @@ class CudaBackend final : public Backend {
   }
   // Puts `runs` in the ring and launches the loader's kernel on `stream` with at most `blocks`
   // blocks; false (nothing launched) when a source is memory the GPU cannot read in place.
-  bool launch_runs(cudaStream_t stream, std::span<const KvRun> runs, int32_t blocks);
+  // in_place (loader_dma): the runs' bytes are copied into the views' slots first, on `stream`,
+  // and the kernel rotates their K there.
+  bool launch_runs(cudaStream_t stream, std::span<const KvRun> runs, int32_t blocks,
+                   bool in_place = false);
+  // loader_dma's batch of copies, reused (no allocation per layer once grown).
+  std::vector<void*> dma_dsts_;
+  std::vector<const void*> dma_srcs_;
+  std::vector<size_t> dma_sizes_;
 
   // Workspace (reserve()).
   void* workspace_ = nullptr;
