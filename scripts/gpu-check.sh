@@ -13,9 +13,10 @@
 #
 # The whole repository is configured when its Debian dependencies are there (boost, zmq, capnp,
 # doctest, ...), and everything is built here. Otherwise -- GPU machines usually lack them and
-# cannot install from the network -- services/worker/kernels is configured on its own (that builds
-# the kernels, their references and their GPU tests with nothing but CUDA), and the engine-level
-# programs come prebuilt from .gpu-bundle/ (scripts/gpu-bundle.sh, run where the packages are).
+# cannot install from the network -- the programs come prebuilt from .gpu-bundle/
+# (scripts/gpu-bundle.sh, run where the packages are): the engine-level ones, and the kernels' GPU
+# tests when it carries them all; else services/worker/kernels is configured on its own (that
+# builds the kernels, their references and their GPU tests with nothing but CUDA).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bench=0
@@ -47,6 +48,7 @@ gpu_tests=(test_kernels test_attention test_attention_decode test_logits test_ge
 
 step "configure (whole repository, KEEP_CUDA=ON)"
 whole=0
+bundled=0
 if cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DKEEP_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES=90a -DKEEP_BENCHMARKS=ON >"$build.configure.log" 2>&1; then
   whole=1
@@ -56,21 +58,41 @@ if cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DK
 else
   echo "whole-repository configure failed (missing packages?):"
   grep -m3 -E 'Could not|not found|Error' "$build.configure.log" || tail -3 "$build.configure.log"
-  step "configure (services/worker/kernels on its own)"
-  rm -rf "$build"
-  cmake -S "$root/services/worker/kernels" -B "$build" "${generator[@]}" \
-    -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a ||
-    { echo "gpu-check: configure failed"; exit 1; }
+  # The kernels' GPU tests prebuilt in .gpu-bundle when it carries them all: no build here, which
+  # leaves the call's ten minutes to the tests and the sanitizer passes.
+  [[ -d "$root/.gpu-bundle/bin" ]] && "$root/scripts/gpu-bundle.sh" --unpack
+  bundled=1
+  for t in "${gpu_tests[@]}"; do [[ -x "$root/.gpu-bundle/bin/$t" ]] || bundled=0; done
   targets=()
-  for t in "${gpu_tests[@]}"; do
-    [[ -f "$root/tests/gpu/$t.cu" ]] && targets+=("$t")
-  done
+  if ((bundled)); then
+    echo "kernel tests from .gpu-bundle (built by scripts/gpu-bundle.sh)"
+    rm -rf "$build"
+    mkdir -p "$build"  # the sanitizer passes' logs
+  else
+    step "configure (services/worker/kernels on its own)"
+    rm -rf "$build"
+    cmake -S "$root/services/worker/kernels" -B "$build" "${generator[@]}" \
+      -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a ||
+      { echo "gpu-check: configure failed"; exit 1; }
+    for t in "${gpu_tests[@]}"; do
+      [[ -f "$root/tests/gpu/$t.cu" ]] && targets+=("$t")
+    done
+  fi
 fi
 
-step "build ${targets[*]}"
-cmake --build "$build" --target "${targets[@]}" -j "$jobs" || { echo "gpu-check: build failed"; exit 1; }
+if ((${#targets[@]})); then
+  step "build ${targets[*]}"
+  cmake --build "$build" --target "${targets[@]}" -j "$jobs" ||
+    { echo "gpu-check: build failed"; exit 1; }
+fi
 
-find_bin() { find "$build" -type f -name "$1" -perm -u+x | head -1; }
+find_bin() {
+  if ((bundled)); then
+    echo "$root/.gpu-bundle/bin/$1"
+  else
+    find "$build" -type f -name "$1" -perm -u+x | head -1
+  fi
+}
 
 step "kernel tests"
 for t in "${gpu_tests[@]}"; do
