@@ -157,7 +157,7 @@ TEST_CASE("CUDA: keep at d = 1, cacheblend at 100 %, full_reuse over same-contex
 // logits all three ways.
 TEST_CASE("CUDA: pinned entries loaded by the loader's kernel or the copy engines equal staged") {
   std::vector<std::vector<float>> got[3];
-  std::vector<double> loaded[3];
+  std::vector<uint64_t> loaded[3];
   for (int way = 0; way < 3; ++way) {
     CAPTURE(way);
     eng::CudaBackendOptions o;
@@ -186,7 +186,7 @@ TEST_CASE("CUDA: pinned entries loaded by the loader's kernel or the copy engine
       }
       AssembleStats st;
       got[way].push_back(f.prefill(r, &st));
-      loaded[way].push_back(static_cast<double>(st.bytes_loaded));
+      loaded[way].push_back(st.bytes_loaded);
       CHECK(st.bytes_loaded > 0);
     }
     for (std::byte* p : pinned) cudaFreeHost(p);

@@ -775,9 +775,8 @@ Status CudaBackend::reserve(int32_t max_rows, int32_t max_keys) {
     if (st == CUBLAS_STATUS_SUCCESS) st = tuner_.set_sm_count_target(loader_free_ctas());
   }
   if (options_.gemm_own_products) {
-    tuner_.use_own_products(
-        gemm_scratch_, options_.gemm_own_only,
-        options_.gemm_leave_loader && !options_.loader_dma ? loader_free_ctas() : 0);
+    tuner_.use_own_products(gemm_scratch_, options_.gemm_own_only,
+                            caps_for_loader() ? loader_free_ctas() : 0);
   }
   if (st != CUBLAS_STATUS_SUCCESS) {
     return Status(Code::kUnavailable,
@@ -913,8 +912,7 @@ Status CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_i
   auto few_rows = [&](int64_t m) { return gemv_dims && m <= options_.gemv_rows; };
   const int few_ctas = loader_free_ctas();
   // Our large products leave the loader its SMs only while it has work.
-  // (With loader_dma the loads hold no SM but for their brief rotation: never capped.)
-  const bool leave_loader = options_.gemm_leave_loader && !options_.loader_dma && loads_in_flight();
+  const bool leave_loader = caps_for_loader() && loads_in_flight();
   // The product reserve() tuned for this shape and about these rows (a cuBLASLt algorithm or our
   // gemm_wgmma), where it kept one.
   auto tuned = [&](void* y, int64_t ys, const bf16* x, int64_t xs, const bf16* wt, int64_t m,
@@ -1336,11 +1334,9 @@ bool CudaBackend::launch_runs(cudaStream_t stream, std::span<const KvRun> runs, 
     }
   }
   const size_t row_bytes = static_cast<size_t>(config_.kv_dim()) * sizeof(uint16_t);
-  auto slot_k = [&](const KvRun& r) {
-    return static_cast<bf16*>(r.kv.k) + static_cast<int64_t>(r.first_slot) * config_.kv_dim();
-  };
-  auto slot_v = [&](const KvRun& r) {
-    return static_cast<bf16*>(r.kv.v) + static_cast<int64_t>(r.first_slot) * config_.kv_dim();
+  // The run's first slot in a plane of its view (r.kv.k or r.kv.v).
+  auto slot = [&](const KvRun& r, void* plane) {
+    return static_cast<bf16*>(plane) + static_cast<int64_t>(r.first_slot) * config_.kv_dim();
   };
   if (in_place && !runs.empty()) {  // the bytes as stored into the slots, by the copy engines
     dma_dsts_.clear();
@@ -1348,7 +1344,7 @@ bool CudaBackend::launch_runs(cudaStream_t stream, std::span<const KvRun> runs, 
     dma_sizes_.clear();
     for (const KvRun& r : runs) {
       const size_t bytes = static_cast<size_t>(r.n) * row_bytes;
-      dma_dsts_.insert(dma_dsts_.end(), {slot_k(r), slot_v(r)});
+      dma_dsts_.insert(dma_dsts_.end(), {slot(r, r.kv.k), slot(r, r.kv.v)});
       dma_srcs_.insert(dma_srcs_.end(), {r.k_pre, r.v});
       dma_sizes_.insert(dma_sizes_.end(), {bytes, bytes});
     }
@@ -1369,7 +1365,7 @@ bool CudaBackend::launch_runs(cudaStream_t stream, std::span<const KvRun> runs, 
     kernels::KvLoadRun* host = runs_host_ + runs_at_;
     for (size_t i = 0; i < n; ++i) {
       const KvRun& r = runs[at + i];
-      host[i] = {in_place ? slot_k(r) : reinterpret_cast<const bf16*>(r.k_pre),
+      host[i] = {in_place ? slot(r, r.kv.k) : reinterpret_cast<const bf16*>(r.k_pre),
                  in_place ? nullptr : reinterpret_cast<const bf16*>(r.v),
                  static_cast<bf16*>(r.kv.k),
                  static_cast<bf16*>(r.kv.v),

@@ -317,6 +317,9 @@ class CudaBackend final : public Backend {
   int loader_free_ctas() const {
     return std::max(sm_count_ - std::max(options_.loader_blocks, 0), 1);
   }
+  // Whether our large products may be capped to leave the loader's kernel its SMs (with
+  // loader_dma the loads hold no SM but for their brief rotation: never).
+  bool caps_for_loader() const { return options_.gemm_leave_loader && !options_.loader_dma; }
   // Puts `runs` in the ring and launches the loader's kernel on `stream` with at most `blocks`
   // blocks; false (nothing launched) when a source is memory the GPU cannot read in place.
   // in_place (loader_dma): the runs' bytes are copied into the views' slots first, on `stream`,
