@@ -5,7 +5,7 @@
 //                        [--reps 10] [--warmup 3] [--decays 0.96,0.80] [--json FILE]
 //                        [--keep-ratios 0.15]  (keep at the d whose requests reach ratio R)
 //                        [--methods full,keep,...]   (default: all; with CUPTI, one at a time)
-//                        [--pool tensor|fp32]  (importance pooling: CudaBackendOptions)
+//                        [--pool fused|tensor|fp32]  (importance pooling: CudaBackendOptions)
 //                        [--loads queue|sync] [--prefetch-mib M] [--loader-blocks B]
 //                        [--prefetch-recompute-mib M] [--loader-dma on|off]
 //                        (layer-balanced loading: LoadOptions, CudaBackendOptions)
@@ -65,7 +65,7 @@ constexpr const char* kUsage =
     "usage: bench_keep --shape NAME [--segments N[,N...]] [--memory-tokens T] [--reps R]\n"
     "                  [--warmup W] [--decays D[,D...]] [--keep-ratios R[,R...]] [--json FILE]\n"
     "                  [--methods M[,M...]]\n"
-    "                  [--pool tensor|fp32] [--loads queue|sync] [--prefetch-mib M]\n"
+    "                  [--pool fused|tensor|fp32] [--loads queue|sync] [--prefetch-mib M]\n"
     "                  [--prefetch-recompute-mib M] [--loader-dma on|off]\n"
     "                  [--loader-blocks B] [--loader-bench B[,B...]] [--autotune-rows N]\n"
     "                  [--prefill-split on|off] [--own-few-rows N]\n"
@@ -331,8 +331,10 @@ int main(int argc, char** argv) {
     } else if (a == "--methods") {
       methods = v;
     } else if (a == "--pool") {
-      if (v != "tensor" && v != "fp32") return refuse("--pool: tensor or fp32");
-      options.pool_tensor_cores = v == "tensor";
+      if (v != "fused" && v != "tensor" && v != "fp32")
+        return refuse("--pool: fused, tensor or fp32");
+      options.pool_tensor_cores = v != "fp32";
+      options.pool_fused = v == "fused";
     } else if (a == "--own-few-rows") {
       const int n = std::atoi(v.c_str());
       if (n < 0 || (n == 0 && v != "0")) return refuse("--own-few-rows: N >= 0");

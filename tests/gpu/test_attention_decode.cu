@@ -377,6 +377,84 @@ void check_pooled(const std::string& what, const std::vector<float>& got,
   }
 }
 
+// attention_prefill_pool: where it can run (Hopper, at most kPoolFusedMaxGroups groups; the test's
+// buffers are aligned) it must, its pooled values within the tiled form's bounds of the reference
+// and its out and lse bit for bit the wide kernel's alone (the same products and softmax); else it
+// refuses with cudaErrorNotSupported and writes nothing.
+void test_pool_fused(const std::string& name, const Layout& l, const std::vector<Bf16>& q_odd,
+                     int64_t q_odd_stride, Buf<Bf16>& d_q_odd, Buf<Bf16>& d_k,
+                     const std::vector<Bf16>& v, const AttentionRows& dr,
+                     const kk::PrefillSchedule& ds, Buf<int32_t>& d_group,
+                     const std::vector<float>& want, int rows, int32_t n, Shape sh, int num_groups,
+                     bool with_none, float scale) {
+  const int64_t width = static_cast<int64_t>(sh.heads) * sh.head_dim;
+  const bool can = kk::wgmma_available() && num_groups <= kk::kPoolFusedMaxGroups && n > 0;
+  // The wide kernel reads Q by TMA: the same rows at an aligned stride.
+  const int64_t q_stride = width + 8;
+  std::vector<Bf16> q(static_cast<size_t>(rows * q_stride));
+  for (int r = 0; r < rows; ++r) {
+    std::copy_n(q_odd.begin() + r * q_odd_stride, width, q.begin() + r * q_stride);
+  }
+  Buf<Bf16> d_q(q);
+  Buf<Bf16> d_v(v);
+  const std::vector<Bf16> poison(static_cast<size_t>(rows * width), Bf16{0x7fc0});
+  Buf<Bf16> d_out(poison), d_out_wide(poison);
+  Buf<float> d_lse(std::vector<float>(static_cast<size_t>(rows) * sh.heads, kNaN));
+  Buf<float> d_lse_wide(std::vector<float>(static_cast<size_t>(rows) * sh.heads, kNaN));
+  Buf<float> d_fused(std::vector<float>(want.size(), kNaN));
+  const size_t bytes = kk::attention_prefill_pool_scratch_bytes(rows, sh.heads);
+  Buf<char> scratch{std::vector<char>(bytes + 16)};
+  const std::string fname = name + " fused";
+  ++g_checks;
+  const cudaError_t err = kk::attention_prefill_pool(
+      d_out.dev(), width, d_lse.dev(), d_fused.dev(), d_q.dev(), q_stride, d_k.dev(), d_v.dev(), dr,
+      ds, d_group.dev(), num_groups, sh.heads, sh.kv_heads, sh.head_dim, scale, scratch.dev(),
+      bytes, nullptr);
+  // Q rows not 16-byte aligned: refused, nothing written (the caller runs the two passes).
+  ++g_checks;
+  if (kk::attention_prefill_pool(d_out.dev(), width, d_lse.dev(), d_fused.dev(), d_q_odd.dev(),
+                                 q_odd_stride, d_k.dev(), d_v.dev(), dr, ds, d_group.dev(),
+                                 num_groups, sh.heads, sh.kv_heads, sh.head_dim, scale,
+                                 scratch.dev(), bytes, nullptr) != cudaErrorNotSupported) {
+    fail(fname, "accepted unaligned Q rows");
+  }
+  if (!can) {
+    if (err != cudaErrorNotSupported) fail(fname, "ran where it cannot, or refused otherwise");
+  }
+  CUDA_OK(cudaDeviceSynchronize());
+  if (!can || err == cudaErrorNotSupported) {
+    if (!std::isnan(d_fused.host()[0])) fail(fname, "refused but wrote pooled");
+    if (can) fail(fname, "refused where it can run");
+    return;
+  }
+  if (err != cudaSuccess) {
+    fail(fname, cudaGetErrorString(err));
+    return;
+  }
+  std::printf("  %s\n", fname.c_str());
+  check_pooled(fname, d_fused.host(), want, l, rows, num_groups, sh.heads, with_none, 2e-3f,
+               1.5e-2f);
+  CUDA_OK(kk::attention_prefill(d_out_wide.dev(), width, d_lse_wide.dev(), d_q.dev(), q_stride,
+                                d_k.dev(), d_v.dev(), dr, ds, sh.heads, sh.kv_heads, sh.head_dim,
+                                scale, nullptr, kk::PrefillKernel::kWgmmaWide));
+  CUDA_OK(cudaDeviceSynchronize());
+  ++g_checks;
+  const std::vector<Bf16> got_out = d_out.host(), wide_out = d_out_wide.host();
+  const std::vector<float> got_lse = d_lse.host(), wide_lse = d_lse_wide.host();
+  if (std::memcmp(got_out.data(), wide_out.data(), got_out.size() * sizeof(Bf16)) != 0 ||
+      std::memcmp(got_lse.data(), wide_lse.data(), got_lse.size() * sizeof(float)) != 0) {
+    fail(fname, "out or lse differ from the wide kernel's");
+  }
+  // Too little scratch is refused.
+  ++g_checks;
+  if (kk::attention_prefill_pool(d_out.dev(), width, d_lse.dev(), d_fused.dev(), d_q.dev(),
+                                 q_stride, d_k.dev(), d_v.dev(), dr, ds, d_group.dev(), num_groups,
+                                 sh.heads, sh.kv_heads, sh.head_dim, scale, scratch.dev(),
+                                 bytes - 1, nullptr) != cudaErrorInvalidValue) {
+    fail(fname, "accepted too little scratch");
+  }
+}
+
 void test_pool(std::mt19937& rng, int kind, int rows, int32_t n, Shape sh, int num_groups,
                bool with_none, size_t k_shift = 0) {
   const bool empty_row = rows >= 3;
@@ -460,6 +538,8 @@ void test_pool(std::mt19937& rng, int kind, int rows, int32_t n, Shape sh, int n
     check_pooled(tname, d_tiled.host(), want, l, rows, num_groups, sh.heads, with_none, 2e-3f,
                  1.5e-2f);
   }
+  test_pool_fused(name, l, q, q_stride, d_q, d_k, v, dr, ds, d_group, want, rows, n, sh, num_groups,
+                  with_none, scale);
   // Too little scratch is refused, not overrun.
   ++g_checks;
   if (kk::attention_pool_tiled(d_pooled.dev(), d_q.dev(), q_stride, d_k.dev(), dr, ds,
@@ -490,6 +570,10 @@ void run_pool(std::mt19937& rng) {
       {kCausal, 3, 100, Shape{4, 4, 32}, 3},
       {kManySpan, 2, 33, Shape{12, 4, 96}, 1},
       {kCausal, 2, 255, Shape{64, 4, 128}, 8192},
+      // A KEEP check layer (14B heads, 40 segments): fused; and 64 / 65 groups, the fused limit.
+      {kRecompute, 300, 4268, kWide, 40},
+      {kManySpan, 70, 2000, kWide, 64},
+      {kRecompute, 65, 1500, kSmol, 65},
   };
   for (const PoolCase& c : cases) {
     test_pool(rng, c.kind, c.rows, c.keys, c.shape, c.groups, true);

@@ -151,6 +151,35 @@ TEST_CASE("CUDA: keep at d = 1, cacheblend at 100 %, full_reuse over same-contex
   for (float x : keep) REQUIRE(std::isfinite(x));
 }
 
+// Importance pooled inside the attention pass (pool_fused, where the GPU has wgmma) or by a
+// pass of its own: the same check layers, the same share recomputed and loaded, the same logits
+// within kernel rounding (the fused pass is the wide kernel; kAuto picks another for few keys).
+TEST_CASE("CUDA: keep with its pooling fused into attention selects as with the pooling pass") {
+  std::vector<float> logits[2];
+  AssembleStats st[2];
+  for (int fused = 0; fused < 2; ++fused) {
+    eng::CudaBackendOptions o;
+    o.pool_fused = fused == 1;
+    Fixture f(o);
+    auto r = f.request(Method::kKeep);
+    r.knobs.keep_decay = 0.6;
+    std::vector<std::vector<std::byte>> own(f.segments.size());
+    std::vector<EntryGeometry> own_g(f.segments.size());
+    for (size_t i = 0; i < f.segments.size(); ++i) {
+      own[i] = f.produce(f.segments[i], &own_g[i]);
+      r.segments[i].kv = SegmentKv{own[i], own_g[i], 0};
+    }
+    logits[fused] = f.prefill(r, &st[fused]);
+  }
+  CHECK_FALSE(st[1].check_layers.empty());
+  CHECK(st[1].check_layers == st[0].check_layers);
+  CHECK(st[1].recompute_ratio == st[0].recompute_ratio);
+  CHECK(st[1].bytes_loaded == st[0].bytes_loaded);
+  INFO("fused vs pass rel L2 " << rel_l2(logits[1], logits[0]));
+  CHECK(rel_l2(logits[1], logits[0]) < 1e-2);
+  CHECK(eng::argmax(logits[1]) == eng::argmax(logits[0]));
+}
+
 // The loader's three ways into the views: pageable entries staged on the compute stream; pinned
 // entries read in place by the loader's kernel beside the layers; the same copied into the slots
 // by the copy engines and rotated there (loader_dma). Every method that loads gives the same

@@ -130,6 +130,10 @@ struct Params {
   bool out_vec;      // out and out_stride allow 16-byte stores
   bool kv_vec;       // k and v allow 16-byte loads
   bool sanitize_v;   // PrefillSchedule::sanitize_v: else no V tile needs cleaning
+  // The pooling in the same pass (attention_prefill_pool; the wide kernel only): each key's
+  // group, and per (row, head) the probability sums of groups [0, kPoolFusedMaxGroups).
+  const int32_t* key_group;  // (num_keys)
+  float* pool_heads;         // (rows, heads, kPoolFusedMaxGroups)
 };
 
 // ---- PTX wrappers ----
@@ -569,6 +573,12 @@ __device__ __forceinline__ void issue_pv_wgmma(float (&o)[HD / 8][4],
   }
 }
 
+// A row's thread-partial sum over the 4 lanes that hold its columns (the mma C layout).
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
 // Normalises the warp's 16 rows of O (O / l; 0 where l = 0), writes their lse (ln domain; -inf
 // where l = 0), stages them as bf16 in `so` (the warpgroup's 64 rows, of which the warp writes and
 // reads only its own) and stores them with 16-byte writes. Staging rows: padded (HD + 8), or
@@ -584,9 +594,7 @@ __device__ __forceinline__ void store_o(bf16* so, const float (&o)[HD / 8][4], c
   const int tig = lane & 3;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    float sum = l[i];
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const float sum = quad_sum(l[i]);
     const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
     const int lr = local_row + 8 * i;
 #pragma unroll
@@ -910,17 +918,28 @@ constexpr int kWideProducerRegs = 24;
 constexpr int kWideConsumerRegs = 240;
 static_assert(kWideProducerRegs * 128 + kWideConsumerRegs * 256 <= 65536, "registers");
 
-template <int HD>
+// kPool: the pooling of attention_prefill_pool in the same pass. A step's 128 keys also get a
+// one-hot tile of their groups (kPoolCols columns, laid out as a 64-dim V panel), built by the
+// producer warpgroup's idle warps 2 and 3, and each consumer adds P times it to a second
+// accumulator (m64n64: 32 more registers a thread) rescaled as O is; at the end each (row,
+// head)'s sums / l are written in fp32 and pool_sum_heads_kernel adds the heads. That saves the
+// pool's own attention pass (attention_pool_tiled: S, softmax and a P V of head_dim columns again).
+constexpr int kPoolCols = kPoolFusedMaxGroups;
+static_assert(kPoolCols == 64, "the one-hot tile is one 64-column panel");
+
+template <int HD, bool kPool = false>
 struct WideGeometry {
   static_assert(HD % 64 == 0, "swizzled panels are 64 elements wide");
   static constexpr int kPanels = HD / 64;
   static constexpr int kPairElems = kPanels * static_cast<int>(kWidePanelBytes) / 2;
   static constexpr int kQElems = kPanels * static_cast<int>(kPanelBytes) / 2;
-  static constexpr int kBarriers = 11;  // q_full, k_full[2], k_empty[2], v_full[2], v_empty[2],
-                                        // v_ready[2]
-  // K[2], V[2], Q[2], the barriers, and the slack that aligns the panels to 1024 bytes.
+  static constexpr int kPoolElems = kPool ? kWideKeys * kPoolCols : 0;  // a step's one-hot tile
+  // q_full, k_full[2], k_empty[2], v_full[2], v_empty[2], v_ready[2] (+ g_ready[2] with kPool)
+  static constexpr int kBarriers = kPool ? 13 : 11;
+  // K[2], V[2], Q[2], one-hot[2], the barriers, and the slack that aligns the panels to 1024
+  // bytes.
   static constexpr size_t kSmemBytes =
-      (4 * kPairElems + 2 * kQElems) * sizeof(bf16) + kBarriers * 8 + 1024;
+      (4 * kPairElems + 2 * kQElems + 2 * kPoolElems) * sizeof(bf16) + kBarriers * 8 + 1024;
   static_assert(kQElems >= kRows * HD, "a consumer's O staging fits in its Q buffer");
 };
 
@@ -974,22 +993,71 @@ __device__ __forceinline__ void sanitize_smem(bf16* p, int elems, bool zero, int
   }
 }
 
-template <int HD>
+// Key rows [0, 64) of a one-hot group tile for key tile entry e (-1: none, all zeros), by one
+// warp: key row r is 128 bytes at r * 128, its 16-byte chunk c (groups [8c, 8c + 8)) stored at
+// c ^ (r % 8), as a V panel's; bf16 1 in the key's group column, 0 elsewhere (a key past num_keys,
+// of group -1 or of a group >= kPoolCols: a row of zeros).
+__device__ __forceinline__ void write_onehot(bf16* dst, int32_t e, const Params& p, int lane) {
+  constexpr uint32_t kOne = 0x3F80u;  // bf16 1.0
+#pragma unroll
+  for (int i = 0; i < kKeys / 32; ++i) {
+    const int r = lane + 32 * i;
+    int32_t grp = -1;
+    if (e >= 0) {
+      const int32_t key = (e >> 1) * kKeys + r;
+      if (key < p.num_keys) grp = __ldg(p.key_group + key);
+    }
+#pragma unroll
+    for (int c = 0; c < kPoolCols / 8; ++c) {
+      const int at = grp - 8 * c;  // the 1's element in this chunk where in [0, 8)
+      uint4 val;
+      val.x = (at == 0 ? kOne : 0u) | (at == 1 ? kOne << 16 : 0u);
+      val.y = (at == 2 ? kOne : 0u) | (at == 3 ? kOne << 16 : 0u);
+      val.z = (at == 4 ? kOne : 0u) | (at == 5 ? kOne << 16 : 0u);
+      val.w = (at == 6 ? kOne : 0u) | (at == 7 ? kOne << 16 : 0u);
+      *reinterpret_cast<uint4*>(dst + r * kPoolCols + ((c ^ (r & 7)) << 3)) = val;
+    }
+  }
+}
+
+// The warp's 16 rows of the pooling accumulator / l (0 where l = 0) to p.pool_heads, fp32.
+__device__ __forceinline__ void store_pool(const float (&po)[kPoolCols / 8][4], const float (&l)[2],
+                                           const Params& p, int h, int32_t row_base, int local_row,
+                                           int lane) {
+  const int tig = lane & 3;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float sum = quad_sum(l[i]);
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    const int32_t r = row_base + local_row + 8 * i;
+    if (r >= p.rows) continue;
+    float* const dst = p.pool_heads + (static_cast<int64_t>(r) * p.heads + h) * kPoolCols + tig * 2;
+#pragma unroll
+    for (int n = 0; n < kPoolCols / 8; ++n) {
+      *reinterpret_cast<float2*>(dst + n * 8) =
+          make_float2(po[n][2 * i] * inv, po[n][2 * i + 1] * inv);
+    }
+  }
+}
+
+template <int HD, bool kPool>
 __global__ void __launch_bounds__(kWideThreads, 1)
     attention_prefill_wide_kernel(const __grid_constant__ WideArgs args) {
-  using W = WideGeometry<HD>;
+  using W = WideGeometry<HD, kPool>;
   const Params& p = args.p;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   unsigned char* const smem = smem_raw + ((1024 - (detail::smem_u32(smem_raw) & 1023)) & 1023);
   bf16* const sk = reinterpret_cast<bf16*>(smem);  // K of a step [2]
   bf16* const sv = sk + 2 * W::kPairElems;         // V of a step [2]
   bf16* const sq = sv + 2 * W::kPairElems;         // Q [consumer]
-  uint64_t* const q_full = reinterpret_cast<uint64_t*>(sq + 2 * W::kQElems);
-  uint64_t* const k_full = q_full + 1;   // [2]: loaded
-  uint64_t* const k_empty = q_full + 3;  // [2]: both consumers' S done with it
-  uint64_t* const v_full = q_full + 5;   // [2]: loaded
-  uint64_t* const v_empty = q_full + 7;  // [2]: both consumers' O += P V done with it
-  uint64_t* const v_ready = q_full + 9;  // [2]: sanitised
+  bf16* const sg = sq + 2 * W::kQElems;            // one-hot group tile of a step [2] (kPool)
+  uint64_t* const q_full = reinterpret_cast<uint64_t*>(sg + 2 * W::kPoolElems);
+  uint64_t* const k_full = q_full + 1;    // [2]: loaded
+  uint64_t* const k_empty = q_full + 3;   // [2]: both consumers' S done with it
+  uint64_t* const v_full = q_full + 5;    // [2]: loaded
+  uint64_t* const v_empty = q_full + 7;   // [2]: both consumers' O += P V done with it
+  uint64_t* const v_ready = q_full + 9;   // [2]: sanitised
+  uint64_t* const g_ready = q_full + 11;  // [2]: one-hot tile written (kPool; both its warps)
   const int tid = threadIdx.x;
   const int wg = tid / 128;
   const int warp = (tid % 128) / 32;
@@ -1024,6 +1092,7 @@ __global__ void __launch_bounds__(kWideThreads, 1)
       detail::mbar_init(&v_full[b], 1);
       detail::mbar_init(&v_empty[b], 2);
       detail::mbar_init(&v_ready[b], 1);
+      if (kPool) detail::mbar_init(&g_ready[b], 2);
     }
     detail::mbar_init_fence();
   }
@@ -1080,6 +1149,22 @@ __global__ void __launch_bounds__(kWideThreads, 1)
         __syncwarp();
         if (lane == 0) detail::mbar_arrive(&v_ready[b]);
       }
+    } else if (kPool && warp >= 2) {  // the one-hot tile of the step's first / second key tile
+      // (warp 0's other lanes, idle, must not come here)
+      const int t = warp - 2;
+      for (int s = 0;; ++s) {
+        const StepTiles st = next_step();
+        if (!st.valid()) break;
+        const int b = s & 1;
+        // Free once both consumers' products of step s - 2 are done (they release V with it).
+        if (s >= 2) detail::mbar_wait(&v_empty[b], ((s >> 1) - 1) & 1);
+        // (st.e[t] with a run-time t would put st in local memory)
+        write_onehot(sg + b * W::kPoolElems + t * kKeys * kPoolCols, t == 0 ? st.e[0] : st.e[1], p,
+                     lane);
+        detail::fence_proxy_async_shared();  // for the consumers' wgmma
+        __syncwarp();
+        if (lane == 0) detail::mbar_arrive(&g_ready[b]);
+      }
     }
     return;
   }
@@ -1112,9 +1197,18 @@ __global__ void __launch_bounds__(kWideThreads, 1)
     issue_pv_wgmma<HD>(o, a, v, kWidePanelBytes);
   };
 
+  // The pooling's P times the step's one-hot tile, issued into the same commit group as P V.
+  auto issue_pool = [&](float(&po)[kPoolCols / 8][4], const uint32_t(&a)[kWideKeys / 16][4],
+                        int b) {
+    if constexpr (kPool) issue_pv_wgmma<kPoolCols>(po, a, sg + b * W::kPoolElems, kWidePanelBytes);
+  };
+
   float o[HD / 8][4];
 #pragma unroll
   for (int d = 0; d < HD / 8; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.0f;
+  float po[kPoolCols / 8][4];  // kPool: the rows' probability sums per group (unused otherwise)
+#pragma unroll
+  for (int d = 0; d < kPoolCols / 8; ++d) po[d][0] = po[d][1] = po[d][2] = po[d][3] = 0.0f;
   float m[2] = {-INFINITY, -INFINITY};
   float l[2] = {0.0f, 0.0f};
   float s[kWideKeys / 8][4];
@@ -1144,6 +1238,7 @@ __global__ void __launch_bounds__(kWideThreads, 1)
     const int b1 = (j + 1) & 1, b0 = j & 1;
     detail::mbar_wait(&k_full[b1], ((j + 1) >> 1) & 1);
     detail::mbar_wait(&v_ready[b0], (j >> 1) & 1);
+    if (kPool) detail::mbar_wait(&g_ready[b0], (j >> 1) & 1);
 #pragma unroll
     for (int kk = 0; kk < kWideKeys / 16; ++kk) p_fragment(a[kk], s, kk);
     __syncwarp();
@@ -1151,6 +1246,7 @@ __global__ void __launch_bounds__(kWideThreads, 1)
     issue_scores(s, sk + b1 * W::kPairElems);
     detail::wgmma_commit();
     issue_pv(o, a, sv + b0 * W::kPairElems);
+    issue_pool(po, a, b0);
     detail::wgmma_commit();
     step_mask(nxt, mask);
     detail::wgmma_wait<1>();
@@ -1159,25 +1255,48 @@ __global__ void __launch_bounds__(kWideThreads, 1)
     softmax_tile(nxt.full(), s, m, l, alpha, lane, p.scale_log2, mask);
     detail::wgmma_wait<0>();
     detail::wgmma_fence_operands(o);
-    release(&v_empty[b0]);
-    rescale_o<HD>(o, alpha);
+    if (kPool) detail::wgmma_fence_operands(po);
+    release(&v_empty[b0]);  // and the one-hot tile
+    if (!kPool) {
+      rescale_o<HD>(o, alpha);
+    } else if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {  // one vote
+      rescale_o<HD, false>(o, alpha);
+      rescale_o<kPoolCols, false>(po, alpha);
+    }
     cur = nxt;
     nxt = after;
   }
   if (cur.valid()) {
     detail::mbar_wait(&v_ready[j & 1], (j >> 1) & 1);
+    if (kPool) detail::mbar_wait(&g_ready[j & 1], (j >> 1) & 1);
 #pragma unroll
     for (int kk = 0; kk < kWideKeys / 16; ++kk) p_fragment(a[kk], s, kk);
     __syncwarp();
     detail::wgmma_fence();
     issue_pv(o, a, sv + (j & 1) * W::kPairElems);
+    issue_pool(po, a, j & 1);
     detail::wgmma_commit();
     detail::wgmma_wait<0>();
     detail::wgmma_fence_operands(o);
+    if (kPool) detail::wgmma_fence_operands(po);
   }
   // This consumer's products are done: its Q buffer takes the O staging.
   detail::named_barrier(1 + c, 128);
   store_o<HD, true>(sq + c * W::kQElems, o, m, l, p, h, row_base, local_row, warp, lane);
+  if (kPool) store_pool(po, l, p, h, row_base, local_row, lane);
+}
+
+// pooled[r, g] = Σ_h pool_heads[r, h, g] for g < num_groups (fp32, heads in order).
+__global__ void pool_sum_heads_kernel(float* __restrict__ pooled,
+                                      const float* __restrict__ pool_heads, int32_t rows, int heads,
+                                      int num_groups) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= static_cast<int64_t>(rows) * num_groups) return;
+  const int64_t r = i / num_groups;
+  const float* src = pool_heads + r * heads * kPoolCols + i % num_groups;
+  float sum = 0.0f;
+  for (int h = 0; h < heads; ++h) sum += src[h * kPoolCols];
+  pooled[i] = sum;
 }
 
 // Raises the dynamic shared-memory limit of a kernel once per device (detail::DeviceMemo).
@@ -1222,9 +1341,9 @@ cudaError_t launch_hd(const Params& p, bool one_k, cudaStream_t stream) {
   return launch_hd_as<HD, kWgmma, false>(p, stream);
 }
 
-template <int HD>
+template <int HD, bool kPool>
 cudaError_t launch_wide(const Params& p, cudaStream_t stream) {
-  constexpr size_t kBytes = WideGeometry<HD>::kSmemBytes;
+  constexpr size_t kBytes = WideGeometry<HD, kPool>::kSmemBytes;
   WideArgs args;
   args.p = p;
   const int64_t kv_width = static_cast<int64_t>(p.kv_heads) * HD;
@@ -1234,12 +1353,12 @@ cudaError_t launch_wide(const Params& p, cudaStream_t stream) {
       !detail::encode_bf16_map(&args.v, p.v, p.num_keys, kv_width, kv_width, kKeys)) {
     return cudaErrorInvalidValue;
   }
-  const cudaError_t err = configure_once<attention_prefill_wide_kernel<HD>>(kBytes);
+  constexpr auto kKernel = attention_prefill_wide_kernel<HD, kPool>;
+  const cudaError_t err = configure_once<kKernel>(kBytes);
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned int>((p.row_tiles + 1) / 2),
                   static_cast<unsigned int>(p.heads));
-  return detail::launch_dependent(attention_prefill_wide_kernel<HD>, grid, kWideThreads, kBytes,
-                                  stream, args);
+  return detail::launch_dependent(kKernel, grid, kWideThreads, kBytes, stream, args);
 }
 
 // ---- merging split-key runs ----
@@ -1306,15 +1425,18 @@ cudaError_t launch_combine(const CombineParams& c, int head_dim, cudaStream_t st
                                         c);
 }
 
+// pool_heads non-null: attention_prefill_pool's call (key_group set, the wide kernel, never split;
+// checked by the caller).
 cudaError_t launch(bf16* out, int64_t out_stride, float* lse, const bf16* q, int64_t q_stride,
                    const bf16* k, const bf16* v, const AttentionRows& rows,
                    const PrefillSchedule& schedule, int heads, int kv_heads, int head_dim,
                    float scale, PrefillKernel kernel, const PrefillSplit& split,
-                   cudaStream_t stream) {
+                   cudaStream_t stream, const int32_t* key_group = nullptr,
+                   float* pool_heads = nullptr) {
   // Split-key runs: asked for, or kAuto's choice for too few blocks (then the one-warpgroup
   // kernel: the wide one does not split).
   int splits = 1;
-  if (split.workspace != nullptr && split.splits != 1) {
+  if (pool_heads == nullptr && split.workspace != nullptr && split.splits != 1) {
     if (split.splits > 1) {
       splits = split.splits;
     } else if (kernel != PrefillKernel::kWgmmaWide) {
@@ -1378,6 +1500,8 @@ cudaError_t launch(bf16* out, int64_t out_stride, float* lse, const bf16* q, int
   p.out_vec = detail::aligned16(out) && out_stride % 8 == 0;
   p.kv_vec =
       detail::aligned16(k) && detail::aligned16(v);  // rows are head_dim (a multiple of 8) apart
+  p.key_group = key_group;
+  p.pool_heads = pool_heads;
   CombineParams c{};
   if (splits > 1) {  // the runs write the workspace (aligned); combine_kernel writes out and lse
     const size_t items = static_cast<size_t>(splits) * static_cast<size_t>(rows.rows) * heads;
@@ -1388,9 +1512,12 @@ cudaError_t launch(bf16* out, int64_t out_stride, float* lse, const bf16* q, int
     c = CombineParams{out, out_stride, lse, p.part_out, p.part_lse, rows.rows, heads, splits};
   }
   // The one place head_dim becomes a compile-time constant.
+  if (pool_heads != nullptr) {
+    return head_dim == 64 ? launch_wide<64, true>(p, stream) : launch_wide<128, true>(p, stream);
+  }
   if (kernel == PrefillKernel::kWgmmaWide && p.q_vec && p.kv_vec && p.num_keys > 0 &&
       detail::tensor_map_encoder() != nullptr) {
-    return head_dim == 64 ? launch_wide<64>(p, stream) : launch_wide<128>(p, stream);
+    return head_dim == 64 ? launch_wide<64, false>(p, stream) : launch_wide<128, false>(p, stream);
   }
   const bool wgmma = kernel != PrefillKernel::kMma;
   const bool one_k = kernel == PrefillKernel::kWgmmaOneK;
@@ -1438,6 +1565,48 @@ cudaError_t attention_prefill(__nv_bfloat16* out, int64_t out_stride, float* lse
                               const PrefillSplit& split) {
   return launch(out, out_stride, lse, q, q_stride, k, v, rows, schedule, heads, kv_heads, head_dim,
                 scale, kernel, split, stream);
+}
+
+size_t attention_prefill_pool_scratch_bytes(int64_t rows, int heads) {
+  if (rows <= 0 || heads <= 0) return 0;
+  return static_cast<size_t>(rows) * static_cast<size_t>(heads) * kPoolCols * sizeof(float);
+}
+
+cudaError_t attention_prefill_pool(__nv_bfloat16* out, int64_t out_stride, float* lse,
+                                   float* pooled, const __nv_bfloat16* q, int64_t q_stride,
+                                   const __nv_bfloat16* k, const __nv_bfloat16* v,
+                                   const AttentionRows& rows, const PrefillSchedule& schedule,
+                                   const int32_t* key_group, int num_groups, int heads,
+                                   int kv_heads, int head_dim, float scale, void* scratch,
+                                   size_t scratch_bytes, cudaStream_t stream,
+                                   PrefillKernel kernel) {
+  // What the wide kernel needs; anything else is the caller's to run as two passes. Checked
+  // before anything is launched.
+  if ((kernel != PrefillKernel::kAuto && kernel != PrefillKernel::kWgmmaWide) ||
+      num_groups > kPoolFusedMaxGroups || !wgmma_available() ||
+      detail::tensor_map_encoder() == nullptr || !detail::aligned16(q) || q_stride % 8 != 0 ||
+      !detail::aligned16(k) || !detail::aligned16(v) || rows.num_keys <= 0) {
+    return cudaErrorNotSupported;
+  }
+  if (rows.rows < 0 || num_groups <= 0 || heads <= 0 || heads > 65535 ||
+      (head_dim != 64 && head_dim != 128)) {
+    return cudaErrorInvalidValue;
+  }
+  if (rows.rows == 0) return cudaSuccess;
+  if (pooled == nullptr || key_group == nullptr || scratch == nullptr ||
+      reinterpret_cast<uintptr_t>(scratch) % 16 != 0 ||
+      scratch_bytes < attention_prefill_pool_scratch_bytes(rows.rows, heads)) {
+    return cudaErrorInvalidValue;
+  }
+  auto* pool_heads = static_cast<float*>(scratch);
+  cudaError_t err =
+      launch(out, out_stride, lse, q, q_stride, k, v, rows, schedule, heads, kv_heads, head_dim,
+             scale, PrefillKernel::kWgmmaWide, PrefillSplit{}, stream, key_group, pool_heads);
+  if (err != cudaSuccess) return err;
+  const int64_t n = static_cast<int64_t>(rows.rows) * num_groups;
+  pool_sum_heads_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(
+      pooled, pool_heads, rows.rows, heads, num_groups);
+  return cudaGetLastError();
 }
 
 }  // namespace keep::kernels

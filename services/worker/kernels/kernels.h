@@ -191,6 +191,27 @@ cudaError_t attention_prefill(__nv_bfloat16* out, int64_t out_stride, float* lse
                               PrefillKernel kernel = PrefillKernel::kAuto,
                               const PrefillSplit& split = {});
 
+// attention_prefill and the pooling of attention_pool_tiled in one pass (the wide kernel,
+// PrefillKernel::kWgmmaWide, unsplit): out and lse as attention_prefill's with that kernel, and
+// pooled (rows, num_groups) fp32 as attention_pool's, from the kernel's bf16 P (relative error
+// ~2^-8 per key) but summed in fp32 from there (attention_pool_tiled also rounds each head's sums
+// to bf16). Where that kernel cannot run -- no wgmma or tensor-map encoder, num_groups above
+// kPoolFusedMaxGroups, Q, K or V not 16-byte aligned, no keys, `kernel` neither kAuto nor
+// kWgmmaWide -- cudaErrorNotSupported before anything is launched: the caller then runs
+// attention_prefill and attention_pool_tiled. scratch: device memory of
+// attention_prefill_pool_scratch_bytes() bytes, 16-byte aligned (attention_pool_tiled's scratch
+// for the same rows is as large at head_dim 128).
+constexpr int kPoolFusedMaxGroups = 64;
+size_t attention_prefill_pool_scratch_bytes(int64_t rows, int heads);
+cudaError_t attention_prefill_pool(__nv_bfloat16* out, int64_t out_stride, float* lse,
+                                   float* pooled, const __nv_bfloat16* q, int64_t q_stride,
+                                   const __nv_bfloat16* k, const __nv_bfloat16* v,
+                                   const AttentionRows& rows, const PrefillSchedule& schedule,
+                                   const int32_t* key_group, int num_groups, int heads,
+                                   int kv_heads, int head_dim, float scale, void* scratch,
+                                   size_t scratch_bytes, cudaStream_t stream,
+                                   PrefillKernel kernel = PrefillKernel::kAuto);
+
 // Split-key kernel for few rows (decode steps, short candidate batches): the keys of each row are
 // cut into chunks processed by separate blocks, then combined. Correct for any rows, fast for few.
 // workspace: device fp32 scratch of attention_decode_workspace_floats(rows, heads, head_dim,

@@ -723,9 +723,12 @@ Status CudaBackend::reserve(int32_t max_rows, int32_t max_keys) {
                o_scf = take(R * 4);
   const size_t pool_bytes =
       options_.pool_tensor_cores && (c.head_dim == 64 || c.head_dim == 128)
-          ? kernels::attention_pool_tiled_scratch_bytes(R, keys, static_cast<int>(H),
-                                                        static_cast<int>(c.num_kv_heads),
-                                                        static_cast<int>(c.head_dim))
+          ? std::max(kernels::attention_pool_tiled_scratch_bytes(R, keys, static_cast<int>(H),
+                                                                 static_cast<int>(c.num_kv_heads),
+                                                                 static_cast<int>(c.head_dim)),
+                     options_.pool_fused
+                         ? kernels::attention_prefill_pool_scratch_bytes(R, static_cast<int>(H))
+                         : size_t{0})
           : 0;
   const size_t o_pool = take(pool_bytes);
   const size_t split_bytes =
@@ -1007,9 +1010,24 @@ Status CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_i
                                       hd, stream_));
   mark(kQkvFinish);
   if (keep == 0 && lse == nullptr) return Status::ok();  // K/V only
+  // At a check layer the wide kernel pools in the attention pass where it can
+  // (CudaBackendOptions::pool_fused); its time then counts as the attention's.
+  bool pooled = false;
+  if (pool && !tail_only && plan.tiled && options_.pool_fused && pool_scratch_ != nullptr) {
+    const cudaError_t err = kernels::attention_prefill_pool(
+        att, q, lse, out.pooled, qkv, qkv_w, view_k, view_v, plan.rows, plan.schedule,
+        plan.key_group, plan.layout().num_groups, heads, kv_heads, hd, scale, pool_scratch_,
+        pool_scratch_bytes_, stream_, options_.prefill_attention);
+    if (err != cudaErrorNotSupported) {
+      KEEP_CUDA_CHECK(err);
+      pooled = true;
+    }
+  }
   // The kept rows' attention output.
   const bf16* att_kept = att;
-  if (tail_only) {
+  if (pooled) {
+    att_kept = att + skip * q;
+  } else if (tail_only) {
     kernels::AttentionRows tail = plan.rows;
     tail.row_offsets += skip;
     tail.rows = static_cast<int32_t>(keep);
@@ -1030,7 +1048,8 @@ Status CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_i
   }
   mark(kAttention);
   if (pool) {
-    if (plan.tiled && pool_scratch_ != nullptr) {
+    if (pooled) {  // in the attention pass above
+    } else if (plan.tiled && pool_scratch_ != nullptr) {
       KEEP_CUDA_CHECK(kernels::attention_pool_tiled(
           out.pooled, qkv, qkv_w, view_k, plan.rows, plan.schedule, plan.key_group,
           plan.layout().num_groups, heads, kv_heads, hd, scale, pool_scratch_, pool_scratch_bytes_,

@@ -124,6 +124,11 @@ struct CudaBackendOptions {
   // (CUDA cores, fp32). On the H200 the fp32 form took 6.5 ms a check layer at 4k rows x 4k keys
   // (14B), most of a KEEP request (benchmarks/RESULTS.md, KEEP's TTFT).
   bool pool_tensor_cores = true;
+  // With pool_tensor_cores: the pooling inside the layer's attention pass where the wide kernel
+  // can take it (kernels::attention_prefill_pool: at most kPoolFusedMaxGroups groups, Hopper),
+  // instead of a pass of its own after it. Else, or when false, the two passes (A/B in bench_keep
+  // --pool fused|tensor). Off until its GPU tests and A/B have run (issue 29).
+  bool pool_fused = false;
   // Split-key prefill attention (kernels::PrefillSplit, attention_schedule.h prefill_key_splits)
   // for calls of too few row tiles to fill the GPU, such as a KEEP request's query-only layers:
   // a workspace of prefill_split_max_bytes (~4 MiB at head_dim 128 on 132 SMs) at reserve().
