@@ -6,10 +6,11 @@
 #
 #   scripts/gpu-check.sh [--bench] [--skip-sanitizer] [build-dir]     (default build-dir: build-gpu)
 #
-# Env: BENCH_SHAPES (the benchmark's model shapes), BENCH_GAP_MS (with --bench: also time isolated
-# requests, that many ms of idle GPU before each prefill), OUT (where results go), PROFILE=1,
-# TRACE=1 (with --bench: each shape's 1024-token isolated prefill traced with CUPTI,
-# benchmarks/prefill/trace.sh, results in $OUT/trace-SHAPE).
+# Env: TEST_TIMEOUT (seconds a GPU test may run, default 300), BENCH_SHAPES (the benchmark's
+# model shapes), BENCH_GAP_MS (with --bench: also time isolated requests, that many ms of idle GPU
+# before each prefill), OUT (where results go), PROFILE=1, TRACE=1 (with --bench: each shape's
+# 1024-token isolated prefill traced with CUPTI, benchmarks/prefill/trace.sh, results in
+# $OUT/trace-SHAPE).
 #
 # The whole repository is configured when its Debian dependencies are there (boost, zmq, capnp,
 # doctest, ...), and everything is built here. Otherwise -- GPU machines usually lack them and
@@ -94,12 +95,21 @@ find_bin() {
   fi
 }
 
+# Each test under a time limit: a kernel that hangs (a deadlocked mbarrier wait) would otherwise
+# hold the rest of the call's ten minutes.
+run_test() {  # NAME BIN
+  (cd "$root" && timeout "${TEST_TIMEOUT:-300}" "$2")
+  local rc=$?
+  ((rc == 124)) && echo "gpu-check: $1 timed out after ${TEST_TIMEOUT:-300} s"
+  ((rc == 0)) || mark "$1"
+}
+
 step "kernel tests"
 for t in "${gpu_tests[@]}"; do
   bin="$(find_bin "$t")"
   [[ -n "$bin" ]] || continue
   echo "--- $t"
-  (cd "$root" && "$bin") || mark "$t"
+  run_test "$t" "$bin"
 done
 
 # The engine-level GPU tests (built here with the whole repository, or prebuilt in .gpu-bundle),
@@ -117,7 +127,7 @@ for t in "${engine_tests[@]}"; do
   if ((whole)); then bin="$(find_bin "$t")"; else bin="$root/.gpu-bundle/bin/$t"; fi
   if [[ -x "$bin" ]]; then
     step "$t"
-    (cd "$root" && "$bin") || mark "$t"
+    run_test "$t" "$bin"
   else
     echo "gpu-check: no $t (run scripts/gpu-bundle.sh and carry .gpu-bundle)"
     mark "$t-missing"
