@@ -76,6 +76,24 @@ struct Fixture {
     return bytes;
   }
 
+  // Each segment's own entry (the segment alone after the prefix: the dynamic kind).
+  struct OwnEntries {
+    std::vector<std::vector<std::byte>> bytes;
+    std::vector<EntryGeometry> geometry;
+  };
+  OwnEntries own_entries() {
+    OwnEntries e{std::vector<std::vector<std::byte>>(segments.size()),
+                 std::vector<EntryGeometry>(segments.size())};
+    for (size_t i = 0; i < segments.size(); ++i) e.bytes[i] = produce(segments[i], &e.geometry[i]);
+    return e;
+  }
+  // r's segments read those entries.
+  static void use(AssembleRequest& r, const OwnEntries& e) {
+    for (size_t i = 0; i < r.segments.size(); ++i) {
+      r.segments[i].kv = SegmentKv{e.bytes[i], e.geometry[i], 0};
+    }
+  }
+
   AssembleRequest request(Method m) const {
     AssembleRequest r;
     for (const auto& s : segments) r.segments.push_back(PromptSegment{s, {}});
@@ -99,13 +117,11 @@ TEST_CASE("CUDA: keep at d = 1, cacheblend at 100 %, full_reuse over same-contex
   const auto full = f.prefill(f.request(Method::kFull));
 
   // Dynamic entries (each segment alone after the prefix) for keep and cacheblend.
-  std::vector<std::vector<std::byte>> own(f.segments.size());
-  std::vector<EntryGeometry> own_g(f.segments.size());
-  for (size_t i = 0; i < f.segments.size(); ++i) own[i] = f.produce(f.segments[i], &own_g[i]);
+  const Fixture::OwnEntries own = f.own_entries();
 
   auto r = f.request(Method::kKeep);
   r.knobs.keep_decay = 1.0;
-  for (size_t i = 0; i < r.segments.size(); ++i) r.segments[i].kv = SegmentKv{own[i], own_g[i], 0};
+  Fixture::use(r, own);
   const auto keep1 = f.prefill(r);
   INFO("keep d=1 rel L2 " << rel_l2(keep1, full));
   CHECK(rel_l2(keep1, full) < 1e-2);
@@ -143,7 +159,7 @@ TEST_CASE("CUDA: keep at d = 1, cacheblend at 100 %, full_reuse over same-contex
   // keep below d = 1: checks, selects, loads.
   r = f.request(Method::kKeep);
   r.knobs.keep_decay = 0.6;
-  for (size_t i = 0; i < r.segments.size(); ++i) r.segments[i].kv = SegmentKv{own[i], own_g[i], 0};
+  Fixture::use(r, own);
   const auto keep = f.prefill(r, &st);
   CHECK_FALSE(st.check_layers.empty());
   CHECK(st.recompute_ratio < 1.0);
@@ -161,14 +177,10 @@ TEST_CASE("CUDA: keep with its pooling fused into attention selects as with the 
     eng::CudaBackendOptions o;
     o.pool_fused = fused == 1;
     Fixture f(o);
+    const Fixture::OwnEntries own = f.own_entries();
     auto r = f.request(Method::kKeep);
     r.knobs.keep_decay = 0.6;
-    std::vector<std::vector<std::byte>> own(f.segments.size());
-    std::vector<EntryGeometry> own_g(f.segments.size());
-    for (size_t i = 0; i < f.segments.size(); ++i) {
-      own[i] = f.produce(f.segments[i], &own_g[i]);
-      r.segments[i].kv = SegmentKv{own[i], own_g[i], 0};
-    }
+    Fixture::use(r, own);
     logits[fused] = f.prefill(r, &st[fused]);
   }
   CHECK_FALSE(st[1].check_layers.empty());
@@ -192,16 +204,12 @@ TEST_CASE("CUDA: pinned entries loaded by the loader's kernel or the copy engine
     eng::CudaBackendOptions o;
     o.loader_dma = way == 2;
     Fixture f(o);
-    std::vector<std::vector<std::byte>> own(f.segments.size());
-    std::vector<EntryGeometry> own_g(f.segments.size());
+    const Fixture::OwnEntries own = f.own_entries();
     std::vector<std::byte*> pinned(f.segments.size(), nullptr);
-    for (size_t i = 0; i < f.segments.size(); ++i) {
-      own[i] = f.produce(f.segments[i], &own_g[i]);
-      if (way > 0) {
-        REQUIRE(cudaHostAlloc(reinterpret_cast<void**>(&pinned[i]), own[i].size(),
-                              cudaHostAllocDefault) == cudaSuccess);
-        std::memcpy(pinned[i], own[i].data(), own[i].size());
-      }
+    for (size_t i = 0; way > 0 && i < f.segments.size(); ++i) {
+      REQUIRE(cudaHostAlloc(reinterpret_cast<void**>(&pinned[i]), own.bytes[i].size(),
+                            cudaHostAllocDefault) == cudaSuccess);
+      std::memcpy(pinned[i], own.bytes[i].data(), own.bytes[i].size());
     }
     for (const Method m : {Method::kFullReuse, Method::kKeep, Method::kCacheBlend, Method::kEpic}) {
       auto r = f.request(m);
@@ -209,9 +217,9 @@ TEST_CASE("CUDA: pinned entries loaded by the loader's kernel or the copy engine
       r.knobs.epic_tokens = 4;
       for (size_t i = 0; i < r.segments.size(); ++i) {
         const std::span<const std::byte> bytes =
-            way > 0 ? std::span<const std::byte>(pinned[i], own[i].size())
-                    : std::span<const std::byte>(own[i]);
-        r.segments[i].kv = SegmentKv{bytes, own_g[i], 0};
+            way > 0 ? std::span<const std::byte>(pinned[i], own.bytes[i].size())
+                    : std::span<const std::byte>(own.bytes[i]);
+        r.segments[i].kv = SegmentKv{bytes, own.geometry[i], 0};
       }
       AssembleStats st;
       got[way].push_back(f.prefill(r, &st));

@@ -1010,24 +1010,10 @@ Status CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_i
                                       hd, stream_));
   mark(kQkvFinish);
   if (keep == 0 && lse == nullptr) return Status::ok();  // K/V only
-  // At a check layer the wide kernel pools in the attention pass where it can
-  // (CudaBackendOptions::pool_fused); its time then counts as the attention's.
-  bool pooled = false;
-  if (pool && !tail_only && plan.tiled && options_.pool_fused && pool_scratch_ != nullptr) {
-    const cudaError_t err = kernels::attention_prefill_pool(
-        att, q, lse, out.pooled, qkv, qkv_w, view_k, view_v, plan.rows, plan.schedule,
-        plan.key_group, plan.layout().num_groups, heads, kv_heads, hd, scale, pool_scratch_,
-        pool_scratch_bytes_, stream_, options_.prefill_attention);
-    if (err != cudaErrorNotSupported) {
-      KEEP_CUDA_CHECK(err);
-      pooled = true;
-    }
-  }
   // The kept rows' attention output.
   const bf16* att_kept = att;
-  if (pooled) {
-    att_kept = att + skip * q;
-  } else if (tail_only) {
+  bool pooled = false;  // by the attention pass itself (pool_fused)
+  if (tail_only) {
     kernels::AttentionRows tail = plan.rows;
     tail.row_offsets += skip;
     tail.rows = static_cast<int32_t>(keep);
@@ -1036,9 +1022,22 @@ Status CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_i
                                               decode_ws_floats_, stream_));
   } else {
     if (plan.tiled) {
-      KEEP_CUDA_CHECK(kernels::attention_prefill(att, q, lse, qkv, qkv_w, view_k, view_v, plan.rows,
-                                                 plan.schedule, heads, kv_heads, hd, scale, stream_,
-                                                 options_.prefill_attention, prefill_split_));
+      cudaError_t err = cudaErrorNotSupported;
+      if (pool && options_.pool_fused && pool_scratch_ != nullptr) {
+        // At a check layer the wide kernel pools in the attention pass where it can; its time
+        // then counts as the attention's.
+        err = kernels::attention_prefill_pool(
+            att, q, lse, out.pooled, qkv, qkv_w, view_k, view_v, plan.rows, plan.schedule,
+            plan.key_group, plan.layout().num_groups, heads, kv_heads, hd, scale, pool_scratch_,
+            pool_scratch_bytes_, stream_, options_.prefill_attention);
+        pooled = err != cudaErrorNotSupported;
+      }
+      if (!pooled) {
+        err = kernels::attention_prefill(att, q, lse, qkv, qkv_w, view_k, view_v, plan.rows,
+                                         plan.schedule, heads, kv_heads, hd, scale, stream_,
+                                         options_.prefill_attention, prefill_split_);
+      }
+      KEEP_CUDA_CHECK(err);
     } else {
       KEEP_CUDA_CHECK(kernels::attention_decode(att, q, lse, qkv, qkv_w, view_k, view_v, plan.rows,
                                                 heads, kv_heads, hd, scale, decode_ws_,
@@ -1048,7 +1047,8 @@ Status CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_i
   }
   mark(kAttention);
   if (pool) {
-    if (pooled) {  // in the attention pass above
+    if (pooled) {
+      // (by the attention pass above)
     } else if (plan.tiled && pool_scratch_ != nullptr) {
       KEEP_CUDA_CHECK(kernels::attention_pool_tiled(
           out.pooled, qkv, qkv_w, view_k, plan.rows, plan.schedule, plan.key_group,
