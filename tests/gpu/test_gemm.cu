@@ -463,6 +463,10 @@ void check_gemm_swiglu(std::mt19937& rng, int64_t rows, int64_t inter, int64_t i
   cudaFree(da);
 }
 
+// The tuner's margin that keeps its fastest candidate whatever its time: -1 kept one only up to
+// 2x the default's, and at 64 rows an H100 once timed every candidate slower than that.
+constexpr double kKeepAny = -1e9;
+
 // GemmTuner: tuned with a negative margin (the fastest cuBLASLt candidate is kept even where
 // cuBLAS's default is faster), run() must compute the product at the tuned rows and at rows that
 // reuse the choice (more than half of them), and refuse half the rows or fewer, more rows than
@@ -489,7 +493,7 @@ void check_tuner(keep::kernels::BlasHandle& blas, void* ws, size_t ws_bytes, std
   int kept = 0;
   for (bool acc : {false, true}) {
     kk::GemmTuner::TuneResult res;
-    BLAS_OK(tuner.tune(blas.get(), {out, in, xs, ys, acc}, rows, dy, dx, dw, -1.0, &res));
+    BLAS_OK(tuner.tune(blas.get(), {out, in, xs, ys, acc}, rows, dy, dx, dw, kKeepAny, &res));
     kept += res.chosen >= 0 ? 1 : 0;
     ++g_checks;
     if (res.chosen < 0 || !(res.default_ms > 0.0f) || !(res.best_ms > 0.0f) ||
@@ -754,7 +758,7 @@ void time_one(keep::kernels::BlasHandle& blas, void* ws, size_t ws_bytes,
   BLAS_OK(tuner.init(nullptr, ws, ws_bytes));
   if (scratch.ptr != nullptr) tuner.use_own_products(scratch);
   kk::GemmTuner::TuneResult r;
-  BLAS_OK(tuner.tune(blas.get(), {out, in, in, out, acc}, rows, t.y, t.x, t.w, -1.0, &r));
+  BLAS_OK(tuner.tune(blas.get(), {out, in, in, out, acc}, rows, t.y, t.x, t.w, kKeepAny, &r));
   const float pick = median_ms([&] {
     BLAS_OK(tuner.run({out, in, in, out, acc}, rows, t.y, t.x, t.w));
   });
@@ -783,7 +787,7 @@ void profile_products(keep::kernels::BlasHandle& blas, void* ws, size_t ws_bytes
     const TimedOperands t(rows, out, in);
     kk::GemmTuner tuner;
     BLAS_OK(tuner.init(nullptr, ws, ws_bytes));
-    BLAS_OK(tuner.tune(blas.get(), {out, in, in, out, acc}, rows, t.y, t.x, t.w, -1.0));
+    BLAS_OK(tuner.tune(blas.get(), {out, in, in, out, acc}, rows, t.y, t.x, t.w, kKeepAny));
     const auto ours = [&] {
       if (acc) {
         CUDA_OK(kk::gemm_wgmma_accumulate(static_cast<float*>(t.y), out, t.x, in, t.w, rows, out,
