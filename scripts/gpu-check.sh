@@ -11,6 +11,8 @@
 # before each prefill), OUT (where results go), PROFILE=1, TRACE=1 (with --bench: each shape's
 # 1024-token isolated prefill traced with CUPTI, benchmarks/prefill/trace.sh, results in
 # $OUT/trace-SHAPE).
+# SANITIZER_JOBS (compute-sanitizer passes run at a time, 4), SANITIZER_TIMEOUT (seconds a pass may
+# run, 1200).
 #
 # The whole repository is configured when its Debian dependencies are there (boost, zmq, capnp,
 # doctest, ...), and everything is built here. Otherwise -- GPU machines usually lack them and
@@ -35,7 +37,7 @@ export PATH=/usr/local/cuda/bin:$PATH
 export LD_LIBRARY_PATH="$root/.gpu-bundle/lib:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fail=0
 failed=()
-step() { echo "=== $*"; }
+step() { echo "=== $* (at ${SECONDS} s)"; }  # the time so far: the call has ten minutes
 mark() { fail=1; failed+=("$1"); }
 
 step "devices"
@@ -149,6 +151,10 @@ else
 fi
 
 if ((sanitize)); then
+  # The passes run SANITIZER_JOBS at a time (4): most of a pass is the sanitizer's host-side work,
+  # and one after the other they did not fit a call's ten minutes with the engine tests before them.
+  step "compute-sanitizer, ${SANITIZER_JOBS:-4} passes at a time"
+  passes=()
   for t in "${gpu_tests[@]}"; do
     bin="$(find_bin "$t")"
     [[ -n "$bin" ]] || continue
@@ -157,18 +163,32 @@ if ((sanitize)); then
       # the nvjet TMA/mbarrier kernels): test_gemm runs only our gemm_swiglu's checks under it.
       only=""
       [[ $t == test_gemm && $tool == racecheck ]] && only=gemm_swiglu
-      step "compute-sanitizer --tool $tool $t${only:+ (KEEP_GPU_TEST_ONLY=$only)}"
       extra=()
       [[ $tool == memcheck ]] && extra=(--leak-check full)
-      # KEEP_GPU_TEST_QUICK: the tests skip their timing runs (slow under the sanitizer).
+      log="$build/$t.$tool.log"
+      rm -f "$log.rc"
+      # KEEP_GPU_TEST_QUICK: the tests skip their timing runs and largest cases.
       (cd "$root" && KEEP_GPU_TEST_QUICK=1 KEEP_GPU_TEST_ONLY="$only" \
         timeout "${SANITIZER_TIMEOUT:-1200}" \
         compute-sanitizer --tool "$tool" "${extra[@]}" \
-        --error-exitcode 3 --print-limit 20 "$bin" >"$build/$t.$tool.log" 2>&1) ||
-        { mark "$t:$tool"; tail -30 "$build/$t.$tool.log"; }
-      grep -E "ERROR SUMMARY|RACECHECK SUMMARY|LEAK SUMMARY" "$build/$t.$tool.log" | tail -2
+        --error-exitcode 3 --print-limit 20 "$bin" >"$log" 2>&1
+      echo $? >"$log.rc") &
+      passes+=("$t $tool $only")
+      while (($(jobs -rp | wc -l) >= ${SANITIZER_JOBS:-4})); do wait -n; done
     done
   done
+  wait
+  for pass in "${passes[@]}"; do
+    read -r t tool only <<<"$pass"
+    log="$build/$t.$tool.log"
+    echo "--- compute-sanitizer --tool $tool $t${only:+ (KEEP_GPU_TEST_ONLY=$only)}:" \
+      "$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|LEAK SUMMARY" "$log" | tail -2 | tr '\n' ' ')"
+    if [[ "$(cat "$log.rc" 2>/dev/null)" != 0 ]]; then
+      mark "$t:$tool"
+      tail -30 "$log"
+    fi
+  done
+  step "compute-sanitizer done"
 fi
 
 if ((bench)) && [[ -x "$bench_bin" ]]; then
