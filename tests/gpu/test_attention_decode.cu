@@ -576,9 +576,9 @@ void run_pool(std::mt19937& rng) {
       {kRecompute, 65, 1500, kSmol, 65},
   };
   for (const PoolCase& c : cases) {
-    // Under the sanitizer (quick) the 14B check layer is left out: its 64-group sibling and the
-    // head_dim 64 case take the fused kernel through the same paths in a fraction of the time.
-    if (quick() && int64_t{c.rows} * c.keys > 1'000'000) continue;
+    // Under the sanitizer (quick) the two largest cases are left out (racecheck ran over 220 s
+    // with them): the 64-group case still takes the fused kernel through the same paths.
+    if (quick() && int64_t{c.rows} * c.keys > 150'000) continue;
     test_pool(rng, c.kind, c.rows, c.keys, c.shape, c.groups, true);
     test_pool(rng, c.kind, c.rows, c.keys, c.shape, c.groups, false);
   }
