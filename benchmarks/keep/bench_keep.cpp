@@ -17,6 +17,9 @@
 //                        [--prefill-kernel auto|mma|wgmma|wgmma1k|wide]
 //                        (CudaBackendOptions::prefill_attention, every layer)
 //                        [--loader-bench B[,B...]]  (then the loader alone, below)
+//                        [--entries host|tier]  (where requests' entries are read: host: the
+//                        registered buffer over the link; tier: every entry admitted into a
+//                        device KV tier, as a worker's hot entries, read at device speed)
 //
 // --loader-bench: the loader on its own over every entry's every layer (all --segments' largest
 // count), against the link in the same run: one cudaMemcpyAsync of the registered entries to the
@@ -40,7 +43,9 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <memory>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -69,7 +74,8 @@ constexpr const char* kUsage =
     "                  [--prefetch-recompute-mib M] [--loader-dma on|off]\n"
     "                  [--loader-blocks B] [--loader-bench B[,B...]] [--autotune-rows N]\n"
     "                  [--prefill-split on|off] [--own-few-rows N]\n"
-    "                  [--gemm-leave-loader on|off] [--blas-leave-loader on|off]\n";
+    "                  [--gemm-leave-loader on|off] [--blas-leave-loader on|off]\n"
+    "                  [--entries host|tier]\n";
 
 int fail(const Status& st) {
   std::fprintf(stderr, "bench_keep: %s\n", st.to_string().c_str());
@@ -298,6 +304,7 @@ int main(int argc, char** argv) {
   std::string shape, json, methods = "full,prefix,full_reuse,cacheblend,epic,keep";
   std::vector<int32_t> segment_counts = {10, 20, 40, 80};
   std::vector<double> decays = {0.96};
+  bool entries_in_tier = false;  // --entries tier
   std::vector<double> keep_ratios;
   int64_t memory_tokens = 4096;
   int reps = 10, warmup = 3;
@@ -339,6 +346,9 @@ int main(int argc, char** argv) {
       const int n = std::atoi(v.c_str());
       if (n < 0 || (n == 0 && v != "0")) return refuse("--own-few-rows: N >= 0");
       options.own_few_rows = n;
+    } else if (a == "--entries") {
+      if (v != "host" && v != "tier") return refuse("--entries: host or tier");
+      entries_in_tier = v == "tier";
     } else if (a == "--loader-dma") {
       if (v != "on" && v != "off") return refuse("--loader-dma: on or off");
       options.loader_dma = v == "on";
@@ -464,6 +474,32 @@ int main(int argc, char** argv) {
     return 0;
   }
 
+  // --entries tier: every entry admitted into a device KV tier that this process owns; requests
+  // carry the tier's bytes as a worker does for a hit (SegmentKv::device), so loads read GPU memory.
+  std::unique_ptr<engine::DeviceKvTier> tier;
+  std::vector<std::span<const std::byte>> in_tier(segments.size());
+  if (entries_in_tier) {
+    engine::DeviceKvTierOptions to;
+    to.name = "keep_bench_entries_" + std::to_string(::getpid());
+    for (const auto& g : geometry) to.slot_bytes = std::max<uint64_t>(to.slot_bytes, g.bytes());
+    to.budget_bytes = to.slot_bytes * segments.size();
+    auto created = engine::DeviceKvTier::create(to);
+    if (!created.is_ok()) return fail(created.status());
+    tier = std::move(created).value();
+    for (size_t s = 0; s < segments.size(); ++s) {
+      kv::EntryKey key;
+      key.object_id = s + 1;
+      const Status st = tier->admit(
+          key, std::span<const std::byte>(region.data() + offset[s], geometry[s].bytes()));
+      if (!st.is_ok()) return fail(st);
+      const auto hit = tier->find(key);
+      if (!hit) return fail(Status(Code::kInternal, "bench_keep: an admitted entry not found"));
+      in_tier[s] = std::span<const std::byte>(hit->device, geometry[s].bytes());
+    }
+    std::printf("# entries read from a device KV tier (%zu slots of %.1f MiB)\n", segments.size(),
+                static_cast<double>(to.slot_bytes) / (1 << 20));
+  }
+
   std::vector<Case> cases;
   cases.push_back({"full", Method::kFull, {}});
   cases.push_back({"prefix", Method::kPrefix, {}});
@@ -505,7 +541,7 @@ int main(int argc, char** argv) {
       PromptSegment ps;
       ps.tokens = segments[s];
       ps.kv = SegmentKv{std::span<const std::byte>(region.data() + offset[s], geometry[s].bytes()),
-                        geometry[s], 0};
+                        geometry[s], 0, in_tier[s]};
       req.segments.push_back(std::move(ps));
       mem += lengths[s];
     }
@@ -569,7 +605,8 @@ int main(int argc, char** argv) {
             << ",\"ttft_ms\":" << med << ",\"min_ms\":" << *std::min_element(ms.begin(), ms.end())
             << ",\"max_ms\":" << *std::max_element(ms.begin(), ms.end()) << ",\"reps\":" << reps
             << ",\"recompute_ratio\":" << st.recompute_ratio
-            << ",\"bytes_loaded\":" << st.bytes_loaded << "}\n";
+            << ",\"bytes_loaded\":" << st.bytes_loaded
+            << ",\"entries\":\"" << (entries_in_tier ? "tier" : "host") << "\"}\n";
       }
     }
   }
