@@ -100,8 +100,10 @@ find_bin() {
 # Each test under a time limit: a kernel that hangs (a deadlocked mbarrier wait) would otherwise
 # hold the rest of the call's ten minutes.
 run_test() {  # NAME BIN
+  local t0=$SECONDS
   (cd "$root" && timeout "${TEST_TIMEOUT:-300}" "$2")
   local rc=$?
+  echo "gpu-check: $1 took $((SECONDS - t0)) s"
   ((rc == 124)) && echo "gpu-check: $1 timed out after ${TEST_TIMEOUT:-300} s"
   ((rc == 0)) || mark "$1"
 }
