@@ -121,7 +121,9 @@ def timeline(events, ttft_ms):
     if not marks:
         raise ValueError("no qkv_finish kernel in the request's window")
     bounds = [start] + [compute[max(i - 2, 0)][0] for i in marks[1:]] + [end]
-    # Importance: the pooling pass (one-hot values, the attention over them, the head sums).
+    # Importance: the pooling pass (one-hot values, the attention over them, the head sums). With
+    # the pooling fused into the attention pass (pool_fused) only the head sums are left: the
+    # pooling's own products then count in the attention kernel's compute.
     importance = set()
     for i, e in enumerate(compute):
         if "onehot_kernel" in e[3] or "sum_heads_kernel" in e[3] or "pool_kernel" in e[3]:
