@@ -312,6 +312,7 @@ TEST_CASE("keep below d = 1 checks, selects, loads, and reports what it did") {
   REQUIRE_MESSAGE(keep.is_ok(), keep.status().to_string());
   CHECK(keep->stats.check_layers == std::vector<int32_t>{0, 1, 3});
   CHECK(keep->stats.hops.size() == 3);
+  CHECK(keep->stats.pooled_columns == std::vector<int32_t>{4, 2, 1});  // the segments computed
   CHECK(keep->stats.recomputed_per_layer.size() == 8);
   CHECK(keep->stats.recomputed_per_layer[0] == 18);
   CHECK(keep->stats.recomputed_per_layer[4] == 0);
@@ -324,6 +325,38 @@ TEST_CASE("keep below d = 1 checks, selects, loads, and reports what it did") {
   auto epic = f.assembler->prefill(r);
   REQUIRE(epic.is_ok());
   for (int32_t n : epic->stats.recomputed_per_layer) CHECK(n == 8);
+}
+
+TEST_CASE("keep pools a column per segment computed at the layer: the same selections") {
+  // Importance reads only the columns of the segments computed at a check layer; pooling the
+  // others too (every segment a column) must give the same checks, hops, recomputed rows and so
+  // the same logits, from wider pooled attention.
+  Fixture f(8);
+  Entries e = dynamic_entries(f, kv::KvDType::kBF16);
+  for (double d : {0.7, 0.85}) {
+    CAPTURE(d);
+    auto r = request(f, &e, Method::kKeep);
+    r.knobs.keep_decay = d;
+    f.assembler->set_pool_every_segment(true);
+    auto wide = f.assembler->prefill(r);
+    f.assembler->set_pool_every_segment(false);
+    auto narrow = f.assembler->prefill(r);
+    REQUIRE_MESSAGE(wide.is_ok(), wide.status().to_string());
+    REQUIRE_MESSAGE(narrow.is_ok(), narrow.status().to_string());
+    REQUIRE(!narrow->stats.check_layers.empty());
+    CHECK(narrow->stats.check_layers == wide->stats.check_layers);
+    CHECK(narrow->stats.hops == wide->stats.hops);
+    CHECK(narrow->stats.recomputed_per_layer == wide->stats.recomputed_per_layer);
+    CHECK(narrow->last_logits == wide->last_logits);
+    // Every segment is a candidate at layer 0; later checks pool fewer columns.
+    REQUIRE(wide->stats.pooled_columns.size() == narrow->stats.pooled_columns.size());
+    for (int32_t c : wide->stats.pooled_columns) CHECK(c == 4);
+    CHECK(narrow->stats.pooled_columns.front() == 4);
+    CHECK(narrow->stats.pooled_columns.back() < 4);
+    for (size_t i = 1; i < narrow->stats.pooled_columns.size(); ++i) {
+      CHECK(narrow->stats.pooled_columns[i] < narrow->stats.pooled_columns[i - 1]);
+    }
+  }
 }
 
 TEST_CASE("the load order does not change what a request computes") {

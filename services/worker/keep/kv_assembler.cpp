@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <iterator>
+#include <numeric>
 #include <string>
 
 #include "services/worker/keep/load_schedule.h"
@@ -151,6 +152,8 @@ Result<Prefilled> KvAssembler::prefill(const AssembleRequest& req) {
     KEEP_RETURN_IF_ERROR(engine_.embed(hidden_[cur], row_tokens));
   }
   std::unique_ptr<engine::AttentionPlan> attn;
+  // keep: the segment of each pooled column under the current layout (its candidates).
+  std::vector<int32_t> columns;
   int32_t first_loaded = shape.total;  // the earliest slot ever loaded: exactness ends there
   std::vector<float> k_host, v_host, k_new;
   // Layer-balanced loading: a slot loaded at layer l is loaded at every later layer (the
@@ -190,7 +193,26 @@ Result<Prefilled> KvAssembler::prefill(const AssembleRequest& req) {
     }
     if (!attn) {
       engine::AttentionLayout layout = engine::AttentionLayout::recompute(rows, shape.total);
-      if (!key_group.empty()) layout.set_groups(key_group, groups);
+      if (!key_group.empty()) {
+        // A column only for each segment computed here: importance reads no other, and as the
+        // selection shrinks fewer columns keep the pooling inside the attention pass (at most
+        // kernels::kPoolFusedMaxGroups on CUDA) and the copy to the host small.
+        if (pool_every_segment_) {
+          columns.resize(static_cast<size_t>(groups));
+          std::iota(columns.begin(), columns.end(), 0);
+        } else {
+          columns = plan.segments_computed();
+        }
+        std::vector<int32_t> column_of(static_cast<size_t>(groups), -1);
+        for (size_t c = 0; c < columns.size(); ++c) column_of[columns[c]] = static_cast<int32_t>(c);
+        std::vector<int32_t> key_column(key_group.size(), -1);
+        for (size_t t = 0; t < key_group.size(); ++t) {
+          if (key_group[t] >= 0) key_column[t] = column_of[key_group[t]];
+        }
+        if (!columns.empty()) {
+          layout.set_groups(std::move(key_column), static_cast<int32_t>(columns.size()));
+        }
+      }
       KEEP_ASSIGN_OR_RETURN(attn, engine_.plan(layout));
     }
     const engine::KvView view = cache_.layer(l);
@@ -294,8 +316,22 @@ Result<Prefilled> KvAssembler::prefill(const AssembleRequest& req) {
     KEEP_RETURN_IF_ERROR(engine_.prefill_layer(l, hidden_[cur], view, *attn, extras));
 
     if (check == RecomputePlan::Check::kImportance) {
-      std::vector<float> pooled(rows.size() * static_cast<size_t>(groups));
-      KEEP_RETURN_IF_ERROR(engine_.read_pooled(pooled.data(), pooled_, pooled.size()));
+      // Back to one column per segment (0 for those not computed here, which importance skips).
+      const size_t ncol = columns.size();
+      std::vector<float> compact(rows.size() * ncol);
+      KEEP_RETURN_IF_ERROR(engine_.read_pooled(compact.data(), pooled_, compact.size()));
+      for (int32_t seg : plan.segments_computed()) {
+        if (!std::binary_search(columns.begin(), columns.end(), seg)) {
+          return Status(Code::kInternal, "kv assembly: candidate segment " + std::to_string(seg) +
+                                             " has no pooled column at layer " + std::to_string(l));
+        }
+      }
+      std::vector<float> pooled(rows.size() * static_cast<size_t>(groups), 0.0f);
+      for (size_t r = 0; r < rows.size(); ++r) {
+        for (size_t c = 0; c < ncol; ++c) {
+          pooled[r * static_cast<size_t>(groups) + columns[c]] = compact[r * ncol + c];
+        }
+      }
       const std::vector<int32_t> row_segment = plan.row_segments();
       std::vector<int32_t> query_rows;
       for (size_t r = 0; r < rows.size(); ++r) {
@@ -304,6 +340,7 @@ Result<Prefilled> KvAssembler::prefill(const AssembleRequest& req) {
       ImportanceInput in{groups, static_cast<int32_t>(cfg.num_heads), pooled, row_segment,
                          query_rows};
       st.check_layers.push_back(l);
+      st.pooled_columns.push_back(static_cast<int32_t>(ncol));
       KEEP_RETURN_IF_ERROR(plan.next(&in));
     } else if (check == RecomputePlan::Check::kDeviation) {
       // Σ (K_new − K_cached)² per loadable memory row, against the entry's K of this layer.

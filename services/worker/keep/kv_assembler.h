@@ -60,6 +60,8 @@ struct AssembleStats {
   int32_t segments_loadable = 0;
   std::vector<int32_t> check_layers;
   std::vector<int32_t> hops;  // keep: importance hops at each check layer
+  // keep: the pooled attention's columns at each check layer (the segments computed there).
+  std::vector<int32_t> pooled_columns;
 };
 
 struct Prefilled {
@@ -110,6 +112,9 @@ class KvAssembler {
   void set_produce_options(const ProduceOptions& options) { produce_options_ = options; }
   const LoadOptions& load_options() const { return load_options_; }
   const ProduceOptions& produce_options() const { return produce_options_; }
+  // keep: a pooled column for every segment of the prompt instead of only for those computed at
+  // the layer (importance reads no other): the same selections from a wider pooling. For tests.
+  void set_pool_every_segment(bool on) { pool_every_segment_ = on; }
   int32_t capacity() const { return cache_.capacity(); }
   // The working cache: after prefill(), size() = the prompt's tokens; decode steps append.
   engine::KvCache& cache() { return cache_; }
@@ -147,6 +152,7 @@ class KvAssembler {
   std::vector<int32_t> prefix_;
   LoadOptions load_options_;
   ProduceOptions produce_options_;
+  bool pool_every_segment_ = false;
   // Tokens whose KV in the cache equals a full prefill's, for `prefix` (vLLM-style) reuse.
   std::vector<int32_t> exact_;
   engine::DeviceBuffer hidden_[2];  // (capacity, C): ping-pong as the computed rows shrink

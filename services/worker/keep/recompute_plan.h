@@ -93,6 +93,9 @@ class RecomputePlan {
   // Segment (index into shape.segments) of each row, -1 for non-memory rows and for keep's anchor
   // rows of segments no longer selected (importance reads them as neither query nor segment).
   std::vector<int32_t> row_segments() const;
+  // keep: the segments computed at the current layer, ascending -- a check layer's candidates,
+  // the only columns of the pooled attention that importance reads. Empty for other methods.
+  const std::vector<int32_t>& segments_computed() const { return seg_selected_; }
   // What the current layer must report through next().
   Check check() const;
 
