@@ -17,6 +17,8 @@
 //                        [--prefill-kernel auto|mma|wgmma|wgmma1k|wide]
 //                        (CudaBackendOptions::prefill_attention, every layer)
 //                        [--loader-bench B[,B...]]  (then the loader alone, below)
+//                        [--pool-columns computed|all]  (keep's pooled columns: the segments
+//                        computed at the layer, or every segment: KvAssembler::set_pool_every_segment)
 //                        [--entries host|tier]  (where requests' entries are read: host: the
 //                        registered buffer over the link; tier: every entry admitted into a
 //                        device KV tier, as a worker's hot entries, read at device speed)
@@ -75,7 +77,7 @@ constexpr const char* kUsage =
     "                  [--loader-blocks B] [--loader-bench B[,B...]] [--autotune-rows N]\n"
     "                  [--prefill-split on|off] [--own-few-rows N]\n"
     "                  [--gemm-leave-loader on|off] [--blas-leave-loader on|off]\n"
-    "                  [--entries host|tier]\n";
+    "                  [--entries host|tier] [--pool-columns computed|all]\n";
 
 int fail(const Status& st) {
   std::fprintf(stderr, "bench_keep: %s\n", st.to_string().c_str());
@@ -305,6 +307,7 @@ int main(int argc, char** argv) {
   std::vector<int32_t> segment_counts = {10, 20, 40, 80};
   std::vector<double> decays = {0.96};
   bool entries_in_tier = false;  // --entries tier
+  bool pool_every_segment = false;  // --pool-columns all
   std::vector<double> keep_ratios;
   int64_t memory_tokens = 4096;
   int reps = 10, warmup = 3;
@@ -346,6 +349,9 @@ int main(int argc, char** argv) {
       const int n = std::atoi(v.c_str());
       if (n < 0 || (n == 0 && v != "0")) return refuse("--own-few-rows: N >= 0");
       options.own_few_rows = n;
+    } else if (a == "--pool-columns") {
+      if (v != "computed" && v != "all") return refuse("--pool-columns: computed or all");
+      pool_every_segment = v == "all";
     } else if (a == "--entries") {
       if (v != "host" && v != "tier") return refuse("--entries: host or tier");
       entries_in_tier = v == "tier";
@@ -430,6 +436,7 @@ int main(int argc, char** argv) {
   auto assembler = KvAssembler::create(**eng, prefix, capacity);
   if (!assembler.is_ok()) return fail(assembler.status());
   (*assembler)->set_load_options(loads);
+  (*assembler)->set_pool_every_segment(pool_every_segment);
 
   // Every segment's entry, bf16, in one registered buffer (the region's stand-in).
   kv::ModelFingerprint fp;
