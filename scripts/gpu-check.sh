@@ -40,6 +40,68 @@ failed=()
 step() { echo "=== $* (at ${SECONDS} s)"; }  # the time so far: the call has ten minutes
 mark() { fail=1; failed+=("$1"); }
 
+# Each test under a time limit: a kernel that hangs (a deadlocked mbarrier wait) would otherwise
+# hold the rest of the call's ten minutes.
+run_test() {  # NAME BIN
+  local t0=$SECONDS
+  (cd "$root" && timeout "${TEST_TIMEOUT:-300}" "$2")
+  local rc=$?
+  echo "gpu-check: $1 took $((SECONDS - t0)) s"
+  ((rc == 124)) && echo "gpu-check: $1 timed out after ${TEST_TIMEOUT:-300} s"
+  ((rc == 0)) || mark "$1"
+}
+
+sanitizer_passes() {  # every gpu_tests program under memcheck and racecheck (find_bin)
+  local t tool only log rc pass bin
+  local -a extra passes
+  # The passes run SANITIZER_JOBS at a time (all 10 by default): one after the other they did not
+  # fit a call's ten minutes with the engine tests before them; on an H100 all at once, 9 ended
+  # within 197 s (test_attention_decode's racecheck was still running at 220 s).
+  step "compute-sanitizer, ${SANITIZER_JOBS:-10} passes at a time"
+  passes=()
+  for t in "${gpu_tests[@]}"; do
+    bin="$(find_bin "$t")"
+    [[ -n "$bin" ]] || continue
+    for tool in memcheck racecheck; do
+      # racecheck fails inside cuBLAS's own kernels (a hardware exception it cannot handle in
+      # the nvjet TMA/mbarrier kernels): test_gemm runs only our gemm_swiglu's checks under it.
+      only=""
+      [[ $t == test_gemm && $tool == racecheck ]] && only=gemm_swiglu
+      extra=()
+      [[ $tool == memcheck ]] && extra=(--leak-check full)
+      log="$build/$t.$tool.log"
+      rm -f "$log.rc"
+      # KEEP_GPU_TEST_QUICK: the tests skip their timing runs and largest cases.
+      (cd "$root" && KEEP_GPU_TEST_QUICK=1 KEEP_GPU_TEST_ONLY="$only" \
+        timeout "${SANITIZER_TIMEOUT:-360}" \
+        compute-sanitizer --tool "$tool" "${extra[@]}" \
+        --error-exitcode 3 --print-limit 20 "$bin" >"$log" 2>&1
+      echo $? >"$log.rc") &
+      passes+=("$t $tool $only")
+      while (($(jobs -rp | wc -l) >= ${SANITIZER_JOBS:-10})); do wait -n; done
+    done
+  done
+  wait
+  for pass in "${passes[@]}"; do
+    read -r t tool only <<<"$pass"
+    log="$build/$t.$tool.log"
+    echo "--- compute-sanitizer --tool $tool $t${only:+ (KEEP_GPU_TEST_ONLY=$only)}:" \
+      "$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|LEAK SUMMARY" "$log" | tail -2 | tr '\n' ' ')"
+    rc="$(cat "$log.rc" 2>/dev/null)"
+    [[ $rc == 124 ]] && echo "gpu-check: $t under $tool timed out after ${SANITIZER_TIMEOUT:-360} s"
+    if [[ $rc != 0 ]]; then
+      mark "$t:$tool"
+      tail -30 "$log"
+    fi
+  done
+  step "compute-sanitizer done"
+}
+
+# Sourced with GPU_CHECK_FUNCTIONS_ONLY=1 (benchmarks' and scripts' tests): the functions above only.
+if [[ ${GPU_CHECK_FUNCTIONS_ONLY:-0} == 1 ]]; then
+  return 0 2>/dev/null || exit 0
+fi
+
 step "devices"
 nvidia-smi -L || { echo "gpu-check: nvidia-smi failed"; exit 1; }
 nvcc --version | tail -1
@@ -97,16 +159,6 @@ find_bin() {
   fi
 }
 
-# Each test under a time limit: a kernel that hangs (a deadlocked mbarrier wait) would otherwise
-# hold the rest of the call's ten minutes.
-run_test() {  # NAME BIN
-  local t0=$SECONDS
-  (cd "$root" && timeout "${TEST_TIMEOUT:-300}" "$2")
-  local rc=$?
-  echo "gpu-check: $1 took $((SECONDS - t0)) s"
-  ((rc == 124)) && echo "gpu-check: $1 timed out after ${TEST_TIMEOUT:-300} s"
-  ((rc == 0)) || mark "$1"
-}
 
 step "kernel tests"
 for t in "${gpu_tests[@]}"; do
@@ -152,49 +204,7 @@ else
   echo "skipped: no keep-worker in $svc_bin or no .venv (BUNDLE_SERVICES=1 scripts/gpu-bundle.sh)"
 fi
 
-if ((sanitize)); then
-  # The passes run SANITIZER_JOBS at a time (all 10 by default): one after the other they did not
-  # fit a call's ten minutes with the engine tests before them; on an H100 all at once, 9 ended
-  # within 197 s (test_attention_decode's racecheck was still running at 220 s).
-  step "compute-sanitizer, ${SANITIZER_JOBS:-10} passes at a time"
-  passes=()
-  for t in "${gpu_tests[@]}"; do
-    bin="$(find_bin "$t")"
-    [[ -n "$bin" ]] || continue
-    for tool in memcheck racecheck; do
-      # racecheck fails inside cuBLAS's own kernels (a hardware exception it cannot handle in
-      # the nvjet TMA/mbarrier kernels): test_gemm runs only our gemm_swiglu's checks under it.
-      only=""
-      [[ $t == test_gemm && $tool == racecheck ]] && only=gemm_swiglu
-      extra=()
-      [[ $tool == memcheck ]] && extra=(--leak-check full)
-      log="$build/$t.$tool.log"
-      rm -f "$log.rc"
-      # KEEP_GPU_TEST_QUICK: the tests skip their timing runs and largest cases.
-      (cd "$root" && KEEP_GPU_TEST_QUICK=1 KEEP_GPU_TEST_ONLY="$only" \
-        timeout "${SANITIZER_TIMEOUT:-360}" \
-        compute-sanitizer --tool "$tool" "${extra[@]}" \
-        --error-exitcode 3 --print-limit 20 "$bin" >"$log" 2>&1
-      echo $? >"$log.rc") &
-      passes+=("$t $tool $only")
-      while (($(jobs -rp | wc -l) >= ${SANITIZER_JOBS:-10})); do wait -n; done
-    done
-  done
-  wait
-  for pass in "${passes[@]}"; do
-    read -r t tool only <<<"$pass"
-    log="$build/$t.$tool.log"
-    echo "--- compute-sanitizer --tool $tool $t${only:+ (KEEP_GPU_TEST_ONLY=$only)}:" \
-      "$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|LEAK SUMMARY" "$log" | tail -2 | tr '\n' ' ')"
-    rc="$(cat "$log.rc" 2>/dev/null)"
-    [[ $rc == 124 ]] && echo "gpu-check: $t under $tool timed out after ${SANITIZER_TIMEOUT:-360} s"
-    if [[ $rc != 0 ]]; then
-      mark "$t:$tool"
-      tail -30 "$log"
-    fi
-  done
-  step "compute-sanitizer done"
-fi
+((sanitize)) && sanitizer_passes
 
 if ((bench)) && [[ -x "$bench_bin" ]]; then
   step "benchmarks/prefill (KEEP vs HF transformers)"
