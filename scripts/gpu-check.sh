@@ -114,6 +114,7 @@ gpu_tests=(test_kernels test_attention test_attention_decode test_logits test_ge
 step "configure (whole repository, KEEP_CUDA=ON)"
 whole=0
 bundled=0
+unpacked=0
 if cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DKEEP_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES=90a -DKEEP_BENCHMARKS=ON >"$build.configure.log" 2>&1; then
   whole=1
@@ -125,7 +126,7 @@ else
   grep -m3 -E 'Could not|not found|Error' "$build.configure.log" || tail -3 "$build.configure.log"
   # The kernels' GPU tests prebuilt in .gpu-bundle when it carries them all: no build here, which
   # leaves the call's ten minutes to the tests and the sanitizer passes.
-  [[ -d "$root/.gpu-bundle/bin" ]] && "$root/scripts/gpu-bundle.sh" --unpack
+  [[ -d "$root/.gpu-bundle/bin" ]] && "$root/scripts/gpu-bundle.sh" --unpack && unpacked=1
   bundled=1
   for t in "${gpu_tests[@]}"; do [[ -x "$root/.gpu-bundle/bin/$t" ]] || bundled=0; done
   targets=()
@@ -175,7 +176,7 @@ bench_bin=""
 if ((whole)); then
   bench_bin="$build/bin/bench_prefill"
 else
-  "$root/scripts/gpu-bundle.sh" --unpack  # its programs travel gzip-compressed
+  ((unpacked)) || "$root/scripts/gpu-bundle.sh" --unpack  # its programs travel gzip-compressed
   bench_bin="$root/.gpu-bundle/bin/bench_prefill"
   [[ -x "$bench_bin" ]] && echo "engine programs from .gpu-bundle (built by scripts/gpu-bundle.sh)"
 fi
