@@ -18,7 +18,8 @@
 //                        (CudaBackendOptions::prefill_attention, every layer)
 //                        [--loader-bench B[,B...]]  (then the loader alone, below)
 //                        [--pool-columns computed|all]  (keep's pooled columns: the segments
-//                        computed at the layer, or every segment: KvAssembler::set_pool_every_segment)
+//                        computed at the layer, or every segment:
+//                        KvAssembler::set_pool_every_segment)
 //                        [--entries host|tier]  (where requests' entries are read: host: the
 //                        registered buffer over the link; tier: every entry admitted into a
 //                        device KV tier, as a worker's hot entries, read at device speed)
@@ -148,6 +149,28 @@ struct EntryPlanes {
 
 double gbps(double bytes, double ms) { return bytes / (ms * 1e6); }
 
+// A device KV tier that this process owns, `entries` admitted one a slot (slots of the largest);
+// each entry's bytes in the tier's pool (device memory) to `device`, in order.
+Result<std::unique_ptr<engine::DeviceKvTier>> admit_all(
+    const std::string& name, const std::vector<std::span<const std::byte>>& entries,
+    std::vector<std::span<const std::byte>>* device) {
+  engine::DeviceKvTierOptions to;
+  to.name = name + "_" + std::to_string(::getpid());
+  for (const auto& e : entries) to.slot_bytes = std::max<uint64_t>(to.slot_bytes, e.size());
+  to.budget_bytes = to.slot_bytes * entries.size();
+  KEEP_ASSIGN_OR_RETURN(auto tier, engine::DeviceKvTier::create(to));
+  device->clear();
+  for (size_t i = 0; i < entries.size(); ++i) {
+    kv::EntryKey key;
+    key.object_id = i + 1;
+    KEEP_RETURN_IF_ERROR(tier->admit(key, entries[i]));
+    const auto hit = tier->find(key);
+    if (!hit) return Status(Code::kInternal, "bench_keep: an admitted entry not found");
+    device->emplace_back(hit->device, entries[i].size());
+  }
+  return tier;
+}
+
 template <typename F>
 Result<double> time_ms(int reps, int warmup, F&& body) {
   std::vector<double> ms;
@@ -210,28 +233,17 @@ Status bench_loader(engine::Engine& eng, engine::CudaBackend& cuda,
   // The same runs from a device KV tier (the entries admitted into a pool of GPU memory, as a
   // second worker on this GPU would read them through CUDA IPC): in place at device speed.
   {
-    uint64_t largest = 0;
-    for (const auto& e : entries) largest = std::max<uint64_t>(largest, e.entry.size());
-    engine::DeviceKvTierOptions to;
-    to.name = "keep_bench_tier_" + std::to_string(::getpid());
-    to.slot_bytes = largest;
-    to.budget_bytes = largest * entries.size();
-    KEEP_ASSIGN_OR_RETURN(auto tier, engine::DeviceKvTier::create(to));
-    std::vector<const std::byte*> base(entries.size());
-    for (size_t i = 0; i < entries.size(); ++i) {
-      kv::EntryKey key;
-      key.object_id = i + 1;
-      KEEP_RETURN_IF_ERROR(tier->admit(key, entries[i].entry));
-      base[i] = tier->find(key)->device;
-    }
+    std::vector<std::span<const std::byte>> host_entries, base;
+    for (const auto& e : entries) host_entries.push_back(e.entry);
+    KEEP_ASSIGN_OR_RETURN(auto tier, admit_all("keep_bench_tier", host_entries, &base));
     std::vector<engine::Backend::KvRun> from_tier = runs;
     for (size_t r = 0; r < from_tier.size(); ++r) {
       const size_t i = r % entries.size();  // runs go layer by layer over the entries
       const auto* host = reinterpret_cast<const std::byte*>(entries[i].entry.data());
       from_tier[r].k_pre = reinterpret_cast<const uint16_t*>(
-          base[i] + (reinterpret_cast<const std::byte*>(runs[r].k_pre) - host));
+          base[i].data() + (reinterpret_cast<const std::byte*>(runs[r].k_pre) - host));
       from_tier[r].v = reinterpret_cast<const uint16_t*>(
-          base[i] + (reinterpret_cast<const std::byte*>(runs[r].v) - host));
+          base[i].data() + (reinterpret_cast<const std::byte*>(runs[r].v) - host));
     }
     cuda.set_loader_blocks(blocks.front());
     KEEP_ASSIGN_OR_RETURN(double ms, time_ms(reps, warmup, [&] {
@@ -306,7 +318,7 @@ int main(int argc, char** argv) {
   std::string shape, json, methods = "full,prefix,full_reuse,cacheblend,epic,keep";
   std::vector<int32_t> segment_counts = {10, 20, 40, 80};
   std::vector<double> decays = {0.96};
-  bool entries_in_tier = false;  // --entries tier
+  bool entries_in_tier = false;     // --entries tier
   bool pool_every_segment = false;  // --pool-columns all
   std::vector<double> keep_ratios;
   int64_t memory_tokens = 4096;
@@ -482,29 +494,19 @@ int main(int argc, char** argv) {
   }
 
   // --entries tier: every entry admitted into a device KV tier that this process owns; requests
-  // carry the tier's bytes as a worker does for a hit (SegmentKv::device), so loads read GPU memory.
+  // carry the tier's bytes as a worker does for a hit (SegmentKv::device), so loads read GPU
+  // memory.
   std::unique_ptr<engine::DeviceKvTier> tier;
   std::vector<std::span<const std::byte>> in_tier(segments.size());
   if (entries_in_tier) {
-    engine::DeviceKvTierOptions to;
-    to.name = "keep_bench_entries_" + std::to_string(::getpid());
-    for (const auto& g : geometry) to.slot_bytes = std::max<uint64_t>(to.slot_bytes, g.bytes());
-    to.budget_bytes = to.slot_bytes * segments.size();
-    auto created = engine::DeviceKvTier::create(to);
-    if (!created.is_ok()) return fail(created.status());
-    tier = std::move(created).value();
+    std::vector<std::span<const std::byte>> host_entries;
     for (size_t s = 0; s < segments.size(); ++s) {
-      kv::EntryKey key;
-      key.object_id = s + 1;
-      const Status st = tier->admit(
-          key, std::span<const std::byte>(region.data() + offset[s], geometry[s].bytes()));
-      if (!st.is_ok()) return fail(st);
-      const auto hit = tier->find(key);
-      if (!hit) return fail(Status(Code::kInternal, "bench_keep: an admitted entry not found"));
-      in_tier[s] = std::span<const std::byte>(hit->device, geometry[s].bytes());
+      host_entries.emplace_back(region.data() + offset[s], geometry[s].bytes());
     }
-    std::printf("# entries read from a device KV tier (%zu slots of %.1f MiB)\n", segments.size(),
-                static_cast<double>(to.slot_bytes) / (1 << 20));
+    auto admitted = admit_all("keep_bench_entries", host_entries, &in_tier);
+    if (!admitted.is_ok()) return fail(admitted.status());
+    tier = std::move(admitted).value();
+    std::printf("# entries read from a device KV tier (%zu entries)\n", segments.size());
   }
 
   std::vector<Case> cases;
@@ -612,8 +614,8 @@ int main(int argc, char** argv) {
             << ",\"ttft_ms\":" << med << ",\"min_ms\":" << *std::min_element(ms.begin(), ms.end())
             << ",\"max_ms\":" << *std::max_element(ms.begin(), ms.end()) << ",\"reps\":" << reps
             << ",\"recompute_ratio\":" << st.recompute_ratio
-            << ",\"bytes_loaded\":" << st.bytes_loaded
-            << ",\"entries\":\"" << (entries_in_tier ? "tier" : "host") << "\"}\n";
+            << ",\"bytes_loaded\":" << st.bytes_loaded << ",\"entries\":\""
+            << (entries_in_tier ? "tier" : "host") << "\"}\n";
       }
     }
   }
