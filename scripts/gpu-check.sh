@@ -58,7 +58,6 @@ sanitizer_passes() {  # every gpu_tests program under memcheck and racecheck (fi
   # fit a call's ten minutes with the engine tests before them; on an H100 all at once, 9 ended
   # within 197 s (test_attention_decode's racecheck was still running at 220 s).
   step "compute-sanitizer, ${SANITIZER_JOBS:-10} passes at a time"
-  passes=()
   for t in "${gpu_tests[@]}"; do
     bin="$(find_bin "$t")"
     [[ -n "$bin" ]] || continue
