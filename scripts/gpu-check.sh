@@ -6,7 +6,8 @@
 #
 #   scripts/gpu-check.sh [--bench] [--skip-sanitizer] [build-dir]     (default build-dir: build-gpu)
 #
-# Env: TEST_TIMEOUT (seconds a GPU test may run, default 300), BENCH_SHAPES (the benchmark's
+# Env: TEST_TIMEOUT (seconds a GPU test may run, default 300), GPU_CHECK_TIMINGS=1 (the tests'
+# informational timings too: about 3 more minutes), BENCH_SHAPES (the benchmark's
 # model shapes), BENCH_GAP_MS (with --bench: also time isolated requests, that many ms of idle GPU
 # before each prefill), OUT (where results go), PROFILE=1, TRACE=1 (with --bench: each shape's
 # 1024-token isolated prefill traced with CUPTI, benchmarks/prefill/trace.sh, results in
@@ -44,7 +45,9 @@ mark() { fail=1; failed+=("$1"); }
 # hold the rest of the call's ten minutes.
 run_test() {  # NAME BIN
   local t0=$SECONDS
-  (cd "$root" && timeout "${TEST_TIMEOUT:-300}" "$2")
+  # KEEP_GPU_TEST_TIMINGS=0: the tests' informational timings are left out unless
+  # GPU_CHECK_TIMINGS=1 (benchmarks/ hold the performance figures; test_gemm's took 149 s).
+  (cd "$root" && KEEP_GPU_TEST_TIMINGS="${GPU_CHECK_TIMINGS:-0}" timeout "${TEST_TIMEOUT:-300}" "$2")
   local rc=$?
   echo "gpu-check: $1 took $((SECONDS - t0)) s"
   ((rc == 124)) && echo "gpu-check: $1 timed out after ${TEST_TIMEOUT:-300} s"
@@ -71,11 +74,14 @@ sanitizer_passes() {  # every gpu_tests program under memcheck and racecheck (fi
       log="$build/$t.$tool.log"
       rm -f "$log.rc"
       # KEEP_GPU_TEST_QUICK: the tests skip their timing runs and largest cases.
+      # Each pass says when it ends, so that a call cut short still shows which ones finished.
       (cd "$root" && KEEP_GPU_TEST_QUICK=1 KEEP_GPU_TEST_ONLY="$only" \
         timeout "${SANITIZER_TIMEOUT:-360}" \
         compute-sanitizer --tool "$tool" "${extra[@]}" \
         --error-exitcode 3 --print-limit 20 "$bin" >"$log" 2>&1
-      echo $? >"$log.rc") &
+      rc=$?
+      echo "$rc" >"$log.rc"
+      echo "gpu-check: $t under $tool ended at ${SECONDS} s, status $rc") &
       passes+=("$t $tool $only")
       while (($(jobs -rp | wc -l) >= ${SANITIZER_JOBS:-10})); do wait -n; done
     done

@@ -107,6 +107,13 @@ inline double relative_norm(double diff2, double want2) {
 // the tests run the same code paths on fewer and smaller cases, without their timings.
 inline bool quick() { return std::getenv("KEEP_GPU_TEST_QUICK") != nullptr; }
 
+// The informational timings (never a check): off when quick, and when KEEP_GPU_TEST_TIMINGS=0
+// (scripts/gpu-check.sh's default: test_gemm's alone took 149 s of the call's ten minutes).
+inline bool timings() {
+  const char* t = std::getenv("KEEP_GPU_TEST_TIMINGS");
+  return !quick() && !(t != nullptr && std::string(t) == "0");
+}
+
 // Per-launch times in ms, median and minimum over the samples.
 struct LaunchTimes {
   double median_ms = 0.0;

@@ -676,7 +676,7 @@ int main() {
   }
   run_pool(rng);
   test_invalid_arguments();
-  if (!quick()) {  // timings
+  if (keep::gputest::timings()) {
     for (int32_t n : {4096, 32768}) {
       time_decode(1, n, kQwen7);
     }

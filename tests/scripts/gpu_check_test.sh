@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # scripts/gpu-check.sh's own logic without a GPU (its functions sourced, compute-sanitizer and the
-# tests stubbed): run_test marks a failing and a hanging test and says the hang timed out; the
-# sanitizer passes run at most SANITIZER_JOBS at a time, report every pass in order, and mark a
-# pass with errors and one past SANITIZER_TIMEOUT, saying so.
+# tests stubbed): run_test marks a failing and a hanging test, says the hang timed out and leaves
+# the tests' timings out unless asked; the sanitizer passes run at most SANITIZER_JOBS at a time,
+# each says when it ends, every pass is reported in order, and a pass with errors and one past
+# SANITIZER_TIMEOUT are marked, the second saying so.
 set -uo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 tmp="$(mktemp -d)"
@@ -34,6 +35,12 @@ echo "$out"
 expect "run_test marks the failing and the hanging test only" grep -qx "failed: t_bad t_hang" <<<"$out"
 expect "run_test says the hang timed out" grep -qF "gpu-check: t_hang timed out after 1 s" <<<"$out"
 expect "run_test prints each test's seconds" grep -qE "gpu-check: t_ok took [0-9]+ s" <<<"$out"
+printf '#!/bin/sh\necho "timings=$KEEP_GPU_TEST_TIMINGS"\n' >"$tmp/env"
+chmod +x "$tmp/env"
+expect "run_test leaves the tests' timings out by default" \
+  grep -qx "timings=0" <<<"$(run_test t_env "$tmp/env")"
+expect "GPU_CHECK_TIMINGS=1 keeps them" \
+  grep -qx "timings=1" <<<"$(GPU_CHECK_TIMINGS=1 run_test t_env "$tmp/env")"
 
 # --- sanitizer_passes: a stub compute-sanitizer that records how many passes run beside it.
 cat >"$tmp/bin/compute-sanitizer" <<'STUB'
@@ -67,6 +74,11 @@ expect "the slow passes are said to have timed out" \
 expect "every pass reported, in order" \
   diff <(grep -oE "^--- compute-sanitizer --tool [a-z]+ [a-z_]+" <<<"$out") <(for t in "${gpu_tests[@]}"; do
     for tool in memcheck racecheck; do echo "--- compute-sanitizer --tool $tool $t"; done; done)
+expect "each pass says when it ended (8 lines)" \
+  test "$(grep -cE "^gpu-check: [a-z_]+ under (memcheck|racecheck) ended at [0-9]+ s, status [0-9]+$" <<<"$out")" = 8
+expect "a pass's end line comes before the report" \
+  test "$(grep -nF "t_a under memcheck ended" <<<"$out" | cut -d: -f1)" -lt \
+  "$(grep -nF -- "--- compute-sanitizer --tool memcheck t_a" <<<"$out" | cut -d: -f1)"
 expect "test_gemm's racecheck runs gemm_swiglu only" \
   grep -qF "racecheck test_gemm (KEEP_GPU_TEST_ONLY=gemm_swiglu): ========= ERROR SUMMARY: 0 errors (only=gemm_swiglu quick=1)" <<<"$out"
 most="$(sort -n "$tmp/running.counts" | tail -1)"
