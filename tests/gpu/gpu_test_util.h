@@ -1,8 +1,8 @@
 // What the GPU tests of tests/gpu (plain mains, no doctest: they build where only CUDA is
 // installed) share: the CUDA_OK macro, the check counters, a RAII device buffer, random and
 // NaN-filled host vectors, dtype names, the relative-norm formula, the KEEP_GPU_TEST_QUICK switch,
-// the device banner and the launch timer of the informational timings. Header-only; each test keeps
-// its own checks, tolerances and messages.
+// the device banner, the launch timer of the informational timings and parallel_rows for the CPU
+// references. Header-only; each test keeps its own checks, tolerances and messages.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -16,6 +16,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -106,6 +107,22 @@ inline double relative_norm(double diff2, double want2) {
 // KEEP_GPU_TEST_QUICK (set by scripts/gpu-check.sh under compute-sanitizer, which is 100x slower):
 // the tests run the same code paths on fewer and smaller cases, without their timings.
 inline bool quick() { return std::getenv("KEEP_GPU_TEST_QUICK") != nullptr; }
+
+// Runs f(r0, r1) over slices of [0, rows) on the host's threads: the CPU references of the large
+// cases (test_gemm's on one thread took over two of gpu-check.sh's ten minutes). Rows are
+// independent in every reference the tests split this way, so the result is the same.
+template <typename F>
+void parallel_rows(int64_t rows, F f) {
+  const int64_t threads = std::clamp<int64_t>(std::thread::hardware_concurrency(), 1, 32);
+  const int64_t n = std::min(rows, threads);
+  if (n <= 1) {
+    if (rows > 0) f(int64_t{0}, rows);
+    return;
+  }
+  std::vector<std::thread> pool;
+  for (int64_t i = 0; i < n; ++i) pool.emplace_back(f, rows * i / n, rows * (i + 1) / n);
+  for (auto& t : pool) t.join();
+}
 
 // The informational timings (never a check): off when quick, and when KEEP_GPU_TEST_TIMINGS=0
 // (scripts/gpu-check.sh's default: test_gemm's alone took 149 s of the call's ten minutes).

@@ -16,7 +16,6 @@
 #include <limits>
 #include <random>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "services/worker/kernels/attention_schedule.h"
@@ -99,22 +98,13 @@ void reference_parallel(std::vector<Bf16>& out, int64_t out_stride, std::vector<
                         const std::vector<Bf16>& q, int64_t q_stride, const std::vector<Bf16>& k,
                         const std::vector<Bf16>& v, const Layout& lay, const Shape& sh,
                         float scale) {
-  const int32_t rows = lay.rows();
-  const int threads =
-      static_cast<int>(std::clamp<unsigned>(std::thread::hardware_concurrency(), 1, 32));
-  const int32_t per = (rows + threads - 1) / threads;
-  std::vector<std::thread> pool;
-  for (int32_t r0 = 0; r0 < rows; r0 += per) {
-    const int32_t n = std::min(per, rows - r0);
-    pool.emplace_back([&, r0, n] {
-      const AttentionRows sub{lay.offsets.data() + r0, lay.spans.data(), n, lay.num_keys};
-      ref::attention(out.data() + r0 * out_stride, out_stride,
-                     lse.empty() ? nullptr : lse.data() + static_cast<int64_t>(r0) * sh.heads,
-                     q.data() + r0 * q_stride, q_stride, k.data(), v.data(), sub, sh.heads,
-                     sh.kv_heads, sh.head_dim, scale);
-    });
-  }
-  for (auto& t : pool) t.join();
+  keep::gputest::parallel_rows(lay.rows(), [&](int64_t r0, int64_t r1) {
+    const AttentionRows sub{lay.offsets.data() + r0, lay.spans.data(),
+                            static_cast<int32_t>(r1 - r0), lay.num_keys};
+    ref::attention(out.data() + r0 * out_stride, out_stride,
+                   lse.empty() ? nullptr : lse.data() + r0 * sh.heads, q.data() + r0 * q_stride,
+                   q_stride, k.data(), v.data(), sub, sh.heads, sh.kv_heads, sh.head_dim, scale);
+  });
 }
 
 struct Compare {

@@ -20,7 +20,6 @@
 #include <limits>
 #include <random>
 #include <string>
-#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -44,6 +43,7 @@ using keep::gputest::Buf;
 using keep::gputest::fail;
 using keep::gputest::g_checks;
 using keep::gputest::g_failures;
+using keep::gputest::parallel_rows;
 using keep::gputest::quick;
 using keep::gputest::random_vec;
 using keep::kernels::testing::Layout;
@@ -117,20 +117,6 @@ void poison_unseen(const Layout& l, int kv_heads, int head_dim, std::vector<Bf16
       if (v != nullptr) (*v)[t * per_key + i] = kk::float_to_bf16(kNaN);
     }
   }
-}
-
-// Runs f(r0, r1) over slices of [0, rows) on several threads.
-template <typename F>
-void parallel_rows(int rows, F f) {
-  const int threads =
-      std::max(1, std::min<int>(rows, static_cast<int>(std::thread::hardware_concurrency())));
-  std::vector<std::thread> pool;
-  for (int i = 0; i < threads; ++i) {
-    const int r0 = static_cast<int>(static_cast<int64_t>(rows) * i / threads);
-    const int r1 = static_cast<int>(static_cast<int64_t>(rows) * (i + 1) / threads);
-    if (r0 < r1) pool.emplace_back(f, r0, r1);
-  }
-  for (auto& t : pool) t.join();
 }
 
 AttentionRows slice(const AttentionRows& a, int r0, int r1) {

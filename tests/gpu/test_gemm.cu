@@ -156,15 +156,26 @@ void check_one(keep::kernels::BlasHandle& blas, std::mt19937& rng, int64_t rows,
   }
   std::vector<Y> y(y0.size());
   CUDA_OK(cudaMemcpy(y.data(), dy, y.size() * sizeof(Y), cudaMemcpyDeviceToHost));
+  // The reference in double, its rows on the host's threads.
+  std::vector<float> xf(x.size()), wf(w.size());
+  std::transform(x.begin(), x.end(), xf.begin(), [](Bf16 v) { return bf16_to_float(v); });
+  std::transform(w.begin(), w.end(), wf.begin(), [](Bf16 v) { return bf16_to_float(v); });
+  std::vector<double> wants(static_cast<size_t>(rows * out));
+  keep::gputest::parallel_rows(rows, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t o = 0; o < out; ++o) {
+        double acc = 0.0;
+        if constexpr (kAcc) acc = y0[r * ys + o];
+        for (int64_t i = 0; i < in; ++i) acc += double(xf[r * xs + i]) * double(wf[o * in + i]);
+        wants[r * out + o] = acc;
+      }
+    }
+  });
   double num = 0.0, den = 0.0;
   int bad = 0;
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t o = 0; o < out; ++o) {
-      double want = 0.0;
-      if constexpr (kAcc) want = y0[r * ys + o];
-      for (int64_t i = 0; i < in; ++i) {
-        want += double(bf16_to_float(x[r * xs + i])) * double(bf16_to_float(w[o * in + i]));
-      }
+      const double want = wants[r * out + o];
       float got;
       if constexpr (kF32Out) {
         got = y[r * ys + o];
@@ -442,7 +453,10 @@ void check_gemm_swiglu(std::mt19937& rng, int64_t rows, int64_t inter, int64_t i
   const auto w = random_bf16(rng, static_cast<size_t>(2 * inter * in), 2.0f / std::sqrt(float(in)));
   std::vector<Bf16> a0(static_cast<size_t>(rows * as), float_to_bf16(NAN));
   std::vector<Bf16> want = a0;
-  keep::kernels::ref::gemm_swiglu(want.data(), as, x.data(), xs, w.data(), rows, inter, in);
+  keep::gputest::parallel_rows(rows, [&](int64_t r0, int64_t r1) {
+    keep::kernels::ref::gemm_swiglu(want.data() + r0 * as, as, x.data() + r0 * xs, xs, w.data(),
+                                    r1 - r0, inter, in);
+  });
   auto* dx = upload(x);
   auto* dw = upload(w);
   auto* da = upload(a0);
