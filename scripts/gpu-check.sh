@@ -47,7 +47,10 @@ run_test() {  # NAME BIN
   local t0=$SECONDS
   # KEEP_GPU_TEST_TIMINGS=0: the tests' informational timings are left out unless
   # GPU_CHECK_TIMINGS=1 (benchmarks/ hold the performance figures; test_gemm's took 149 s).
-  (cd "$root" && KEEP_GPU_TEST_TIMINGS="${GPU_CHECK_TIMINGS:-0}" timeout "${TEST_TIMEOUT:-300}" "$2")
+  # stdbuf -oL: a test killed at the limit still shows how far it got (a pipe's stdout is
+  # otherwise block-buffered and lost with the process).
+  (cd "$root" && KEEP_GPU_TEST_TIMINGS="${GPU_CHECK_TIMINGS:-0}" timeout "${TEST_TIMEOUT:-300}" \
+    stdbuf -oL "$2")
   local rc=$?
   echo "gpu-check: $1 took $((SECONDS - t0)) s"
   ((rc == 124)) && echo "gpu-check: $1 timed out after ${TEST_TIMEOUT:-300} s"

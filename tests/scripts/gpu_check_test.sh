@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # scripts/gpu-check.sh's own logic without a GPU (its functions sourced, compute-sanitizer and the
-# tests stubbed): run_test marks a failing and a hanging test, says the hang timed out and leaves
-# the tests' timings out unless asked; the sanitizer passes run at most SANITIZER_JOBS at a time,
-# each says when it ends, every pass is reported in order, and a pass with errors and one past
-# SANITIZER_TIMEOUT are marked, the second saying so.
+# tests stubbed): run_test marks a failing and a hanging test, says the hang timed out, keeps what
+# a killed test printed and leaves the tests' timings out unless asked; the sanitizer passes run at
+# most SANITIZER_JOBS at a time, each says when it ends, every pass is reported in order, and a
+# pass with errors and one past SANITIZER_TIMEOUT are marked, the second saying so.
 set -uo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 tmp="$(mktemp -d)"
@@ -26,7 +26,8 @@ expect() {  # WHAT, then a command that must succeed
 # --- run_test
 printf '#!/bin/sh\nexit 0\n' >"$tmp/ok"
 printf '#!/bin/sh\nexit 2\n' >"$tmp/bad"
-printf '#!/bin/sh\nsleep 5\n' >"$tmp/hang"
+# awk's print goes through C stdio, block-buffered into a pipe as a test's printf is.
+printf '#!/bin/sh\nexec awk '"'"'BEGIN { print "got this far"; while (1) {} }'"'"'\n' >"$tmp/hang"
 chmod +x "$tmp/ok" "$tmp/bad" "$tmp/hang"
 fail=0 failed=()
 out="$(TEST_TIMEOUT=1 run_test t_ok "$tmp/ok"; TEST_TIMEOUT=1 run_test t_bad "$tmp/bad"
@@ -34,6 +35,7 @@ out="$(TEST_TIMEOUT=1 run_test t_ok "$tmp/ok"; TEST_TIMEOUT=1 run_test t_bad "$t
 echo "$out"
 expect "run_test marks the failing and the hanging test only" grep -qx "failed: t_bad t_hang" <<<"$out"
 expect "run_test says the hang timed out" grep -qF "gpu-check: t_hang timed out after 1 s" <<<"$out"
+expect "a test killed at the limit still shows its output" grep -qx "got this far" <<<"$out"
 expect "run_test prints each test's seconds" grep -qE "gpu-check: t_ok took [0-9]+ s" <<<"$out"
 printf '#!/bin/sh\necho "timings=$KEEP_GPU_TEST_TIMINGS"\n' >"$tmp/env"
 chmod +x "$tmp/env"
