@@ -57,6 +57,11 @@ run_test() {  # NAME BIN
   ((rc == 0)) || mark "$1"
 }
 
+stamp() {  # each line of stdin with the seconds since the first: "[  12 s] line"
+  local t0=$SECONDS line
+  while IFS= read -r line; do printf '[%4d s] %s\n' $((SECONDS - t0)) "$line"; done
+}
+
 sanitizer_passes() {  # every gpu_tests program under memcheck and racecheck (find_bin)
   local t tool only log rc pass bin
   local -a extra passes
@@ -77,12 +82,14 @@ sanitizer_passes() {  # every gpu_tests program under memcheck and racecheck (fi
       log="$build/$t.$tool.log"
       rm -f "$log.rc"
       # KEEP_GPU_TEST_QUICK: the tests skip their timing runs and largest cases.
-      # Each pass says when it ends, so that a call cut short still shows which ones finished.
+      # Each pass says when it ends, so that a call cut short still shows which ones finished;
+      # its log's lines carry the seconds into the pass (the test's output line-buffered), so
+      # that a slow pass shows which of its cases take the time.
       (cd "$root" && KEEP_GPU_TEST_QUICK=1 KEEP_GPU_TEST_ONLY="$only" \
-        timeout "${SANITIZER_TIMEOUT:-360}" \
+        timeout "${SANITIZER_TIMEOUT:-360}" stdbuf -oL \
         compute-sanitizer --tool "$tool" "${extra[@]}" \
-        --error-exitcode 3 --print-limit 20 "$bin" >"$log" 2>&1
-      rc=$?
+        --error-exitcode 3 --print-limit 20 "$bin" 2>&1 | stamp >"$log"
+      rc=${PIPESTATUS[0]}
       echo "$rc" >"$log.rc"
       echo "gpu-check: $t under $tool ended at ${SECONDS} s, status $rc") &
       passes+=("$t $tool $only")
@@ -94,7 +101,8 @@ sanitizer_passes() {  # every gpu_tests program under memcheck and racecheck (fi
     read -r t tool only <<<"$pass"
     log="$build/$t.$tool.log"
     echo "--- compute-sanitizer --tool $tool $t${only:+ (KEEP_GPU_TEST_ONLY=$only)}:" \
-      "$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|LEAK SUMMARY" "$log" | tail -2 | tr '\n' ' ')"
+      "$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|LEAK SUMMARY" "$log" | tail -2 |
+        sed -E 's/^\[ *[0-9]+ s\] //' | tr '\n' ' ')"
     rc="$(cat "$log.rc" 2>/dev/null)"
     [[ $rc == 124 ]] && echo "gpu-check: $t under $tool timed out after ${SANITIZER_TIMEOUT:-360} s"
     if [[ $rc != 0 ]]; then

@@ -2,8 +2,9 @@
 # scripts/gpu-check.sh's own logic without a GPU (its functions sourced, compute-sanitizer and the
 # tests stubbed): run_test marks a failing and a hanging test, says the hang timed out, keeps what
 # a killed test printed and leaves the tests' timings out unless asked; the sanitizer passes run at
-# most SANITIZER_JOBS at a time, each says when it ends, every pass is reported in order, and a
-# pass with errors and one past SANITIZER_TIMEOUT are marked, the second saying so.
+# most SANITIZER_JOBS at a time, each says when it ends, every pass is reported in order, a pass
+# with errors and one past SANITIZER_TIMEOUT are marked, the second saying so, and the logs' lines
+# carry the seconds into the pass.
 set -uo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 tmp="$(mktemp -d)"
@@ -81,6 +82,8 @@ expect "each pass says when it ended (8 lines)" \
 expect "a pass's end line comes before the report" \
   test "$(grep -nF "t_a under memcheck ended" <<<"$out" | cut -d: -f1)" -lt \
   "$(grep -nF -- "--- compute-sanitizer --tool memcheck t_a" <<<"$out" | cut -d: -f1)"
+expect "a failed pass's log lines carry the seconds into the pass" \
+  grep -qE '^\[ *[0-9]+ s\] ========= RACECHECK SUMMARY: 2 hazards' <<<"$out"
 expect "test_gemm's racecheck runs gemm_swiglu only" \
   grep -qF "racecheck test_gemm (KEEP_GPU_TEST_ONLY=gemm_swiglu): ========= ERROR SUMMARY: 0 errors (only=gemm_swiglu quick=1)" <<<"$out"
 most="$(sort -n "$tmp/running.counts" | tail -1)"
