@@ -6,9 +6,9 @@ busy time (the layers' and the loader's), and the kernels and copies by total ti
 
   CUDA_INJECTION64_PATH=libkernel_trace.so KEEP_TRACE_OUT=t.csv \\
       bench_keep --shape qwen2.5-14b --segments 40 --reps 1 --warmup 1 --methods keep > b.log
-  benchmarks/keep/kernel_time.py t.csv b.log [--layers LO-HI]
+  benchmarks/keep/kernel_time.py t.csv b.log [--layers LO-HI|LO-end]
 (one --segments value and one method per run: the window is the last request's; --layers narrows
-it to those layers' windows, as summary.py's timeline bounds them).
+it to those layers' windows, as summary.py's timeline bounds them; HI "end": the last layer).
   benchmarks/keep/kernel_time.py --self-test     (its arithmetic on a synthetic trace)"""
 import collections
 import re
@@ -39,6 +39,8 @@ def summarize(csv_path, log_path, top=25, layers=None):
         import summary  # the timeline's layer bounds (same directory)
         tl = summary.timeline(summary.read_trace(csv_path), ttft)
         lo, hi = layers
+        if hi is None:  # "LO-end": to the request's last layer
+            hi = len(tl) - 1
         if not 0 <= lo <= hi < len(tl):
             raise ValueError(f"layers {lo}-{hi} outside the request's {len(tl)}")
         start, end = (start + int(tl[lo]["start_ms"] * 1e6),
@@ -120,6 +122,9 @@ def self_test():
         assert {name for name, _, _ in ranked} == {"kernel:norm", "kernel:gemm",
                                                     "kernel:qkv_finish", "kernel:mlp0"}
         assert abs(busy - 7.0) < 1e-9 and abs(idle - 2.0) < 1e-9, (busy, idle)
+        # "1-end": the last layer is 1.
+        assert summarize(csv, log, layers=(1, None))[1:4] == summarize(csv, log, layers=(1, 1))[1:4]
+        assert parse_layers("25-end") == (25, None) and parse_layers("3-7") == (3, 7)
         try:
             summarize(csv, log, layers=(1, 2))
             raise AssertionError("layers past the request's accepted")
@@ -128,12 +133,19 @@ def self_test():
     print("kernel_time.py: self-test passed")
 
 
+def parse_layers(text):
+    """"LO-HI" or "LO-end" -> (LO, HI), HI None for the last layer."""
+    lo, hi = text.split("-", 1)
+    return int(lo), None if hi == "end" else int(hi)
+
+
 def main(csv_path, log_path, layers=None):
     try:
         ttft, busy, idle, ranked, per_stream = summarize(csv_path, log_path, layers=layers)
     except ValueError as e:
         sys.exit("kernel_time: " + str(e))
-    where = f", layers {layers[0]}-{layers[1]}" if layers else ""
+    where = (f", layers {layers[0]}-{'end' if layers[1] is None else layers[1]}"
+             if layers else "")
     print(f"request {ttft:.1f} ms{where}: GPU busy {busy:.1f} ms, idle {idle:.1f} ms")
     for sid, ms in per_stream:
         print(f"  stream {sid}: busy {ms:.1f} ms")
@@ -147,6 +159,10 @@ if __name__ == "__main__":
     elif len(sys.argv) == 3:
         main(sys.argv[1], sys.argv[2])
     elif len(sys.argv) == 5 and sys.argv[3] == "--layers" and "-" in sys.argv[4]:
-        main(sys.argv[1], sys.argv[2], tuple(int(x) for x in sys.argv[4].split("-", 1)))
+        try:
+            layers = parse_layers(sys.argv[4])
+        except ValueError:
+            sys.exit("kernel_time: --layers LO-HI or LO-end, not " + sys.argv[4])
+        main(sys.argv[1], sys.argv[2], layers)
     else:
         sys.exit(__doc__)

@@ -7,7 +7,9 @@
 # Env: SEGMENTS (10,20,40,80), REPS (7), WARMUP (2), DECAYS (0.96: the paper's), RATIOS (0.15:
 #      keep at the d whose requests reach that recompute ratio, per shape and segment count),
 #      OUT (/tmp/keep-bench), TRACE_SHAPE (qwen2.5-14b; empty: no trace), TRACE_ARGS (--segments 40
-#      --methods keep --keep-ratios 0.15: the last request is traced), HF (1; 0 skips HF).
+#      --methods keep --keep-ratios 0.15: the last request is traced), HF (1; 0 skips HF),
+#      LAYER_RANGES (the trace's kernels by layer range, trace/kernel_time_layers.txt; default
+#      "0-0 1-10 11-24 25-end").
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 bin="$1"
@@ -47,6 +49,12 @@ if [[ -n "$trace_shape" ]]; then
     trace=(--trace "$out/trace/trace.csv" --trace-log "$out/trace/trace-bench.log")
     python3 "$here/kernel_time.py" "$out/trace/trace.csv" "$out/trace/trace-bench.log" \
       >"$out/trace/kernel_time.txt" && head -n 14 "$out/trace/kernel_time.txt"
+    # By layer range (LAYER_RANGES; the default is 14B's at ~15 %: layer 0 recomputes every
+    # segment, 1-10 most of the recompute, 11-24 its tail, 25-end the query's rows alone).
+    for range in ${LAYER_RANGES:-0-0 1-10 11-24 25-end}; do
+      python3 "$here/kernel_time.py" "$out/trace/trace.csv" "$out/trace/trace-bench.log" \
+        --layers "$range" | head -n 10
+    done >"$out/trace/kernel_time_layers.txt" && cat "$out/trace/kernel_time_layers.txt"
   else
     echo "run.sh: the trace failed (no CUPTI?)"
   fi
