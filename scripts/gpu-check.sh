@@ -83,10 +83,10 @@ sanitizer_passes() {  # every gpu_tests program under memcheck and racecheck (fi
       rm -f "$log.rc"
       # KEEP_GPU_TEST_QUICK: the tests skip their timing runs and largest cases.
       # Each pass says when it ends, so that a call cut short still shows which ones finished;
-      # its log's lines carry the seconds into the pass (the test's output line-buffered), so
-      # that a slow pass shows which of its cases take the time.
+      # its log's lines carry the seconds into the pass (the kernel tests line-buffer their
+      # stdout: print_device), so that a slow pass shows which of its cases take the time.
       (cd "$root" && KEEP_GPU_TEST_QUICK=1 KEEP_GPU_TEST_ONLY="$only" \
-        timeout "${SANITIZER_TIMEOUT:-360}" stdbuf -oL \
+        timeout "${SANITIZER_TIMEOUT:-360}" \
         compute-sanitizer --tool "$tool" "${extra[@]}" \
         --error-exitcode 3 --print-limit 20 "$bin" 2>&1 | stamp >"$log"
       rc=${PIPESTATUS[0]}

@@ -180,7 +180,10 @@ inline void fail(const std::string& what, const std::string& detail) {
 
 // Prints `device: <name> (sm_XY)` for device 0; false (after `no CUDA device` on stderr) when
 // there is none (main then returns 2).
+// Also makes stdout line-buffered: a test killed at its time limit (gpu-check.sh, compute-sanitizer
+// passes writing to a log) then still shows which case it was in.
 inline bool print_device() {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
     std::fprintf(stderr, "no CUDA device\n");

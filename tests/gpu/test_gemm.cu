@@ -850,6 +850,7 @@ void time_products(keep::kernels::BlasHandle& blas, const keep::kernels::GemmScr
 }  // namespace
 
 int main() {
+  if (!keep::gputest::print_device()) return 2;
   void* ws = nullptr;
   const size_t ws_bytes = size_t{32} << 20;
   CUDA_OK(cudaMalloc(&ws, ws_bytes));
