@@ -488,15 +488,20 @@ constexpr double kKeepAny = -1e9;
 // ours: the tuner times only our product (use_own_products(scratch, only)), which it must keep and
 // run, with its persistent grid capped at max_ctas where that is not 0.
 // sm_target: cuBLASLt's candidates picked and sized for that many SMs (set_sm_count_target).
+// split_k: the tuner times only the split-k forms of cuBLASLt's candidates, and must keep one
+// (its reduction of fp32 partials, with beta 1 when accumulating, checked through run()).
 void check_tuner(keep::kernels::BlasHandle& blas, void* ws, size_t ws_bytes, std::mt19937& rng,
                  const keep::kernels::GemmScratch* ours = nullptr, int max_ctas = 0,
-                 int sm_target = 0) {
+                 int sm_target = 0, bool split_k = false) {
   namespace kk = keep::kernels;
   kk::GemmTuner tuner;
   BLAS_OK(tuner.init(nullptr, ws, ws_bytes));
   if (sm_target > 0) BLAS_OK(tuner.set_sm_count_target(sm_target));
+  tuner.only_split_k(split_k);
   if (ours != nullptr) tuner.use_own_products(*ours, true, max_ctas);
-  const int64_t rows = 64, out = ours != nullptr ? 512 : 384, in = 320, xs = in + 16, ys = out + 24;
+  // split_k: a deeper k (1024), which 2 or 4 ways still cut into whole k tiles.
+  const int64_t rows = 64, out = ours != nullptr ? 512 : 384, in = split_k ? 1024 : 320,
+                xs = in + 16, ys = out + 24;
   const auto x = random_bf16(rng, static_cast<size_t>(rows * xs), 1.0f);
   const auto w = random_bf16(rng, static_cast<size_t>(out * in), 0.05f);
   auto* dx = reinterpret_cast<const __nv_bfloat16*>(upload(x));
@@ -520,9 +525,12 @@ void check_tuner(keep::kernels::BlasHandle& blas, void* ws, size_t ws_bytes, std
     // were not tuned.
     const std::string d = tuner.describe({out, in, xs, ys, acc}, rows);
     ++g_checks;
-    const bool named = ours != nullptr ? d == "ours"
-                                       : d.rfind("algo ", 0) == 0 && d.find(" tile ") != d.npos &&
-                                             d.find(" cluster ") != d.npos;
+    const size_t at = d.find(" split-k ");
+    const int splits = at == d.npos ? -1 : std::atoi(d.c_str() + at + 9);
+    const bool named = ours != nullptr
+                           ? d == "ours"
+                           : d.rfind("algo ", 0) == 0 && d.find(" tile ") != d.npos &&
+                                 d.find(" cluster ") != d.npos && (!split_k || splits >= 2);
     if (!named || !tuner.describe({out, in, xs, ys, acc}, rows + 1).empty()) {
       ++g_failures;
       std::fprintf(stderr, "FAIL GemmTuner::describe (acc %d): \"%s\"\n", acc, d.c_str());
@@ -565,7 +573,7 @@ void check_tuner(keep::kernels::BlasHandle& blas, void* ws, size_t ws_bytes, std
   CUDA_OK(cudaFree(const_cast<__nv_bfloat16*>(dx)));
   CUDA_OK(cudaFree(const_cast<__nv_bfloat16*>(dw)));
   std::printf("GemmTuner%s: %d shapes tuned at %lld rows (forced), checked at 64 and 33 rows%s\n",
-              ours != nullptr ? " (ours)" : "", kept, (long long)rows,
+              ours != nullptr ? " (ours)" : (split_k ? " (split-k)" : ""), kept, (long long)rows,
               max_ctas > 0    ? (", grid capped at " + std::to_string(max_ctas)).c_str()
               : sm_target > 0 ? (", for " + std::to_string(sm_target) + " SMs").c_str()
                               : "");
@@ -908,6 +916,7 @@ int main() {
     const keep::kernels::GemmScratch scratch = zeroed_scratch();
     check_tuner(blas, ws, ws_bytes, rng);
     check_tuner(blas, ws, ws_bytes, rng, nullptr, 0, 7);
+    check_tuner(blas, ws, ws_bytes, rng, nullptr, 0, 0, true);
     if (scratch.ptr != nullptr) {
       check_tuner(blas, ws, ws_bytes, rng, &scratch);
       check_tuner(blas, ws, ws_bytes, rng, &scratch, 1);
@@ -936,6 +945,7 @@ int main() {
   if (all) {
     check_tuner(blas, ws, ws_bytes, rng);
     check_tuner(blas, ws, ws_bytes, rng, nullptr, 0, 7);  // sized for 7 SMs (blas_leave_loader)
+    check_tuner(blas, ws, ws_bytes, rng, nullptr, 0, 0, true);  // a split-k form kept
   }
   for (int64_t rows = 1; all && rows <= keep::kernels::kGemvMaxRows; ++rows) {
     for (auto [out, in] :

@@ -164,6 +164,7 @@ GemmTuner& GemmTuner::operator=(GemmTuner&& o) noexcept {
     n_entries_ = o.n_entries_;
     scratch_ = o.scratch_;
     only_ours_ = o.only_ours_;
+    only_split_k_ = o.only_split_k_;
     max_ctas_ = o.max_ctas_;
     o.lt_ = nullptr;
     o.op_ = nullptr;
@@ -214,14 +215,39 @@ cublasStatus_t GemmTuner::tune(cublasHandle_t blas, const GemmShape& shape, int6
   if (s != CUBLAS_STATUS_SUCCESS) return s;
   s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                            &workspace_bytes_, sizeof(workspace_bytes_));
-  cublasLtMatmulHeuristicResult_t cand[kMaxCandidates];
+  cublasLtMatmulHeuristicResult_t heur[kHeuristicCandidates];
   int found = 0;
   if (s == CUBLAS_STATUS_SUCCESS) {
-    s = cublasLtMatmulAlgoGetHeuristic(lt_, op_, l.a, l.b, l.c, l.c, pref, kMaxCandidates, cand,
-                                       &found);
+    s = cublasLtMatmulAlgoGetHeuristic(lt_, op_, l.a, l.b, l.c, l.c, pref, kHeuristicCandidates,
+                                       heur, &found);
   }
   cublasLtMatmulPreferenceDestroy(pref);
   if (s != CUBLAS_STATUS_SUCCESS) return s;
+  cublasLtMatmulAlgo_t cand[kMaxCandidates];
+  int n_cand = 0;
+  for (int i = 0; i < found; ++i) {
+    if (heur[i].state == CUBLAS_STATUS_SUCCESS) cand[n_cand++] = heur[i].algo;
+  }
+  // Split-k forms (partial sums reduced in fp32 in the workspace), where cuBLASLt accepts the
+  // configuration for this shape within the workspace.
+  const int n_heur = n_cand;
+  for (int i = 0; i < n_heur && rows <= kSplitKRows; ++i) {
+    for (const int ways : kSplitKWays) {
+      cublasLtMatmulAlgo_t a = cand[i];
+      const uint32_t splits = static_cast<uint32_t>(ways);
+      const uint32_t scheme = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+      cublasLtMatmulHeuristicResult_t check{};
+      if (cublasLtMatmulAlgoConfigSetAttribute(&a, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits,
+                                               sizeof(splits)) == CUBLAS_STATUS_SUCCESS &&
+          cublasLtMatmulAlgoConfigSetAttribute(&a, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &scheme,
+                                               sizeof(scheme)) == CUBLAS_STATUS_SUCCESS &&
+          cublasLtMatmulAlgoCheck(lt_, op_, l.a, l.b, l.c, l.c, &a, &check) ==
+              CUBLAS_STATUS_SUCCESS &&
+          check.workspaceSize <= workspace_bytes_) {
+        cand[n_cand++] = a;
+      }
+    }
+  }
 
   cudaEvent_t start = nullptr, stop = nullptr;
   if (cudaEventCreate(&start) != cudaSuccess || cudaEventCreate(&stop) != cudaSuccess) {
@@ -238,15 +264,15 @@ cublasStatus_t GemmTuner::tune(cublasHandle_t blas, const GemmShape& shape, int6
   const float alpha = 1.0f, beta = shape.accumulate ? 1.0f : 0.0f;
   float best = -1.0f;
   int best_i = -1;
-  if (scratch_.ptr != nullptr && gemm_wgmma_fits(shape.out, shape.in) && wgmma_available()) {
+  if (scratch_.ptr != nullptr && !only_split_k_ && gemm_wgmma_fits(shape.out, shape.in) &&
+      wgmma_available()) {
     best = time_ms(stream_, start, stop, kReps, kBatch,
                    [&] { return run_ours(shape, rows, y, x, w, max_ctas_); });
     if (best > 0.0f) best_i = kOurs;
   }
-  for (int i = 0; i < found && !only_ours_; ++i) {
-    if (cand[i].state != CUBLAS_STATUS_SUCCESS) continue;
+  for (int i = only_split_k_ ? n_heur : 0; i < n_cand && !only_ours_; ++i) {
     const float t = time_ms(stream_, start, stop, kReps, kBatch, [&] {
-      return cublasLtMatmul(lt_, op_, &alpha, w, l.a, x, l.b, &beta, y, l.c, y, l.c, &cand[i].algo,
+      return cublasLtMatmul(lt_, op_, &alpha, w, l.a, x, l.b, &beta, y, l.c, y, l.c, &cand[i],
                             workspace_, workspace_bytes_, stream_);
     });
     if (t > 0.0f && (best < 0.0f || t < best)) {
@@ -273,8 +299,7 @@ cublasStatus_t GemmTuner::tune(cublasHandle_t blas, const GemmShape& shape, int6
     if (n_entries_ == kMaxEntries) return CUBLAS_STATUS_SUCCESS;  // full: the default stays
     ++n_entries_;
   }
-  entries_[at] =
-      best_i == kOurs ? Entry{shape, rows, {}, true} : Entry{shape, rows, cand[best_i].algo};
+  entries_[at] = best_i == kOurs ? Entry{shape, rows, {}, true} : Entry{shape, rows, cand[best_i]};
   r.chosen = best_i;
   return CUBLAS_STATUS_SUCCESS;
 }

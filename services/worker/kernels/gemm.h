@@ -93,14 +93,22 @@ struct GemmShape {
 // cuBLAS's default pick (cublasGemmEx's heuristic) is not always its fastest algorithm for our
 // shapes (test_gemm's survey finds faster cuBLASLt algorithms at large row counts); nor is cuBLAS
 // always faster than our own product (gemm_wgmma), nor slower. tune() times cuBLASLt's heuristic
-// candidates and, once use_own_products() gave it scratch, gemm_wgmma (where the shape fits)
+// candidates (for few rows also split-k forms of them) and, once use_own_products() gave it
+// scratch, gemm_wgmma (where the shape fits)
 // against gemm_nt's default on real operands and keeps the fastest where it wins by kTuneMargin;
 // run() then uses it for products of about that many rows. Not thread-safe (one per stream, like
 // the backend that owns it). Move-only.
 class GemmTuner {
  public:
-  static constexpr double kTuneMargin = 0.03;  // an algorithm must be 3 % faster to be kept
-  static constexpr int kMaxCandidates = 8;
+  static constexpr double kTuneMargin = 0.03;     // an algorithm must be 3 % faster to be kept
+  static constexpr int kHeuristicCandidates = 8;  // asked of cuBLASLt's heuristic
+  // Up to kSplitKRows rows each heuristic candidate is also timed with its k dimension split
+  // kSplitKWays ways (where cuBLASLt takes it): there the weights' read bounds the product, and
+  // one row tile's columns may not cover the SMs.
+  static constexpr int64_t kSplitKRows = 512;
+  static constexpr int kSplitKWays[] = {2, 4};
+  static constexpr int kMaxCandidates =
+      kHeuristicCandidates * (1 + static_cast<int>(sizeof(kSplitKWays) / sizeof(int)));
 
   GemmTuner() = default;
   ~GemmTuner();
@@ -130,6 +138,9 @@ class GemmTuner {
     only_ours_ = only;
     max_ctas_ = max_ctas;
   }
+  // Tests: tune() times the split-k forms alone (no heuristic pick as given, not ours), so that
+  // run() is checked on one.
+  void only_split_k(bool on) { only_split_k_ = on; }
   // The cuBLASLt candidates picked and sized for `sms` SMs (0: the device's), as
   // BlasHandle::set_sm_count_target. After init(), before tune().
   cublasStatus_t set_sm_count_target(int sms);
@@ -170,6 +181,7 @@ class GemmTuner {
   size_t n_entries_ = 0;
   GemmScratch scratch_;
   bool only_ours_ = false;
+  bool only_split_k_ = false;
   int max_ctas_ = 0;
   // Our product for `shape`, its cudaError_t as run()'s status.
   cublasStatus_t run_ours(const GemmShape& shape, int64_t rows, void* y, const __nv_bfloat16* x,
