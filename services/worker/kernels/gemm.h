@@ -94,10 +94,9 @@ struct GemmShape {
 // shapes (test_gemm's survey finds faster cuBLASLt algorithms at large row counts); nor is cuBLAS
 // always faster than our own product (gemm_wgmma), nor slower. tune() times cuBLASLt's heuristic
 // candidates (for few rows also split-k forms of them) and, once use_own_products() gave it
-// scratch, gemm_wgmma (where the shape fits)
-// against gemm_nt's default on real operands and keeps the fastest where it wins by kTuneMargin;
-// run() then uses it for products of about that many rows. Not thread-safe (one per stream, like
-// the backend that owns it). Move-only.
+// scratch, gemm_wgmma (where the shape fits) against gemm_nt's default on real operands and keeps
+// the fastest where it wins by kTuneMargin; run() then uses it for products of about that many
+// rows. Not thread-safe (one per stream, like the backend that owns it). Move-only.
 class GemmTuner {
  public:
   static constexpr double kTuneMargin = 0.03;     // an algorithm must be 3 % faster to be kept
