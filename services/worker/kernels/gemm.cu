@@ -248,6 +248,7 @@ cublasStatus_t GemmTuner::tune(cublasHandle_t blas, const GemmShape& shape, int6
       }
     }
   }
+  r.split_forms = n_cand - n_heur;
 
   cudaEvent_t start = nullptr, stop = nullptr;
   if (cudaEventCreate(&start) != cudaSuccess || cudaEventCreate(&stop) != cudaSuccess) {

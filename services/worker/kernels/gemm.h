@@ -126,6 +126,7 @@ class GemmTuner {
   struct TuneResult {
     int chosen = -1;  // the cuBLASLt candidate kept, or kOurs
     float default_ms = 0.0f, best_ms = 0.0f;
+    int split_forms = 0;  // split-k forms cuBLASLt accepted for this shape and rows
   };
   static constexpr int kOurs = kMaxCandidates;  // TuneResult::chosen: gemm_wgmma was kept
   // Lets tune() time gemm_wgmma / gemm_wgmma_accumulate as one more candidate, with this stream-K
