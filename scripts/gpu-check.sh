@@ -7,11 +7,10 @@
 #   scripts/gpu-check.sh [--bench] [--skip-sanitizer] [build-dir]     (default build-dir: build-gpu)
 #
 # Env: TEST_TIMEOUT (seconds a GPU test may run, default 300), GPU_CHECK_TIMINGS=1 (the tests'
-# informational timings too: about 3 more minutes), BENCH_SHAPES (the benchmark's
-# model shapes), BENCH_GAP_MS (with --bench: also time isolated requests, that many ms of idle GPU
-# before each prefill), OUT (where results go), PROFILE=1, TRACE=1 (with --bench: each shape's
-# 1024-token isolated prefill traced with CUPTI, benchmarks/prefill/trace.sh, results in
-# $OUT/trace-SHAPE).
+# informational timings too), BENCH_SHAPES (the benchmark's model shapes), BENCH_GAP_MS (with
+# --bench: also time isolated requests, that many ms of idle GPU before each prefill), OUT (where
+# results go), PROFILE=1, TRACE=1 (with --bench: each shape's 1024-token isolated prefill traced
+# with CUPTI, benchmarks/prefill/trace.sh, results in $OUT/trace-SHAPE).
 # SANITIZER_JOBS (compute-sanitizer passes run at a time, 10: all of them), SANITIZER_TIMEOUT
 # (seconds a pass may run, 360: past it the pass fails, and the call's ten minutes still hold).
 #
@@ -46,7 +45,7 @@ mark() { fail=1; failed+=("$1"); }
 run_test() {  # NAME BIN
   local t0=$SECONDS
   # KEEP_GPU_TEST_TIMINGS=0: the tests' informational timings are left out unless
-  # GPU_CHECK_TIMINGS=1 (benchmarks/ hold the performance figures; test_gemm's took 149 s).
+  # GPU_CHECK_TIMINGS=1 (benchmarks/ hold the performance figures).
   # stdbuf -oL: a test killed at the limit still shows how far it got (a pipe's stdout is
   # otherwise block-buffered and lost with the process).
   (cd "$root" && KEEP_GPU_TEST_TIMINGS="${GPU_CHECK_TIMINGS:-0}" timeout "${TEST_TIMEOUT:-300}" \
@@ -175,7 +174,6 @@ find_bin() {
     find "$build" -type f -name "$1" -perm -u+x | head -1
   fi
 }
-
 
 step "kernel tests"
 for t in "${gpu_tests[@]}"; do

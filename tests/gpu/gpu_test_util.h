@@ -109,8 +109,8 @@ inline double relative_norm(double diff2, double want2) {
 inline bool quick() { return std::getenv("KEEP_GPU_TEST_QUICK") != nullptr; }
 
 // Runs f(r0, r1) over slices of [0, rows) on the host's threads: the CPU references of the large
-// cases (test_gemm's on one thread took over two of gpu-check.sh's ten minutes). Rows are
-// independent in every reference the tests split this way, so the result is the same.
+// cases (with test_gemm's on one thread it ran past gpu-check.sh's 120 s limit on an H100). Rows
+// are independent in every reference the tests split this way, so the result is the same.
 template <typename F>
 void parallel_rows(int64_t rows, F f) {
   const int64_t threads = std::clamp<int64_t>(std::thread::hardware_concurrency(), 1, 32);
@@ -125,7 +125,7 @@ void parallel_rows(int64_t rows, F f) {
 }
 
 // The informational timings (never a check): off when quick, and when KEEP_GPU_TEST_TIMINGS=0
-// (scripts/gpu-check.sh's default: test_gemm's alone took 149 s of the call's ten minutes).
+// (scripts/gpu-check.sh's default: benchmarks/ hold the performance figures).
 inline bool timings() {
   const char* t = std::getenv("KEEP_GPU_TEST_TIMINGS");
   return !quick() && !(t != nullptr && std::string(t) == "0");
