@@ -509,6 +509,11 @@ void check_tuner(keep::kernels::BlasHandle& blas, void* ws, size_t ws_bytes, std
   void* dy = nullptr;
   CUDA_OK(cudaMalloc(&dy, static_cast<size_t>(rows * ys) * 4));
   CUDA_OK(cudaMemset(dy, 0, static_cast<size_t>(rows * ys) * 4));
+  const auto free_operands = [&] {
+    CUDA_OK(cudaFree(dy));
+    CUDA_OK(cudaFree(const_cast<__nv_bfloat16*>(dx)));
+    CUDA_OK(cudaFree(const_cast<__nv_bfloat16*>(dw)));
+  };
   int kept = 0;
   for (bool acc : {false, true}) {
     kk::GemmTuner::TuneResult res;
@@ -519,9 +524,7 @@ void check_tuner(keep::kernels::BlasHandle& blas, void* ws, size_t ws_bytes, std
           "GemmTuner (split-k): cuBLASLt takes no split-k form of its candidates for "
           "(%lld x %lld x %lld, acc %d); not checked\n",
           (long long)rows, (long long)out, (long long)in, acc);
-      CUDA_OK(cudaFree(dy));
-      CUDA_OK(cudaFree(const_cast<__nv_bfloat16*>(dx)));
-      CUDA_OK(cudaFree(const_cast<__nv_bfloat16*>(dw)));
+      free_operands();
       return;
     }
     kept += res.chosen >= 0 ? 1 : 0;
@@ -580,9 +583,7 @@ void check_tuner(keep::kernels::BlasHandle& blas, void* ws, size_t ws_bytes, std
     ++g_failures;
     std::fprintf(stderr, "FAIL GemmTuner::run took rows or a shape it was not tuned for\n");
   }
-  CUDA_OK(cudaFree(dy));
-  CUDA_OK(cudaFree(const_cast<__nv_bfloat16*>(dx)));
-  CUDA_OK(cudaFree(const_cast<__nv_bfloat16*>(dw)));
+  free_operands();
   std::printf("GemmTuner%s: %d shapes tuned at %lld rows (forced), checked at 64 and 33 rows%s\n",
               ours != nullptr ? " (ours)" : (split_k ? " (split-k)" : ""), kept, (long long)rows,
               max_ctas > 0    ? (", grid capped at " + std::to_string(max_ctas)).c_str()
