@@ -20,6 +20,9 @@
 //                        [--pool-columns computed|all]  (keep's pooled columns: the segments
 //                        computed at the layer, or every segment:
 //                        KvAssembler::set_pool_every_segment)
+//                        [--choose-early on|off]  (keep's check layers choose the rows that go
+//                        on inside the layer and run the MLP for them only:
+//                        KvAssembler::set_choose_early)
 //                        [--entries host|tier]  (where requests' entries are read: host: the
 //                        registered buffer over the link; tier: every entry admitted into a
 //                        device KV tier, as a worker's hot entries, read at device speed)
@@ -47,6 +50,7 @@
 #include <cstring>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <random>
 #include <span>
 #include <string>
@@ -78,7 +82,8 @@ constexpr const char* kUsage =
     "                  [--loader-blocks B] [--loader-bench B[,B...]] [--autotune-rows N]\n"
     "                  [--prefill-split on|off] [--own-few-rows N]\n"
     "                  [--gemm-leave-loader on|off] [--blas-leave-loader on|off]\n"
-    "                  [--entries host|tier] [--pool-columns computed|all]\n";
+    "                  [--entries host|tier] [--pool-columns computed|all]\n"
+    "                  [--choose-early on|off]\n";
 
 int fail(const Status& st) {
   std::fprintf(stderr, "bench_keep: %s\n", st.to_string().c_str());
@@ -318,8 +323,9 @@ int main(int argc, char** argv) {
   std::string shape, json, methods = "full,prefix,full_reuse,cacheblend,epic,keep";
   std::vector<int32_t> segment_counts = {10, 20, 40, 80};
   std::vector<double> decays = {0.96};
-  bool entries_in_tier = false;     // --entries tier
-  bool pool_every_segment = false;  // --pool-columns all
+  bool entries_in_tier = false;      // --entries tier
+  bool pool_every_segment = false;   // --pool-columns all
+  std::optional<bool> choose_early;  // --choose-early (else the assembler's default)
   std::vector<double> keep_ratios;
   int64_t memory_tokens = 4096;
   int reps = 10, warmup = 3;
@@ -364,6 +370,9 @@ int main(int argc, char** argv) {
     } else if (a == "--pool-columns") {
       if (v != "computed" && v != "all") return refuse("--pool-columns: computed or all");
       pool_every_segment = v == "all";
+    } else if (a == "--choose-early") {
+      if (v != "on" && v != "off") return refuse("--choose-early: on or off");
+      choose_early = v == "on";
     } else if (a == "--entries") {
       if (v != "host" && v != "tier") return refuse("--entries: host or tier");
       entries_in_tier = v == "tier";
@@ -449,6 +458,7 @@ int main(int argc, char** argv) {
   if (!assembler.is_ok()) return fail(assembler.status());
   (*assembler)->set_load_options(loads);
   (*assembler)->set_pool_every_segment(pool_every_segment);
+  if (choose_early) (*assembler)->set_choose_early(*choose_early);
 
   // Every segment's entry, bf16, in one registered buffer (the region's stand-in).
   kv::ModelFingerprint fp;

@@ -192,6 +192,36 @@ TEST_CASE("CUDA: keep with its pooling fused into attention selects as with the 
   CHECK(eng::argmax(logits[1]) == eng::argmax(logits[0]));
 }
 
+// Rows chosen inside the check layer (KvAssembler::set_choose_early): the MLP runs for the rows
+// that go on only, packed into the other hidden buffer by the backend's gather; the same checks,
+// share and logits within kernel rounding (the MLP's products see fewer rows).
+TEST_CASE("CUDA: keep choosing its rows inside the check layer selects as after it") {
+  Fixture f;
+  const Fixture::OwnEntries own = f.own_entries();
+  for (double d : {0.6, 0.8}) {
+    CAPTURE(d);
+    auto r = f.request(Method::kKeep);
+    r.knobs.keep_decay = d;
+    Fixture::use(r, own);
+    AssembleStats st[2];
+    std::vector<float> logits[2];
+    for (int early = 0; early < 2; ++early) {
+      f.assembler->set_choose_early(early == 1);
+      logits[early] = f.prefill(r, &st[early]);
+    }
+    f.assembler->set_choose_early(false);
+    CHECK_FALSE(st[1].check_layers.empty());
+    CHECK(st[1].check_layers == st[0].check_layers);
+    CHECK(st[1].recomputed_per_layer == st[0].recomputed_per_layer);
+    CHECK(st[1].bytes_loaded == st[0].bytes_loaded);
+    CHECK(st[0].mlp_rows_skipped == 0);
+    CHECK(st[1].mlp_rows_skipped > 0);
+    INFO("early vs late rel L2 " << rel_l2(logits[1], logits[0]));
+    CHECK(rel_l2(logits[1], logits[0]) < 1e-2);
+    CHECK(eng::argmax(logits[1]) == eng::argmax(logits[0]));
+  }
+}
+
 // The loader's three ways into the views: pageable entries staged on the compute stream; pinned
 // entries read in place by the loader's kernel beside the layers; the same copied into the slots
 // by the copy engines and rotated there (loader_dma). Every method that loads gives the same

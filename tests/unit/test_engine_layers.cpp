@@ -371,6 +371,96 @@ TEST_CASE("out_rows: the kept rows' output and every row's K/V equal a full laye
   }
 }
 
+TEST_CASE("choose_rows: the chosen rows' output, packed, and every row's K/V equal a full call") {
+  // KEEP's check layers choose the rows that go on inside the layer (LayerExtras::choose_rows):
+  // the MLP runs for them only and their outputs come packed in chosen_hidden.
+  for (const TinyShape& shape : kShapes) {
+    auto e = make_engine(shape, 83);
+    const ModelConfig& c = e->config();
+    const int32_t n = 19;
+    const size_t C = static_cast<size_t>(c.hidden_size);
+    const auto tokens = random_tokens(n, shape.vocab, 5);
+    const AttentionLayout layout = AttentionLayout::causal(n);
+    auto plan = e->plan(layout);
+    REQUIRE(plan.is_ok());
+    // The reference: layer 0 for every row.
+    auto ref_cache = KvCache::create(e->backend(), n);
+    auto ref = e->allocate_hidden(n);
+    REQUIRE(e->embed(*ref, tokens).is_ok());
+    REQUIRE(e->prefill_layer(0, *ref, ref_cache->layer(0), **plan).is_ok());
+    for (const std::vector<int32_t>& want :
+         {std::vector<int32_t>{0, 5, 18}, std::vector<int32_t>{}, iota_positions(0, n)}) {
+      CAPTURE(want.size());
+      auto cache = KvCache::create(e->backend(), n);
+      auto hidden = e->allocate_hidden(n);
+      auto packed = e->allocate_hidden(n);
+      REQUIRE(e->embed(*hidden, tokens).is_ok());
+      int calls = 0;
+      LayerExtras ex;
+      ex.choose_rows = [&]() -> keep::Result<std::vector<int32_t>> {
+        ++calls;
+        return want;
+      };
+      ex.chosen_hidden = &*packed;
+      const keep::Status st = e->prefill_layer(0, *hidden, cache->layer(0), **plan, ex);
+      REQUIRE_MESSAGE(st.is_ok(), st.to_string());
+      CHECK(calls == 1);
+      for (size_t k = 0; k < want.size(); ++k) {
+        CHECK(max_abs_diff(packed->data() + k * C, ref->data() + want[k] * C, C) < kTol);
+      }
+      CHECK(max_abs_diff(cache->layer(0).k_f32(), ref_cache->layer(0).k_f32(),
+                         static_cast<size_t>(n) * c.kv_dim()) < kTol);
+      CHECK(max_abs_diff(cache->layer(0).v_f32(), ref_cache->layer(0).v_f32(),
+                         static_cast<size_t>(n) * c.kv_dim()) < kTol);
+    }
+  }
+}
+
+TEST_CASE("choose_rows: rows out of order or range, its own error, and misuse are refused") {
+  auto e = make_engine(TinyShape{}, 73);
+  const int32_t n = 6;
+  auto plan = e->plan(AttentionLayout::causal(n));
+  REQUIRE(plan.is_ok());
+  auto cache = KvCache::create(e->backend(), n);
+  auto hidden = e->allocate_hidden(n);
+  auto packed = e->allocate_hidden(n);
+  auto small = e->allocate_hidden(2);
+  REQUIRE(e->embed(*hidden, random_tokens(n, 97, 6)).is_ok());
+  auto run = [&](std::vector<int32_t> rows) {
+    LayerExtras ex;
+    ex.choose_rows = [rows]() -> keep::Result<std::vector<int32_t>> { return rows; };
+    ex.chosen_hidden = &*packed;
+    return e->prefill_layer(0, *hidden, cache->layer(0), **plan, ex);
+  };
+  for (const std::vector<int32_t>& bad : {std::vector<int32_t>{2, 1}, std::vector<int32_t>{1, 1},
+                                          std::vector<int32_t>{-1}, std::vector<int32_t>{6}}) {
+    const keep::Status st = run(bad);
+    CHECK(st.code() == Code::kInvalidArgument);
+    CHECK(st.message().find("choose_rows gave row") != std::string::npos);
+  }
+  CHECK(run({0, 5}).is_ok());
+  LayerExtras ex;
+  ex.choose_rows = []() -> keep::Result<std::vector<int32_t>> {
+    return keep::Status(Code::kInternal, "importance failed");
+  };
+  ex.chosen_hidden = &*packed;
+  const keep::Status own = e->prefill_layer(0, *hidden, cache->layer(0), **plan, ex);
+  CHECK(own.code() == Code::kInternal);
+  CHECK(own.message() == "importance failed");
+  ex.chosen_hidden = nullptr;  // nowhere to pack
+  CHECK(e->prefill_layer(0, *hidden, cache->layer(0), **plan, ex).code() == Code::kInvalidArgument);
+  ex.chosen_hidden = &*hidden;  // packed over its own input
+  CHECK(e->prefill_layer(0, *hidden, cache->layer(0), **plan, ex).code() == Code::kInvalidArgument);
+  ex.chosen_hidden = &*small;  // too few rows
+  CHECK(e->prefill_layer(0, *hidden, cache->layer(0), **plan, ex).code() == Code::kInvalidArgument);
+  ex.chosen_hidden = &*packed;
+  ex.out_rows = 1;  // one or the other
+  CHECK(e->prefill_layer(0, *hidden, cache->layer(0), **plan, ex).code() == Code::kInvalidArgument);
+  ex = {};
+  ex.chosen_hidden = &*packed;  // without a chooser
+  CHECK(e->prefill_layer(0, *hidden, cache->layer(0), **plan, ex).code() == Code::kInvalidArgument);
+}
+
 TEST_CASE("bad input is refused with a status, never a crash") {
   auto e = make_engine(TinyShape{}, 71);
   auto hidden = e->allocate_hidden(4);

@@ -9,7 +9,9 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <functional>
 #include <numeric>
+#include <utility>
 
 #include "services/worker/engine/cpu/cpu_backend.h"
 #include "tests/unit/engine_test_model.h"
@@ -133,6 +135,23 @@ AssembleRequest request(const Fixture& f, const Entries* entries, Method m,
   r.query = f.query;
   r.method = m;
   return r;
+}
+
+// Two prefills of r, toggle(true) before the first and toggle(false) before the second (left
+// off): both succeed and make the same checks, hops and recomputed rows.
+std::pair<Prefilled, Prefilled> same_selections(Fixture& f, const AssembleRequest& r,
+                                                const std::function<void(bool)>& toggle) {
+  toggle(true);
+  auto on = f.assembler->prefill(r);
+  toggle(false);
+  auto off = f.assembler->prefill(r);
+  REQUIRE_MESSAGE(on.is_ok(), on.status().to_string());
+  REQUIRE_MESSAGE(off.is_ok(), off.status().to_string());
+  REQUIRE(!on->stats.check_layers.empty());
+  CHECK(on->stats.check_layers == off->stats.check_layers);
+  CHECK(on->stats.hops == off->stats.hops);
+  CHECK(on->stats.recomputed_per_layer == off->stats.recomputed_per_layer);
+  return {std::move(on).value(), std::move(off).value()};
 }
 
 }  // namespace
@@ -337,25 +356,58 @@ TEST_CASE("keep pools a column per segment computed at the layer: the same selec
     CAPTURE(d);
     auto r = request(f, &e, Method::kKeep);
     r.knobs.keep_decay = d;
-    f.assembler->set_pool_every_segment(true);
-    auto wide = f.assembler->prefill(r);
-    f.assembler->set_pool_every_segment(false);
-    auto narrow = f.assembler->prefill(r);
-    REQUIRE_MESSAGE(wide.is_ok(), wide.status().to_string());
-    REQUIRE_MESSAGE(narrow.is_ok(), narrow.status().to_string());
-    REQUIRE(!narrow->stats.check_layers.empty());
-    CHECK(narrow->stats.check_layers == wide->stats.check_layers);
-    CHECK(narrow->stats.hops == wide->stats.hops);
-    CHECK(narrow->stats.recomputed_per_layer == wide->stats.recomputed_per_layer);
-    CHECK(narrow->last_logits == wide->last_logits);
+    const auto [wide, narrow] =
+        same_selections(f, r, [&](bool on) { f.assembler->set_pool_every_segment(on); });
+    CHECK(narrow.last_logits == wide.last_logits);
     // Every segment is a candidate at layer 0; later checks pool fewer columns.
-    REQUIRE(wide->stats.pooled_columns.size() == narrow->stats.pooled_columns.size());
-    for (int32_t c : wide->stats.pooled_columns) CHECK(c == 4);
-    CHECK(narrow->stats.pooled_columns.front() == 4);
-    CHECK(narrow->stats.pooled_columns.back() < 4);
-    for (size_t i = 1; i < narrow->stats.pooled_columns.size(); ++i) {
-      CHECK(narrow->stats.pooled_columns[i] < narrow->stats.pooled_columns[i - 1]);
+    REQUIRE(wide.stats.pooled_columns.size() == narrow.stats.pooled_columns.size());
+    for (int32_t c : wide.stats.pooled_columns) CHECK(c == 4);
+    CHECK(narrow.stats.pooled_columns.front() == 4);
+    CHECK(narrow.stats.pooled_columns.back() < 4);
+    for (size_t i = 1; i < narrow.stats.pooled_columns.size(); ++i) {
+      CHECK(narrow.stats.pooled_columns[i] < narrow.stats.pooled_columns[i - 1]);
     }
+  }
+}
+
+TEST_CASE("keep choosing rows inside the check layer: the same selections, less MLP") {
+  // choose_early runs a check layer's MLP only for the rows that go on; the selections and the
+  // rows that reach the logits are the same, so the logits are too.
+  Fixture f(8);
+  Entries e = dynamic_entries(f, kv::KvDType::kBF16);
+  for (double d : {0.7, 0.85}) {
+    CAPTURE(d);
+    auto r = request(f, &e, Method::kKeep);
+    r.knobs.keep_decay = d;
+    const auto [early, late] =
+        same_selections(f, r, [&](bool on) { f.assembler->set_choose_early(on); });
+    CHECK(early.stats.pooled_columns == late.stats.pooled_columns);
+    CHECK(late.stats.mlp_rows_skipped == 0);
+    // Every memory row computed at a check layer and not at the next one skipped its MLP there.
+    int64_t dropped = 0;
+    const auto& per_layer = early.stats.recomputed_per_layer;
+    for (int32_t l : early.stats.check_layers) {
+      if (l + 1 < static_cast<int32_t>(per_layer.size()))
+        dropped += per_layer[l] - per_layer[l + 1];
+    }
+    CHECK(dropped > 0);
+    CHECK(early.stats.mlp_rows_skipped == dropped);
+    REQUIRE(early.last_logits.size() == late.last_logits.size());
+    float worst = 0.0f;
+    for (size_t i = 0; i < early.last_logits.size(); ++i) {
+      worst = std::max(worst, std::abs(early.last_logits[i] - late.last_logits[i]));
+    }
+    CHECK(worst < 1e-4f);  // fp32, the MLP products over fewer rows
+    // Generation after it reads the same cache.
+    const auto g_late = f.assembler->generate(late, {.max_tokens = 3});
+    f.assembler->set_choose_early(true);
+    auto again = f.assembler->prefill(r);
+    REQUIRE(again.is_ok());
+    const auto g_early = f.assembler->generate(*again, {.max_tokens = 3});
+    f.assembler->set_choose_early(false);
+    REQUIRE(g_late.is_ok());
+    REQUIRE(g_early.is_ok());
+    CHECK(*g_early == *g_late);
   }
 }
 

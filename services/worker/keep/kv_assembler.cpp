@@ -36,6 +36,18 @@ std::vector<LoadRun> load_runs(const std::vector<int32_t>& slots, const PromptSh
   return runs;
 }
 
+// Where each of `now`'s slots is in `rows` (both ascending, now ⊆ rows).
+std::vector<int32_t> positions_in(const std::vector<int32_t>& rows,
+                                  const std::vector<int32_t>& now) {
+  std::vector<int32_t> at(now.size());
+  size_t i = 0;
+  for (size_t k = 0; k < now.size(); ++k) {
+    while (rows[i] != now[k]) ++i;
+    at[k] = static_cast<int32_t>(i);
+  }
+  return at;
+}
+
 }  // namespace
 
 Result<std::unique_ptr<KvAssembler>> KvAssembler::create(engine::Engine& engine,
@@ -179,12 +191,7 @@ Result<Prefilled> KvAssembler::prefill(const AssembleRequest& req) {
     const std::vector<int32_t>& now = plan.rows();
     if (now != rows) {  // a subset: move the surviving rows' hidden states down
       const int next = 1 - cur;
-      std::vector<int32_t> keep_rows(now.size());  // where each surviving row is now
-      size_t i = 0;
-      for (size_t k = 0; k < now.size(); ++k) {
-        while (rows[i] != now[k]) ++i;
-        keep_rows[k] = static_cast<int32_t>(i);
-      }
+      const std::vector<int32_t> keep_rows = positions_in(rows, now);
       be.gather_rows(hidden_[next].data(), hidden_[cur].data(), keep_rows.data(),
                      static_cast<int32_t>(keep_rows.size()), hid);
       cur = next;
@@ -306,16 +313,9 @@ Result<Prefilled> KvAssembler::prefill(const AssembleRequest& req) {
     }
 
     const RecomputePlan::Check check = plan.check();
-    engine::LayerExtras extras;
-    if (check == RecomputePlan::Check::kImportance) {
-      extras.pooled = &pooled_;
-      extras.pooled_to_host = true;  // decided on the host while the layer's MLP runs
-    }
-    if (check == RecomputePlan::Check::kDeviation) extras.k_pre = &k_pre_;
-    if (l + 1 == layers) extras.out_rows = 1;  // only the last token's output is wanted
-    KEEP_RETURN_IF_ERROR(engine_.prefill_layer(l, hidden_[cur], view, *attn, extras));
-
-    if (check == RecomputePlan::Check::kImportance) {
+    // keep's importance: the pooled attention of this layer decides the segments computed at the
+    // next one (RecomputePlan::next).
+    auto decide = [&]() -> Status {
       // Back to one column per segment (0 for those not computed here, which importance skips).
       const size_t ncol = columns.size();
       std::vector<float> compact(rows.size() * ncol);
@@ -341,7 +341,41 @@ Result<Prefilled> KvAssembler::prefill(const AssembleRequest& req) {
                          query_rows};
       st.check_layers.push_back(l);
       st.pooled_columns.push_back(static_cast<int32_t>(ncol));
-      KEEP_RETURN_IF_ERROR(plan.next(&in));
+      return plan.next(&in);
+    };
+    engine::LayerExtras extras;
+    bool chosen = false;
+    // Chosen inside the layer: the MLP runs only for the rows that go on to the next layer.
+    const bool choose =
+        check == RecomputePlan::Check::kImportance && choose_early_ && l + 1 < layers;
+    if (check == RecomputePlan::Check::kImportance) {
+      extras.pooled = &pooled_;
+      // Decided on the host while the GPU runs the layer's o_proj (choose) or its MLP.
+      extras.pooled_to_host = true;
+    }
+    if (choose) {
+      extras.choose_rows = [&]() -> Result<std::vector<int32_t>> {
+        KEEP_RETURN_IF_ERROR(decide());
+        chosen = true;
+        return positions_in(rows, plan.rows());
+      };
+      extras.chosen_hidden = &hidden_[1 - cur];
+    }
+    if (check == RecomputePlan::Check::kDeviation) extras.k_pre = &k_pre_;
+    if (l + 1 == layers) extras.out_rows = 1;  // only the last token's output is wanted
+    KEEP_RETURN_IF_ERROR(engine_.prefill_layer(l, hidden_[cur], view, *attn, extras));
+
+    if (choose) {  // the next layer's rows are packed in the other buffer already
+      if (!chosen) {
+        return Status(Code::kInternal,
+                      "kv assembly: layer " + std::to_string(l) + " ran without choosing its rows");
+      }
+      cur = 1 - cur;
+      st.mlp_rows_skipped += static_cast<int64_t>(rows.size() - plan.rows().size());
+      rows = plan.rows();
+      attn.reset();
+    } else if (check == RecomputePlan::Check::kImportance) {
+      KEEP_RETURN_IF_ERROR(decide());
     } else if (check == RecomputePlan::Check::kDeviation) {
       // Σ (K_new − K_cached)² per loadable memory row, against the entry's K of this layer.
       k_new.resize(rows.size() * kvd);

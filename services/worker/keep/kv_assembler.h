@@ -62,6 +62,8 @@ struct AssembleStats {
   std::vector<int32_t> hops;  // keep: importance hops at each check layer
   // keep: the pooled attention's columns at each check layer (the segments computed there).
   std::vector<int32_t> pooled_columns;
+  // keep with choose_early: rows whose MLP the check layers skipped (their segments deselected).
+  int64_t mlp_rows_skipped = 0;
 };
 
 struct Prefilled {
@@ -115,6 +117,12 @@ class KvAssembler {
   // keep: a pooled column for every segment of the prompt instead of only for those computed at
   // the layer (importance reads no other): the same selections from a wider pooling. For tests.
   void set_pool_every_segment(bool on) { pool_every_segment_ = on; }
+  // keep: at a check layer, decide the next layer's segments inside the layer, after its attention
+  // (LayerExtras::choose_rows), and run the MLP only for the rows that go on -- a deselected
+  // segment's MLP output is never read. Off: the whole layer runs, and the host decides while
+  // its MLP does. The selections, and so the outputs, are the same either way.
+  void set_choose_early(bool on) { choose_early_ = on; }
+  bool choose_early() const { return choose_early_; }
   int32_t capacity() const { return cache_.capacity(); }
   // The working cache: after prefill(), size() = the prompt's tokens; decode steps append.
   engine::KvCache& cache() { return cache_; }
@@ -153,6 +161,7 @@ class KvAssembler {
   LoadOptions load_options_;
   ProduceOptions produce_options_;
   bool pool_every_segment_ = false;
+  bool choose_early_ = false;
   // Tokens whose KV in the cache equals a full prefill's, for `prefix` (vLLM-style) reuse.
   std::vector<int32_t> exact_;
   engine::DeviceBuffer hidden_[2];  // (capacity, C): ping-pong as the computed rows shrink

@@ -14,9 +14,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "services/worker/engine/core/attention_layout.h"
 #include "shared/common/status.h"
@@ -105,6 +107,14 @@ struct LayerOutputs {
   // layer runs; Backend::read_pooled then waits for that copy only (importance at a check layer is
   // decided on the host while the GPU finishes the layer).
   bool pooled_to_host = false;
+  // The rows to keep, chosen inside the layer (KEEP's check layers: the importance read from
+  // `pooled` decides which segments go on, and the others' MLP output would never be read). With
+  // it the backend issues the attention and o_proj for every row, calls it -- it may wait for the
+  // pooled copy --, and runs the MLP for the rows it returns (ascending, distinct, in [0, rows)
+  // -- the engine checks them) only: their outputs go to `chosen_hidden`, packed in that order;
+  // `hidden` is left unspecified. Needs out_rows = -1. An error from it is the layer's.
+  const std::function<Result<std::vector<int32_t>>()>* choose_rows = nullptr;
+  float* chosen_hidden = nullptr;  // (rows, C), not overlapping `hidden`
 };
 
 // A validated layout in the form the backend consumes (for CUDA: uploaded index arrays).

@@ -298,6 +298,35 @@ Status Engine::prefill_layer(int32_t layer, DeviceBuffer& hidden, const KvView& 
   out.pooled = extras.pooled ? extras.pooled->data() : nullptr;
   out.out_rows = extras.out_rows;
   out.pooled_to_host = extras.pooled_to_host && extras.pooled != nullptr;
+  if (!extras.choose_rows) {
+    if (extras.chosen_hidden != nullptr) {
+      return invalid("prefill_layer: chosen_hidden without choose_rows");
+    }
+    return backend_->layer_forward(out, hidden.data(), layer, kv, plan);
+  }
+  if (extras.out_rows != -1) return invalid("prefill_layer: choose_rows with out_rows set");
+  if (extras.chosen_hidden == nullptr || extras.chosen_hidden == &hidden ||
+      extras.chosen_hidden->data() == hidden.data()) {
+    return invalid("prefill_layer: choose_rows needs a chosen_hidden buffer apart from hidden");
+  }
+  KEEP_RETURN_IF_ERROR(
+      check_buffer(extras.chosen_hidden, rows * c.hidden_size, "prefill_layer: chosen_hidden"));
+  // The chooser's rows are checked here, inside the layer, before the backend uses them.
+  const std::function<Result<std::vector<int32_t>>()> checked =
+      [&]() -> Result<std::vector<int32_t>> {
+    KEEP_ASSIGN_OR_RETURN(std::vector<int32_t> chosen, extras.choose_rows());
+    for (size_t i = 0; i < chosen.size(); ++i) {
+      if (chosen[i] < 0 || static_cast<size_t>(chosen[i]) >= rows ||
+          (i > 0 && chosen[i] <= chosen[i - 1])) {
+        return invalid("prefill_layer: choose_rows gave row " + std::to_string(chosen[i]) + " at " +
+                       std::to_string(i) + ": rows must ascend within [0, " + std::to_string(rows) +
+                       ")");
+      }
+    }
+    return chosen;
+  };
+  out.choose_rows = &checked;
+  out.chosen_hidden = extras.chosen_hidden->data();
   return backend_->layer_forward(out, hidden.data(), layer, kv, plan);
 }
 

@@ -17,6 +17,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <vector>
@@ -66,6 +67,11 @@ struct LayerExtras {
   int32_t out_rows = -1;
   // Copy `pooled` to the host early (LayerOutputs::pooled_to_host); read it with read_pooled().
   bool pooled_to_host = false;
+  // Rows chosen after the attention (LayerOutputs::choose_rows): called inside the layer, it may
+  // read_pooled(); the rows it returns are checked (kInvalidArgument) and only they run the MLP,
+  // their outputs packed into `chosen_hidden` (>= (rows, hidden), not `hidden`) in that order.
+  std::function<Result<std::vector<int32_t>>()> choose_rows;
+  DeviceBuffer* chosen_hidden = nullptr;
 };
 
 struct GenerateOptions {

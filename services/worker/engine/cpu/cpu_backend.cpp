@@ -340,7 +340,7 @@ Status CpuBackend::layer_forward(const LayerOutputs& out, const float* hidden_in
   }
   // Rows [first, n) produce hidden output (out_rows); attention runs for all rows when lse or
   // pooled are wanted, else only when some row's output is.
-  const int32_t keep = out.out_rows < 0 ? n : std::min(out.out_rows, n);
+  int32_t keep = out.out_rows < 0 ? n : std::min(out.out_rows, n);
   const int32_t first = n - keep;
   if (keep == 0 && out.lse == nullptr && out.pooled == nullptr) return Status::ok();
   attention(out, q_.data(), kv, layout);
@@ -349,8 +349,19 @@ Status CpuBackend::layer_forward(const LayerOutputs& out, const float* hidden_in
   float* hid = out.hidden + off;
   linear(proj_.data(), att_.data() + static_cast<int64_t>(first) * qd, w.wo.ptr(), bias(w.bo), keep,
          C, qd);
-  const int64_t nc = static_cast<int64_t>(keep) * C;
+  int64_t nc = static_cast<int64_t>(keep) * C;
   for (int64_t i = 0; i < nc; ++i) hid[i] = hidden_in[off + i] + proj_[i];
+  if (out.choose_rows != nullptr) {  // only the chosen rows go on, packed into chosen_hidden
+    KEEP_ASSIGN_OR_RETURN(const std::vector<int32_t> chosen, (*out.choose_rows)());
+    for (size_t i = 0; i < chosen.size(); ++i) {
+      std::memcpy(out.chosen_hidden + static_cast<int64_t>(i) * C,
+                  hid + static_cast<int64_t>(chosen[i]) * C, sizeof(float) * C);
+    }
+    hid = out.chosen_hidden;
+    keep = static_cast<int32_t>(chosen.size());
+    nc = static_cast<int64_t>(keep) * C;
+    if (keep == 0) return Status::ok();
+  }
 
   // MLP block: down(silu(gate(x)) * up(x)).
   rms_norm(*pool_, xn_.data(), hid, w.ffn_norm.ptr(), keep, C, eps);

@@ -956,7 +956,7 @@ Status CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_i
   };
 
   // Rows [skip, rows) produce hidden output (out.out_rows); the others only K/V (and lse/pooled).
-  const int64_t keep = out.out_rows < 0 ? rows : std::min<int64_t>(out.out_rows, rows);
+  int64_t keep = out.out_rows < 0 ? rows : std::min<int64_t>(out.out_rows, rows);
   const int64_t skip = rows - keep;
   float* res = out.hidden;
   if (options_.l2_persist_residual) persist_in_l2(res, static_cast<size_t>(rows * C) * 4);
@@ -1086,8 +1086,33 @@ Status CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_i
   float* res_kept = res + skip * C;
   // residual += o_proj: accumulated by the product itself in fp32 (no bf16 rounding of the
   // projection, no add kernel); with an o_proj bias through the add kernel instead.
-  const bool mlp_fused = w.b_o == nullptr && norm_fused(keep);
-  if (w.b_o == nullptr) {
+  bool mlp_fused = w.b_o == nullptr && norm_fused(keep);
+  if (out.choose_rows != nullptr) {
+    // Rows chosen inside the layer: o_proj for every row is issued first, so that the host's wait
+    // for the pooled copy and its choice overlap it; then the MLP for the chosen rows only.
+    if (capturing_) {
+      return Status(Code::kInternal, "cuda backend: rows chosen inside a captured layer");
+    }
+    if (w.b_o == nullptr) {
+      accumulate(res, C, att, q, w.w_o, rows, C, q);
+    } else {  // (its xn is not used: the chosen rows are normalised again)
+      product(proj, C, att, q, w.w_o, rows, C, q);
+      KEEP_CUDA_CHECK(
+          kernels::add_rmsnorm(xn, res, proj, w.b_o, w.ffn_norm, rows, C, eps, stream_));
+    }
+    mark(kOProj);
+    KEEP_ASSIGN_OR_RETURN(const std::vector<int32_t> chosen, (*out.choose_rows)());
+    keep = static_cast<int64_t>(chosen.size());
+    if (keep == 0) return Status::ok();
+    gather_rows(out.chosen_hidden, res, chosen.data(), static_cast<int32_t>(keep),
+                static_cast<size_t>(C));
+    res_kept = out.chosen_hidden;
+    mlp_fused = norm_fused(keep);
+    if (!mlp_fused) {
+      KEEP_CUDA_CHECK(
+          kernels::add_rmsnorm(xn, res_kept, nullptr, nullptr, w.ffn_norm, keep, C, eps, stream_));
+    }
+  } else if (w.b_o == nullptr) {
     accumulate(res_kept, C, att_kept, q, w.w_o, keep, C, q);
     mark(kOProj);
     if (!mlp_fused) {
