@@ -152,6 +152,47 @@ TEST_CASE("importance: only candidates, pinned always, keep >= candidates keeps 
   CHECK(swaps->selected.size() == 2);
 }
 
+TEST_CASE("importance over pooled columns for some segments only selects as over all of them") {
+  // A check layer pools a column only for the segments computed there (column_segment): the same
+  // scores, hops and selection as from every segment's column.
+  Attention att;
+  const std::vector<int32_t> cols = {1, 2, 3};
+  std::vector<float> narrow;
+  for (size_t r = 0; r < att.row_segment.size(); ++r) {
+    for (int32_t c : cols) narrow.push_back(att.pooled[r * Attention::G + c]);
+  }
+  auto in = att.input();
+  in.pooled = narrow;
+  in.column_segment = cols;
+  std::vector<int32_t> rows_1_2_3 = {-1, -1, -1, 1, 2, 3};  // segment 0 not computed here
+  in.row_segment = rows_1_2_3;
+  auto wide_in = att.input();
+  wide_in.row_segment = rows_1_2_3;
+  for (const int32_t keep : {1, 2}) {
+    CAPTURE(keep);
+    auto a = select_segments(in, cols, {}, keep);
+    auto b = select_segments(wide_in, cols, {}, keep);
+    REQUIRE_MESSAGE(a.is_ok(), a.status().to_string());
+    REQUIRE(b.is_ok());
+    CHECK(a->selected == b->selected);
+    CHECK(a->score == b->score);
+    CHECK(a->hops == b->hops);
+  }
+  // A candidate without a column, columns out of order or range, or a size mismatch: refused.
+  auto st = select_segments(in, std::vector<int32_t>{0, 1}, {}, 1).status();
+  CHECK(st.code() == Code::kInvalidArgument);
+  CHECK(st.message().find("segment 0 has no pooled column") != std::string::npos);
+  std::vector<int32_t> unordered = {2, 1, 3}, outside = {1, 2, 4};
+  auto bad = in;
+  bad.column_segment = unordered;
+  CHECK(select_segments(bad, cols, {}, 1).status().code() == Code::kInvalidArgument);
+  bad.column_segment = outside;
+  CHECK(select_segments(bad, cols, {}, 1).status().code() == Code::kInvalidArgument);
+  bad = in;
+  bad.pooled = att.pooled;  // G columns a row, not 3
+  CHECK(select_segments(bad, cols, {}, 1).status().code() == Code::kInvalidArgument);
+}
+
 TEST_CASE("importance refuses inconsistent input") {
   Attention att;
   const std::vector<int32_t> all = {0, 1, 2, 3};

@@ -22,9 +22,17 @@ Status validate(const ImportanceInput& in, std::span<const int32_t> candidates,
                 std::span<const int32_t> pinned, int32_t keep) {
   if (in.num_segments < 0 || in.num_heads < 1) return invalid("bad segment or head count");
   const size_t rows = in.row_segment.size();
-  if (in.pooled.size() != rows * static_cast<size_t>(in.num_segments)) {
+  const size_t columns =
+      in.column_segment.empty() ? static_cast<size_t>(in.num_segments) : in.column_segment.size();
+  if (in.pooled.size() != rows * columns) {
     return invalid("pooled has " + std::to_string(in.pooled.size()) + " values, expected rows (" +
-                   std::to_string(rows) + ") x segments (" + std::to_string(in.num_segments) + ")");
+                   std::to_string(rows) + ") x columns (" + std::to_string(columns) + ")");
+  }
+  if (!ascending_unique(in.column_segment)) {
+    return invalid("column segments must be ascending and unique");
+  }
+  for (int32_t s : in.column_segment) {
+    if (s < 0 || s >= in.num_segments) return invalid("column segment " + std::to_string(s));
   }
   for (int32_t s : in.row_segment) {
     if (s < -1 || s >= in.num_segments) return invalid("row segment " + std::to_string(s));
@@ -37,6 +45,10 @@ Status validate(const ImportanceInput& in, std::span<const int32_t> candidates,
   }
   for (int32_t c : candidates) {
     if (c < 0 || c >= in.num_segments) return invalid("candidate " + std::to_string(c));
+    if (!in.column_segment.empty() &&
+        !std::binary_search(in.column_segment.begin(), in.column_segment.end(), c)) {
+      return invalid("candidate segment " + std::to_string(c) + " has no pooled column");
+    }
   }
   for (int32_t p : pinned) {
     if (!std::binary_search(candidates.begin(), candidates.end(), p)) {
@@ -59,6 +71,17 @@ Result<Selection> select_segments(const ImportanceInput& in, std::span<const int
   // Candidate index of each segment (-1: not a candidate).
   std::vector<int32_t> index(static_cast<size_t>(G), -1);
   for (size_t c = 0; c < C; ++c) index[candidates[c]] = static_cast<int32_t>(c);
+  // pooled's row stride and the column of each candidate (read in place: no (rows, G) copy).
+  const size_t stride =
+      in.column_segment.empty() ? static_cast<size_t>(G) : in.column_segment.size();
+  std::vector<size_t> column(C);
+  for (size_t c = 0; c < C; ++c) {
+    column[c] = in.column_segment.empty()
+                    ? static_cast<size_t>(candidates[c])
+                    : static_cast<size_t>(std::lower_bound(in.column_segment.begin(),
+                                                           in.column_segment.end(), candidates[c]) -
+                                          in.column_segment.begin());
+  }
 
   // a[i][j] over candidates: the mean attention of i's rows on j (per head).
   std::vector<double> a(C * C, 0.0);
@@ -68,7 +91,8 @@ Result<Selection> select_segments(const ImportanceInput& in, std::span<const int
     if (seg < 0 || index[seg] < 0) continue;
     const size_t i = static_cast<size_t>(index[seg]);
     ++row_count[i];
-    for (size_t j = 0; j < C; ++j) a[i * C + j] += in.pooled[r * G + candidates[j]];
+    const float* p = in.pooled.data() + r * stride;
+    for (size_t j = 0; j < C; ++j) a[i * C + j] += p[column[j]];
   }
   for (size_t i = 0; i < C; ++i) {
     if (row_count[i] == 0) {
@@ -84,7 +108,8 @@ Result<Selection> select_segments(const ImportanceInput& in, std::span<const int
                                     static_cast<size_t>(std::max(options.query_rows_used, 0)));
   for (size_t k = in.query_rows.size() - q; k < in.query_rows.size(); ++k) {
     const size_t r = static_cast<size_t>(in.query_rows[k]);
-    for (size_t j = 0; j < C; ++j) s[j] += in.pooled[r * G + candidates[j]];
+    const float* p = in.pooled.data() + r * stride;
+    for (size_t j = 0; j < C; ++j) s[j] += p[column[j]];
   }
   if (q > 0) {
     for (double& v : s) v /= H * static_cast<double>(q);

@@ -24,11 +24,15 @@
 namespace keep::worker {
 
 struct ImportanceInput {
-  int32_t num_segments = 0;              // G: pooled's columns
+  int32_t num_segments = 0;              // G: segments in the prompt
   int32_t num_heads = 0;                 // H: query heads summed into pooled
-  std::span<const float> pooled;         // (rows, G) row-major
+  std::span<const float> pooled;         // (rows, columns) row-major
   std::span<const int32_t> row_segment;  // (rows) segment of the row's token, or -1 (query, other)
   std::span<const int32_t> query_rows;   // rows of the query's tokens, in prompt order
+  // The segment of each pooled column, ascending (as the backend pooled them: at a check layer
+  // only the segments computed there); empty: G columns, column j = segment j. Every candidate
+  // needs one -- importance reads no other.
+  std::span<const int32_t> column_segment;
 };
 
 struct ImportanceOptions {

@@ -316,29 +316,20 @@ Result<Prefilled> KvAssembler::prefill(const AssembleRequest& req) {
     // keep's importance: the pooled attention of this layer decides the segments computed at the
     // next one (RecomputePlan::next).
     auto decide = [&]() -> Status {
-      // Back to one column per segment (0 for those not computed here, which importance skips).
+      // The pooled columns as the backend made them (importance reads them in place).
       const size_t ncol = columns.size();
-      std::vector<float> compact(rows.size() * ncol);
-      KEEP_RETURN_IF_ERROR(engine_.read_pooled(compact.data(), pooled_, compact.size()));
-      for (int32_t seg : plan.segments_computed()) {
-        if (!std::binary_search(columns.begin(), columns.end(), seg)) {
-          return Status(Code::kInternal, "kv assembly: candidate segment " + std::to_string(seg) +
-                                             " has no pooled column at layer " + std::to_string(l));
-        }
-      }
-      std::vector<float> pooled(rows.size() * static_cast<size_t>(groups), 0.0f);
-      for (size_t r = 0; r < rows.size(); ++r) {
-        for (size_t c = 0; c < ncol; ++c) {
-          pooled[r * static_cast<size_t>(groups) + columns[c]] = compact[r * ncol + c];
-        }
-      }
+      // Kept across checks and requests: a fresh vector would fault its pages in at each check,
+      // inside the layer's path when the rows are chosen early.
+      pooled_host_.resize(std::max(pooled_host_.size(), rows.size() * ncol));
+      const std::span<float> pooled(pooled_host_.data(), rows.size() * ncol);
+      KEEP_RETURN_IF_ERROR(engine_.read_pooled(pooled.data(), pooled_, pooled.size()));
       const std::vector<int32_t> row_segment = plan.row_segments();
       std::vector<int32_t> query_rows;
       for (size_t r = 0; r < rows.size(); ++r) {
         if (rows[r] >= memory_end) query_rows.push_back(static_cast<int32_t>(r));
       }
-      ImportanceInput in{groups, static_cast<int32_t>(cfg.num_heads), pooled, row_segment,
-                         query_rows};
+      ImportanceInput in{
+          groups, static_cast<int32_t>(cfg.num_heads), pooled, row_segment, query_rows, columns};
       st.check_layers.push_back(l);
       st.pooled_columns.push_back(static_cast<int32_t>(ncol));
       return plan.next(&in);

@@ -162,6 +162,7 @@ class KvAssembler {
   ProduceOptions produce_options_;
   bool pool_every_segment_ = false;
   bool choose_early_ = false;
+  std::vector<float> pooled_host_;  // a check layer's pooled attention, read on the host
   // Tokens whose KV in the cache equals a full prefill's, for `prefix` (vLLM-style) reuse.
   std::vector<int32_t> exact_;
   engine::DeviceBuffer hidden_[2];  // (capacity, C): ping-pong as the computed rows shrink
