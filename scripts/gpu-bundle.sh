@@ -8,9 +8,10 @@
 # (no network): carry .gpu-bundle with the call. Usage: scripts/gpu-bundle.sh [build-dir]; on the
 # GPU machine, scripts/gpu-bundle.sh --unpack (gpu-check.sh runs it) ungzips the programs.
 # BUNDLE_SERVICES=1 also packs keep-manager, keep-worker and keepctl, and pyzmq/pycapnp wheels
-# for CPython 3.10-3.12 (BUNDLE_PY="3.11" for fewer) in .gpu-bundle/wheels (the GPU machine has
-# no network): there, --unpack makes .venv from them with the Python client on its path, for the
-# quality benchmarks (benchmarks/quality/run.py) and the two-worker device tier test
+# for CPython 3.12, the GPU machines' (BUNDLE_PY="3.10 3.11 3.12" for more: each adds ~7 MB, and a
+# call carries at most 64 MiB -- with all three the bundle was 67 MB) in .gpu-bundle/wheels (the
+# GPU machine has no network): there, --unpack makes .venv from them with the Python client on its
+# path, for the quality benchmarks (benchmarks/quality/run.py) and the two-worker device tier test
 # (tests/gpu/tier_e2e.py).
 # BUNDLE_BASE=REV also builds bench_prefill and bench_keep at revision REV (a git worktree at
 # build-bundle-src, built in build-gpu-bundle-base) as bin/bench_prefill_base and
@@ -61,7 +62,7 @@ done
 cp "$build/bin/bench_prefill" "$build/bin/bench_keep" "$out/bin/"
 for t in "${services[@]}"; do cp "$build/bin/$t" "$out/bin/"; done
 if ((${#services[@]})); then
-  for py in ${BUNDLE_PY:-3.10 3.11 3.12}; do
+  for py in ${BUNDLE_PY:-3.12}; do
     pip download -q --only-binary=:all: --no-deps --python-version "$py" \
       --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
       -d "$out/wheels" pyzmq pycapnp
