@@ -36,13 +36,18 @@ std::vector<LoadRun> load_runs(const std::vector<int32_t>& slots, const PromptSh
   return runs;
 }
 
-// Where each of `now`'s slots is in `rows` (both ascending, now ⊆ rows).
-std::vector<int32_t> positions_in(const std::vector<int32_t>& rows,
-                                  const std::vector<int32_t>& now) {
+// Where each of `now`'s slots is in `rows` (both ascending). The computed rows only shrink from
+// layer to layer (RecomputePlan); a slot of `now` missing from `rows` is the plan's bug, reported.
+Result<std::vector<int32_t>> positions_in(const std::vector<int32_t>& rows,
+                                          const std::vector<int32_t>& now) {
   std::vector<int32_t> at(now.size());
   size_t i = 0;
   for (size_t k = 0; k < now.size(); ++k) {
-    while (rows[i] != now[k]) ++i;
+    while (i < rows.size() && rows[i] < now[k]) ++i;
+    if (i == rows.size() || rows[i] != now[k]) {
+      return Status(Code::kInternal, "kv assembly: slot " + std::to_string(now[k]) +
+                                         " is computed at a layer after one that did not");
+    }
     at[k] = static_cast<int32_t>(i);
   }
   return at;
@@ -191,7 +196,7 @@ Result<Prefilled> KvAssembler::prefill(const AssembleRequest& req) {
     const std::vector<int32_t>& now = plan.rows();
     if (now != rows) {  // a subset: move the surviving rows' hidden states down
       const int next = 1 - cur;
-      const std::vector<int32_t> keep_rows = positions_in(rows, now);
+      KEEP_ASSIGN_OR_RETURN(const std::vector<int32_t> keep_rows, positions_in(rows, now));
       be.gather_rows(hidden_[next].data(), hidden_[cur].data(), keep_rows.data(),
                      static_cast<int32_t>(keep_rows.size()), hid);
       cur = next;
