@@ -1086,25 +1086,32 @@ Status CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_i
   float* res_kept = res + skip * C;
   // residual += o_proj: accumulated by the product itself in fp32 (no bf16 rounding of the
   // projection, no add kernel); with an o_proj bias through the add kernel instead.
-  bool mlp_fused = w.b_o == nullptr && norm_fused(keep);
-  if (out.choose_rows != nullptr) {
-    // Rows chosen inside the layer: o_proj for every row is issued first, so that the host's wait
-    // for the pooled copy and its choice overlap it; then the MLP for the chosen rows only.
-    if (capturing_) {
-      return Status(Code::kInternal, "cuda backend: rows chosen inside a captured layer");
-    }
-    if (w.b_o == nullptr) {
-      accumulate(res, C, att, q, w.w_o, rows, C, q);
-    } else {  // (its xn is not used: the chosen rows are normalised again)
-      product(proj, C, att, q, w.w_o, rows, C, q);
-      KEEP_CUDA_CHECK(
-          kernels::add_rmsnorm(xn, res, proj, w.b_o, w.ffn_norm, rows, C, eps, stream_));
-    }
+  // Rows chosen inside the layer (out.choose_rows): the o_proj below runs for every row (skip is
+  // 0), the host's wait for the pooled copy and its choice overlapping it; then the MLP for the
+  // chosen rows only, normalised after the choice.
+  const bool choose = out.choose_rows != nullptr;
+  if (choose && capturing_) {
+    return Status(Code::kInternal, "cuda backend: rows chosen inside a captured layer");
+  }
+  bool mlp_fused = w.b_o == nullptr && norm_fused(keep) && !choose;
+  if (w.b_o == nullptr) {
+    accumulate(res_kept, C, att_kept, q, w.w_o, keep, C, q);
     mark(kOProj);
+    if (!mlp_fused && !choose) {
+      KEEP_CUDA_CHECK(
+          kernels::add_rmsnorm(xn, res_kept, nullptr, nullptr, w.ffn_norm, keep, C, eps, stream_));
+    }
+  } else {  // (with rows chosen, its xn is not used: the chosen rows are normalised again)
+    product(proj, C, att_kept, q, w.w_o, keep, C, q);
+    mark(kOProj);
+    KEEP_CUDA_CHECK(
+        kernels::add_rmsnorm(xn, res_kept, proj, w.b_o, w.ffn_norm, keep, C, eps, stream_));
+  }
+  if (choose) {
     KEEP_ASSIGN_OR_RETURN(const std::vector<int32_t> chosen, (*out.choose_rows)());
     keep = static_cast<int64_t>(chosen.size());
     if (keep == 0) return Status::ok();
-    gather_rows(out.chosen_hidden, res, chosen.data(), static_cast<int32_t>(keep),
+    gather_rows(out.chosen_hidden, res_kept, chosen.data(), static_cast<int32_t>(keep),
                 static_cast<size_t>(C));
     res_kept = out.chosen_hidden;
     mlp_fused = norm_fused(keep);
@@ -1112,18 +1119,6 @@ Status CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_i
       KEEP_CUDA_CHECK(
           kernels::add_rmsnorm(xn, res_kept, nullptr, nullptr, w.ffn_norm, keep, C, eps, stream_));
     }
-  } else if (w.b_o == nullptr) {
-    accumulate(res_kept, C, att_kept, q, w.w_o, keep, C, q);
-    mark(kOProj);
-    if (!mlp_fused) {
-      KEEP_CUDA_CHECK(
-          kernels::add_rmsnorm(xn, res_kept, nullptr, nullptr, w.ffn_norm, keep, C, eps, stream_));
-    }
-  } else {
-    product(proj, C, att_kept, q, w.w_o, keep, C, q);
-    mark(kOProj);
-    KEEP_CUDA_CHECK(
-        kernels::add_rmsnorm(xn, res_kept, proj, w.b_o, w.ffn_norm, keep, C, eps, stream_));
   }
   mark(kMlpNorm);
   // MLP half: gate/up (the norm fused in for a decode step), SwiGLU (fused into the product for
