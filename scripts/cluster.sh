@@ -20,7 +20,7 @@
 # The primary listens on 127.0.0.1:25432, the standby on 25433; `up` prints how to promote the
 # standby by hand (docs/cluster.md, "PostgreSQL's availability"); the managers find whichever
 # server takes writes. The Redis masters listen on 127.0.0.1:26379..26381 (their cluster bus on
-# 36379..36381) and require the password `up` writes to $KEEP_CLUSTER_DIR/redis-password.
+# 26479..26481) and require the password `up` writes to $KEEP_CLUSTER_DIR/redis-password.
 # keepctl follows `moved`, so any node's endpoint reaches every agent:
 #   build/bin/keepctl --endpoint tcp://127.0.0.1:7611 write robot-7 "The mug is on the table."
 # or, with no node address, through etcd as the clients route:

@@ -22,7 +22,9 @@
 #       a Redis Cluster of three masters on loopback, configured as tests/integration/
 #       redis_cluster.h starts one (cluster mode, no persistence, no replicas,
 #       cluster-node-timeout 2000 ms): master i listens on PORT + i, its cluster bus on
-#       PORT + i + 10000; data DIR/redisI, logs DIR/redisI.log, pids DIR/redisI.pid. With
+#       PORT + i + 100 (not Redis's + 10000: from 26379 that lands in Linux's ephemeral range,
+#       32768-60999, where another program's outgoing connection can hold it); data DIR/redisI,
+#       logs DIR/redisI.log, pids DIR/redisI.pid. With
 #       PASSWORD_FILE (keep-worker's --kv-remote-password-file), every master requires the
 #       password on its first line (requirepass, masterauth). Made one cluster by
 #       `redis-cli --cluster create ... --cluster-replicas 0 --cluster-yes`; returns once every
@@ -140,7 +142,7 @@ keep_redis_start() {
     if [ ${#auth[@]} -gt 0 ]; then
       printf 'requirepass "%s"\nmasterauth "%s"\n' "$pw" "$pw"
     fi | "$keep_redis_bin" "${auth[@]}" --port "$p" --bind 127.0.0.1 --dir "$dir/redis$i" \
-      --cluster-enabled yes --cluster-config-file "$dir/redis$i/nodes.conf" \
+      --cluster-port $((p + 100)) --cluster-enabled yes --cluster-config-file "$dir/redis$i/nodes.conf" \
       --cluster-node-timeout 2000 --save "" --appendonly no --daemonize no \
       >"$dir/redis$i.log" 2>&1 &
     echo $! >"$dir/redis$i.pid"
