@@ -6,18 +6,42 @@ busy time (the layers' and the loader's), and the kernels and copies by total ti
 
   CUDA_INJECTION64_PATH=libkernel_trace.so KEEP_TRACE_OUT=t.csv \\
       bench_keep --shape qwen2.5-14b --segments 40 --reps 1 --warmup 1 --methods keep > b.log
-  benchmarks/keep/kernel_time.py t.csv b.log [--layers LO-HI|LO-end]
+  benchmarks/keep/kernel_time.py t.csv b.log [--layers LO-HI|LO-end] [--gaps US]
 (one --segments value and one method per run: the window is the last request's; --layers narrows
-it to those layers' windows, as summary.py's timeline bounds them; HI "end": the last layer).
+it to those layers' windows, as summary.py's timeline bounds them; HI "end": the last layer;
+--gaps lists the layers' stream's idle stretches of at least US microseconds instead, each with
+the work before and after it and what other streams ran meanwhile).
   benchmarks/keep/kernel_time.py --self-test     (its arithmetic on a synthetic trace)"""
 import collections
 import re
+import signal
 import sys
 
 
 def summarize(csv_path, log_path, top=25, layers=None):
     """Returns (ttft_ms, busy_ms, idle_ms, [(name, ms, count), ...] by time, per-stream busy);
     with layers=(lo, hi) the window is layers lo..hi's (busy and idle within it)."""
+    ttft, events, _, start, end = window_bounds(csv_path, log_path, layers)
+    window = [(max(e[0], start), min(e[1], end)) + e[2:] for e in events
+              if e[1] > start and e[0] < end]
+    busy = union_ns(window)
+    streams = collections.defaultdict(list)
+    for ev in window:
+        streams[ev[3]].append(ev)
+    per_stream = sorted(((sid, union_ns(evs) / 1e6) for sid, evs in streams.items()),
+                        key=lambda x: -x[1])
+    total = collections.defaultdict(lambda: [0, 0])
+    for s, e, name, _ in window:
+        total[name[:90]][0] += e - s
+        total[name[:90]][1] += 1
+    ranked = sorted(total.items(), key=lambda x: -x[1][0])[:top]
+    return (ttft, busy / 1e6, (end - start - busy) / 1e6,
+            [(name, ns / 1e6, count) for name, (ns, count) in ranked], per_stream)
+
+
+def window_bounds(csv_path, log_path, layers=None):
+    """(the TTFT in ms, the events sorted, the request's start ns, the window's start and end ns:
+    the request's, or its layers lo..hi's)."""
     ttft = None
     for line in open(log_path):
         m = re.match(r"\s*\d+\s+(keep \S+|\S+)\s+\d+\s+([\d.]+)", line)
@@ -35,6 +59,7 @@ def summarize(csv_path, log_path, top=25, layers=None):
     events.sort()
     end = max(e[1] for e in events)
     start = end - int(ttft * 1e6)
+    request_start = start
     if layers is not None:
         import summary  # the timeline's layer bounds (same directory)
         tl = summary.timeline(summary.read_trace(csv_path), ttft)
@@ -45,21 +70,35 @@ def summarize(csv_path, log_path, top=25, layers=None):
             raise ValueError(f"layers {lo}-{hi} outside the request's {len(tl)}")
         start, end = (start + int(tl[lo]["start_ms"] * 1e6),
                       start + int((tl[hi]["start_ms"] + tl[hi]["window_ms"]) * 1e6))
-    window = [(max(e[0], start), min(e[1], end)) + e[2:] for e in events
-              if e[1] > start and e[0] < end]
-    busy = union_ns(window)
-    streams = collections.defaultdict(list)
-    for ev in window:
-        streams[ev[3]].append(ev)
-    per_stream = sorted(((sid, union_ns(evs) / 1e6) for sid, evs in streams.items()),
-                        key=lambda x: -x[1])
-    total = collections.defaultdict(lambda: [0, 0])
-    for s, e, name, _ in window:
-        total[name[:90]][0] += e - s
-        total[name[:90]][1] += 1
-    ranked = sorted(total.items(), key=lambda x: -x[1][0])[:top]
-    return (ttft, busy / 1e6, (end - start - busy) / 1e6,
-            [(name, ns / 1e6, count) for name, (ns, count) in ranked], per_stream)
+    return ttft, events, request_start, start, end
+
+
+def gaps(csv_path, log_path, min_us, layers=None):
+    """The layers' stream's idle stretches in the window of at least min_us: (ms from the
+    request's start, length in us, the event before, the event after, other streams' events
+    overlapping it). The layers' stream is the one whose kernels, the loader's aside, run longest."""
+    _, events, request_start, start, end = window_bounds(csv_path, log_path, layers)
+    kernel_ns = collections.Counter()
+    for s, e, name, sid in events:
+        if name.startswith("kernel:") and "load_kv_runs" not in name and s < end and e > start:
+            kernel_ns[sid] += e - s
+    if not kernel_ns:
+        raise ValueError("no kernels in the window")
+    layers_stream = kernel_ns.most_common(1)[0][0]
+    own = [e for e in events if e[3] == layers_stream]
+    out = []
+    reach = None  # the latest end so far on the layers' stream
+    for i, (s, e, name, _) in enumerate(own):
+        if reach is not None and s - reach[0] >= min_us * 1000 and s > start and reach[0] < end:
+            lo, hi = max(reach[0], start), min(s, end)
+            if hi - lo >= min_us * 1000:
+                during = sorted({n[:60] for so, eo, n, sid in events
+                                 if sid != layers_stream and so < hi and eo > lo})
+                out.append(((lo - request_start) / 1e6, (hi - lo) / 1e3, reach[1][:60], name[:60],
+                            during))
+        if reach is None or e > reach[0]:
+            reach = (e, name)
+    return out
 
 
 def union_ns(events):
@@ -125,6 +164,16 @@ def self_test():
         # "1-end": the last layer is 1.
         assert summarize(csv, log, layers=(1, None))[1:4] == summarize(csv, log, layers=(1, 1))[1:4]
         assert parse_layers("25-end") == (25, None) and parse_layers("3-7") == (3, 7)
+        # --gaps: the 1 ms after layer 0's mlp (before layer 1's norm), with a load beside it.
+        with open(csv, "a") as f:
+            f.write("kernel,17200000,17400000,9,1,load_kv_runs\n")
+        found = gaps(csv, log, 500)
+        assert len(found) == 1, found
+        at, us, before, after, during = found[0]
+        assert abs(at - 8.0) < 1e-9 and abs(us - 1000.0) < 1e-6, found
+        assert before == "kernel:mlp0" and after == "kernel:norm", found
+        assert during == ["kernel:load_kv_runs"], found
+        assert gaps(csv, log, 1001) == [] and gaps(csv, log, 500, layers=(1, 1)) == []
         try:
             summarize(csv, log, layers=(1, 2))
             raise AssertionError("layers past the request's accepted")
@@ -137,6 +186,17 @@ def parse_layers(text):
     """"LO-HI" or "LO-end" -> (LO, HI), HI None for the last layer."""
     lo, hi = text.split("-", 1)
     return int(lo), None if hi == "end" else int(hi)
+
+
+def main_gaps(csv_path, log_path, min_us, layers=None):
+    try:
+        found = gaps(csv_path, log_path, min_us, layers)
+    except ValueError as e:
+        sys.exit("kernel_time: " + str(e))
+    print(f"{len(found)} idle stretches of the layers' stream >= {min_us:g} us "
+          f"(ms from the request's start, us, before -> after [other streams meanwhile])")
+    for at, us, before, after, during in found:
+        print(f"{at:8.3f} {us:8.1f}  {before} -> {after}  [{'; '.join(during)}]")
 
 
 def main(csv_path, log_path, layers=None):
@@ -154,15 +214,25 @@ def main(csv_path, log_path, layers=None):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 2 and sys.argv[1] == "--self-test":
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # under `| head`: end quietly
+    args = sys.argv[1:]
+    if args == ["--self-test"]:
         self_test()
-    elif len(sys.argv) == 3:
-        main(sys.argv[1], sys.argv[2])
-    elif len(sys.argv) == 5 and sys.argv[3] == "--layers" and "-" in sys.argv[4]:
-        try:
-            layers = parse_layers(sys.argv[4])
-        except ValueError:
-            sys.exit("kernel_time: --layers LO-HI or LO-end, not " + sys.argv[4])
-        main(sys.argv[1], sys.argv[2], layers)
-    else:
+        sys.exit(0)
+    if len(args) < 2 or len(args) % 2 != 0:
         sys.exit(__doc__)
+    layers, min_us = None, None
+    for flag, value in zip(args[2::2], args[3::2]):
+        try:
+            if flag == "--layers" and "-" in value:
+                layers = parse_layers(value)
+            elif flag == "--gaps":
+                min_us = float(value)
+            else:
+                sys.exit(__doc__)
+        except ValueError:
+            sys.exit(f"kernel_time: {flag} {value}: not LO-HI / LO-end / a number")
+    if min_us is not None:
+        main_gaps(args[0], args[1], min_us, layers)
+    else:
+        main(args[0], args[1], layers)

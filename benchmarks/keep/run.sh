@@ -55,6 +55,9 @@ if [[ -n "$trace_shape" ]]; then
       python3 "$here/kernel_time.py" "$out/trace/trace.csv" "$out/trace/trace-bench.log" \
         --layers "$range" | head -n 10
     done >"$out/trace/kernel_time_layers.txt" && cat "$out/trace/kernel_time_layers.txt"
+    # Where the layers' stream waits: its idle stretches of 50 us or more, with their neighbours.
+    python3 "$here/kernel_time.py" "$out/trace/trace.csv" "$out/trace/trace-bench.log" \
+      --gaps 50 >"$out/trace/gaps.txt" && head -n 40 "$out/trace/gaps.txt"
   else
     echo "run.sh: the trace failed (no CUPTI?)"
   fi
