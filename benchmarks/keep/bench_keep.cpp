@@ -43,6 +43,8 @@
 // time after a previous step whose second half of segments came in another order. Printed per
 // (segments, method): TTFT median, min and max, the ratio to `full` in the same run, the mean
 // recompute ratio, bytes loaded and the load rate over the TTFT; --json appends the same lines.
+// keep's rows are followed by a "#" line: the host's time at each check layer of the last request
+// (its wait for the pooled columns, its decision), also in the JSON as check_host_us.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -618,6 +620,19 @@ int main(int argc, char** argv) {
                   *std::min_element(ms.begin(), ms.end()), *std::max_element(ms.begin(), ms.end()),
                   full_ms > 0 ? full_ms / med : 0.0, st.recompute_ratio, mib,
                   static_cast<double>(st.bytes_loaded) / (med * 1e6));
+      // keep's host time at each check of the last request: where the GPU may wait for it.
+      std::string checks;
+      for (size_t k = 0; k < st.check_wait_us.size(); ++k) {
+        char buf[64];
+        std::snprintf(buf, sizeof buf, "%s[%d,%.0f,%.0f]", k ? "," : "", st.check_layers[k],
+                      st.check_wait_us[k], st.check_decide_us[k]);
+        checks += buf;
+      }
+      if (!checks.empty()) {
+        std::printf(
+            "#   host at the checks ([layer, wait for the pooled columns, decision] us): %s\n",
+            checks.c_str());
+      }
       if (out) {
         out << "{\"shape\":\"" << shape << "\",\"segments\":" << n << ",\"method\":\"" << c.label
             << "\",\"memory_tokens\":" << mem << ",\"prompt_tokens\":" << st.prompt_tokens
@@ -625,7 +640,7 @@ int main(int argc, char** argv) {
             << ",\"max_ms\":" << *std::max_element(ms.begin(), ms.end()) << ",\"reps\":" << reps
             << ",\"recompute_ratio\":" << st.recompute_ratio
             << ",\"bytes_loaded\":" << st.bytes_loaded << ",\"entries\":\""
-            << (entries_in_tier ? "tier" : "host") << "\"}\n";
+            << (entries_in_tier ? "tier" : "host") << "\",\"check_host_us\":[" << checks << "]}\n";
       }
     }
   }

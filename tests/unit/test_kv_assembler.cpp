@@ -332,6 +332,13 @@ TEST_CASE("keep below d = 1 checks, selects, loads, and reports what it did") {
   CHECK(keep->stats.check_layers == std::vector<int32_t>{0, 1, 3});
   CHECK(keep->stats.hops.size() == 3);
   CHECK(keep->stats.pooled_columns == std::vector<int32_t>{4, 2, 1});  // the segments computed
+  // The host's time at each check: its wait for the pooled columns, its decision.
+  REQUIRE(keep->stats.check_wait_us.size() == 3);
+  REQUIRE(keep->stats.check_decide_us.size() == 3);
+  for (size_t k = 0; k < 3; ++k) {
+    CHECK(keep->stats.check_wait_us[k] >= 0.0);
+    CHECK(keep->stats.check_decide_us[k] > 0.0);  // selection and the next plan take some time
+  }
   CHECK(keep->stats.recomputed_per_layer.size() == 8);
   CHECK(keep->stats.recomputed_per_layer[0] == 18);
   CHECK(keep->stats.recomputed_per_layer[4] == 0);

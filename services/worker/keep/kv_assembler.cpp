@@ -1,6 +1,7 @@
 #include "services/worker/keep/kv_assembler.h"
 
 #include <algorithm>
+#include <chrono>
 #include <iterator>
 #include <numeric>
 #include <string>
@@ -323,11 +324,13 @@ Result<Prefilled> KvAssembler::prefill(const AssembleRequest& req) {
     auto decide = [&]() -> Status {
       // The pooled columns as the backend made them (importance reads them in place).
       const size_t ncol = columns.size();
+      const auto t0 = std::chrono::steady_clock::now();
       // Kept across checks and requests: a fresh vector would fault its pages in at each check,
       // inside the layer's path when the rows are chosen early.
       pooled_host_.resize(std::max(pooled_host_.size(), rows.size() * ncol));
       const std::span<float> pooled(pooled_host_.data(), rows.size() * ncol);
       KEEP_RETURN_IF_ERROR(engine_.read_pooled(pooled.data(), pooled_, pooled.size()));
+      const auto t1 = std::chrono::steady_clock::now();
       const std::vector<int32_t> row_segment = plan.row_segments();
       std::vector<int32_t> query_rows;
       for (size_t r = 0; r < rows.size(); ++r) {
@@ -337,7 +340,13 @@ Result<Prefilled> KvAssembler::prefill(const AssembleRequest& req) {
           groups, static_cast<int32_t>(cfg.num_heads), pooled, row_segment, query_rows, columns};
       st.check_layers.push_back(l);
       st.pooled_columns.push_back(static_cast<int32_t>(ncol));
-      return plan.next(&in);
+      KEEP_RETURN_IF_ERROR(plan.next(&in));
+      const auto us = [](auto a, auto b) {
+        return std::chrono::duration<double, std::micro>(b - a).count();
+      };
+      st.check_wait_us.push_back(us(t0, t1));
+      st.check_decide_us.push_back(us(t1, std::chrono::steady_clock::now()));
+      return Status::ok();
     };
     engine::LayerExtras extras;
     bool chosen = false;

@@ -64,6 +64,10 @@ struct AssembleStats {
   std::vector<int32_t> pooled_columns;
   // keep with choose_early: rows whose MLP the check layers skipped (their segments deselected).
   int64_t mlp_rows_skipped = 0;
+  // keep, per check layer (as check_layers): the host's wait for the pooled columns, then its
+  // decision (importance, the next layer's plan), in microseconds. With choose_early the GPU
+  // waits for what of these outlasts the layer's o_proj.
+  std::vector<double> check_wait_us, check_decide_us;
 };
 
 struct Prefilled {
