@@ -353,10 +353,8 @@ Status CpuBackend::layer_forward(const LayerOutputs& out, const float* hidden_in
   for (int64_t i = 0; i < nc; ++i) hid[i] = hidden_in[off + i] + proj_[i];
   if (out.choose_rows != nullptr) {  // only the chosen rows go on, packed into chosen_hidden
     KEEP_ASSIGN_OR_RETURN(const std::vector<int32_t> chosen, (*out.choose_rows)());
-    for (size_t i = 0; i < chosen.size(); ++i) {
-      std::memcpy(out.chosen_hidden + static_cast<int64_t>(i) * C,
-                  hid + static_cast<int64_t>(chosen[i]) * C, sizeof(float) * C);
-    }
+    gather_rows(out.chosen_hidden, hid, chosen.data(), static_cast<int32_t>(chosen.size()),
+                static_cast<size_t>(C));
     hid = out.chosen_hidden;
     keep = static_cast<int32_t>(chosen.size());
     nc = static_cast<int64_t>(keep) * C;
