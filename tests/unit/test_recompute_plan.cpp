@@ -193,6 +193,48 @@ TEST_CASE("importance over pooled columns for some segments only selects as over
   CHECK(select_segments(bad, cols, {}, 1).status().code() == Code::kInvalidArgument);
 }
 
+TEST_CASE("importance: a segment's rows, one or several, adjacent or apart, give the same means") {
+  // a[i][j] is a mean over i's rows, summed run by run of adjacent rows: each segment row twice
+  // (adjacent), then the copies placed apart, give the scores of one row each.
+  Attention att;
+  const std::vector<int32_t> all = {0, 1, 2, 3};
+  std::vector<float> twice, apart;
+  std::vector<int32_t> seg_twice, seg_apart;
+  for (size_t r = 0; r < att.row_segment.size(); ++r) {  // adjacent copies
+    const int n = att.row_segment[r] < 0 ? 1 : 2;
+    for (int k = 0; k < n; ++k) {
+      twice.insert(twice.end(), att.pooled.begin() + r * Attention::G,
+                   att.pooled.begin() + (r + 1) * Attention::G);
+      seg_twice.push_back(att.row_segment[r]);
+    }
+  }
+  for (int pass = 0; pass < 2; ++pass) {  // the segment rows, then the same again after them
+    for (size_t r = 2; r < att.row_segment.size(); ++r) {
+      apart.insert(apart.end(), att.pooled.begin() + r * Attention::G,
+                   att.pooled.begin() + (r + 1) * Attention::G);
+      seg_apart.push_back(att.row_segment[r]);
+    }
+  }
+  apart.insert(apart.end(), att.pooled.begin(), att.pooled.begin() + 2 * Attention::G);
+  seg_apart.insert(seg_apart.end(), {-1, -1});
+  const std::vector<int32_t> q_twice = {0, 1};
+  const std::vector<int32_t> q_apart = {static_cast<int32_t>(seg_apart.size()) - 2,
+                                        static_cast<int32_t>(seg_apart.size()) - 1};
+  ImportanceOptions o;
+  o.query_rows_used = 1;
+  const auto one = select_segments(att.input(), all, {}, 2, o);
+  const auto a = select_segments({Attention::G, 2, twice, seg_twice, q_twice}, all, {}, 2, o);
+  const auto b = select_segments({Attention::G, 2, apart, seg_apart, q_apart}, all, {}, 2, o);
+  REQUIRE(one.is_ok());
+  REQUIRE(a.is_ok());
+  REQUIRE(b.is_ok());
+  for (const auto* x : {&*a, &*b}) {
+    CHECK(x->selected == one->selected);
+    CHECK(x->hops == one->hops);
+    for (size_t g = 0; g < all.size(); ++g) CHECK(x->score[g] == doctest::Approx(one->score[g]));
+  }
+}
+
 TEST_CASE("importance refuses inconsistent input") {
   Attention att;
   const std::vector<int32_t> all = {0, 1, 2, 3};

@@ -83,16 +83,39 @@ Result<Selection> select_segments(const ImportanceInput& in, std::span<const int
                                           in.column_segment.begin());
   }
 
-  // a[i][j] over candidates: the mean attention of i's rows on j (per head).
+  // a[i][j] over candidates: the mean attention of i's rows on j (per head). A segment's rows
+  // are adjacent: each run of them is summed in double over the candidates' columns (gathered
+  // once a row into a contiguous buffer, so that the sums vectorise; the host's decision is on
+  // the GPU's path at a check layer), then added to a[i].
   std::vector<double> a(C * C, 0.0);
   std::vector<int32_t> row_count(C, 0);
-  for (size_t r = 0; r < in.row_segment.size(); ++r) {
+  std::vector<double> run_sum(C);
+  std::vector<float> row(C);
+  const bool contiguous = C > 0 && column[C - 1] - column[0] == C - 1;  // ascending, distinct
+  const size_t R = in.row_segment.size();
+  for (size_t r = 0; r < R;) {
     const int32_t seg = in.row_segment[r];
-    if (seg < 0 || index[seg] < 0) continue;
+    size_t end = r + 1;
+    while (end < R && in.row_segment[end] == seg) ++end;
+    if (seg < 0 || index[seg] < 0) {
+      r = end;
+      continue;
+    }
     const size_t i = static_cast<size_t>(index[seg]);
-    ++row_count[i];
-    const float* p = in.pooled.data() + r * stride;
-    for (size_t j = 0; j < C; ++j) a[i * C + j] += p[column[j]];
+    row_count[i] += static_cast<int32_t>(end - r);
+    std::fill(run_sum.begin(), run_sum.end(), 0.0);
+    double* const sum = run_sum.data();
+    for (; r < end; ++r) {
+      const float* p = in.pooled.data() + r * stride;
+      if (contiguous) {
+        p += column[0];
+      } else {
+        for (size_t j = 0; j < C; ++j) row[j] = p[column[j]];
+        p = row.data();
+      }
+      for (size_t j = 0; j < C; ++j) sum[j] += p[j];
+    }
+    for (size_t j = 0; j < C; ++j) a[i * C + j] += sum[j];
   }
   for (size_t i = 0; i < C; ++i) {
     if (row_count[i] == 0) {
