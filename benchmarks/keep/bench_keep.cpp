@@ -23,6 +23,9 @@
 //                        [--choose-early on|off]  (keep's check layers choose the rows that go
 //                        on inside the layer and run the MLP for them only:
 //                        KvAssembler::set_choose_early)
+//                        [--profile on|off]  (after each case's timed requests, one more with
+//                        CudaBackend's stage events: a "#   stages" line; "choose" is the
+//                        stream's wait for the host's choice at keep's check layers)
 //                        [--entries host|tier]  (where requests' entries are read: host: the
 //                        registered buffer over the link; tier: every entry admitted into a
 //                        device KV tier, as a worker's hot entries, read at device speed)
@@ -85,7 +88,7 @@ constexpr const char* kUsage =
     "                  [--prefill-split on|off] [--own-few-rows N]\n"
     "                  [--gemm-leave-loader on|off] [--blas-leave-loader on|off]\n"
     "                  [--entries host|tier] [--pool-columns computed|all]\n"
-    "                  [--choose-early on|off]\n";
+    "                  [--choose-early on|off] [--profile on|off]\n";
 
 int fail(const Status& st) {
   std::fprintf(stderr, "bench_keep: %s\n", st.to_string().c_str());
@@ -328,6 +331,7 @@ int main(int argc, char** argv) {
   bool entries_in_tier = false;      // --entries tier
   bool pool_every_segment = false;   // --pool-columns all
   std::optional<bool> choose_early;  // --choose-early (else the assembler's default)
+  bool profile = false;              // --profile on
   std::vector<double> keep_ratios;
   int64_t memory_tokens = 4096;
   int reps = 10, warmup = 3;
@@ -375,6 +379,9 @@ int main(int argc, char** argv) {
     } else if (a == "--choose-early") {
       if (v != "on" && v != "off") return refuse("--choose-early: on or off");
       choose_early = v == "on";
+    } else if (a == "--profile") {
+      if (v != "on" && v != "off") return refuse("--profile: on or off");
+      profile = v == "on";
     } else if (a == "--entries") {
       if (v != "host" && v != "tier") return refuse("--entries: host or tier");
       entries_in_tier = v == "tier";
@@ -632,6 +639,25 @@ int main(int argc, char** argv) {
         std::printf(
             "#   host at the checks ([layer, wait for the pooled columns, decision] us): %s\n",
             checks.c_str());
+      }
+      if (profile) {
+        // One more request with the backend's stage events (no graphs): where its GPU time goes,
+        // and with rows chosen inside a layer ("choose") how long the stream waited for the host.
+        auto* cuda = static_cast<engine::CudaBackend*>(&(*eng)->backend());
+        cuda->set_profiling(true);
+        auto pre = (*assembler)->prefill(req);
+        if (!pre.is_ok()) return fail(pre.status());
+        const std::vector<engine::StageTime> stages = cuda->profile();
+        cuda->set_profiling(false);
+        std::string line;
+        for (const engine::StageTime& t : stages) {
+          if (t.calls == 0) continue;
+          char buf[96];
+          std::snprintf(buf, sizeof buf, " %s %.3f ms/%lld", t.stage, t.ms,
+                        static_cast<long long>(t.calls));
+          line += buf;
+        }
+        std::printf("#   stages (ms/calls):%s\n", line.c_str());
       }
       if (out) {
         out << "{\"shape\":\"" << shape << "\",\"segments\":" << n << ",\"method\":\"" << c.label

@@ -642,6 +642,7 @@ enum Stage : int {
   kAttention,
   kPool,
   kOProj,
+  kChoose,  // rows chosen inside the layer: the stream's wait for the host's choice after o_proj
   kMlpNorm,
   kGateUp,
   kSwiglu,
@@ -653,8 +654,8 @@ enum Stage : int {
   kStages
 };
 constexpr const char* kStageNames[kStages] = {
-    "norm",    "qkv",    "qkv_finish", "attention", "pool",   "o_proj",  "mlp_norm",
-    "gate_up", "swiglu", "down",       "embed",     "logits", "copy_out"};
+    "norm",     "qkv",     "qkv_finish", "attention", "pool",  "o_proj", "choose",
+    "mlp_norm", "gate_up", "swiglu",     "down",      "embed", "logits", "copy_out"};
 }  // namespace
 
 void CudaBackend::copy_to_host(float* dst_host, const float* src, size_t floats) {
@@ -1109,6 +1110,7 @@ Status CudaBackend::layer_forward(const LayerOutputs& out, const float* hidden_i
   }
   if (choose) {
     KEEP_ASSIGN_OR_RETURN(const std::vector<int32_t> chosen, (*out.choose_rows)());
+    mark(kChoose);
     keep = static_cast<int64_t>(chosen.size());
     if (keep == 0) return Status::ok();
     gather_rows(out.chosen_hidden, res_kept, chosen.data(), static_cast<int32_t>(keep),

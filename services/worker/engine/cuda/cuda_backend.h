@@ -157,7 +157,7 @@ struct CudaBackendOptions {
 // are then ~0 and "qkv" / "gate_up" include them; with gemm_swiglu "swiglu" is ~0 and "gate_up"
 // includes it.
 struct StageTime {
-  const char* stage;  // "norm", "qkv", "qkv_finish", "attention", "pool", "o_proj", ...
+  const char* stage;  // "norm", "qkv", "qkv_finish", "attention", "pool", "o_proj", "choose", ...
   double ms = 0.0;    // summed over calls
   int64_t calls = 0;
   bool layer = true;  // a stage of layer_forward (false: embed, logits, copy_out)
