@@ -84,9 +84,10 @@ Result<Selection> select_segments(const ImportanceInput& in, std::span<const int
   }
 
   // a[i][j] over candidates: the mean attention of i's rows on j (per head). A segment's rows
-  // are adjacent: each run of them is summed in double over the candidates' columns (gathered
-  // once a row into a contiguous buffer, so that the sums vectorise; the host's decision is on
-  // the GPU's path at a check layer), then added to a[i].
+  // are adjacent: each run of them is summed in double over contiguous floats -- the pooled row
+  // itself when the candidates' columns are adjacent (a check layer's always are), else the
+  // row's candidate columns gathered first -- so that the sums vectorise (the host's decision is
+  // on the GPU's path at a check layer); then the run's sums go into a[i].
   std::vector<double> a(C * C, 0.0);
   std::vector<int32_t> row_count(C, 0);
   std::vector<double> run_sum(C);
