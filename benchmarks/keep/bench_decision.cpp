@@ -1,11 +1,12 @@
 // The host's decision at keep's check layers (issue 29), on the CPU: for each check layer of one
-// request, what KvAssembler's decide() does once the pooled columns are on the host -- each row's
-// segment, the query's rows, and RecomputePlan::next (multi-hop importance, the next layer's
-// rows). With rows chosen inside the layer the GPU waits for it after o_proj (bench_keep
-// --profile's `choose` stage), so its time is on keep's path. Pooled values are random (what
-// importance selects does not change the work much); the prompt is bench_keep's: a 32-token
-// prefix, segments of 25/15/80 tokens in turn scaled to --memory-tokens at 40 segments, a
-// 128-token query; keep at the d whose schedule averages --ratio.
+// request, what KvAssembler's decide() does once the pooled columns are on the host,
+// RecomputePlan::next (multi-hop importance, the next layer's rows); each row's segment and the
+// query's rows are made before that wait, untimed, as there. With rows chosen inside the layer
+// the GPU waits for the decision after o_proj (bench_keep --profile's `choose` stage), so its time
+// is on keep's path. Pooled values are random (what importance selects does not change the work
+// much); the prompt is bench_keep's: a 32-token prefix, segments of 25/15/80 tokens in turn
+// scaled to --memory-tokens at 40 segments, a 128-token query; keep at the d whose schedule
+// averages --ratio.
 //
 //   build/bin/bench_decision [--segments 10,20,40,80] [--layers 48] [--heads 40] [--ratio 0.15]
 //                            [--memory-tokens 4096] [--reps 20]
@@ -99,12 +100,13 @@ Result<std::vector<Check>> run_request(const PromptShape& shape, int32_t layers,
     pooled.resize(rows.size() * columns.size());
     for (float& v : pooled) v = p(*rng);
     Check c{plan.layer(), rows.size(), columns.size(), 0};
-    const auto t0 = Clock::now();
+    // decide() makes these before it waits for the pooled columns: not timed, as there.
     const std::vector<int32_t> row_segment = plan.row_segments();
     std::vector<int32_t> query_rows;
     for (size_t r = 0; r < rows.size(); ++r) {
       if (rows[r] >= memory_end) query_rows.push_back(static_cast<int32_t>(r));
     }
+    const auto t0 = Clock::now();
     ImportanceInput in{static_cast<int32_t>(shape.segments.size()),
                        heads,
                        pooled,

@@ -324,18 +324,20 @@ Result<Prefilled> KvAssembler::prefill(const AssembleRequest& req) {
     auto decide = [&]() -> Status {
       // The pooled columns as the backend made them (importance reads them in place).
       const size_t ncol = columns.size();
-      const auto t0 = std::chrono::steady_clock::now();
-      // Kept across checks and requests: a fresh vector would fault its pages in at each check,
-      // inside the layer's path when the rows are chosen early.
-      pooled_host_.resize(std::max(pooled_host_.size(), rows.size() * ncol));
-      const std::span<float> pooled(pooled_host_.data(), rows.size() * ncol);
-      KEEP_RETURN_IF_ERROR(engine_.read_pooled(pooled.data(), pooled_, pooled.size()));
-      const auto t1 = std::chrono::steady_clock::now();
+      // What does not need the pooled columns is made before waiting for them (the host is
+      // usually ahead of the GPU here), so that less is left between their arrival and the choice.
       const std::vector<int32_t> row_segment = plan.row_segments();
       std::vector<int32_t> query_rows;
       for (size_t r = 0; r < rows.size(); ++r) {
         if (rows[r] >= memory_end) query_rows.push_back(static_cast<int32_t>(r));
       }
+      // Kept across checks and requests: a fresh vector would fault its pages in at each check,
+      // inside the layer's path when the rows are chosen early.
+      pooled_host_.resize(std::max(pooled_host_.size(), rows.size() * ncol));
+      const std::span<float> pooled(pooled_host_.data(), rows.size() * ncol);
+      const auto t0 = std::chrono::steady_clock::now();
+      KEEP_RETURN_IF_ERROR(engine_.read_pooled(pooled.data(), pooled_, pooled.size()));
+      const auto t1 = std::chrono::steady_clock::now();
       ImportanceInput in{
           groups, static_cast<int32_t>(cfg.num_heads), pooled, row_segment, query_rows, columns};
       st.check_layers.push_back(l);
