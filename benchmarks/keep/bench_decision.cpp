@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "benchmarks/keep/bench_util.h"
 #include "services/worker/keep/recompute_plan.h"
 #include "services/worker/keep/recompute_schedule.h"
 
@@ -37,42 +38,6 @@ constexpr const char* kUsage =
 int refuse(const std::string& why) {
   std::fprintf(stderr, "bench_decision: %s\n%s", why.c_str(), kUsage);
   return 2;
-}
-
-bool parse_counts(const std::string& s, std::vector<int32_t>* out) {
-  out->clear();
-  size_t at = 0;
-  while (at <= s.size()) {
-    const size_t comma = std::min(s.find(',', at), s.size());
-    const std::string item = s.substr(at, comma - at);
-    char* end = nullptr;
-    const long v = std::strtol(item.c_str(), &end, 10);
-    if (item.empty() || *end != '\0' || v <= 0 || v > 100000) return false;
-    out->push_back(static_cast<int32_t>(v));
-    at = comma + 1;
-  }
-  return !out->empty();
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-// The decay whose schedule averages `ratio` (bench_keep's starting point for keep ~R).
-double decay_for_ratio(int32_t layers, int32_t segments, double ratio) {
-  double lo = 0.0, hi = 1.0, best = 1.0, best_err = 2.0;
-  for (int i = 0; i < 60; ++i) {
-    const double d = 0.5 * (lo + hi);
-    const auto sch = make_recompute_schedule(layers, segments, d);
-    const double r = sch.is_ok() ? sch->average_ratio() : 1.0;
-    if (std::abs(r - ratio) < best_err) {
-      best_err = std::abs(r - ratio);
-      best = d;
-    }
-    (r < ratio ? lo : hi) = d;
-  }
-  return best;
 }
 
 struct Check {
@@ -139,7 +104,7 @@ int main(int argc, char** argv) {
     const long n = std::strtol(v.c_str(), &end, 10);
     const bool count = *end == '\0' && n > 0 && n <= 100000;
     if (a == "--segments") {
-      if (!parse_counts(v, &segment_counts)) return refuse("--segments: N[,N...] > 0");
+      if (!bench::parse_list(v, &segment_counts)) return refuse("--segments: N[,N...] > 0");
     } else if (a == "--layers") {
       if (!count || n < 2) return refuse("--layers: L >= 2");
       layers = static_cast<int32_t>(n);
@@ -180,7 +145,7 @@ int main(int argc, char** argv) {
     }
     shape.total = slot + 128;
     MethodKnobs knobs;
-    knobs.keep_decay = decay_for_ratio(layers, n, ratio);
+    knobs.keep_decay = decay_for_average_ratio(layers, n, ratio);
     std::vector<double> totals;
     std::vector<std::vector<double>> per_check;
     std::vector<Check> last;
@@ -203,11 +168,11 @@ int main(int argc, char** argv) {
     for (size_t k = 0; k < std::min<size_t>(last.size(), 4); ++k) {
       char buf[80];
       std::snprintf(buf, sizeof buf, "%s[%d,%zu,%zu,%.0f]", k ? "," : "", last[k].layer,
-                    last[k].rows, last[k].columns, median(per_check[k]));
+                    last[k].rows, last[k].columns, bench::median(per_check[k]));
       first += buf;
     }
-    std::printf("%-8d %8d %6zu %12.0f  %s\n", n, shape.memory_tokens(), last.size(), median(totals),
-                first.c_str());
+    std::printf("%-8d %8d %6zu %12.0f  %s\n", n, shape.memory_tokens(), last.size(),
+                bench::median(totals), first.c_str());
   }
   return 0;
 }

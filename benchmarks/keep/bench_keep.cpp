@@ -64,6 +64,7 @@
 #include <cuda_runtime.h>
 #include <unistd.h>
 
+#include "benchmarks/keep/bench_util.h"
 #include "benchmarks/model_shapes.h"
 #include "services/worker/engine/cuda/cuda_backend.h"
 #include "services/worker/engine/cuda/device_kv_tier.h"
@@ -76,6 +77,8 @@ namespace {
 
 using namespace keep;
 using namespace keep::worker;
+using bench::median;
+using bench::parse_list;
 using Clock = std::chrono::steady_clock;
 
 constexpr const char* kUsage =
@@ -99,50 +102,12 @@ int refuse(const std::string& why) {
   return 2;
 }
 
-template <typename T>
-bool parse_list(const std::string& s, std::vector<T>* out) {
-  out->clear();
-  size_t at = 0;
-  while (at <= s.size()) {
-    const size_t comma = std::min(s.find(',', at), s.size());
-    const std::string item = s.substr(at, comma - at);
-    char* end = nullptr;
-    const double v = std::strtod(item.c_str(), &end);
-    if (item.empty() || *end != '\0' || v <= 0) return false;
-    out->push_back(static_cast<T>(v));
-    at = comma + 1;
-  }
-  return !out->empty();
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 struct Case {
   std::string label;
   Method method;
   MethodKnobs knobs;
   double target_ratio = 0;  // keep: d chosen per segment count for this average ratio
 };
-
-// The decay whose schedule's average recompute ratio (RecomputeSchedule::average_ratio) comes
-// nearest `ratio` for `segments` over `layers` (the ratio is monotone in d, stepwise).
-double decay_for_ratio(int32_t layers, int32_t segments, double ratio) {
-  double lo = 0.0, hi = 1.0, best = 1.0, best_err = 2.0;
-  for (int i = 0; i < 60; ++i) {
-    const double d = 0.5 * (lo + hi);
-    const auto sch = make_recompute_schedule(layers, segments, d);
-    const double r = sch.is_ok() ? sch->average_ratio() : 1.0;
-    if (std::abs(r - ratio) < best_err) {
-      best_err = std::abs(r - ratio);
-      best = d;
-    }
-    (r < ratio ? lo : hi) = d;
-  }
-  return best;
-}
 
 int64_t offset_tokens(const std::vector<int32_t>& lengths, size_t s) {
   int64_t sum = 0;
@@ -588,7 +553,8 @@ int main(int argc, char** argv) {
         // The schedule's ratio counts segments; the reached one counts the tokens of the
         // segments importance kept. Start from the schedule's d, then bisect on what requests
         // reach (a few untimed prefills).
-        double d = decay_for_ratio(static_cast<int32_t>(cfg->num_layers), n, c.target_ratio);
+        double d =
+            decay_for_average_ratio(static_cast<int32_t>(cfg->num_layers), n, c.target_ratio);
         double lo = 0.0, hi = 1.0, best = d, best_err = 2.0;
         for (int it = 0; it < 10; ++it) {
           req.knobs.keep_decay = d;

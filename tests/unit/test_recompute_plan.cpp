@@ -76,6 +76,23 @@ struct Attention {
   ImportanceInput input() const { return {G, 2, pooled, row_segment, query_rows}; }
 };
 
+TEST_CASE("schedule: the decay for an average ratio comes nearest it, larger for a larger ratio") {
+  for (const double ratio : {0.15, 0.3, 0.6}) {
+    CAPTURE(ratio);
+    const double d = decay_for_average_ratio(48, 40, ratio);
+    const auto at = make_recompute_schedule(48, 40, d);
+    REQUIRE(at.is_ok());
+    // Nearer than the schedules a little either side of it (the ratio moves in steps).
+    for (const double other : {d - 0.01, d + 0.01}) {
+      const auto sch = make_recompute_schedule(48, 40, other);
+      REQUIRE(sch.is_ok());
+      CHECK(std::abs(at->average_ratio() - ratio) <= std::abs(sch->average_ratio() - ratio));
+    }
+    CHECK(std::abs(at->average_ratio() - ratio) < 0.02);
+  }
+  CHECK(decay_for_average_ratio(48, 40, 0.15) < decay_for_average_ratio(48, 40, 0.3));
+}
+
 TEST_CASE("importance hop 0: the last q query rows, per head and row") {
   Attention att;
   const std::vector<int32_t> all = {0, 1, 2, 3};

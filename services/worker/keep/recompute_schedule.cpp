@@ -42,4 +42,19 @@ Result<RecomputeSchedule> make_recompute_schedule(int32_t layers, int32_t segmen
   return s;
 }
 
+double decay_for_average_ratio(int32_t layers, int32_t segments, double ratio) {
+  double lo = 0.0, hi = 1.0, best = 1.0, best_err = 2.0;
+  for (int i = 0; i < 60; ++i) {
+    const double d = 0.5 * (lo + hi);
+    const auto sch = make_recompute_schedule(layers, segments, d);
+    const double r = sch.is_ok() ? sch->average_ratio() : 1.0;
+    if (std::abs(r - ratio) < best_err) {
+      best_err = std::abs(r - ratio);
+      best = d;
+    }
+    (r < ratio ? lo : hi) = d;
+  }
+  return best;
+}
+
 }  // namespace keep::worker

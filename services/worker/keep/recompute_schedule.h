@@ -30,4 +30,8 @@ struct RecomputeSchedule {
 // kInvalidArgument unless layers >= 1, segments >= 0 and 0 <= decay <= 1.
 Result<RecomputeSchedule> make_recompute_schedule(int32_t layers, int32_t segments, double decay);
 
+// The decay whose schedule's average_ratio() comes nearest `ratio` for `segments` over `layers`
+// (bisected: the ratio is monotone in d, stepwise). The benchmarks' keep ~R starts from it.
+double decay_for_average_ratio(int32_t layers, int32_t segments, double ratio);
+
 }  // namespace keep::worker
