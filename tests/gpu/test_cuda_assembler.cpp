@@ -210,22 +210,23 @@ TEST_CASE("CUDA: keep choosing its rows inside the check layer selects as after 
     // Profiled when chosen inside the layer: the stream's wait for the choice is its own stage,
     // once per check layer that chose (every one but a last layer).
     auto& cuda = static_cast<eng::CudaBackend&>(f.engine->backend());
-    std::vector<eng::StageTime> stages;
     for (int early = 0; early < 2; ++early) {
       f.assembler->set_choose_early(early == 1);
       cuda.set_profiling(early == 1);
       logits[early] = f.prefill(r, &st[early]);
     }
-    stages = cuda.profile();
+    const std::vector<eng::StageTime> stages = cuda.profile();
     cuda.set_profiling(false);
     f.assembler->set_choose_early(false);
     const int32_t layers = f.engine->config().num_layers;
     const auto chose = std::count_if(st[1].check_layers.begin(), st[1].check_layers.end(),
                                      [&](int32_t l) { return l + 1 < layers; });
     CHECK(chose > 0);
-    for (const eng::StageTime& t : stages) {
-      if (std::string(t.stage) == "choose") CHECK(t.calls == chose);
-    }
+    const auto choose = std::find_if(stages.begin(), stages.end(), [](const eng::StageTime& t) {
+      return std::string(t.stage) == "choose";
+    });
+    REQUIRE(choose != stages.end());
+    CHECK(choose->calls == chose);
     CHECK_FALSE(st[1].check_layers.empty());
     CHECK(st[1].check_layers == st[0].check_layers);
     CHECK(st[1].recomputed_per_layer == st[0].recomputed_per_layer);
